@@ -1,0 +1,371 @@
+"""Experiment configuration: one YAML file per experiment, validated with pydantic.
+
+Every component has its own model; `ExperimentConfig` composes them. All models forbid unknown
+keys, so a typo fails at load time with the file, the field path and what was wrong.
+
+    cfg = load_config("configs/default.yaml", overrides=["batch.group_size=8"])
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names file and field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    preset: str | None = Field(
+        "tiny-1m",
+        description="Built-in tiny Qwen2-style model built locally: tiny-1m, tiny-10m or tiny-50m.",
+    )
+    path: str | None = Field(
+        None, description="Local Hugging Face model folder; overrides `preset` when set."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Weights dtype for inference; training uses fp32 master weights."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.preset is None and self.path is None:
+            raise ValueError("set `preset` (e.g. tiny-1m) or `path` (a local HF model folder)")
+        return self
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(32, ge=1, le=8192, description="Tokens generated per call.")
+    stop: list[str] = Field(
+        default_factory=list, description="Generation ends at the first of these strings."
+    )
+
+
+class AlgorithmConfig(_Strict):
+    advantage: str = Field(
+        "grpo", description="Advantage estimator by registry name: grpo, grpo_nostd, rloo, reinforce_pp."
+    )
+    policy_loss: str = Field("clipped", description="Policy loss by registry name.")
+    clip_eps: float = Field(0.2, gt=0.0, description="PPO ratio clip epsilon.")
+    kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to a frozen reference; 0 disables it.")
+    lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
+    bf16: bool = Field(False, description="bf16 autocast for forward/backward on CPU.")
+
+
+class BackendConfig(_Strict):
+    inference: Literal["hf", "vllm"] = Field(
+        "hf", description="Rollout engine: hf (transformers, CPU default) or vllm."
+    )
+    training: Literal["torch", "deepspeed"] = Field(
+        "torch", description="Trainer: torch (plain PyTorch, CPU default) or deepspeed."
+    )
+
+
+class AgentConfig(_Strict):
+    name: str = Field(description="Unique agent name; used in sample ids, store partitions and tags.")
+    template: str = Field(
+        description="Prompt template. Placeholders: {input} and the name of each parent agent, "
+        "e.g. '{input}\\nplan: {planner}\\nanswer:'."
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Which model this agent runs.")
+    share_model_with: str | None = Field(
+        None, description="Name of another agent whose initial weights this agent starts from."
+    )
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Rollout sampling.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL algorithm.")
+    backend: BackendConfig = Field(default_factory=BackendConfig, description="Engine backends.")
+    trainable: bool = Field(True, description="False freezes the agent (rollout only).")
+    rounds: Literal["each", "first", "last"] = Field(
+        "each", description="In which rounds of a multi-round team the agent runs."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not v or not all(c.isalnum() or c in "_-" for c in v) or v == "input":
+            raise ValueError(
+                f"agent name {v!r} must be non-empty letters, digits, '_' or '-' and not 'input'"
+            )
+        return v
+
+
+class EdgeConfig(_Strict):
+    src: str = Field(description="Agent whose output is fed forward.")
+    dst: str = Field(description="Agent whose prompt receives it.")
+    recurrent: bool = Field(
+        False, description="True: src's output in round r feeds dst in round r+1 (debate/refine)."
+    )
+
+
+class TeamConfig(_Strict):
+    agents: list[AgentConfig] = Field(description="The agents (MEG nodes).")
+    edges: list[EdgeConfig] = Field(default_factory=list, description="Data flow (MEG edges).")
+    rounds: int = Field(1, ge=1, le=16, description="Rounds unrolled into the DAG.")
+    output: str | None = Field(
+        None, description="Agent whose final output is the team's answer; default: the single sink."
+    )
+
+    @field_validator("edges", mode="before")
+    @classmethod
+    def _edge_shorthand(cls, v: Any) -> Any:
+        # Allow "planner -> solver" and [planner, solver] as shorthand in YAML.
+        out = []
+        for e in v or []:
+            if isinstance(e, str) and "->" in e:
+                src, dst = (s.strip() for s in e.split("->", 1))
+                out.append({"src": src, "dst": dst})
+            elif isinstance(e, list | tuple) and len(e) == 2:
+                out.append({"src": e[0], "dst": e[1]})
+            else:
+                out.append(e)
+        return out
+
+
+class WorkloadConfig(_Strict):
+    kind: Literal["arithmetic", "gsm8k", "dataset", "callable"] = Field(
+        "arithmetic", description="Problem source."
+    )
+    path: str | None = Field(None, description="JSONL/Parquet file for kind=dataset or gsm8k.")
+    fields: dict[str, str] = Field(
+        default_factory=lambda: {"input": "question", "answer": "answer"},
+        description="Dataset column for each problem field (input, answer, optional id).",
+    )
+    callable: str | None = Field(
+        None, description="`module:function` yielding problems, for kind=callable."
+    )
+    reward: str | None = Field(
+        None, description="`module:function` team reward override (default: the workload's own)."
+    )
+    agent_rewards: dict[str, str] = Field(
+        default_factory=dict, description="Per-agent `module:function` reward overrides."
+    )
+    credit: Literal["team", "per_agent"] = Field(
+        "team", description="team: every agent gets the team reward; per_agent: each its own."
+    )
+    format_weight: float = Field(
+        0.1, ge=0.0, description="Weight of per-agent format terms added to the reward."
+    )
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Workload-specific knobs (e.g. arithmetic depth)."
+    )
+    heldout_size: int = Field(128, ge=1, description="Held-out problems for evaluation.")
+
+
+class BatchConfig(_Strict):
+    inputs_per_iteration: int = Field(8, ge=1, description="Problems per training iteration.")
+    group_size: int = Field(4, ge=1, description="Trajectories per input (GRPO group size G).")
+    micro_batch_inputs: int = Field(
+        2, ge=1, description="Inputs per micro-batch; micro-batches are whole GRPO groups."
+    )
+
+    @model_validator(mode="after")
+    def _divides(self) -> BatchConfig:
+        if self.inputs_per_iteration % self.micro_batch_inputs:
+            raise ValueError(
+                f"micro_batch_inputs={self.micro_batch_inputs} must divide "
+                f"inputs_per_iteration={self.inputs_per_iteration}"
+            )
+        return self
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.inputs_per_iteration // self.micro_batch_inputs
+
+
+class CodesignConfig(_Strict):
+    dependency_parallel: bool = Field(
+        True, description="Downstream agents start a micro-batch as soon as its parents finish it."
+    )
+    load_balancing: bool = Field(
+        True, description="Route to the least-loaded instance; move instances between agents."
+    )
+    async_pipeline: bool = Field(
+        True, description="Agents train per micro-batch and start their next iteration on their own."
+    )
+    on_demand_allocation: bool = Field(
+        True, description="Training slots go to agents whose data is ready; idle states swap out."
+    )
+    balance_threshold: float = Field(
+        2.0, gt=1.0, description="Queued-work ratio hottest/coldest agent that triggers a move."
+    )
+
+    @property
+    def all_off(self) -> bool:
+        return not (
+            self.dependency_parallel
+            or self.load_balancing
+            or self.async_pipeline
+            or self.on_demand_allocation
+        )
+
+
+class WorkerConfig(_Strict):
+    name: str = Field(description="Worker name (shows in the Dask dashboard and metrics).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Dask resource tags, e.g. {'agent:solver': 1, 'train': 1}."
+    )
+    nthreads: int = Field(1, ge=1, description="Threads per worker process.")
+    memory_limit: str = Field("6GiB", description="Dask worker memory limit.")
+
+
+class ClusterConfig(_Strict):
+    address: str | None = Field(
+        None, description="Existing Dask scheduler address; None starts a local cluster."
+    )
+    workers: list[WorkerConfig] = Field(
+        default_factory=lambda: [
+            WorkerConfig(name="w0", resources={"rollout": 1, "train": 1}),
+            WorkerConfig(name="w1", resources={"rollout": 1, "train": 1}),
+        ],
+        description="Local worker processes and their resource tags.",
+    )
+    torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each worker.")
+    prefect_api_url: str | None = Field(
+        None, description="Prefect API to report to; None uses PREFECT_API_URL or starts one."
+    )
+
+
+class StoreConfig(_Strict):
+    uri: str = Field(
+        "{run_dir}/store", description="MEG Store location: a path or a pyarrow.fs URI (s3://...)."
+    )
+
+
+class TrainConfig(_Strict):
+    iterations: int = Field(4, ge=1, description="Training iterations.")
+    eval_every: int = Field(0, ge=0, description="Evaluate held-out accuracy every N iterations (0: end only).")
+    checkpoint_every: int = Field(1, ge=0, description="Checkpoint every N iterations (0: never).")
+    sft_target_accuracy: float = Field(
+        0.3, ge=0.0, le=1.0, description="`flexmarl sft` stops once held-out accuracy reaches this."
+    )
+    sft_max_steps: int = Field(2000, ge=1, description="Upper bound on SFT optimizer steps.")
+    init_from: str | None = Field(
+        None, description="Folder of per-agent starting checkpoints (e.g. the output of `flexmarl sft`)."
+    )
+
+
+class ExperimentConfig(_Strict):
+    name: str = Field("flexmarl", description="Experiment name (run folders and Prefect names).")
+    seed: int = Field(0, description="Seed for problems, models, sampling and training.")
+    run_dir: str = Field("runs/{name}", description="Run folder: metrics, checkpoints, default store.")
+    team: TeamConfig = Field(description="The multi-agent team (MEG).")
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig, description="Problems and rewards.")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="Batch sizes.")
+    codesign: CodesignConfig = Field(default_factory=CodesignConfig, description="Co-design switches.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where it runs.")
+    store: StoreConfig = Field(default_factory=StoreConfig, description="MEG Store.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir.format(name=self.name))
+
+    def resolved_store_uri(self) -> str:
+        return self.store.uri.format(run_dir=self.resolved_run_dir(), name=self.name)
+
+    def agent(self, name: str) -> AgentConfig:
+        for a in self.team.agents:
+            if a.name == name:
+                return a
+        raise KeyError(f"unknown agent {name!r}; agents: {[a.name for a in self.team.agents]}")
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any, *, source: str) -> None:
+    """Apply one `a.b.c=value` override; list items are addressed by agent name or index."""
+    keys = dotted.split(".")
+    node: Any = data
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            idx = _list_index(node, key, source=source, dotted=dotted)
+            if last:
+                node[idx] = value
+            else:
+                node = node[idx]
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"{source}: override {dotted!r}: {'.'.join(keys[:i])} is not a mapping")
+        if last:
+            node[key] = value
+        else:
+            node = node.setdefault(key, {})
+
+
+def _list_index(node: list[Any], key: str, *, source: str, dotted: str) -> int:
+    if key.isdigit():
+        return int(key)
+    for j, item in enumerate(node):
+        if isinstance(item, dict) and item.get("name") == key:
+            return j
+    names = [item.get("name") for item in node if isinstance(item, dict)]
+    raise ConfigError(f"{source}: override {dotted!r}: no list item named {key!r} (have {names})")
+
+
+def parse_overrides(overrides: list[str], *, source: str = "--set") -> list[tuple[str, Any]]:
+    out = []
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"{source}: override {ov!r} must look like key.path=value")
+        key, raw = ov.split("=", 1)
+        out.append((key.strip(), yaml.safe_load(raw) if raw != "" else ""))
+    return out
+
+
+def config_from_dict(
+    data: dict[str, Any], *, source: str = "<dict>", overrides: list[str] | None = None
+) -> ExperimentConfig:
+    data = dict(data)
+    for key, value in parse_overrides(overrides or []):
+        _set_path(data, key, value, source=source)
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = _readable_loc(data, err["loc"])
+            lines.append(f"{source}: {loc}: {err['msg']}")
+        raise ConfigError("invalid config\n  " + "\n  ".join(lines)) from None
+
+
+def _readable_loc(data: Any, loc: tuple[Any, ...]) -> str:
+    """`team.agents.1.sampling` -> `team.agents[solver].sampling` when the item has a name."""
+    parts: list[str] = []
+    node = data
+    for key in loc:
+        if isinstance(key, int) and isinstance(node, list):
+            item = node[key] if key < len(node) else None
+            name = item.get("name") if isinstance(item, dict) else None
+            parts[-1:] = [f"{parts[-1] if parts else ''}[{name if name else key}]"]
+            node = item
+        else:
+            parts.append(str(key))
+            node = node.get(key) if isinstance(node, dict) else None
+    return ".".join(parts) or "<root>"
+
+
+def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read, override and validate one experiment file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
+    return config_from_dict(data, source=str(p), overrides=overrides)

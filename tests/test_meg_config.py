@@ -1,0 +1,165 @@
+"""Config loading/validation and the MEG: validation errors, unrolling, instantiation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flexmarl_core.config import ConfigError, config_from_dict, load_config
+from flexmarl_core.meg import MEG, MEGError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def team(agents, edges, **kw):
+    return {"team": {"agents": agents, "edges": edges, **kw}}
+
+
+def agent(name, template="{input}", **kw):
+    return {"name": name, "template": template, **kw}
+
+
+CHAIN = team(
+    [agent("planner"), agent("solver", "{input} {planner}"), agent("verifier", "{input} {solver}")],
+    ["planner -> solver", ["solver", "verifier"]],
+)
+
+
+def meg_of(data) -> MEG:
+    return MEG.from_config(config_from_dict(data).team)
+
+
+def test_every_shipped_config_validates():
+    files = sorted(CONFIGS.glob("*.yaml"))
+    assert files, "configs/ has no yaml files"
+    for f in files:
+        cfg = load_config(f)
+        MEG.from_config(cfg.team)
+
+
+def test_bad_field_names_file_and_field(tmp_path):
+    data = dict(CHAIN)
+    data["batch"] = {"group_size": 0}
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(p) in str(e.value) and "batch.group_size" in str(e.value)
+
+
+def test_unknown_key_and_agent_index_named(tmp_path):
+    data = yaml.safe_load(yaml.safe_dump(CHAIN))
+    data["team"]["agents"][1]["sampling"] = {"temprature": 0.5}
+    with pytest.raises(ConfigError, match=r"team\.agents\[solver\]\.sampling\.temprature"):
+        config_from_dict(data, source="x.yaml")
+
+
+def test_unreadable_and_non_mapping_files(tmp_path):
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    p = tmp_path / "list.yaml"
+    p.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(p)
+    p.write_text("team: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+
+
+def test_overrides_by_path_and_agent_name():
+    cfg = config_from_dict(
+        CHAIN,
+        overrides=["batch.group_size=8", "team.agents.solver.sampling.temperature=0.5", "seed=3"],
+    )
+    assert cfg.batch.group_size == 8 and cfg.seed == 3
+    assert cfg.agent("solver").sampling.temperature == 0.5
+    with pytest.raises(ConfigError, match="no list item named 'nobody'"):
+        config_from_dict(CHAIN, overrides=["team.agents.nobody.trainable=false"])
+    with pytest.raises(ConfigError, match="key.path=value"):
+        config_from_dict(CHAIN, overrides=["seed"])
+
+
+def test_micro_batch_must_divide_batch():
+    with pytest.raises(ConfigError, match="micro_batch_inputs"):
+        config_from_dict({**CHAIN, "batch": {"inputs_per_iteration": 6, "micro_batch_inputs": 4}})
+
+
+def test_chain_topology_and_instantiation():
+    meg = meg_of(CHAIN)
+    assert [str(n) for n in meg.topological_order()] == ["planner@0", "solver@0", "verifier@0"]
+    assert meg.output == "verifier"
+    nodes = meg.instantiate(["p0", "p1"], group_size=3)
+    assert len(nodes) == 2 * 3 * 3
+    ids = [n.sample_id for n in nodes]
+    assert len(set(ids)) == len(ids)
+    by_id = {n.sample_id: n for n in nodes}
+    v = by_id["p1:2:verifier:0"]
+    assert v.parents == ("p1:2:solver:0",) and v.traj == 2 and v.input_id == "p1"
+    pos = {sid: i for i, sid in enumerate(ids)}
+    for n in nodes:
+        assert all(pos[p] < pos[n.sample_id] for p in n.parents)
+
+
+def test_render_prompt():
+    meg = meg_of(CHAIN)
+    assert meg.render_prompt("solver", "2+3", {"planner": "5"}) == "2+3 5"
+    with pytest.raises(MEGError, match="solver"):
+        meg.render_prompt("solver", "2+3", {})
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (team([agent("a"), agent("b", "{a}")], ["a -> b", "b -> a"]), r"cycle in the team graph: (a -> b -> a|b -> a -> b)"),
+        (team([agent("a"), agent("b", "{a}")], ["a -> c"]), "unknown agent 'c'"),
+        (team([agent("a"), agent("a")], []), r"duplicate agent name\(s\): \['a'\]"),
+        (team([agent("a")], ["a -> a"]), "cannot feed itself"),
+        (team([agent("a"), agent("b", "no input here")], []), r"\['b'\] are not reached by any input"),
+        (team([agent("a"), agent("b", "{a} {zzz}")], ["a -> b"]), r"placeholder\(s\) \['zzz'\]"),
+        (team([agent("a"), agent("b")], []), "set team.output"),
+    ],
+)
+def test_validation_errors(data, match):
+    with pytest.raises(MEGError, match=match):
+        meg_of(data)
+
+
+def test_three_cycle_is_named_in_order():
+    data = team(
+        [agent("a"), agent("b", "{a}"), agent("c", "{b}")], ["a -> b", "b -> c", "c -> a"]
+    )
+    with pytest.raises(MEGError) as e:
+        meg_of(data)
+    msg = str(e.value)
+    assert any(c in msg for c in ("a -> b -> c -> a", "b -> c -> a -> b", "c -> a -> b -> c"))
+
+
+def test_debate_rounds_unroll_into_dag():
+    data = team(
+        [
+            agent("pro", "{input} {con}"),
+            agent("con", "{input} {pro}"),
+            agent("judge", "{input} {pro} {con}", rounds="last"),
+        ],
+        [
+            {"src": "pro", "dst": "con", "recurrent": True},
+            {"src": "con", "dst": "pro", "recurrent": True},
+            "pro -> judge",
+            "con -> judge",
+        ],
+        rounds=3,
+        output="judge",
+    )
+    # Round 0 templates reference agents that only exist from round 1 on: allowed by rounds.
+    data["team"]["agents"][0]["template"] = "{input}"
+    data["team"]["agents"][1]["template"] = "{input}"
+    meg = meg_of(data)
+    names = [str(n) for n in meg.topological_order()]
+    assert names == ["pro@0", "con@0", "pro@1", "con@1", "pro@2", "con@2", "judge@2"]
+    assert {str(p) for p in meg.parents[meg.nodes[2]]} == {"con@0"}
+    assert {str(p) for p in meg.parents[meg.nodes[-1]]} == {"pro@2", "con@2"}
+    nodes = meg.instantiate(["x"], group_size=1)
+    assert [n.sample_id for n in nodes][-1] == "x:0:judge:2"
+    assert nodes[-1].parents == ("x:0:pro:2", "x:0:con:2")
