@@ -1,0 +1,102 @@
+"""One Prefect API for the whole run: the configured/ambient one, or a local server we start.
+
+Dask worker processes inherit `PREFECT_API_URL` from the environment, so every task run reports
+to the same API instead of each worker starting a temporary server of its own (FACTS.md).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+DEFAULT_PORT = 4200
+
+
+def _healthy(api_url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def current_api_url() -> str | None:
+    """The API this process would report to: env var or Prefect settings (e.g. a test harness)."""
+    url = os.environ.get("PREFECT_API_URL")
+    if url:
+        return url
+    try:
+        from prefect.settings import get_current_settings
+
+        return get_current_settings().api.url
+    except Exception:  # settings unavailable means no API configured
+        return None
+
+
+def ui_url(api_url: str) -> str:
+    return api_url.removesuffix("/").removesuffix("/api")
+
+
+def ensure_api(configured: str | None = None, *, home: Path | None = None) -> tuple[str, bool]:
+    """Return `(api_url, started)`; start a detached local server if no API is configured.
+
+    The server is left running after the run so the UI link keeps working; `flexmarl server
+    stop` (or killing the pid in PREFECT_HOME/flexmarl-server.pid) stops it.
+    """
+    url = configured or current_api_url()
+    if url:
+        os.environ["PREFECT_API_URL"] = url
+        return url, False
+    port = DEFAULT_PORT
+    url = f"http://127.0.0.1:{port}/api"
+    if _healthy(url):
+        os.environ["PREFECT_API_URL"] = url
+        return url, False
+    while not _port_free(port):
+        port += 1
+    url = f"http://127.0.0.1:{port}/api"
+    home = home or Path(os.environ.get("PREFECT_HOME", Path.cwd() / ".prefect"))
+    home.mkdir(parents=True, exist_ok=True)
+    log = open(home / "server.log", "ab")  # noqa: SIM115 - handed to the child process
+    env = {**os.environ, "PREFECT_HOME": str(home)}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+         "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    (home / "flexmarl-server.pid").write_text(f"{proc.pid}\n{url}\n")
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if _healthy(url):
+            os.environ["PREFECT_API_URL"] = url
+            return url, True
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited with {proc.returncode}; see {home / 'server.log'}")
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError(f"prefect server did not become healthy at {url} in 180 s; see {home / 'server.log'}")
+
+
+def stop_server(home: Path | None = None) -> bool:
+    home = home or Path(os.environ.get("PREFECT_HOME", Path.cwd() / ".prefect"))
+    pidfile = home / "flexmarl-server.pid"
+    if not pidfile.exists():
+        return False
+    pid = int(pidfile.read_text().split()[0])
+    try:
+        os.killpg(pid, 15)
+    except ProcessLookupError:
+        pass
+    pidfile.unlink()
+    return True

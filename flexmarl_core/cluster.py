@@ -1,0 +1,131 @@
+"""Adapts the core to a Dask cluster: the only module of `flexmarl_core` that imports Dask.
+
+- `start_cluster` starts a local cluster whose worker processes carry their own resource tags
+  (`DaskTaskRunner(cluster_kwargs=...)` would give every worker the same ones), or connects to a
+  scheduler address.
+- `worker_resources` / `set_worker_resources` read and re-tag workers at run time; that is how
+  the load balancer moves an inference instance from one agent to another.
+- `DaskExecutor` runs the orchestrator's ops as plain Dask tasks (no Prefect); the Prefect
+  executor in `tasks/` reuses the same cluster helpers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import dask
+import distributed
+from distributed import Client, Nanny, Scheduler, SpecCluster
+
+from flexmarl_core.config import ClusterConfig
+from flexmarl_core.orchestrator import Op, Route
+
+# A task whose tag no worker has would otherwise wait forever (FACTS.md). The orchestrator
+# checks tags before it submits; this is the backstop.
+NO_WORKERS_TIMEOUT = "30s"
+
+
+def start_cluster(cfg: ClusterConfig, *, dashboard: bool = True) -> tuple[SpecCluster | None, Client]:
+    """A `(cluster, client)` pair: a new local cluster, or (None, client) for `cfg.address`."""
+    dask.config.set({"distributed.scheduler.no-workers-timeout": NO_WORKERS_TIMEOUT})
+    if cfg.address:
+        return None, Client(cfg.address)
+    # Worker processes inherit the environment; pin BLAS/torch threads before they start so two
+    # workers on two cores do not oversubscribe.
+    env = {"OMP_NUM_THREADS": str(cfg.torch_threads), "MKL_NUM_THREADS": str(cfg.torch_threads),
+           "FLEXMARL_TORCH_THREADS": str(cfg.torch_threads)}
+    workers = {
+        w.name: {
+            "cls": Nanny,
+            "options": {
+                "nthreads": w.nthreads,
+                "resources": dict(w.resources),
+                "memory_limit": w.memory_limit,
+                "name": w.name,
+                "env": {**env, "FLEXMARL_WORKER_NAME": w.name},
+            },
+        }
+        for w in cfg.workers
+    }
+    scheduler = {
+        "cls": Scheduler,
+        "options": {"dashboard_address": ":0" if dashboard else None, "host": "127.0.0.1"},
+    }
+    cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40)
+    client = Client(cluster)
+    client.wait_for_workers(len(workers), timeout=120)
+    return cluster, client
+
+
+def worker_resources(client: Client) -> dict[str, dict[str, float]]:
+    """Current resource tags of every worker, by address."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return {addr: dict(w.get("resources", {})) for addr, w in info.items()}
+
+
+def worker_cpu_s(client: Client) -> float:
+    """CPU seconds used so far by all worker processes (every thread): with the stages' own CPU
+    subtracted, what remains is the bookkeeping of Dask and Prefect."""
+    return float(sum(client.run(time.process_time).values()))
+
+
+@contextmanager
+def cluster_for(cfg: ClusterConfig) -> Iterator[Client]:
+    """Start (and afterwards stop) a local cluster, or connect to `cfg.address`."""
+    cluster, client = start_cluster(cfg)
+    try:
+        yield client
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def worker_names(client: Client) -> dict[str, str]:
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return {addr: str(w.get("name", addr)) for addr, w in info.items()}
+
+
+async def _set_resources(dask_worker: Any, resources: dict[str, float]) -> None:
+    await dask_worker.set_resources(**resources)
+
+
+def set_worker_resources(client: Client, worker: str, resources: dict[str, float]) -> None:
+    """Re-tag one worker. Tasks submitted afterwards route by the new tags; a tag set to 0 is
+    taken away (tasks already waiting on it do not move, so route at submit time)."""
+    client.run(_set_resources, resources=resources, workers=[worker])
+
+
+class DaskExecutor:
+    """Runs ops as plain Dask tasks: `fn_for(op)` gives the function, called with the op's kwargs."""
+
+    def __init__(self, client: Client, fn_for: Callable[[Op], Callable[..., dict[str, Any]]]) -> None:
+        self.client = client
+        self.fn_for = fn_for
+
+    def submit(self, op: Op, kwargs: dict[str, Any], route: Route) -> distributed.Future:
+        return self.client.submit(
+            self.fn_for(op),
+            key=f"{op.name}-{os.urandom(4).hex()}",
+            resources=route.resources or None,
+            workers=[route.worker] if route.worker else None,
+            pure=False,
+            **kwargs,
+        )
+
+    def wait_any(self, handles: Sequence[distributed.Future], timeout: float | None = None) -> list[Any]:
+        done, _ = distributed.wait(list(handles), timeout=timeout, return_when="FIRST_COMPLETED")
+        return list(done)
+
+    def result(self, handle: distributed.Future) -> dict[str, Any]:
+        return handle.result()
+
+    def worker_resources(self) -> dict[str, dict[str, float]]:
+        return worker_resources(self.client)
+
+    def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None:
+        set_worker_resources(self.client, worker, resources)

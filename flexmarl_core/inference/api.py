@@ -1,0 +1,65 @@
+"""Inference contracts: what a rollout engine takes and returns. Protocols and data types only.
+
+Boundary: an engine takes prompt strings (or prompt token ids) and returns token ids + text.
+Prompt formatting (templates, chat turns) is the caller's job, not the engine's.
+
+Logprob contract (shared with the trainer, see `flexmarl_core.models.logprobs`): `logprobs[i]`
+is log softmax(logits / T)[response_ids[i]] in fp32, with T the sampling temperature (1 for
+greedy) and no top-p truncation. A trainer holding the same weights recomputes the same values
+(fp32: within 1e-4), so PPO ratios start at exactly 1 on-policy.
+
+Stop strings: `text` is the decoded response cut *before* the first stop string (as vLLM does);
+`response_ids`/`logprobs` keep the sampled tokens up to and including the token that completed
+the stop string, so the policy is trained to emit the stop. A final EOS token is likewise kept in
+`response_ids` (finish_reason "eos") and left out of `text`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from flexmarl_core.config import SamplingConfig
+
+#: why a response ended: EOS token, a stop string, or max_new_tokens
+FinishReason = Literal["eos", "stop", "length"]
+
+
+@dataclass(slots=True)
+class Generation:
+    """One sampled response."""
+
+    prompt_ids: list[int]  #: the prompt as the model saw it (no padding)
+    response_ids: list[int]  #: sampled tokens, see the stop-string rule in the module docstring
+    text: str  #: decoded response, cut before the first stop string, without the final EOS
+    logprobs: list[float]  #: one per response token (module docstring gives the definition)
+    finish_reason: FinishReason
+    version: int  #: policy version of the weights that produced it (on-policy check)
+
+
+@runtime_checkable
+class InferenceBackend(Protocol):
+    """A rollout engine for one agent (HF today; vLLM behind the same calls)."""
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights currently loaded (0 = initial weights)."""
+        ...
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int,
+    ) -> list[Generation]:
+        """Sample one response per prompt. Same weights, prompts, sampling and seed give the
+        same outputs. Repeat a prompt G times for a GRPO group."""
+        ...
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load new weights (a full state dict, `lm_head.weight` included) tagged `version`."""
+        ...

@@ -1,0 +1,255 @@
+"""HF transformers rollout engine: our own batched sampling loop over a KV cache.
+
+Why not `model.generate`: we need (a) the exact logprob of each sampled token under the
+contract of `inference/api.py`, (b) sampling seeded per call through a private
+`torch.Generator` (no global RNG side effects), (c) stop strings checked while generating. The
+loop is the same prefill + one-token decode steps `generate` runs, minus its per-step logits
+processor / stopping-criteria machinery, so it is as fast or faster (bench/engines.py).
+
+Steps of `generate`:
+  1. tokenize, left-pad to (B, P); position ids count real tokens only, so padding is invisible;
+  2. prefill the prompt, keep the logits of the last position;
+  3. per step: sample (B,) tokens, score them, append, check EOS / stop strings, decode one token;
+  4. cut each row at its end and build `Generation`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from flexmarl_core.config import SamplingConfig
+from flexmarl_core.inference.api import FinishReason, Generation
+from flexmarl_core.models.logprobs import scoring_temperature, token_logprobs
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    ids: set[int] = set()
+    for src in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list | tuple):
+            ids.update(int(i) for i in src)
+    return sorted(ids)
+
+
+def sample_next(
+    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
+) -> torch.Tensor:
+    """(B, V) fp32 logits -> (B,) token ids: greedy at temperature 0, else temperature + top-p."""
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= sampling.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    # Inverse-CDF draw: one uniform per row, ~10x cheaper than torch.multinomial on CPU. Scaling
+    # u by the row total keeps it inside the CDF despite rounding; a zero-probability token is
+    # never the first index where the (flat there) CDF reaches u.
+    cdf = probs.cumsum(dim=-1)  # (B, V)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * cdf[:, -1:]
+    return (cdf < u).sum(dim=-1).clamp_(max=probs.shape[-1] - 1)
+
+
+class HFInferenceEngine:
+    """`InferenceBackend` on a transformers causal LM (CPU or one GPU).
+
+    The engine owns `model` (it is put in eval mode and its weights are overwritten by
+    `update_weights`); give a trainer its own copy.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        version: int = 0,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self._version = version
+        self.eos_ids = _eos_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+        # Tied models share lm_head with the embedding, so a state dict may omit it.
+        self._tied = bool(getattr(model.config, "tie_word_embeddings", False))
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- weights ------------------------------------------------------------------------------
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        own = self.model.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        if self._tied:
+            missing = [k for k in missing if k != "lm_head.weight"]
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise ValueError(
+                f"update_weights(version={version}): state dict does not match the model; "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}. "
+                "Send the trainer's full weights() (lm_head.weight included)."
+            )
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                own[name].copy_(tensor)  # copy_ casts to the engine's dtype/device
+        self._version = int(version)
+
+    # -- generation ---------------------------------------------------------------------------
+    def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        out = []
+        for i, p in enumerate(prompts):
+            ids = (
+                self.tokenizer.encode(p, add_special_tokens=False)
+                if isinstance(p, str)
+                else [int(t) for t in p]
+            )
+            if not ids:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            out.append(ids)
+        return out
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int,
+    ) -> list[Generation]:
+        if not prompts:
+            return []
+        prompt_ids = self._encode(prompts)
+        dev = self.device
+        bsz, plen = len(prompt_ids), max(len(p) for p in prompt_ids)
+        max_new = sampling.max_new_tokens
+        temp = scoring_temperature(sampling.temperature)
+        gen = torch.Generator(device=dev).manual_seed(int(seed))
+
+        # 1. left padding: (B, P)
+        input_ids = torch.full((bsz, plen), self.pad_id, dtype=torch.long, device=dev)
+        attn = torch.zeros((bsz, plen), dtype=torch.long, device=dev)
+        for i, ids in enumerate(prompt_ids):
+            input_ids[i, plen - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attn[i, plen - len(ids) :] = 1
+        pos = (attn.cumsum(-1) - 1).clamp_(min=0)
+
+        tokens = torch.full((bsz, max_new), self.pad_id, dtype=torch.long, device=dev)
+        logps = torch.zeros((bsz, max_new), dtype=torch.float32, device=dev)
+        lengths = torch.zeros(bsz, dtype=torch.long, device=dev)
+        done = torch.zeros(bsz, dtype=torch.bool, device=dev)
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=dev)
+        stop_hit = [False] * bsz
+        # A stop string of n bytes spans at most n + 1 byte-level tokens (last one may overhang).
+        window = max((len(s.encode()) for s in sampling.stop), default=0) + 1
+
+        with torch.inference_mode():
+            # 2. prefill
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attn,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1].float()  # (B, V)
+            for step in range(max_new):
+                # 3. sample, score, append
+                nxt = sample_next(logits, sampling, gen)  # (B,)
+                running = ~done
+                tokens[:, step] = torch.where(running, nxt, self.pad_id)
+                logps[:, step] = token_logprobs(logits, nxt, temp)
+                lengths += running.long()
+                if eos.numel():
+                    done |= running & torch.isin(nxt, eos)
+                if sampling.stop:
+                    self._check_stops(tokens, lengths, done, stop_hit, sampling.stop, window)
+                if bool(done.all()) or step == max_new - 1:
+                    break
+                attn = torch.cat([attn, attn.new_ones((bsz, 1))], dim=-1)
+                pos = pos[:, -1:] + 1
+                out = self.model(
+                    input_ids=nxt.unsqueeze(-1),
+                    attention_mask=attn,
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                cache = out.past_key_values
+                logits = out.logits[:, -1].float()
+
+        # 4. build outputs
+        tok_rows, lp_rows, len_list = tokens.tolist(), logps.tolist(), lengths.tolist()
+        eos_set = set(self.eos_ids)
+        return [
+            self._finish(prompt_ids[i], tok_rows[i][: len_list[i]], lp_rows[i][: len_list[i]], sampling.stop, eos_set)
+            for i in range(bsz)
+        ]
+
+    def _check_stops(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        done: torch.Tensor,
+        stop_hit: list[bool],
+        stops: list[str],
+        window: int,
+    ) -> None:
+        """Mark rows whose newest tokens complete a stop string (decodes only a short tail)."""
+        rows = (~done).nonzero().flatten().tolist()
+        if not rows:
+            return
+        ends = lengths[rows].tolist()
+        tails = [tokens[r, max(0, e - window) : e].tolist() for r, e in zip(rows, ends, strict=True)]
+        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=False)
+        for r, text in zip(rows, texts, strict=True):
+            if any(s in text for s in stops):
+                done[r] = True
+                stop_hit[r] = True
+
+    def _finish(
+        self,
+        prompt: list[int],
+        resp: list[int],
+        lps: list[float],
+        stops: list[str],
+        eos_set: set[int],
+    ) -> Generation:
+        reason: FinishReason = "length"
+        body = resp
+        if resp and resp[-1] in eos_set:
+            reason, body = "eos", resp[:-1]
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        cut = _first_stop(text, stops)
+        if cut is not None:
+            # Keep the shortest token prefix whose text contains the stop string.
+            for k in range(1, len(body) + 1):
+                prefix = self.tokenizer.decode(body[:k], skip_special_tokens=False)
+                at = _first_stop(prefix, stops)
+                if at is not None:
+                    resp, lps, reason = body[:k], lps[:k], "stop"
+                    text = prefix[:at]
+                    break
+        return Generation(
+            prompt_ids=prompt,
+            response_ids=resp,
+            text=text,
+            logprobs=lps,
+            finish_reason=reason,
+            version=self._version,
+        )
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None

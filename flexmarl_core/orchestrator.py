@@ -1,0 +1,321 @@
+"""Joint Orchestrator: the iteration task graph and the event loop that runs it.
+
+The graph mirrors the MEG. Per iteration `it` and micro-batch `mb` (whole GRPO groups):
+
+    rollout(agent@turn, it, mb) ─► ... ─► reward(it, mb) ─► train(agent, it, mb) ─► step(agent, it) ─► sync(agent, it)
+                 ▲                                                                                       │
+                 └──────────────────────── rollout(agent@*, it+1, *) waits for it ◄──────────────────────┘
+
+The co-design switches only change dependencies and routing, never the work itself:
+
+- `dependency_parallel`: a rollout waits for its parents' *same micro-batch*; off: for the parents'
+  whole batch (and rewards wait for every rollout of the iteration).
+- `async_pipeline`: training of a micro-batch waits only for its rewards and an agent's next
+  iteration only for its own weight sync (plus its parents); off: training waits for the whole
+  rollout phase and iteration it+1 waits for every agent's sync of it (the synchronous baseline).
+- `load_balancing` and `on_demand_allocation` are routing decisions made by the `Router` at the
+  moment a node is submitted (a task already waiting on a Dask tag would not move).
+
+The loop talks to an `Executor` (submit with routing, wait for any) so this module never
+imports Prefect or Dask; `tasks/` provides the Prefect-on-Dask executor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.meg import MEG
+
+OpKind = Literal["rollout", "reward", "train", "step", "sync"]
+STAGES: tuple[OpKind, ...] = ("rollout", "reward", "train", "step", "sync")
+
+#: Dask resource tags. A worker tagged `rollout:<agent>` hosts an inference instance dedicated to
+#: that agent; a plain `rollout` tag serves any agent. `train` marks a training slot.
+ROLLOUT_TAG = "rollout"
+TRAIN_TAG = "train"
+
+
+def rollout_tag(agent: str) -> str:
+    return f"{ROLLOUT_TAG}:{agent}"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Op:
+    """One node of the iteration task graph."""
+
+    iteration: int
+    kind: OpKind
+    agent: str = ""
+    turn: int = 0
+    mb: int = -1
+
+    @property
+    def name(self) -> str:
+        who = f"[{self.agent}]" if self.agent else ""
+        turn = f"@{self.turn}" if self.kind == "rollout" and self.turn else ""
+        mb = f" mb={self.mb}" if self.mb >= 0 else ""
+        return f"{self.kind}{who}{turn} it={self.iteration}{mb}"
+
+
+class OrchestratorError(RuntimeError):
+    """The run cannot go on; the message names the op and the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where an op runs: Dask resources it needs and, optionally, one worker it is pinned to."""
+
+    resources: dict[str, float]
+    worker: str | None = None
+
+
+class Executor(Protocol):
+    """What the orchestrator needs from a cluster. Implementations: `ThreadExecutor` here,
+    `tasks.executor.PrefectDaskExecutor` for the real run."""
+
+    def submit(self, op: Op, kwargs: dict[str, Any], route: Route) -> Any: ...
+
+    def wait_any(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]: ...
+
+    def result(self, handle: Any) -> dict[str, Any]: ...
+
+    def worker_resources(self) -> dict[str, dict[str, float]]:
+        """Current resource tags of every worker, by worker address."""
+        ...
+
+    def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None: ...
+
+
+# -- the graph --------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """All ops of a run and their dependencies, derived from the MEG and the switches."""
+
+    meg: MEG
+    iterations: int
+    num_mb: int
+    dependency_parallel: bool
+    async_pipeline: bool
+    first_iteration: int = 0
+    deps: dict[Op, list[Op]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cfg: ExperimentConfig, meg: MEG, first_iteration: int = 0) -> Plan:
+        plan = cls(
+            meg=meg,
+            iterations=cfg.train.iterations,
+            num_mb=cfg.batch.num_micro_batches,
+            dependency_parallel=cfg.codesign.dependency_parallel,
+            async_pipeline=cfg.codesign.async_pipeline,
+            first_iteration=first_iteration,
+        )
+        for it in range(first_iteration, cfg.train.iterations):
+            plan._add_iteration(it)
+        return plan
+
+    def _add_iteration(self, it: int) -> None:
+        meg, mbs = self.meg, range(self.num_mb)
+        trainable = meg.trainable_agents
+        rollouts = {(n.agent, n.turn, j): Op(it, "rollout", n.agent, n.turn, j) for n in meg.nodes for j in mbs}
+        prev_syncs = [Op(it - 1, "sync", a) for a in trainable] if it > self.first_iteration else []
+        for n in meg.nodes:
+            for j in mbs:
+                d: list[Op] = []
+                for p in meg.parents[n]:
+                    if self.dependency_parallel:
+                        d.append(rollouts[(p.agent, p.turn, j)])
+                    else:
+                        d.extend(rollouts[(p.agent, p.turn, k)] for k in mbs)
+                if self.async_pipeline:
+                    # Only this agent's own new weights gate its next iteration.
+                    d.extend(s for s in prev_syncs if s.agent == n.agent)
+                else:
+                    d.extend(prev_syncs)
+                self.deps[rollouts[(n.agent, n.turn, j)]] = d
+        all_rollouts = list(rollouts.values())
+        for j in mbs:
+            if self.dependency_parallel:
+                d = [op for (_, _, k), op in rollouts.items() if k == j]
+            else:
+                d = list(all_rollouts)
+            self.deps[Op(it, "reward", mb=j)] = d
+        rewards = [Op(it, "reward", mb=j) for j in mbs]
+        for a in trainable:
+            for j in mbs:
+                self.deps[Op(it, "train", a, mb=j)] = (
+                    [Op(it, "reward", mb=j)] if self.async_pipeline else list(rewards)
+                )
+            self.deps[Op(it, "step", a)] = [Op(it, "train", a, mb=j) for j in mbs]
+            self.deps[Op(it, "sync", a)] = [Op(it, "step", a)]
+
+    def ops(self) -> list[Op]:
+        return list(self.deps)
+
+    def count(self, kind: OpKind) -> int:
+        return sum(1 for op in self.deps if op.kind == kind)
+
+
+# -- routing ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Router:
+    """Chooses where each op runs, at the moment it is submitted.
+
+    Rollouts go to an instance of their agent: a worker tagged `rollout:<agent>`, else any worker
+    tagged `rollout`. With `load_balancing`, the least-loaded instance is chosen (intra-agent
+    balancing); without it, Dask places the task among the tagged workers. An agent's trainer
+    lives in one worker's memory, so its train/step/sync ops are pinned to that worker.
+    """
+
+    load_balancing: bool
+    outstanding: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    trainer_home: dict[str, str] = field(default_factory=dict)
+
+    def instances(self, agent: str, workers: dict[str, dict[str, float]]) -> tuple[str, list[str]]:
+        dedicated = [w for w, r in workers.items() if r.get(rollout_tag(agent), 0) > 0]
+        if dedicated:
+            return rollout_tag(agent), sorted(dedicated)
+        shared = [w for w, r in workers.items() if r.get(ROLLOUT_TAG, 0) > 0]
+        return ROLLOUT_TAG, sorted(shared)
+
+    def route(self, op: Op, workers: dict[str, dict[str, float]]) -> Route:
+        if op.kind == "rollout":
+            tag, candidates = self.instances(op.agent, workers)
+            if not candidates:
+                raise OrchestratorError(
+                    f"{op.name}: no worker has resource tag {rollout_tag(op.agent)!r} or "
+                    f"{ROLLOUT_TAG!r}; workers: {workers}. Add the tag to a worker in cluster.workers."
+                )
+            if not self.load_balancing:
+                return Route({tag: 1})
+            worker = min(candidates, key=lambda w: (self.outstanding[w], w))
+            return Route({tag: 1}, worker)
+        if op.kind in ("train", "step", "sync"):
+            home = self.trainer_home.get(op.agent)
+            if home is None or home not in workers:
+                slots = sorted(w for w, r in workers.items() if r.get(TRAIN_TAG, 0) > 0)
+                if not slots:
+                    raise OrchestratorError(
+                        f"{op.name}: no worker has resource tag {TRAIN_TAG!r}; workers: {workers}"
+                    )
+                # Spread trainers over the training slots in agent order (static placement).
+                taken = defaultdict(int)
+                for w in self.trainer_home.values():
+                    taken[w] += 1
+                home = min(slots, key=lambda w: (taken[w], w))
+                self.trainer_home[op.agent] = home
+            return Route({TRAIN_TAG: 1}, home)
+        return Route({})  # reward: cheap, anywhere
+
+
+# -- the loop ---------------------------------------------------------------------------------
+
+
+@dataclass
+class OpRecord:
+    op: Op
+    submitted: float
+    finished: float
+    worker: str | None
+    result: dict[str, Any]
+
+
+@dataclass
+class RunResult:
+    records: list[OpRecord]
+    wall_s: float
+    started: float
+
+
+class Orchestrator:
+    """Submits each op when its dependencies are done, with the route chosen at that moment."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        meg: MEG,
+        executor: Executor,
+        op_kwargs: Callable[[Op], dict[str, Any]],
+        *,
+        first_iteration: int = 0,
+        on_op_done: Callable[[OpRecord], None] | None = None,
+        skip: Iterable[Op] = (),
+    ) -> None:
+        self.cfg = cfg
+        self.plan = Plan.build(cfg, meg, first_iteration)
+        self.executor = executor
+        self.op_kwargs = op_kwargs
+        self.router = Router(load_balancing=cfg.codesign.load_balancing)
+        self.on_op_done = on_op_done
+        self.skip = set(skip)
+
+    def run(self) -> RunResult:
+        deps = self.plan.deps
+        children: dict[Op, list[Op]] = defaultdict(list)
+        for op, ds in deps.items():
+            for d in ds:
+                children[d].append(op)
+        # Ops in `skip` completed in an earlier attempt (resume): they count as done.
+        waiting = {op: sum(1 for d in ds if d not in self.skip) for op, ds in deps.items()}
+        ready = sorted(op for op, n in waiting.items() if n == 0 and op not in self.skip)
+        # One op per trainer at a time: its state lives in one worker's memory and accumulates.
+        trainer_busy: set[str] = set()
+        running: dict[Any, tuple[Op, float, Route]] = {}
+        records: list[OpRecord] = []
+        t0 = time.time()
+
+        def complete(op: Op) -> None:
+            for c in children[op]:
+                waiting[c] -= 1
+                if waiting[c] == 0 and c not in self.skip:
+                    ready.append(c)
+
+        total = len([op for op in deps if op not in self.skip])
+        while len(records) < total:
+            ready.sort()
+            held: list[Op] = []
+            if ready:
+                workers = self.executor.worker_resources()
+            while ready:
+                op = ready.pop(0)
+                needs_trainer = op.kind in ("train", "step", "sync")
+                if needs_trainer and op.agent in trainer_busy:
+                    held.append(op)
+                    continue
+                route = self.router.route(op, workers)
+                handle = self.executor.submit(op, self.op_kwargs(op), route)
+                running[handle] = (op, time.time(), route)
+                if route.worker:
+                    self.router.outstanding[route.worker] += 1
+                if needs_trainer:
+                    trainer_busy.add(op.agent)
+            ready.extend(held)
+            if not running:
+                raise OrchestratorError(
+                    f"deadlock: {total - len(records)} ops left but none runnable: "
+                    f"{[o.name for o in ready][:5]}"
+                )
+            for handle in self.executor.wait_any(list(running)):
+                op, submitted, route = running.pop(handle)
+                if route.worker:
+                    self.router.outstanding[route.worker] -= 1
+                if op.kind in ("train", "step", "sync"):
+                    trainer_busy.discard(op.agent)
+                try:
+                    res = self.executor.result(handle)
+                except Exception as exc:
+                    raise OrchestratorError(f"{op.name} failed: {exc}") from exc
+                rec = OpRecord(op, submitted, time.time(), res.get("worker"), res)
+                records.append(rec)
+                if self.on_op_done:
+                    self.on_op_done(rec)
+                complete(op)
+        return RunResult(records=records, wall_s=time.time() - t0, started=t0)

@@ -1,0 +1,106 @@
+"""A training run: its folder, its initial state, and the orchestrated loop over iterations.
+
+`prepare_run` lays out the run folder (resolved config, initial weights v0 per agent, every
+iteration's inputs in the MEG Store); `train` runs the orchestrator on any `Executor` and writes
+metrics. Flows wrap these; tests and benchmarks can call them directly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.meg import MEG
+from flexmarl_core.metrics import MetricsWriter, iteration_metrics
+from flexmarl_core.orchestrator import Executor, OpRecord, Orchestrator
+from flexmarl_core.worker import CONFIG_NAME, publish_weights, weights_path
+
+
+def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
+    """Create the run folder: config, initial weights, inputs for every iteration."""
+    from flexmarl_core.models import load_agent_model
+    from flexmarl_core.workloads import make_workload
+    from storage import MEGStore
+
+    meg = MEG.from_config(cfg.team)
+    run_dir = cfg.resolved_run_dir().resolve()
+    if fresh and run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = cfg.model_dump(mode="json")
+    data["run_dir"] = str(run_dir)
+    (run_dir / CONFIG_NAME).write_text(yaml.safe_dump(data, sort_keys=False))
+
+    for agent in meg.agent_names:
+        if weights_path(run_dir, agent, 0).exists():
+            continue
+        init = _initial_weights(cfg, agent)
+        if init is None:
+            source = cfg.agent(agent).share_model_with or agent
+            model, _ = load_agent_model(cfg.agent(source).model, seed=cfg.seed)
+            init = model.state_dict()
+        publish_weights(run_dir, agent, 0, init)
+
+    workload = make_workload(cfg.workload, cfg.team)
+    store = MEGStore(cfg.resolved_store_uri())
+    n, per_mb = cfg.batch.inputs_per_iteration, cfg.batch.micro_batch_inputs
+    for it in range(cfg.train.iterations):
+        problems = workload.problems("train", n, seed=cfg.seed, offset=it * n)
+        store.write_inputs(
+            it,
+            [
+                {
+                    "input_id": p.input_id, "text": p.text, "answer": p.answer, "split": "train",
+                    "meta": json.dumps({**p.meta, "mb": k // per_mb, "pos": k}),
+                }
+                for k, p in enumerate(problems)
+            ],
+        )
+    return run_dir
+
+
+def _initial_weights(cfg: ExperimentConfig, agent: str) -> dict[str, Any] | None:
+    """Weights from `train.init_from/<agent>` (e.g. `flexmarl sft` output), if configured."""
+    if not cfg.train.init_from:
+        return None
+    from safetensors.torch import load_file
+
+    path = Path(cfg.train.init_from) / agent / "model.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(f"train.init_from: no checkpoint for agent {agent!r} at {path}")
+    return load_file(str(path))
+
+
+def train(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    executor: Executor,
+    *,
+    on_op_done: Any = None,
+) -> dict[str, Any]:
+    """Run every iteration through the orchestrator; write and return the metrics."""
+    meg = MEG.from_config(cfg.team)
+    writer = MetricsWriter(run_dir)
+
+    def kwargs(op: Any) -> dict[str, Any]:
+        return {"run_dir": str(run_dir), "iteration": op.iteration, "agent": op.agent,
+                "turn": op.turn, "mb": op.mb}
+
+    def done(rec: OpRecord) -> None:
+        writer.op(rec)
+        if on_op_done:
+            on_op_done(rec)
+
+    orch = Orchestrator(cfg, meg, executor, kwargs, on_op_done=done)
+    result = orch.run()
+    per_it = iteration_metrics(result, cfg)
+    for m in per_it:
+        writer.iteration(m)
+    writer.close()
+    return {"iterations": per_it, "wall_s": result.wall_s, "ops": len(result.records),
+            "run_dir": str(run_dir)}

@@ -1,0 +1,242 @@
+"""The work of each node of the iteration graph, run inside a worker process.
+
+Every stage takes ids (run folder, iteration, agent, micro-batch), reads what it needs from the
+MEG Store, does its work with the engines/trainers kept in this process (`worker.context`) and
+returns a small dict of measurements. Every stage is idempotent: a retry rewrites the same
+store rows (deduplicated by sample id and policy version) or finds the work already done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flexmarl_core.worker import WorkerContext, context, publish_weights
+
+
+class ConsistencyError(RuntimeError):
+    """A sample would train a policy version other than the one that produced it."""
+
+
+def stage_seed(*parts: object) -> int:
+    """A seed that depends only on the node's identity, never on where or when it runs."""
+    h = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:4], "little")
+
+
+def _worker_name() -> str:
+    return os.environ.get("FLEXMARL_WORKER_NAME") or f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _measured(kind: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    t0, c0 = time.time(), time.process_time()
+    out = fn()
+    out.update(
+        kind=kind, worker=_worker_name(), t_start=t0, t_end=time.time(),
+        cpu_s=time.process_time() - c0,
+    )
+    return out
+
+
+def weights_version(ctx: WorkerContext, agent: str, iteration: int) -> int:
+    """One optimizer step per iteration: iteration k rolls out with version k (frozen: 0)."""
+    return iteration if ctx.cfg.agent(agent).trainable else 0
+
+
+def _inputs(ctx: WorkerContext, iteration: int, mb: int) -> list[dict[str, Any]]:
+    rows = ctx.store.read_inputs(iteration).to_pylist()
+    mine = [r for r in rows if json.loads(r["meta"] or "{}").get("mb") == mb]
+    mine.sort(key=lambda r: json.loads(r["meta"])["pos"])
+    if not mine:
+        raise RuntimeError(f"iteration {iteration} micro-batch {mb}: no inputs in the store")
+    return mine
+
+
+# -- rollout ----------------------------------------------------------------------------------
+
+
+def rollout(run_dir: str, iteration: int, agent: str, turn: int, mb: int) -> dict[str, Any]:
+    return _measured("rollout", lambda: _rollout(context(run_dir), iteration, agent, turn, mb))
+
+
+def _rollout(ctx: WorkerContext, iteration: int, agent: str, turn: int, mb: int) -> dict[str, Any]:
+    from flexmarl_core.meg import NodeKey, sample_id
+
+    node = NodeKey(agent, turn)
+    parents = ctx.meg.parents[node]
+    inputs = _inputs(ctx, iteration, mb)
+    parent_text: dict[str, str] = {}
+    for p in parents:
+        tbl = ctx.store.read_samples(p.agent, iteration, mb=mb, columns=["sample_id", "response_text"])
+        parent_text.update(zip(tbl.column("sample_id").to_pylist(), tbl.column("response_text").to_pylist(), strict=True))
+    G = ctx.cfg.batch.group_size
+    prompts, meta = [], []
+    for inp in inputs:
+        for traj in range(G):
+            outs = {}
+            for p in parents:
+                sid = sample_id(inp["input_id"], traj, p.agent, p.turn)
+                if sid not in parent_text:
+                    raise RuntimeError(f"rollout[{agent}] it={iteration} mb={mb}: parent sample {sid} missing")
+                outs[p.agent] = parent_text[sid]
+            prompts.append(ctx.meg.render_prompt(agent, inp["text"], outs))
+            meta.append((inp["input_id"], traj, tuple(sample_id(inp["input_id"], traj, p.agent, p.turn) for p in parents)))
+    version = weights_version(ctx, agent, iteration)
+    with ctx.lock:
+        eng = ctx.engine(agent, version)
+        gens = eng.generate(prompts, ctx.cfg.agent(agent).sampling, seed=stage_seed(ctx.cfg.seed, iteration, agent, turn, mb))
+    rows = []
+    for (input_id, traj, par), prompt, g in zip(meta, prompts, gens, strict=True):
+        rows.append(
+            {
+                "sample_id": sample_id(input_id, traj, agent, turn),
+                "input_id": input_id, "traj": traj, "turn": turn, "mb": mb,
+                "policy_version": g.version, "parents": list(par),
+                "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "logprobs": g.logprobs,
+                "prompt_text": prompt, "response_text": g.text,
+            }
+        )
+    ctx.store.write_samples(agent, iteration, rows)
+    tokens = sum(len(g.response_ids) for g in gens)
+    return {"agent": agent, "iteration": iteration, "mb": mb, "samples": len(rows), "tokens": tokens, "version": version}
+
+
+# -- reward -----------------------------------------------------------------------------------
+
+
+def reward(run_dir: str, iteration: int, mb: int) -> dict[str, Any]:
+    return _measured("reward", lambda: _reward(context(run_dir), iteration, mb))
+
+
+def _reward(ctx: WorkerContext, iteration: int, mb: int) -> dict[str, Any]:
+    from flexmarl_core.workloads.api import Problem
+
+    inputs = {r["input_id"]: r for r in _inputs(ctx, iteration, mb)}
+    # Each agent's output per trajectory is its last turn's response.
+    samples: dict[str, list[dict[str, Any]]] = {}
+    final: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
+    for agent in ctx.meg.agent_names:
+        rows = ctx.store.read_samples(agent, iteration, mb=mb, columns=["sample_id", "input_id", "traj", "turn", "policy_version", "response_text"]).to_pylist()
+        samples[agent] = rows
+        for r in sorted(rows, key=lambda r: r["turn"]):
+            final[(r["input_id"], r["traj"])][agent] = r["response_text"]
+    rewards: dict[tuple[str, int], dict[str, float]] = {}
+    correct = []
+    for (input_id, traj), outputs in final.items():
+        inp = inputs[input_id]
+        problem = Problem(input_id=input_id, text=inp["text"], answer=inp["answer"], meta=json.loads(inp["meta"] or "{}"))
+        rewards[(input_id, traj)] = ctx.workload.reward(problem, outputs)
+        correct.append(float(ctx.workload.is_correct(problem, outputs)))
+    mean_reward = {}
+    for agent, rows in samples.items():
+        status = [
+            {"sample_id": r["sample_id"], "policy_version": r["policy_version"],
+             "reward": float(rewards[(r["input_id"], r["traj"])][agent])}
+            for r in rows
+        ]
+        if ctx.cfg.agent(agent).trainable:
+            ctx.store.write_status(agent, iteration, status)
+        mean_reward[agent] = sum(s["reward"] for s in status) / max(len(status), 1)
+    return {"iteration": iteration, "mb": mb, "reward": mean_reward, "accuracy": sum(correct) / max(len(correct), 1), "trajectories": len(correct)}
+
+
+# -- training ---------------------------------------------------------------------------------
+
+
+def _samples_per_step(ctx: WorkerContext, agent: str) -> int:
+    """Samples in one global batch of `agent`: fixed before any backward, so the loss
+    normaliser does not depend on how the batch is split into micro-batches."""
+    turns = sum(1 for n in ctx.meg.nodes if n.agent == agent)
+    return ctx.cfg.batch.inputs_per_iteration * ctx.cfg.batch.group_size * turns
+
+
+def train(run_dir: str, iteration: int, agent: str, mb: int) -> dict[str, Any]:
+    return _measured("train", lambda: _train(context(run_dir), iteration, agent, mb))
+
+
+def _train(ctx: WorkerContext, iteration: int, agent: str, mb: int) -> dict[str, Any]:
+    from flexmarl_core.algorithms import compute_advantages
+    from flexmarl_core.training.api import MicroBatch
+
+    tr = ctx.trainer(agent, iteration)
+    if tr.version != iteration or tr.has_accumulated(iteration, mb):
+        # A retry after the work was done (version moved on, or this micro-batch is in the grads).
+        return {"agent": agent, "iteration": iteration, "mb": mb, "samples": 0, "skipped": True}
+    tbl = ctx.store.ready(agent, iteration, mb=mb, need=("reward",))
+    rows = tbl.to_pylist()
+    expected = _samples_per_step(ctx, agent) // ctx.cfg.batch.num_micro_batches
+    if len(rows) != expected:
+        raise RuntimeError(f"train[{agent}] it={iteration} mb={mb}: {len(rows)} samples ready, expected {expected}")
+    bad = [r["sample_id"] for r in rows if r["policy_version"] != tr.version]
+    if bad:
+        raise ConsistencyError(
+            f"agent {agent!r} update {tr.version}: samples {bad[:3]} were produced by policy version "
+            f"{rows[0]['policy_version']}, not {tr.version} (on-policy violated)"
+        )
+    alg = ctx.cfg.agent(agent).algorithm
+    rows.sort(key=lambda r: r["sample_id"])
+    groups = [f"{r['input_id']}:{r['turn']}" for r in rows]
+    adv = compute_advantages(alg.advantage, torch.tensor([r["reward"] for r in rows], dtype=torch.float32), groups)
+    batch = MicroBatch(
+        prompt_ids=[r["prompt_ids"] for r in rows],
+        response_ids=[r["response_ids"] for r in rows],
+        old_logprobs=[r["logprobs"] for r in rows],
+        advantages=adv.tolist(),
+    )
+    with ctx.lock:
+        stats = tr.accumulate(batch, total_samples=_samples_per_step(ctx, agent), key=(iteration, mb))
+    ctx.store.write_status(agent, iteration, [
+        {"sample_id": r["sample_id"], "policy_version": r["policy_version"], "advantage": float(a), "consumed_step": tr.version}
+        for r, a in zip(rows, adv.tolist(), strict=True)
+    ])
+    return {"agent": agent, "iteration": iteration, "mb": mb, "samples": len(rows), **{f"train/{k}": v for k, v in stats.items()}}
+
+
+def step(run_dir: str, iteration: int, agent: str) -> dict[str, Any]:
+    return _measured("step", lambda: _step(context(run_dir), iteration, agent))
+
+
+def _step(ctx: WorkerContext, iteration: int, agent: str) -> dict[str, Any]:
+    tr = ctx.trainer(agent, iteration)
+    if tr.version == iteration + 1:
+        return {"agent": agent, "iteration": iteration, "version": tr.version, "skipped": True}
+    missing = [j for j in range(ctx.cfg.batch.num_micro_batches) if not tr.has_accumulated(iteration, j)]
+    if missing:
+        raise RuntimeError(f"step[{agent}] it={iteration}: micro-batches {missing} not accumulated in this trainer")
+    with ctx.lock:
+        stats = tr.step()
+    return {"agent": agent, "iteration": iteration, "version": tr.version, **{f"train/{k}": v for k, v in stats.items()}}
+
+
+def sync(run_dir: str, iteration: int, agent: str) -> dict[str, Any]:
+    return _measured("sync", lambda: _sync(context(run_dir), iteration, agent))
+
+
+def _sync(ctx: WorkerContext, iteration: int, agent: str) -> dict[str, Any]:
+    tr = ctx.trainer(agent, iteration + 1)
+    if tr.version != iteration + 1:
+        raise ConsistencyError(f"sync[{agent}] it={iteration}: trainer is at version {tr.version}, expected {iteration + 1}")
+    with ctx.lock:
+        state = tr.weights()
+        path = publish_weights(ctx.run_dir, agent, tr.version, state)
+        eng = ctx.engines.get(agent)
+        if eng is not None:  # an instance in this process takes the weights from memory
+            eng.update_weights(state, tr.version)
+    return {"agent": agent, "iteration": iteration, "version": tr.version, "bytes": path.stat().st_size}
+
+
+STAGE_FNS: dict[str, Callable[..., dict[str, Any]]] = {
+    "rollout": lambda run_dir, iteration, agent, turn, mb: rollout(run_dir, iteration, agent, turn, mb),
+    "reward": lambda run_dir, iteration, agent, turn, mb: reward(run_dir, iteration, mb),
+    "train": lambda run_dir, iteration, agent, turn, mb: train(run_dir, iteration, agent, mb),
+    "step": lambda run_dir, iteration, agent, turn, mb: step(run_dir, iteration, agent),
+    "sync": lambda run_dir, iteration, agent, turn, mb: sync(run_dir, iteration, agent),
+}

@@ -1,0 +1,129 @@
+"""What lives in a worker process between tasks: the run's config, store handle, workload and
+the agents' inference engines and trainers, loaded once and kept in memory.
+
+Tasks carry only `run_dir`; `context(run_dir)` returns this process's state for that run,
+building it on first use. Weights move between processes as versioned files in
+`run_dir/weights/<agent>/v<k>.safetensors` (written atomically by the trainer's sync), so a
+restarted worker rebuilds any engine from the latest published version.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from flexmarl_core.config import ExperimentConfig, load_config
+from flexmarl_core.meg import MEG
+
+CONFIG_NAME = "config.yaml"
+
+
+def weights_path(run_dir: str | Path, agent: str, version: int) -> Path:
+    return Path(run_dir) / "weights" / agent / f"v{version}.safetensors"
+
+
+def publish_weights(run_dir: str | Path, agent: str, version: int, state: dict[str, torch.Tensor]) -> Path:
+    """Write one weights version atomically (temp + rename); a retry rewrites the same bytes."""
+    path = weights_path(run_dir, agent, version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    # Clone: tied embeddings share storage and safetensors refuses shared tensors; lm_head must
+    # travel with the rest (FACTS.md: a push without it keeps the old output layer).
+    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(tmp))
+    os.replace(tmp, path)
+    return path
+
+
+def load_weights(run_dir: str | Path, agent: str, version: int) -> dict[str, torch.Tensor]:
+    path = weights_path(run_dir, agent, version)
+    if not path.exists():
+        raise FileNotFoundError(f"agent {agent!r}: weights version {version} not published at {path}")
+    return load_file(str(path))
+
+
+@dataclass
+class WorkerContext:
+    run_dir: Path
+    cfg: ExperimentConfig
+    meg: MEG
+    engines: dict[str, Any] = field(default_factory=dict)
+    trainers: dict[str, Any] = field(default_factory=dict)
+    _store: Any = None
+    _workload: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            from storage import MEGStore
+
+            self._store = MEGStore(self.cfg.resolved_store_uri())
+        return self._store
+
+    @property
+    def workload(self) -> Any:
+        if self._workload is None:
+            from flexmarl_core.workloads import make_workload
+
+            self._workload = make_workload(self.cfg.workload, self.cfg.team)
+        return self._workload
+
+    def _fresh_model(self, agent: str) -> tuple[Any, Any]:
+        from flexmarl_core.models import load_agent_model
+
+        return load_agent_model(self.cfg.agent(agent).model, seed=self.cfg.seed)
+
+    def engine(self, agent: str, version: int) -> Any:
+        """This process's inference engine for `agent`, holding weights `version`."""
+        eng = self.engines.get(agent)
+        if eng is None:
+            from flexmarl_core.inference import make_inference_engine
+
+            model, tok = self._fresh_model(agent)
+            eng = make_inference_engine(self.cfg.agent(agent), model, tok)
+            eng.update_weights(load_weights(self.run_dir, agent, version), version)
+            self.engines[agent] = eng
+        elif eng.version != version:
+            eng.update_weights(load_weights(self.run_dir, agent, version), version)
+        return eng
+
+    def trainer(self, agent: str, version: int) -> Any:
+        """This process's trainer for `agent`, created from published weights `version`."""
+        tr = self.trainers.get(agent)
+        if tr is None:
+            from flexmarl_core.training import make_trainer
+
+            model, _ = self._fresh_model(agent)
+            model.load_state_dict(load_weights(self.run_dir, agent, version))
+            tr = make_trainer(self.cfg.agent(agent), model, version=version, seed=self.cfg.seed)
+            self.trainers[agent] = tr
+        return tr
+
+
+_CONTEXTS: dict[str, WorkerContext] = {}
+_LOCK = threading.Lock()
+
+
+def context(run_dir: str | Path) -> WorkerContext:
+    key = str(Path(run_dir).resolve())
+    with _LOCK:
+        ctx = _CONTEXTS.get(key)
+        if ctx is None:
+            threads = os.environ.get("FLEXMARL_TORCH_THREADS")
+            if threads:
+                torch.set_num_threads(int(threads))
+            cfg = load_config(Path(key) / CONFIG_NAME)
+            ctx = WorkerContext(run_dir=Path(key), cfg=cfg, meg=MEG.from_config(cfg.team))
+            _CONTEXTS[key] = ctx
+        return ctx
+
+
+def forget(run_dir: str | Path) -> None:
+    """Drop a run's state from this process (tests, and resuming in the same process)."""
+    _CONTEXTS.pop(str(Path(run_dir).resolve()), None)

@@ -1,0 +1,205 @@
+"""Workloads: problems, rule-based rewards and demonstrations for a team.
+
+    from flexmarl_core.workloads import make_workload
+    wl = make_workload(cfg.workload, cfg.team)
+    batch = wl.problems("train", n=8, seed=cfg.seed, offset=8 * iteration)
+    rewards = wl.reward(batch[0], {"planner": "7*2", "solver": "14", "verifier": "14"})
+
+Kinds (`workload.kind`): ``arithmetic`` (synthetic, for tiny CPU models; the default),
+``dataset`` (JSONL / Parquet + field mapping), ``callable`` (a user function yields
+problems), ``gsm8k``. Any kind takes user reward callables (`workload.reward`,
+`workload.agent_rewards`). Contracts are in `api`; reward shape in `api`'s docstring.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flexmarl_core.config import TeamConfig, WorkloadConfig
+from flexmarl_core.meg import MEG
+from flexmarl_core.workloads.answers import MatchMode
+from flexmarl_core.workloads.api import (
+    SPLITS,
+    Problem,
+    Split,
+    SupportsPerturbation,
+    Workload,
+    WorkloadError,
+)
+from flexmarl_core.workloads.arithmetic import ArithmeticWorkload
+from flexmarl_core.workloads.base import AnswerPoolWorkload, PoolWorkload, RuleWorkload
+from flexmarl_core.workloads.callables import (
+    CallableRef,
+    CallableWorkload,
+    RewardCallable,
+    load_callable,
+)
+from flexmarl_core.workloads.dataset import DatasetWorkload, GSM8KWorkload, gsm8k_path, resolve_path
+
+__all__ = [
+    "SPLITS",
+    "AnswerPoolWorkload",
+    "ArithmeticWorkload",
+    "CallableRef",
+    "CallableWorkload",
+    "DatasetWorkload",
+    "GSM8KWorkload",
+    "PoolWorkload",
+    "Problem",
+    "RewardCallable",
+    "RuleWorkload",
+    "Split",
+    "SupportsPerturbation",
+    "Workload",
+    "WorkloadError",
+    "load_callable",
+    "make_workload",
+]
+
+_P = TypeVar("_P", bound=BaseModel)
+_DEFAULT_FIELDS = WorkloadConfig.model_fields["fields"].default_factory()  # type: ignore[misc]
+
+
+class _PoolParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    heldout_fraction: float = Field(
+        0.2, ge=0.0, lt=1.0, description="Share of unpinned problems (hash of text) held out."
+    )
+    match: MatchMode = Field(
+        "auto",
+        description="Answer matching: auto (numeric if the answer is a number), numeric, exact.",
+    )
+
+
+class _DatasetParams(_PoolParams):
+    heldout_path: str | None = Field(
+        None, description="Optional second file whose rows are all held-out (same fields)."
+    )
+
+
+class _CallableParams(_PoolParams):
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the problem callable."
+    )
+
+
+def _params(model: type[_P], cfg: WorkloadConfig) -> _P:
+    try:
+        return model.model_validate(cfg.params)
+    except ValidationError as exc:
+        msgs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        valid = sorted(model.model_fields)
+        raise WorkloadError(
+            f"workload.params for kind={cfg.kind}: {msgs} (valid keys: {valid})"
+        ) from None
+
+
+def _unused(cfg: WorkloadConfig, *names: str) -> None:
+    """Fail on keys that this kind ignores, so a misplaced `path` is not silently unused."""
+    for name in names:
+        value = getattr(cfg, name)
+        unset = value is None if name != "fields" else value == _DEFAULT_FIELDS
+        if not unset:
+            raise WorkloadError(f"workload.{name} is not used by kind={cfg.kind}; remove it")
+
+
+def _arithmetic(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> RuleWorkload:
+    _unused(cfg, "path", "callable", "fields")
+    return ArithmeticWorkload(params=cfg.params, **common)
+
+
+def _dataset(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> RuleWorkload:
+    _unused(cfg, "callable")
+    if cfg.path is None:
+        raise WorkloadError("kind=dataset needs workload.path (a .jsonl or .parquet file)")
+    p = _params(_DatasetParams, cfg)
+    heldout = resolve_path(p.heldout_path, base_dir) if p.heldout_path else None
+    return DatasetWorkload(
+        path=resolve_path(cfg.path, base_dir),
+        fields=cfg.fields,
+        heldout_path=heldout,
+        heldout_fraction=p.heldout_fraction,
+        match=p.match,
+        **common,
+    )
+
+
+def _gsm8k(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> RuleWorkload:
+    _unused(cfg, "callable")
+    p = _params(_PoolParams, cfg)
+    return GSM8KWorkload(
+        path=gsm8k_path(cfg.path, base_dir),
+        fields=cfg.fields,
+        heldout_fraction=p.heldout_fraction,
+        match="numeric" if p.match == "auto" else p.match,
+        **common,
+    )
+
+
+def _callable(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> RuleWorkload:
+    _unused(cfg, "path", "fields")
+    if cfg.callable is None:
+        raise WorkloadError(
+            "kind=callable needs workload.callable ('module:function' yielding problems)"
+        )
+    p = _params(_CallableParams, cfg)
+    return CallableWorkload(
+        source=CallableRef(cfg.callable, base_dir=base_dir, key="callable"),
+        kwargs=p.kwargs,
+        heldout_fraction=p.heldout_fraction,
+        match=p.match,
+        **common,
+    )
+
+
+_BUILDERS: dict[str, Callable[[WorkloadConfig, dict[str, Any], Any], RuleWorkload]] = {
+    "arithmetic": _arithmetic,
+    "dataset": _dataset,
+    "gsm8k": _gsm8k,
+    "callable": _callable,
+}
+
+
+def make_workload(
+    cfg: WorkloadConfig,
+    team: TeamConfig,
+    *,
+    base_dir: str | os.PathLike[str] | None = None,
+) -> RuleWorkload:
+    """Build the workload that `cfg` describes for `team`.
+
+    `base_dir` is where relative paths and `module:function` callables are resolved (default:
+    the working directory). Everything that can be checked up front is: callables are
+    imported and a dataset is read here, so a bad config fails before any rollout.
+    """
+    if cfg.kind not in _BUILDERS:
+        raise WorkloadError(f"unknown workload.kind {cfg.kind!r}; valid: {sorted(_BUILDERS)}")
+    meg = MEG.from_config(team)
+    if meg.output is None:  # validate() always sets it; narrow the type
+        raise WorkloadError("the team has no output agent; set team.output")
+    team_reward = None
+    if cfg.reward is not None:
+        team_reward = RewardCallable(cfg.reward, base_dir=base_dir, key="reward")
+        team_reward.fn  # noqa: B018 -- import now: a typo should fail at startup
+    agent_rewards = {}
+    for agent, spec in cfg.agent_rewards.items():
+        ref = RewardCallable(spec, base_dir=base_dir, key=f"agent_rewards.{agent}")
+        ref.fn  # noqa: B018
+        agent_rewards[agent] = ref
+    common: dict[str, Any] = {
+        "agents": meg.agent_names,
+        "output_agent": meg.output,
+        "credit": cfg.credit,
+        "format_weight": cfg.format_weight,
+        "team_reward": team_reward,
+        "agent_rewards": agent_rewards,
+    }
+    workload = _BUILDERS[cfg.kind](cfg, common, base_dir)
+    if isinstance(workload, PoolWorkload):
+        workload.pools()  # read the data now: bad rows fail at startup, not mid-run
+    return workload

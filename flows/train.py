@@ -1,0 +1,63 @@
+"""The training flow: each iteration is a Prefect task graph mirroring the MEG, run on a Dask
+cluster whose workers carry resource tags.
+
+    flexmarl train configs/default.yaml            # CLI (starts/uses one Prefect API)
+    prefect deployment run 'flexmarl-train/...'    # as a deployment (prefect.yaml)
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flexmarl_core import cluster, run
+from flexmarl_core.config import load_config
+from flexmarl_core.metrics import run_summary
+from tasks import report as report_tasks
+from tasks.executor import PrefectDaskExecutor
+
+
+@flow(name="flexmarl-train")
+def train(config: str, overrides: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
+    """Train the team described by `config` (a YAML path) with `overrides` (`a.b=c`)."""
+    log = get_run_logger()
+    cfg = load_config(config, overrides or [])
+    run_dir = report_tasks.prepare_run(cfg)
+    log.info("run folder %s, store %s", run_dir, cfg.resolved_store_uri())
+    cpu0 = time.process_time()
+    with cluster.cluster_for(cfg.cluster) as client, PrefectDaskExecutor(client.scheduler.address) as ex:
+        log.info("Dask dashboard: %s", client.dashboard_link)
+        workers_cpu0 = cluster.worker_cpu_s(client)
+        on_done, bar = _progress(cfg, progress)
+        with bar:
+            out = run.train(cfg, Path(run_dir), ex, on_op_done=on_done)
+        workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
+    stage_cpu = sum(m["cpu_s"] for m in out["iterations"])
+    flow_cpu = time.process_time() - cpu0
+    summary = run_summary(out["iterations"], out["wall_s"])
+    # Bookkeeping = everything the workers and this flow process spent outside the stages'
+    # own work (Prefect task engine, API calls, Dask). The API server's CPU is not included.
+    overhead = max(workers_cpu - stage_cpu, 0.0) + flow_cpu
+    summary.update(
+        run_dir=str(run_dir), ops=out["ops"], stage_cpu_s=stage_cpu, bookkeeping_cpu_s=overhead,
+        prefect_overhead_frac=overhead / max(overhead + stage_cpu, 1e-9),
+    )
+    report_tasks.report(cfg.name, out["iterations"], summary, cfg.resolved_store_uri())
+    log.info("done: %s", {k: v for k, v in summary.items() if not isinstance(v, dict)})
+    return {"summary": summary, "iterations": out["iterations"]}
+
+
+def _progress(cfg: Any, enabled: bool) -> tuple[Any, Any]:
+    import contextlib
+
+    if not enabled:
+        return None, contextlib.nullcontext()
+    from flexmarl.console import IterationProgress
+    from flexmarl_core.meg import MEG
+    from flexmarl_core.orchestrator import Plan
+
+    bar = IterationProgress(Plan.build(cfg, MEG.from_config(cfg.team)))
+    return bar, bar

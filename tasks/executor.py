@@ -1,0 +1,61 @@
+"""The orchestrator's executor on the real stack: Prefect task runs on a Dask cluster.
+
+Routing is applied with `dask.annotate` around each submit, so the resource tag (and the
+pinned worker, if any) is the one the router chose at that moment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import dask
+import distributed
+from prefect_dask import DaskTaskRunner
+from prefect_dask.task_runners import PrefectDaskFuture
+
+from flexmarl_core import cluster
+from flexmarl_core.orchestrator import Op, Route
+from tasks.stages import BY_KIND
+
+
+class PrefectDaskExecutor:
+    """Use as a context manager inside a flow run: `with PrefectDaskExecutor(address) as ex:`."""
+
+    def __init__(self, address: str) -> None:
+        self.runner = DaskTaskRunner(address=address)
+
+    def __enter__(self) -> PrefectDaskExecutor:
+        self.runner.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.runner.__exit__(*exc)
+
+    @property
+    def client(self) -> distributed.Client:
+        return self.runner.client
+
+    def submit(self, op: Op, kwargs: dict[str, Any], route: Route) -> PrefectDaskFuture:
+        task = BY_KIND[op.kind].with_options(task_run_name=op.name)
+        annotations: dict[str, Any] = {}
+        if route.resources:
+            annotations["resources"] = route.resources
+        if route.worker:
+            annotations["workers"] = [route.worker]
+        with dask.annotate(**annotations):
+            return self.runner.submit(task, parameters=kwargs)
+
+    def wait_any(self, handles: Sequence[PrefectDaskFuture], timeout: float | None = None) -> list[Any]:
+        by_dask = {h.wrapped_future: h for h in handles}
+        done, _ = distributed.wait(list(by_dask), timeout=timeout, return_when="FIRST_COMPLETED")
+        return [by_dask[f] for f in done]
+
+    def result(self, handle: PrefectDaskFuture) -> dict[str, Any]:
+        return handle.result()
+
+    def worker_resources(self) -> dict[str, dict[str, float]]:
+        return cluster.worker_resources(self.client)
+
+    def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None:
+        cluster.set_worker_resources(self.client, worker, resources)

@@ -1,0 +1,30 @@
+"""Run bookkeeping tasks: prepare the run folder, publish the run's artifacts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flexmarl_core import run
+from flexmarl_core.config import ExperimentConfig
+
+
+@task(name="prepare-run", retries=1, cache_policy=NO_CACHE, persist_result=False)
+def prepare_run(cfg: ExperimentConfig) -> str:
+    """CPU/IO: run folder, initial weights per agent, every iteration's inputs in the store."""
+    return str(run.prepare_run(cfg))
+
+
+@task(name="report", cache_policy=NO_CACHE, persist_result=False)
+def report(name: str, per_it: list[dict[str, Any]], summary: dict[str, Any], store_uri: str) -> None:
+    """IO: a table artifact of the iterations and a markdown summary of the run."""
+    key = "".join(c if c.isalnum() else "-" for c in name.lower())
+    rows = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()} for m in per_it]
+    create_table_artifact(key=f"{key}-iterations", table=rows, description=f"{name}: per-iteration metrics")
+    lines = [f"# {name}", "", f"- store: `{store_uri}`", f"- run folder: `{summary.get('run_dir', '')}`"]
+    lines += [f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summary.items()
+              if k not in ("run_dir",)]
+    create_markdown_artifact(key=f"{key}-summary", markdown="\n".join(lines), description=f"{name}: run summary")
