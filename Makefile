@@ -9,6 +9,9 @@ CONFIG ?= configs/default.yaml
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 export FLEXMARL_CACHE ?= $(CURDIR)/.cache/flexmarl
 STAMP := $(VENV)/.setup-stamp
+# editable_mode=compat puts the repo on sys.path: Dask inserts each worker's scratch folder,
+# which holds a `storage/` spill dir, in front of sys.path, and setuptools' default editable
+# finder runs after that, so `import storage` would find the empty spill dir instead.
 
 .PHONY: setup run test lint bench-quick clean
 
@@ -17,7 +20,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade --quiet pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
 run: setup

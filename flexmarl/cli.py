@@ -27,11 +27,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
         console.print(f"started a local Prefect server at {ui_url(api)} (stop: flexmarl server stop)")
-    from prefect import get_client  # noqa: F401 - imported after the API URL is set
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.train import train
 
-    state = train(args.config, args.set, progress=not args.no_progress, return_state=True)
+    # Settings may have been loaded before ensure_api set the env var: pin the API explicitly.
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        state = train(args.config, args.set, progress=not args.no_progress, return_state=True)
     flow_run_id = getattr(state, "state_details", None) and state.state_details.flow_run_id
     if flow_run_id:
         console.print(f"Prefect UI for this run: {ui_url(api)}/runs/flow-run/{flow_run_id}")

@@ -17,8 +17,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from flexmarl_core.worker import WorkerContext, context, publish_weights
 
 
@@ -138,7 +136,7 @@ def _reward(ctx: WorkerContext, iteration: int, mb: int) -> dict[str, Any]:
     mean_reward = {}
     for agent, rows in samples.items():
         status = [
-            {"sample_id": r["sample_id"], "policy_version": r["policy_version"],
+            {"sample_id": r["sample_id"], "policy_version": r["policy_version"], "mb": mb,
              "reward": float(rewards[(r["input_id"], r["traj"])][agent])}
             for r in rows
         ]
@@ -152,10 +150,16 @@ def _reward(ctx: WorkerContext, iteration: int, mb: int) -> dict[str, Any]:
 
 
 def _samples_per_step(ctx: WorkerContext, agent: str) -> int:
-    """Samples in one global batch of `agent`: fixed before any backward, so the loss
-    normaliser does not depend on how the batch is split into micro-batches."""
     turns = sum(1 for n in ctx.meg.nodes if n.agent == agent)
     return ctx.cfg.batch.inputs_per_iteration * ctx.cfg.batch.group_size * turns
+
+
+def loss_scale(ctx: WorkerContext, agent: str) -> float:
+    """1 / (samples per global batch x max new tokens): the loss is a token sum over a constant
+    known from the config before any rollout (Dr. GRPO's normaliser), so early backward of a
+    micro-batch is exact however the batch is split or ordered. A token-count normaliser would
+    need every rollout of the batch before the first backward."""
+    return 1.0 / (_samples_per_step(ctx, agent) * ctx.cfg.agent(agent).sampling.max_new_tokens)
 
 
 def train(run_dir: str, iteration: int, agent: str, mb: int) -> dict[str, Any]:
@@ -163,41 +167,50 @@ def train(run_dir: str, iteration: int, agent: str, mb: int) -> dict[str, Any]:
 
 
 def _train(ctx: WorkerContext, iteration: int, agent: str, mb: int) -> dict[str, Any]:
-    from flexmarl_core.algorithms import compute_advantages
-    from flexmarl_core.training.api import MicroBatch
+    from flexmarl_core.algorithms import advantage_scope, compute_advantages
+    from flexmarl_core.training import Sample
 
     tr = ctx.trainer(agent, iteration)
-    if tr.version != iteration or tr.has_accumulated(iteration, mb):
+    done = ctx.accumulated.setdefault(agent, set())
+    if tr.version != iteration or (iteration, mb) in done:
         # A retry after the work was done (version moved on, or this micro-batch is in the grads).
         return {"agent": agent, "iteration": iteration, "mb": mb, "samples": 0, "skipped": True}
-    tbl = ctx.store.ready(agent, iteration, mb=mb, need=("reward",))
-    rows = tbl.to_pylist()
-    expected = _samples_per_step(ctx, agent) // ctx.cfg.batch.num_micro_batches
+    alg = ctx.cfg.agent(agent).algorithm
+    # Group-scoped estimators need only this micro-batch (whole groups); batch-scoped ones
+    # (REINFORCE++) normalise over the iteration, whose rewards the plan waits for.
+    whole = advantage_scope(alg.advantage) == "batch"
+    rows = ctx.store.ready(agent, iteration, need=("reward",), mb=None if whole else mb).to_pylist()
+    per_mb = _samples_per_step(ctx, agent) // ctx.cfg.batch.num_micro_batches
+    expected = per_mb * (ctx.cfg.batch.num_micro_batches if whole else 1)
     if len(rows) != expected:
-        raise RuntimeError(f"train[{agent}] it={iteration} mb={mb}: {len(rows)} samples ready, expected {expected}")
+        raise RuntimeError(
+            f"train[{agent}] it={iteration} mb={mb}: {len(rows)} samples ready, expected {expected}"
+        )
     bad = [r["sample_id"] for r in rows if r["policy_version"] != tr.version]
     if bad:
         raise ConsistencyError(
-            f"agent {agent!r} update {tr.version}: samples {bad[:3]} were produced by policy version "
-            f"{rows[0]['policy_version']}, not {tr.version} (on-policy violated)"
+            f"agent {agent!r} update {tr.version}: samples {bad[:3]} were not produced by policy "
+            f"version {tr.version} (on-policy violated)"
         )
-    alg = ctx.cfg.agent(agent).algorithm
     rows.sort(key=lambda r: r["sample_id"])
-    groups = [f"{r['input_id']}:{r['turn']}" for r in rows]
-    adv = compute_advantages(alg.advantage, torch.tensor([r["reward"] for r in rows], dtype=torch.float32), groups)
-    batch = MicroBatch(
-        prompt_ids=[r["prompt_ids"] for r in rows],
-        response_ids=[r["response_ids"] for r in rows],
-        old_logprobs=[r["logprobs"] for r in rows],
-        advantages=adv.tolist(),
-    )
+    adv = compute_advantages(
+        alg.advantage, [float(r["reward"]) for r in rows], [f"{r['input_id']}:{r['turn']}" for r in rows]
+    ).tolist()
+    mine = [(r, a) for r, a in zip(rows, adv, strict=True) if r["mb"] == mb]
+    batch = [
+        Sample(prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], logprobs=r["logprobs"], advantage=a)
+        for r, a in mine
+    ]
     with ctx.lock:
-        stats = tr.accumulate(batch, total_samples=_samples_per_step(ctx, agent), key=(iteration, mb))
+        stats = tr.accumulate(batch, loss_scale=loss_scale(ctx, agent))
+        done.add((iteration, mb))
     ctx.store.write_status(agent, iteration, [
-        {"sample_id": r["sample_id"], "policy_version": r["policy_version"], "advantage": float(a), "consumed_step": tr.version}
-        for r, a in zip(rows, adv.tolist(), strict=True)
+        {"sample_id": r["sample_id"], "policy_version": r["policy_version"], "mb": mb,
+         "advantage": a, "consumed_step": iteration}
+        for r, a in mine
     ])
-    return {"agent": agent, "iteration": iteration, "mb": mb, "samples": len(rows), **{f"train/{k}": v for k, v in stats.items()}}
+    return {"agent": agent, "iteration": iteration, "mb": mb, "samples": len(batch),
+            **{f"train/{k}": float(v) for k, v in stats.items()}}
 
 
 def step(run_dir: str, iteration: int, agent: str) -> dict[str, Any]:
@@ -208,12 +221,15 @@ def _step(ctx: WorkerContext, iteration: int, agent: str) -> dict[str, Any]:
     tr = ctx.trainer(agent, iteration)
     if tr.version == iteration + 1:
         return {"agent": agent, "iteration": iteration, "version": tr.version, "skipped": True}
-    missing = [j for j in range(ctx.cfg.batch.num_micro_batches) if not tr.has_accumulated(iteration, j)]
+    done = ctx.accumulated.setdefault(agent, set())
+    missing = [j for j in range(ctx.cfg.batch.num_micro_batches) if (iteration, j) not in done]
     if missing:
         raise RuntimeError(f"step[{agent}] it={iteration}: micro-batches {missing} not accumulated in this trainer")
     with ctx.lock:
-        stats = tr.step()
-    return {"agent": agent, "iteration": iteration, "version": tr.version, **{f"train/{k}": v for k, v in stats.items()}}
+        res = tr.step()
+        done.clear()
+    return {"agent": agent, "iteration": iteration, "version": res.version,
+            "train/grad_norm": res.grad_norm, **{f"train/{k}": v for k, v in res.metrics.items()}}
 
 
 def sync(run_dir: str, iteration: int, agent: str) -> dict[str, Any]:

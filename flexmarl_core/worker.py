@@ -54,6 +54,8 @@ class WorkerContext:
     meg: MEG
     engines: dict[str, Any] = field(default_factory=dict)
     trainers: dict[str, Any] = field(default_factory=dict)
+    #: per agent, the (iteration, mb) already in the trainer's accumulated gradients
+    accumulated: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
     _store: Any = None
     _workload: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -101,7 +103,11 @@ class WorkerContext:
 
             model, _ = self._fresh_model(agent)
             model.load_state_dict(load_weights(self.run_dir, agent, version))
-            tr = make_trainer(self.cfg.agent(agent), model, version=version, seed=self.cfg.seed)
+            if version != 0:
+                raise RuntimeError(
+                    f"agent {agent!r}: no trainer state in this process for version {version}"
+                )
+            tr = make_trainer(self.cfg.agent(agent), model)
             self.trainers[agent] = tr
         return tr
 

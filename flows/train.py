@@ -27,16 +27,15 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
     cfg = load_config(config, overrides or [])
     run_dir = report_tasks.prepare_run(cfg)
     log.info("run folder %s, store %s", run_dir, cfg.resolved_store_uri())
-    cpu0 = time.process_time()
     with cluster.cluster_for(cfg.cluster) as client, PrefectDaskExecutor(client.scheduler.address) as ex:
         log.info("Dask dashboard: %s", client.dashboard_link)
-        workers_cpu0 = cluster.worker_cpu_s(client)
+        workers_cpu0, cpu0 = cluster.worker_cpu_s(client), time.process_time()
         on_done, bar = _progress(cfg, progress)
         with bar:
             out = run.train(cfg, Path(run_dir), ex, on_op_done=on_done)
+        flow_cpu = time.process_time() - cpu0
         workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
     stage_cpu = sum(m["cpu_s"] for m in out["iterations"])
-    flow_cpu = time.process_time() - cpu0
     summary = run_summary(out["iterations"], out["wall_s"])
     # Bookkeeping = everything the workers and this flow process spent outside the stages'
     # own work (Prefect task engine, API calls, Dask). The API server's CPU is not included.

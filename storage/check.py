@@ -71,15 +71,17 @@ def check_store(
             Problem("not_a_store", shown(root), f"no {MARKER}: not a MEG store (wrong path?)")
         )
         return problems
-    store = MEGStore(uri, filesystem=fs, create=False) if filesystem else MEGStore(
-        uri, create=False, **fs_kwargs
+    store = (
+        MEGStore(uri, filesystem=fs, create=False)
+        if filesystem
+        else MEGStore(uri, create=False, **fs_kwargs)
     )
     entries = fs.get_file_info(pafs.FileSelector(root, recursive=True))
     now = time.time()
     partitions: set[tuple[str, int]] = set()
     bad_partitions: set[tuple[str, int]] = set()
     for e in sorted(entries, key=lambda e: e.path):
-        rel = e.path[len(root) + 1:]
+        rel = e.path[len(root) + 1 :]
         parts = rel.split("/")
         is_file = e.type == pafs.FileType.File
         top = parts[0]
@@ -88,10 +90,15 @@ def check_store(
         if top == STAGING:
             if is_file and e.mtime is not None and now - e.mtime.timestamp() > stale_after_s:
                 age = now - e.mtime.timestamp()
-                problems.append(Problem(
-                    "stale_staging", shown(e.path),
-                    f"temp file of a writer that died {age:.0f} s ago; never visible to "
-                    "readers, safe to delete (MEGStore.clean_staging)", "warning"))
+                problems.append(
+                    Problem(
+                        "stale_staging",
+                        shown(e.path),
+                        f"temp file last written {age:.0f} s ago, by a writer that died?; "
+                        "never visible to readers; delete with MEGStore.clean_staging",
+                        "warning",
+                    )
+                )
             continue
         if top in ("samples", "status", "inputs"):
             depth = 3 if top != "inputs" else 2
@@ -104,31 +111,62 @@ def check_store(
             name = parts[-1]
             if level != depth:
                 if name.endswith(".parquet"):
-                    problems.append(Problem(
-                        "misplaced", shown(e.path),
-                        "Parquet file outside a partition directory: readers ignore it but "
-                        "DuckDB/pyarrow globs over the table would read it"))
+                    problems.append(
+                        Problem(
+                            "misplaced",
+                            shown(e.path),
+                            "Parquet file outside a partition directory: readers ignore it but "
+                            "DuckDB/pyarrow globs over the table would read it",
+                        )
+                    )
                 else:
-                    problems.append(Problem("unexpected", shown(e.path),
-                                            "file not part of the store layout", "warning"))
+                    problems.append(
+                        Problem(
+                            "unexpected",
+                            shown(e.path),
+                            "file not part of the store layout",
+                            "warning",
+                        )
+                    )
                 continue
-            if name.startswith(("_", ".")) or not name.endswith(".parquet"):
-                problems.append(Problem(
-                    "unexpected", shown(e.path),
-                    "file in a partition that readers ignore (hidden or not .parquet)",
-                    "warning"))
+            if name.startswith(("_", ".")) and name.endswith(".parquet"):
+                problems.append(
+                    Problem(
+                        "misplaced",
+                        shown(e.path),
+                        "hidden Parquet file: the store ignores it but DuckDB globs read it",
+                    )
+                )
+                continue
+            if not name.endswith(".parquet"):
+                problems.append(
+                    Problem(
+                        "unexpected",
+                        shown(e.path),
+                        "file in a partition that readers ignore (not .parquet)",
+                        "warning",
+                    )
+                )
                 continue
             dir_msgs = [_check_dir_name(top, i + 1, parts[i + 1]) for i in range(depth - 1)]
             if any(dir_msgs):
                 continue  # already reported on the directory
             pattern = _INPUT_NAME if top == "inputs" else _SAMPLE_NAME
             if not pattern.fullmatch(name):
-                problems.append(Problem(
-                    "unexpected_name", shown(e.path),
-                    "fragment name not written by the store; readers read it for every "
-                    "micro-batch", "warning"))
-            schema = {"samples": SAMPLE_FILE_SCHEMA, "status": STATUS_FILE_SCHEMA,
-                      "inputs": INPUT_FILE_SCHEMA}[top]
+                problems.append(
+                    Problem(
+                        "unexpected_name",
+                        shown(e.path),
+                        "fragment name not written by the store; readers read it for every "
+                        "micro-batch",
+                        "warning",
+                    )
+                )
+            schema = {
+                "samples": SAMPLE_FILE_SCHEMA,
+                "status": STATUS_FILE_SCHEMA,
+                "inputs": INPUT_FILE_SCHEMA,
+            }[top]
             key = None if top == "inputs" else (parts[1][6:], int(parts[2][10:]))
             if key:
                 partitions.add(key)
@@ -147,16 +185,26 @@ def check_store(
             m = _MB_NAME.fullmatch(name)
             if deep and m and table.num_rows:
                 col = table.column("mb")
-                if col.null_count or pc.min(col).as_py() != int(m[1]) \
-                        or pc.max(col).as_py() != int(m[1]):
-                    problems.append(Problem(
-                        "mb_tag", shown(e.path),
-                        f"fragment named for micro-batch {int(m[1])} holds rows of other "
-                        "micro-batches: micro-batch reads would miss them"))
+                if (
+                    col.null_count
+                    or pc.min(col).as_py() != int(m[1])
+                    or pc.max(col).as_py() != int(m[1])
+                ):
+                    problems.append(
+                        Problem(
+                            "mb_tag",
+                            shown(e.path),
+                            f"fragment named for micro-batch {int(m[1])} holds rows of other "
+                            "micro-batches: micro-batch reads would miss them",
+                        )
+                    )
             continue
         if is_file or not top.startswith(("_", ".")):
-            problems.append(Problem("unexpected", shown(e.path),
-                                    "entry not part of the store layout", "warning"))
+            problems.append(
+                Problem(
+                    "unexpected", shown(e.path), "entry not part of the store layout", "warning"
+                )
+            )
     if deep:
         for agent, iteration in sorted(partitions - bad_partitions):
             problems.extend(store.audit(agent, iteration))
@@ -165,6 +213,8 @@ def check_store(
 
 def _check_dir_name(table: str, level: int, name: str) -> str | None:
     """Why a directory name is wrong at this level of ``table``, or None."""
+    if level == 0:
+        return None
     if table == "inputs":
         if level == 1 and not _ITERATION.fullmatch(name):
             return f"expected iteration=<int>, got {name!r}"
@@ -191,11 +241,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "endpoint from AWS_* variables or ?endpoint_override=host:port&scheme=http.",
     )
     parser.add_argument("uri", help="store path or URI (local path, file://, s3://)")
-    parser.add_argument("--stale-after", type=float, default=3600.0, metavar="SECONDS",
-                        help="report staging files older than this (default 3600)")
+    parser.add_argument(
+        "--stale-after",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="report staging files older than this (default 3600)",
+    )
     parser.add_argument("--strict", action="store_true", help="warnings also fail the check")
-    parser.add_argument("--shallow", action="store_true",
-                        help="read fragment footers only (faster, misses damaged pages)")
+    parser.add_argument(
+        "--shallow",
+        action="store_true",
+        help="read fragment footers only (faster, misses damaged pages)",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:

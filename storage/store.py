@@ -10,9 +10,11 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -51,10 +53,26 @@ _KEY = ["sample_id", "policy_version"]
 # files whose tag matches or is not an mb tag, so they never parse the rest of the partition.
 _MB_NAME = re.compile(r"mb(\d{6,})-[0-9a-f]+\.parquet")
 _MAX_READ_ATTEMPTS = 8
+_STREAM_BYTES = 16 << 20  # fragments bigger than this (in memory) stream to disk
 
 
 class _Vanished(Exception):
     """A listed fragment was deleted before it could be read (compaction ran meanwhile)."""
+
+
+_pool_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _reader_pool() -> ThreadPoolExecutor:
+    """Threads for reading many fragments at once (pyarrow releases the GIL; on S3 each read
+    is a round trip). Recreated after a fork, whose child inherits no threads."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            workers = min(16, 2 * (os.cpu_count() or 1))
+            _pool = (os.getpid(), ThreadPoolExecutor(workers, thread_name_prefix="meg-read"))
+        return _pool[1]
 
 
 def open_filesystem(
@@ -102,55 +120,74 @@ def _content_key(kind: str, table: pa.Table, key_cols: Sequence[str], extra: str
 
 def _row_keys(table: pa.Table) -> pa.Array:
     """One string per row identifying (sample_id, policy_version), for set operations."""
-    return pc.binary_join_element_wise(
-        table.column("sample_id"), pc.cast(table.column("policy_version"), pa.string()), "\x1f"
+    if "policy_version" not in table.column_names:  # inputs: keyed by input_id alone
+        return _array(table.column("input_id"))
+    return _array(
+        pc.binary_join_element_wise(
+            table.column("sample_id"), pc.cast(table.column("policy_version"), pa.string()), "\x1f"
+        )
     )
 
 
-def _latest(table: pa.Table, keys: Sequence[str]) -> pa.Table:
-    """Keep one row per key: the latest ``created_at``, ties to the row that comes last."""
-    n = table.num_rows
-    if n <= 1:
-        return table
-    if table.select(keys).group_by(keys).aggregate([]).num_rows == n:
-        return table  # common case: no duplicates, keep the order and skip the sort
-    pos = pa.array(range(n), pa.int64())
-    order = pc.sort_indices(
+def _array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+
+
+def _newest_first(table: pa.Table) -> pa.Array:
+    """Row order by created_at descending; among equal times the row stored last first."""
+    pos = pa.array(range(table.num_rows), pa.int64())
+    return pc.sort_indices(
         pa.table({"t": table.column("created_at"), "p": pos}),
-        sort_keys=[("t", "ascending"), ("p", "ascending")],
+        sort_keys=[("t", "descending"), ("p", "descending")],
     )
-    ordered = table.take(order)
-    last = (
-        ordered.select(keys)
-        .append_column("__pos", pos)
-        .group_by(keys, use_threads=False)
-        .aggregate([("__pos", "max")])
-    )
-    return ordered.take(pc.sort_indices(last.column("__pos_max")))
+
+
+# Deduplication and folding use hash lookups (unique / index_in: index_in returns the *first*
+# match in value_set, so on a newest-first order it finds the latest row) instead of
+# Table.group_by, whose Acero plan costs ~0.3-1 ms per call on the micro-batch read path.
+
+
+def _latest(table: pa.Table) -> pa.Table:
+    """Keep one row per key (see ``_row_keys``): the latest ``created_at`` wins."""
+    if table.num_rows <= 1:
+        return table
+    keys = _row_keys(table)
+    distinct = pc.unique(keys)
+    if len(distinct) == table.num_rows:
+        return table  # common case: no duplicates; keep the order and skip the sort
+    order = _newest_first(table)
+    first = pc.index_in(distinct, value_set=keys.take(order))
+    return table.take(order.take(first))
 
 
 def _fold_status(samples: pa.Table, log: pa.Table) -> pa.Table:
     """Set each status field of each sample to its latest non-null value in ``log``."""
     if log.num_rows == 0 or samples.num_rows == 0:
         return samples
-    pos = pa.array(range(log.num_rows), pa.int64())
-    order = pc.sort_indices(
-        pa.table({"t": log.column("created_at"), "p": pos}),
-        sort_keys=[("t", "ascending"), ("p", "ascending")],
-    )
-    # hash_last skips nulls by default, so each field gets its latest *non-null* value.
-    folded = (
-        log.take(order)
-        .group_by(_KEY, use_threads=False)
-        .aggregate([(f, "last") for f in STATUS_FIELDS])
-    )
-    idx = pc.index_in(_row_keys(samples), value_set=_row_keys(folded))
+    order = _newest_first(log)
+    log = log.take(order)
+    log_keys = _row_keys(log)
+    sample_keys = _row_keys(samples)
     for f in STATUS_FIELDS:
-        if f in samples.column_names:
-            value = folded.column(f"{f}_last").take(idx)
-            i = samples.schema.get_field_index(f)
-            samples = samples.set_column(i, samples.schema.field(i), value)
+        if f not in samples.column_names:
+            continue
+        col = log.column(f)
+        if col.null_count == len(col):
+            value = pa.nulls(samples.num_rows, col.type)
+        else:
+            valid = pc.is_valid(col)
+            idx = pc.index_in(sample_keys, value_set=log_keys.filter(valid))
+            value = col.filter(valid).take(idx)
+        i = samples.schema.get_field_index(f)
+        samples = samples.set_column(i, samples.schema.field(i), value)
     return samples
+
+
+def _newest_write(table: pa.Table, log: pa.Table) -> pa.Array:
+    """Per row of ``table``: the latest created_at among its entries in ``log`` (or null)."""
+    order = _newest_first(log)
+    idx = pc.index_in(_row_keys(table), value_set=_row_keys(log).take(order))
+    return log.column("created_at").take(order).take(idx)
 
 
 def _status_log(samples: pa.Table, status: pa.Table) -> pa.Table:
@@ -165,9 +202,9 @@ def _status_log(samples: pa.Table, status: pa.Table) -> pa.Table:
         parts.append(
             pa.Table.from_arrays(
                 [
-                    samples.column(c) if c in samples.column_names else pa.nulls(
-                        samples.num_rows, STATUS_FILE_SCHEMA.field(c).type
-                    )
+                    samples.column(c)
+                    if c in samples.column_names
+                    else pa.nulls(samples.num_rows, STATUS_FILE_SCHEMA.field(c).type)
                     for c in STATUS_FILE_SCHEMA.names
                 ],
                 schema=STATUS_FILE_SCHEMA,
@@ -228,8 +265,11 @@ class MEGStore:
         marker = f"{self.root}/{MARKER}"
         if self.fs.get_file_info(marker).type != pafs.FileType.File:
             if not create:
-                raise StoreError(f"no MEG store at {self.display(self.root)} (no {MARKER})",
-                                 self.display(self.root), "missing")
+                raise StoreError(
+                    f"no MEG store at {self.display(self.root)} (no {MARKER})",
+                    self.display(self.root),
+                    "missing",
+                )
             body = json.dumps({"format_version": FORMAT_VERSION, "kind": "flexmarl MEG store"})
             self._put_bytes(self.root, MARKER, body.encode())
 
@@ -254,25 +294,29 @@ class MEGStore:
     def _list(self, directory: str, dirs: bool = False) -> list[str]:
         """Names of the files (or subdirectories) of ``directory``; none if it is missing."""
         if self._commit_mode == "rename":
-            # os.scandir is ~5x faster than FileSelector on a few hundred entries, and this
-            # runs on every micro-batch read.
+            # os.listdir is ~5x faster than a FileSelector on a few hundred entries, and this
+            # runs on every micro-batch read. File listings are filtered by name afterwards
+            # (a directory named like a fragment fails loudly when read).
             try:
+                if not dirs:
+                    return os.listdir(directory)
                 with os.scandir(directory) as it:
-                    return [e.name for e in it if (e.is_dir() if dirs else e.is_file())]
+                    return [e.name for e in it if e.is_dir()]
             except FileNotFoundError:
                 return []
         want = pafs.FileType.Directory if dirs else pafs.FileType.File
         infos = self.fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
         return [i.base_name for i in infos if i.type == want]
 
-    @staticmethod
-    def _visible(name: str) -> bool:
-        return name.endswith(".parquet") and not name.startswith(("_", "."))
-
     def _fragments(self, directory: str, mb: int | None) -> list[str]:
-        names = [n for n in self._list(directory) if self._visible(n)]
+        names = [n for n in self._list(directory) if n.endswith(".parquet") and n[0] not in "_."]
         if mb is not None:
-            names = [n for n in names if (m := _MB_NAME.fullmatch(n)) is None or int(m[1]) == mb]
+            tag = f"mb{mb:06d}-"
+            names = [
+                n
+                for n in names
+                if n.startswith(tag) or not n.startswith("mb") or not _MB_NAME.fullmatch(n)
+            ]
         # mb-tagged rollout fragments first, compaction output last: on equal created_at the
         # later row wins, and compacted rows are the more complete ones.
         names.sort(key=lambda n: (not n.startswith("mb"), n))
@@ -302,15 +346,21 @@ class MEGStore:
         Raw means as stored: before compaction a retried write may appear twice and status
         is not folded in. Use ``read_samples`` for the deduplicated, folded view.
         """
-        file_schema = {"samples": SAMPLE_FILE_SCHEMA, "status": STATUS_FILE_SCHEMA,
-                       "inputs": INPUT_FILE_SCHEMA}[kind]
+        file_schema = {
+            "samples": SAMPLE_FILE_SCHEMA,
+            "status": STATUS_FILE_SCHEMA,
+            "inputs": INPUT_FILE_SCHEMA,
+        }[kind]
         part = partitioning(kind)
         schema = pa.schema(list(file_schema) + list(part.schema))
         base = f"{self.root}/{kind}"
         if self.fs.get_file_info(base).type != pafs.FileType.Directory:
-            return ds.dataset(schema.empty_table())
-        return ds.dataset(base, schema=schema, format="parquet", filesystem=self.fs,
-                          partitioning=part)
+            return ds.FileSystemDataset.from_paths(
+                [], schema=schema, format=ds.ParquetFileFormat(), filesystem=self.fs
+            )
+        return ds.dataset(
+            base, schema=schema, format="parquet", filesystem=self.fs, partitioning=part
+        )
 
     # ------------------------------------------------------------------ commit
 
@@ -326,7 +376,9 @@ class MEGStore:
         place; rename(2) is atomic and replaces an existing file, so readers see the old or the
         new fragment, never a partial one, and a retried write simply replaces its own file.
         A writer killed mid-write leaves only a temp file in ``_staging/``, which readers never
-        look at (``check_store`` reports it once it is stale).
+        look at (``check_store`` reports it once it is stale). Small fragments are encoded in
+        memory and written with one syscall (~2x faster than many small writes); big ones
+        stream into the temp file to bound memory.
 
         Object stores (S3, GCS) have no atomic rename, but an object becomes visible only when
         its upload completes (single PUT, or a multipart upload completed at close), and a PUT
@@ -342,18 +394,24 @@ class MEGStore:
             "write_statistics": ["mb", "policy_version", "traj"],
             "row_group_size": 8192,
         }
-        if self._commit_mode == "put":
+        data = None
+        if self._commit_mode == "put" or table.nbytes <= _STREAM_BYTES:
             sink = pa.BufferOutputStream()
             pq.write_table(table, sink, **opts)
-            self._put_bytes(directory, name, sink.getvalue())
+            data = sink.getvalue()
+        if self._commit_mode == "put":
+            self._put_bytes(directory, name, data)
             return path
         staging = f"{self.root}/{STAGING}"
         self._ensure_dir(staging)
         self._ensure_dir(directory)
         tmp = f"{staging}/{uuid.uuid4().hex}.{name}.tmp"
         try:
-            with pa.OSFile(tmp, "wb") as f:
-                pq.write_table(table, f, **opts)
+            with open(tmp, "wb") as f:
+                if data is not None:
+                    f.write(data)
+                else:
+                    pq.write_table(table, f, **opts)
             if self.fsync:
                 _fsync_path(tmp)
             try:
@@ -404,7 +462,10 @@ class MEGStore:
                     _check_schema(file_schema, schema, shown)
                 present = set(file_schema.names)
                 wanted = list(columns) if columns is not None else schema.names
-                table = pf.read(columns=[c for c in wanted if c in present], use_threads=False)
+                if columns is None and file_schema.names == wanted:
+                    table = pf.read(use_threads=False)  # skips pyarrow's column-name lookup
+                else:
+                    table = pf.read(columns=[c for c in wanted if c in present], use_threads=False)
         except FileNotFoundError as e:
             raise _Vanished(path) from e
         except StoreError:
@@ -429,7 +490,12 @@ class MEGStore:
         if not paths:
             cols = list(columns) if columns is not None else schema.names
             return pa.schema([schema.field(c) for c in cols]).empty_table()
-        tables = [self._read_fragment(p, schema, columns) for p in paths]
+        if len(paths) < 4:  # the micro-batch path: threads would cost more than they save
+            tables = [self._read_fragment(p, schema, columns) for p in paths]
+        else:
+            tables = list(
+                _reader_pool().map(lambda p: self._read_fragment(p, schema, columns), paths)
+            )
         return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 
     def _read_partition_raw(
@@ -472,9 +538,14 @@ class MEGStore:
         agent = validate_agent(agent)
         iteration = validate_iteration(iteration)
         table = _to_table(
-            rows, SAMPLE_FILE_SCHEMA, {"agent": agent, "iteration": iteration}, "samples"
+            rows,
+            SAMPLE_FILE_SCHEMA,
+            {"agent": agent, "iteration": iteration},
+            "samples",
+            derived=("sample_id",),
         )
         table = _check_samples(table, agent)
+        _reject_duplicates(table, "samples")
         return self._write_by_mb("samples", self._samples_dir(agent, iteration), table, "")
 
     def _write_by_mb(self, kind: str, directory: str, table: pa.Table, extra: str) -> list[str]:
@@ -483,9 +554,14 @@ class MEGStore:
         mbs = table.column("mb").unique().to_pylist()
         paths = []
         for mb in sorted(mbs, key=lambda m: (m is None, m)):
-            part = table if len(mbs) == 1 else table.filter(
-                pc.is_null(table.column("mb")) if mb is None
-                else pc.equal(table.column("mb"), mb)
+            part = (
+                table
+                if len(mbs) == 1
+                else table.filter(
+                    pc.is_null(table.column("mb"))
+                    if mb is None
+                    else pc.equal(table.column("mb"), mb)
+                )
             )
             tag = "all" if mb is None else f"mb{mb:06d}"
             name = f"{tag}-{_content_key(kind, part, _KEY, extra)}.parquet"
@@ -510,9 +586,7 @@ class MEGStore:
         if columns is not None:
             unknown = [c for c in columns if c not in SAMPLE_READ_SCHEMA.names]
             if unknown:
-                raise ValueError(
-                    f"unknown column(s) {unknown}; valid: {SAMPLE_READ_SCHEMA.names}"
-                )
+                raise ValueError(f"unknown column(s) {unknown}; valid: {SAMPLE_READ_SCHEMA.names}")
         its = self.iterations(agent) if iteration is None else [validate_iteration(iteration)]
         out_schema = (
             SAMPLE_READ_SCHEMA
@@ -549,18 +623,21 @@ class MEGStore:
                 samples = samples.filter(pc.equal(col, mb))
         if want_status:
             log = _status_log(samples, status)
-            samples = _latest(samples, _KEY)
+            samples = _latest(samples)
             samples = _fold_status(samples, log)
         else:
-            samples = _latest(samples, _KEY)
+            samples = _latest(samples)
         n = samples.num_rows
         samples = samples.take(
             pc.sort_indices(samples, sort_keys=[(c, "ascending") for c in sort_cols])
         )
-        samples = samples.append_column(SAMPLE_PARTITION_SCHEMA.field("agent"),
-                                        pa.repeat(pa.scalar(agent, pa.string()), n))
-        samples = samples.append_column(SAMPLE_PARTITION_SCHEMA.field("iteration"),
-                                        pa.repeat(pa.scalar(iteration, pa.int64()), n))
+        samples = samples.append_column(
+            SAMPLE_PARTITION_SCHEMA.field("agent"), pa.repeat(pa.scalar(agent, pa.string()), n)
+        )
+        samples = samples.append_column(
+            SAMPLE_PARTITION_SCHEMA.field("iteration"),
+            pa.repeat(pa.scalar(iteration, pa.int64()), n),
+        )
         names = list(columns) if columns is not None else SAMPLE_READ_SCHEMA.names
         return samples.select(names)
 
@@ -619,6 +696,7 @@ class MEGStore:
         for c in _KEY:
             if table.column(c).null_count:
                 raise ValueError(f"status rows need a non-null {c!r}")
+        _reject_duplicates(table, "status")
         return self._write_by_mb(
             "status", self._status_dir(agent, iteration), table, ",".join(set_fields)
         )
@@ -628,8 +706,9 @@ class MEGStore:
         table = samples if isinstance(samples, pa.Table) else pa.Table.from_pylist(list(samples))
         cols = ["sample_id", "policy_version"] + (["mb"] if "mb" in table.column_names else [])
         table = table.select(cols)
-        table = table.append_column("consumed_step", pa.repeat(pa.scalar(step, pa.int64()),
-                                                               table.num_rows))
+        table = table.append_column(
+            "consumed_step", pa.repeat(pa.scalar(step, pa.int64()), table.num_rows)
+        )
         return self.write_status(agent, iteration, table)
 
     # ------------------------------------------------------------------ inputs
@@ -663,12 +742,14 @@ class MEGStore:
             else:
                 where = self.display(self._inputs_dir(it))
                 raise StoreError(f"{where} kept changing while being read", where)
-            t = _latest(t, ["input_id"])
+            t = _latest(t)
             if split is not None:
                 t = t.filter(pc.equal(t.column("split"), split))
             t = t.take(pc.sort_indices(t, sort_keys=[("input_id", "ascending")]))
-            t = t.append_column(INPUT_PARTITION_SCHEMA.field("iteration"),
-                                pa.repeat(pa.scalar(it, pa.int64()), t.num_rows))
+            t = t.append_column(
+                INPUT_PARTITION_SCHEMA.field("iteration"),
+                pa.repeat(pa.scalar(it, pa.int64()), t.num_rows),
+            )
             parts.append(t)
         if not parts:
             return INPUT_READ_SCHEMA.empty_table()
@@ -683,17 +764,24 @@ class MEGStore:
         rows, writes the result as one fragment, then deletes the old sample fragments and
         then the old status fragments (status rows of unknown samples are kept in one status
         fragment). Readers running meanwhile see old and new rows together and deduplicate
-        them, so they never lose or double-count a sample. Writes that land during compaction
-        keep their own fragments. Returns the new fragment path, or None when the partition
-        is empty or already compact.
+        them, so they never lose or double-count a sample. New writes that land during
+        compaction keep their own fragments; a retry that *replaces* a fragment being compacted
+        is folded in with its earlier content (same keys, normally the same values). Run it
+        once an iteration's partition is quiet. Returns the new fragment path, or None when
+        the partition is empty or already compact.
         """
         agent = validate_agent(agent)
         iteration = validate_iteration(iteration)
         sdir, tdir = self._samples_dir(agent, iteration), self._status_dir(agent, iteration)
         status_paths = self._fragments(tdir, None)
         sample_paths = self._fragments(sdir, None)
-        if not sample_paths or (len(sample_paths) == 1 and not status_paths):
+        if not sample_paths:
             return None
+        if len(sample_paths) == 1:
+            # Compact already if the only status left is this compaction's orphan fragment.
+            own = sample_paths[0].rsplit("/", 1)[1]
+            if own.startswith("all-") and all(p == f"{tdir}/{own}" for p in status_paths):
+                return None
         # Deleted files only come from a concurrent compaction; let it win.
         try:
             status = self._read_all(status_paths, STATUS_FILE_SCHEMA)
@@ -703,26 +791,30 @@ class MEGStore:
         log = _status_log(samples, status)
         # A compacted row's created_at is the time of the latest write folded into it, so it
         # outranks every status entry it absorbed if a stale copy of one is still around.
-        newest = log.group_by(_KEY).aggregate([("created_at", "max")])
-        folded = _fold_status(_latest(samples, _KEY), log)
-        idx = pc.index_in(_row_keys(folded), value_set=_row_keys(newest))
-        created = pc.max_element_wise(
-            folded.column("created_at"), newest.column("created_at_max").take(idx),
+        folded = _fold_status(_latest(samples), log)
+        ts = SAMPLE_FILE_SCHEMA.field("created_at").type
+        created = pc.max_element_wise(  # no timestamp kernel: compare as int64 microseconds
+            folded.column("created_at").cast(pa.int64()),
+            _newest_write(folded, log).cast(pa.int64()),
             skip_nulls=True,
-        )
+        ).cast(ts)
         folded = folded.set_column(
             folded.schema.get_field_index("created_at"),
             SAMPLE_FILE_SCHEMA.field("created_at"),
             created,
         )
-        folded = folded.take(pc.sort_indices(folded, sort_keys=[
-            (c, "ascending") for c in ("mb", "input_id", "traj", "turn", "policy_version")]))
+        folded = folded.take(
+            pc.sort_indices(
+                folded,
+                sort_keys=[
+                    (c, "ascending") for c in ("mb", "input_id", "traj", "turn", "policy_version")
+                ],
+            )
+        )
         sources = [p.rsplit("/", 1)[1] for p in sample_paths + status_paths]
         key = hashlib.blake2b("\n".join(sorted(sources)).encode(), digest_size=12).hexdigest()
         new_path = self._commit(folded, sdir, f"all-{key}.parquet")
-        orphans = status.filter(
-            pc.invert(pc.is_in(_row_keys(status), value_set=_row_keys(folded)))
-        )
+        orphans = status.filter(pc.invert(pc.is_in(_row_keys(status), value_set=_row_keys(folded))))
         new_status = None
         if orphans.num_rows:
             new_status = self._commit(orphans, tdir, f"all-{key}.parquet")
@@ -752,8 +844,11 @@ class MEGStore:
         cutoff = time.time() - older_than_s
         removed = []
         for info in infos:
-            if info.type == pafs.FileType.File and info.mtime is not None \
-                    and info.mtime.timestamp() <= cutoff:
+            if (
+                info.type == pafs.FileType.File
+                and info.mtime is not None
+                and info.mtime.timestamp() <= cutoff
+            ):
                 self._delete(info.path)
                 removed.append(self.display(info.path))
         return removed
@@ -777,49 +872,78 @@ class MEGStore:
         dups = counts.filter(pc.greater(counts.column("sample_id_count"), 1))
         if dups.num_rows:
             ex = dups.column("sample_id").to_pylist()[:5]
-            problems.append(Problem(
-                "duplicate", where,
-                f"{dups.num_rows} (sample_id, policy_version) keys stored more than once "
-                f"(readers keep the latest; compact to clean up), e.g. {ex}", "warning"))
+            problems.append(
+                Problem(
+                    "duplicate",
+                    where,
+                    f"{dups.num_rows} (sample_id, policy_version) keys stored more than once "
+                    f"(readers keep the latest; compact to clean up), e.g. {ex}",
+                    "warning",
+                )
+            )
         unique = counts.select(_KEY)
         per_id = unique.group_by("sample_id").aggregate([("policy_version", "count_distinct")])
         multi = per_id.filter(pc.greater(per_id.column("policy_version_count_distinct"), 1))
         if multi.num_rows:
-            problems.append(Problem(
-                "multi_version", where,
-                f"{multi.num_rows} sample_ids exist under several policy versions, e.g. "
-                f"{multi.column('sample_id').to_pylist()[:5]}", "warning"))
+            problems.append(
+                Problem(
+                    "multi_version",
+                    where,
+                    f"{multi.num_rows} sample_ids exist under several policy versions, e.g. "
+                    f"{multi.column('sample_id').to_pylist()[:5]}",
+                    "warning",
+                )
+            )
         if samples.num_rows:
-            bad = samples.filter(pc.invert(pc.equal(samples.column("sample_id"),
-                                                    _expected_ids(samples, agent))))
+            bad = samples.filter(
+                pc.invert(pc.equal(samples.column("sample_id"), _expected_ids(samples, agent)))
+            )
             if bad.num_rows:
-                problems.append(Problem(
-                    "bad_sample_id", where,
-                    f"{bad.num_rows} sample_ids differ from '{{input_id}}:{{traj}}:{agent}:"
-                    f"{{turn}}', e.g. {bad.column('sample_id').to_pylist()[:3]}"))
+                problems.append(
+                    Problem(
+                        "bad_sample_id",
+                        where,
+                        f"{bad.num_rows} sample_ids differ from '{{input_id}}:{{traj}}:{agent}:"
+                        f"{{turn}}', e.g. {bad.column('sample_id').to_pylist()[:3]}",
+                    )
+                )
         if status.num_rows:
-            orphan = status.filter(pc.invert(pc.is_in(_row_keys(status),
-                                                      value_set=_row_keys(samples))))
+            orphan = status.filter(
+                pc.invert(pc.is_in(_row_keys(status), value_set=_row_keys(samples)))
+            )
             if orphan.num_rows:
-                problems.append(Problem(
-                    "orphan_status", self.display(self._status_dir(agent, iteration)),
-                    f"{orphan.num_rows} status rows name samples that are not stored, e.g. "
-                    f"{orphan.column('sample_id').to_pylist()[:3]}", "warning"))
+                problems.append(
+                    Problem(
+                        "orphan_status",
+                        self.display(self._status_dir(agent, iteration)),
+                        f"{orphan.num_rows} status rows name samples that are not stored, e.g. "
+                        f"{orphan.column('sample_id').to_pylist()[:3]}",
+                        "warning",
+                    )
+                )
         if isinstance(expected, int):
             if unique.num_rows != expected:
-                problems.append(Problem(
-                    "count", where, f"expected {expected} samples, found {unique.num_rows}"))
+                problems.append(
+                    Problem("count", where, f"expected {expected} samples, found {unique.num_rows}")
+                )
         elif expected is not None:
             want = set(expected)
             have = set(unique.column("sample_id").to_pylist())
             missing, extra = sorted(want - have), sorted(have - want)
             if missing:
-                problems.append(Problem(
-                    "missing", where, f"{len(missing)} expected samples missing, e.g. "
-                    f"{missing[:5]}"))
+                problems.append(
+                    Problem(
+                        "missing",
+                        where,
+                        f"{len(missing)} expected samples missing, e.g. {missing[:5]}",
+                    )
+                )
             if extra:
-                problems.append(Problem(
-                    "unexpected", where, f"{len(extra)} samples not expected, e.g. {extra[:5]}"))
+                problems.append(
+                    Problem(
+                        "unexpected", where, f"{len(extra)} samples not expected, e.g. {extra[:5]}"
+                    )
+                )
         return problems
 
 
@@ -857,7 +981,11 @@ def _check_schema(got: pa.Schema, want: pa.Schema, shown: str) -> None:
 
 
 def _to_table(
-    rows: Rows, schema: pa.Schema, partition: Mapping[str, Any], kind: str
+    rows: Rows,
+    schema: pa.Schema,
+    partition: Mapping[str, Any],
+    kind: str,
+    derived: Sequence[str] = (),
 ) -> pa.Table:
     """Rows (dicts or a table) -> a table of exactly ``schema``, ``created_at`` set to now.
 
@@ -888,7 +1016,9 @@ def _to_table(
                     f"rows have {c}={sorted(values, key=str)} but were written with "
                     f"{c}={partition[c]!r}"
                 )
-    target = pa.schema([schema.field(c) for c in allowed])
+    # Files carry no field metadata (the docs live in the schema constants): it bloats every
+    # footer that readers parse.
+    target = pa.schema([schema.field(c).remove_metadata() for c in allowed])
     try:
         if isinstance(rows, pa.Table):
             n = rows.num_rows
@@ -902,19 +1032,25 @@ def _to_table(
         else:
             if json_cols and any(isinstance(r.get(c), dict) for r in rows for c in json_cols):
                 rows = [
-                    {**r, **{c: json.dumps(r[c], sort_keys=True)
-                             for c in json_cols if isinstance(r.get(c), dict)}}
+                    {
+                        **r,
+                        **{
+                            c: json.dumps(r[c], sort_keys=True)
+                            for c in json_cols
+                            if isinstance(r.get(c), dict)
+                        },
+                    }
                     for r in rows
                 ]
             table = pa.Table.from_pylist(rows, schema=target)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
         raise ValueError(f"cannot convert {kind} rows to the store schema: {e}") from e
     for f in target:
-        if not f.nullable and table.column(f.name).null_count:
+        if not f.nullable and f.name not in derived and table.column(f.name).null_count:
             raise ValueError(f"{kind} column {f.name!r} is required but has null/missing values")
-    i = schema.get_field_index("created_at")
-    created = pa.repeat(pa.scalar(_now(), schema.field("created_at").type), table.num_rows)
-    table = table.add_column(i, schema.field("created_at"), created)
+    created_at = schema.field("created_at").remove_metadata()
+    created = pa.repeat(pa.scalar(_now(), created_at.type), table.num_rows)
+    table = table.add_column(schema.get_field_index("created_at"), created_at, created)
     return table
 
 
@@ -927,6 +1063,22 @@ def _cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
         raise ValueError(
             f"column {field.name!r} has type {column.type}, expected {field.type}: {e}"
         ) from e
+
+
+def _reject_duplicates(table: pa.Table, kind: str) -> None:
+    """One write may not name a (sample_id, policy_version) twice: which row would win?
+
+    The usual cause is a wrong traj/turn (G trajectories all with traj=0), which would
+    otherwise be silently deduplicated down to one sample.
+    """
+    keys = _row_keys(table)
+    if len(pc.unique(keys)) != len(keys):
+        counts = pc.value_counts(keys)
+        dup = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
+        raise ValueError(
+            f"{kind} rows name (sample_id, policy_version) {tuple(dup.split(chr(31)))} more "
+            "than once in one write; check traj/turn (every trajectory and turn needs its own)"
+        )
 
 
 def _expected_ids(table: pa.Table, agent: str) -> pa.Array:

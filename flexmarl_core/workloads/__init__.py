@@ -184,13 +184,11 @@ def make_workload(
         raise WorkloadError("the team has no output agent; set team.output")
     team_reward = None
     if cfg.reward is not None:
-        team_reward = RewardCallable(cfg.reward, base_dir=base_dir, key="reward")
-        team_reward.fn  # noqa: B018 -- import now: a typo should fail at startup
-    agent_rewards = {}
-    for agent, spec in cfg.agent_rewards.items():
-        ref = RewardCallable(spec, base_dir=base_dir, key=f"agent_rewards.{agent}")
-        ref.fn  # noqa: B018
-        agent_rewards[agent] = ref
+        team_reward = RewardCallable(cfg.reward, base_dir=base_dir, key="reward").load()
+    agent_rewards = {
+        agent: RewardCallable(spec, base_dir=base_dir, key=f"agent_rewards.{agent}").load()
+        for agent, spec in cfg.agent_rewards.items()
+    }
     common: dict[str, Any] = {
         "agents": meg.agent_names,
         "output_agent": meg.output,

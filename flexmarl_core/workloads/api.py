@@ -44,7 +44,7 @@ class Problem:
     input_id: str
     text: str
     answer: str
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not self.input_id or ":" in self.input_id:

@@ -316,7 +316,7 @@ class ArithmeticWorkload(RuleWorkload):
         tree, got = parse(problem.text), parse(plan)
         return tree is not None and got is not None and got in reductions(tree)
 
-    def agent_score(self, problem: Problem, agent: str, outputs: Mapping[str, str]) -> float:
+    def agent_score(self, problem: Problem, agent: str, outputs: Mapping[str, str]) -> float | None:
         text = outputs.get(agent, "")
         if self.roles[agent] == "plan":
             return 1.0 if self.plan_correct(problem, text) else 0.0

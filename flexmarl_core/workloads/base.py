@@ -133,9 +133,13 @@ class RuleWorkload(ABC):
         self, problem: Problem, agent: str, parent_outputs: Mapping[str, str]
     ) -> str: ...
 
-    def agent_score(self, problem: Problem, agent: str, outputs: Mapping[str, str]) -> float:
-        """Built-in 0..1 score of `agent`'s own contribution; default: the team's score."""
-        return self._team(problem, outputs)
+    def agent_score(self, problem: Problem, agent: str, outputs: Mapping[str, str]) -> float | None:
+        """Built-in 0..1 score of `agent`'s own contribution under `credit: per_agent`.
+
+        None (the default) means "the team's score": the team score may be expensive (code
+        execution), so `reward` computes it once and reuses it.
+        """
+        return None
 
     def format_score(self, problem: Problem, agent: str, outputs: Mapping[str, str]) -> float:
         """0..1: does `agent`'s output look like what that agent should write."""
@@ -159,7 +163,8 @@ class RuleWorkload(ABC):
             elif agent in self.agent_rewards:
                 score = self.agent_rewards[agent](problem, outputs)
             else:
-                score = self.agent_score(problem, agent, outputs)
+                own = self.agent_score(problem, agent, outputs)
+                score = team if own is None else own
             fmt = self.format_score(problem, agent, outputs) if w else 0.0
             rewards[agent] = (1.0 - w) * score + w * fmt
         return rewards
@@ -173,9 +178,12 @@ class PoolWorkload(RuleWorkload):
     """A workload over a finite list of problems, split into train and held-out.
 
     A problem whose `meta["split"]` is set stays in that split; the others are assigned by a
-    hash of their text (`heldout_fraction` of them go to held-out). Train draws walk a
-    seeded permutation of the train pool, epoch after epoch (each epoch reshuffled, input ids
-    suffixed `~{epoch}` so sample ids never repeat); held-out draws never repeat.
+    hash of their text (`heldout_fraction` of them go to held-out). A train problem whose text
+    is also held-out is dropped (`dropped_from_train`), so the splits never share text.
+
+    Train draws walk a seeded permutation of the train pool, epoch after epoch (each epoch
+    reshuffled, input ids suffixed `~{epoch}` so sample ids never repeat); held-out draws
+    never repeat, so asking for more than the pool returns the whole pool.
 
     The pool is loaded lazily and dropped when pickled, so shipping the workload to a Dask
     worker costs bytes, not the dataset; the worker reloads it from the same source.
@@ -187,6 +195,8 @@ class PoolWorkload(RuleWorkload):
             raise WorkloadError(f"params.heldout_fraction={heldout_fraction} must be in [0, 1)")
         self.heldout_fraction = heldout_fraction
         self._pools: dict[Split, list[Problem]] | None = None
+        #: train problems dropped because their text is also held-out (set on load)
+        self.dropped_from_train = 0
 
     @abstractmethod
     def load(self) -> list[Problem]:
@@ -200,20 +210,27 @@ class PoolWorkload(RuleWorkload):
     def pools(self) -> dict[Split, list[Problem]]:
         if self._pools is None:
             pools: dict[Split, list[Problem]] = {"train": [], "heldout": []}
-            seen: dict[str, int] = {}
+            seen: dict[str, str] = {}
             for i, p in enumerate(self.load()):
+                here = str(p.meta.get("where", f"problem {i}"))
                 if p.input_id in seen:
                     raise WorkloadError(
-                        f"{self.source}: duplicate input id {p.input_id!r} "
-                        f"(problems {seen[p.input_id]} and {i}); ids must be unique"
+                        f"{self.source}: duplicate input id {p.input_id!r} in {seen[p.input_id]} "
+                        f"and {here}; ids must be unique"
                     )
-                seen[p.input_id] = i
+                seen[p.input_id] = here
                 split = p.meta.get("split")
                 if split is None:
                     split = "heldout" if hash_fraction(p.text) < self.heldout_fraction else "train"
                 else:
                     split = normalize_split(split, where=f"{self.source}: problem {p.input_id!r}")
                 pools[split].append(p)
+            # A pinned split can repeat a held-out question in train (contaminated data):
+            # such copies leave the train pool, so held-out accuracy stays honest.
+            held = {p.text for p in pools["heldout"]}
+            train = [p for p in pools["train"] if p.text not in held]
+            self.dropped_from_train = len(pools["train"]) - len(train)
+            pools["train"] = train
             self._pools = pools
         return self._pools
 

@@ -35,7 +35,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from flexmarl_core.workloads.api import Problem, WorkloadError
 from flexmarl_core.workloads.base import AnswerPoolWorkload
@@ -121,9 +121,15 @@ class CallableRef:
 
     @property
     def fn(self) -> Callable[..., Any]:
+        """The function, imported on first use in this process."""
         if self._fn is None:
             self._fn = load_callable(self.spec, base_dir=self.base_dir, key=self.key)
         return self._fn
+
+    def load(self) -> Self:
+        """Import now (so a typo fails at startup, not at the first reward); returns self."""
+        self.fn  # noqa: B018 -- the property imports and caches
+        return self
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fn": None}

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl_core.workloads.api import Problem, WorkloadError
-from flexmarl_core.workloads.base import AnswerPoolWorkload
+from flexmarl_core.workloads.base import AnswerPoolWorkload, normalize_split
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -173,7 +173,7 @@ class DatasetWorkload(AnswerPoolWorkload):
         if split is not None:
             meta["split"] = split
         elif "split" in f:
-            meta["split"] = _cell(row, f, "split", where)
+            meta["split"] = normalize_split(_cell(row, f, "split", where), where=where)
         meta["where"] = where
         try:
             return Problem(input_id, text, answer, meta)

@@ -1,0 +1,187 @@
+"""Engine speed vs plain transformers / torch on the SAME batch, side by side in one run.
+
+What it measures, per preset (tiny-1m, tiny-10m, tiny-50m; --quick skips 50m):
+
+* generate: 32 prompts x 64 new tokens, sampling at temperature 1 (no top-k/top-p), fp32.
+  `HFInferenceEngine.generate` (our loop, exact logprobs, seeded) vs `model.generate(do_sample=True)`.
+  Tokens/s = batch x decode steps / wall time.
+* train step: 16 sequences x 128 tokens (32 prompt + 96 response), fp32, PPO-clipped loss:
+  `TorchTrainer.accumulate + step` vs a plain torch loop (forward, log_softmax/gather, same loss,
+  backward, clip, AdamW, zero_grad).
+
+Runs are interleaved (engine, plain, engine, ...) after a warm-up and reported as medians, so
+machine noise hits both sides alike. Targets: gen_ratio = engine/plain tokens/s >= 0.9 and
+step_ratio = engine/plain seconds <= 1.1. Torch threads = 2 (--threads).
+
+    .venv/bin/python bench/engines.py --json /tmp/engines.json --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flexmarl_core.algorithms import make_loss_fn, token_weight  # noqa: E402
+from flexmarl_core.config import AlgorithmConfig, ModelConfig, SamplingConfig  # noqa: E402
+from flexmarl_core.inference import HFInferenceEngine  # noqa: E402
+from flexmarl_core.models import build_model, get_tokenizer, num_params  # noqa: E402
+from flexmarl_core.training import Sample, TorchTrainer  # noqa: E402
+
+GEN_BATCH, GEN_NEW = 32, 64
+TRAIN_BATCH, TRAIN_PROMPT, TRAIN_LEN = 16, 32, 128
+
+
+def bench_generate(model, tok, reps: int) -> tuple[float, float]:
+    prompts = [f"question: {i} + {3 * i} * 7 = ?\nplan:" + " step" * (i % 5) for i in range(GEN_BATCH)]
+    engine = HFInferenceEngine(model, tok)
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=GEN_NEW)
+    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+
+    def run_engine(seed: int) -> float:
+        t0 = time.perf_counter()
+        gens = engine.generate(prompts, sampling, seed=seed)
+        dt = time.perf_counter() - t0
+        return GEN_BATCH * max(len(g.response_ids) for g in gens) / dt
+
+    def run_plain(seed: int) -> float:
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                **enc, do_sample=True, max_new_tokens=GEN_NEW, temperature=1.0, top_k=None, top_p=1.0
+            )
+        dt = time.perf_counter() - t0
+        return GEN_BATCH * (out.shape[1] - enc["input_ids"].shape[1]) / dt
+
+    run_engine(0), run_plain(0)  # warm-up
+    eng, plain = [], []
+    for r in range(reps):
+        eng.append(run_engine(r + 1))
+        plain.append(run_plain(r + 1))
+    return statistics.median(eng), statistics.median(plain)
+
+
+def train_batch(vocab: int) -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (TRAIN_BATCH, TRAIN_LEN), generator=g)
+    adv = torch.randn(TRAIN_BATCH, generator=g)
+    resp = TRAIN_LEN - TRAIN_PROMPT
+    return [
+        Sample(
+            prompt_ids=ids[b, :TRAIN_PROMPT].tolist(),
+            response_ids=ids[b, TRAIN_PROMPT:].tolist(),
+            logprobs=[-7.0] * resp,
+            advantage=float(adv[b]),
+        )
+        for b in range(TRAIN_BATCH)
+    ]
+
+
+def bench_train(model, samples: list[Sample], reps: int) -> tuple[float, float]:
+    algo = AlgorithmConfig(lr=1e-5)
+    trainer = TorchTrainer(
+        copy.deepcopy(model), loss_fn=make_loss_fn(algo), loss_weight_fn=token_weight, lr=algo.lr
+    )
+    plain_model = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(plain_model.parameters(), lr=algo.lr, weight_decay=0.0)
+    ids = torch.tensor([s.prompt_ids + s.response_ids for s in samples])
+    old = torch.tensor([s.logprobs for s in samples])
+    adv = torch.tensor([s.advantage for s in samples]).unsqueeze(-1)
+    scale = 1.0 / token_weight(samples)
+
+    def run_engine() -> float:
+        t0 = time.perf_counter()
+        trainer.accumulate(samples, scale)
+        trainer.step()
+        return time.perf_counter() - t0
+
+    def run_plain() -> float:
+        t0 = time.perf_counter()
+        logits = plain_model(input_ids=ids).logits[:, TRAIN_PROMPT - 1 : -1].float()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, TRAIN_PROMPT:, None]).squeeze(-1)
+        ratio = torch.exp(logp - old)
+        loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    run_engine(), run_plain()  # warm-up (allocations, optimizer state)
+    eng, plain = [], []
+    for _ in range(reps):
+        eng.append(run_engine())
+        plain.append(run_plain())
+    return statistics.median(eng), statistics.median(plain)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", required=True, help="where to write the results")
+    ap.add_argument("--quick", action="store_true", help="skip tiny-50m and use 3 repetitions")
+    ap.add_argument("--presets", nargs="*", default=None, help="override the preset list")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per side")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    presets = args.presets or (["tiny-1m", "tiny-10m"] if args.quick else ["tiny-1m", "tiny-10m", "tiny-50m"])
+    reps = args.reps or (3 if args.quick else 5)
+
+    tok = get_tokenizer()
+    rows = []
+    print(f"{'preset':<10} {'params':>7} | {'engine tok/s':>12} {'plain tok/s':>11} {'ratio':>6} | "
+          f"{'engine step s':>13} {'plain step s':>12} {'ratio':>6}")
+    for preset in presets:
+        model = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
+        e_tok, p_tok = bench_generate(model, tok, reps)
+        e_step, p_step = bench_train(model, train_batch(len(tok)), reps)
+        row = {
+            "preset": preset,
+            "params": num_params(model),
+            "engine_gen_tok_s": round(e_tok, 1),
+            "plain_gen_tok_s": round(p_tok, 1),
+            "gen_ratio": round(e_tok / p_tok, 3),
+            "engine_step_s": round(e_step, 4),
+            "plain_step_s": round(p_step, 4),
+            "step_ratio": round(e_step / p_step, 3),
+        }
+        rows.append(row)
+        print(f"{preset:<10} {row['params'] / 1e6:>6.1f}M | {e_tok:>12.0f} {p_tok:>11.0f} "
+              f"{row['gen_ratio']:>6.2f} | {e_step:>13.3f} {p_step:>12.3f} {row['step_ratio']:>6.2f}")
+        del model
+    result = {
+        "bench": "engines",
+        "setup": {
+            "generate": f"batch {GEN_BATCH} x {GEN_NEW} new tokens, temperature 1, fp32",
+            "train": f"{TRAIN_BATCH} x {TRAIN_LEN} tokens ({TRAIN_PROMPT} prompt), fp32, AdamW",
+            "ratios": "gen_ratio = engine/plain tokens/s (>= 0.9 ok); step_ratio = engine/plain s (<= 1.1 ok)",
+            "reps": reps,
+            "threads": args.threads,
+        },
+        "env": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "loadavg_end": os.getloadavg(),
+        },
+        "rows": rows,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

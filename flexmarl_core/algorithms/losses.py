@@ -1,0 +1,135 @@
+"""Policy losses, and the glue that turns one into the trainer's `loss_fn` / `loss_weight_fn`.
+
+A policy loss is a pure tensor function registered by name:
+
+    fn(logprobs, old_logprobs, advantages, mask, *, cfg, ref_logprobs=None, normalizer=1.0)
+        -> (loss: scalar, metrics: dict[str, scalar tensor])
+
+    logprobs, old_logprobs, mask, ref_logprobs: (B, R);  advantages: (B,) or (B, R)
+
+Loss normalisation (fixed before any backward, so micro-batch accumulation is exact):
+
+    loss = sum_{b,t} mask[b,t] * l[b,t] / normalizer
+
+with `normalizer` the number of loss tokens in the WHOLE global batch. In the trainer path the
+function is called with normalizer=1 (a sum) and the trainer multiplies by
+loss_scale = 1 / global token count (`training/api.py`); tests call it with the normaliser.
+Metrics are normalised the same way, so after a global batch they are per-token means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from flexmarl_core.algorithms.registry import Registry
+from flexmarl_core.config import AlgorithmConfig
+from flexmarl_core.training.api import LossFn, MicroBatch, TokenBatch
+
+
+class PolicyLossFn(Protocol):
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        cfg: AlgorithmConfig,
+        ref_logprobs: torch.Tensor | None = None,
+        normalizer: float = 1.0,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "algorithm.policy_loss")
+
+
+def register_policy_loss(name: str):
+    """Decorator registering a policy loss under `name` (duplicate names raise)."""
+    return POLICY_LOSSES.register(name)
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    return POLICY_LOSSES.get(name)
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || ref) (Schulman 2020, "Approximating KL divergence"):
+    k3 = exp(ref - logp) - (ref - logp) - 1  >= 0, unbiased, low variance."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1.0
+
+
+@register_policy_loss("clipped")
+def clipped(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cfg: AlgorithmConfig,
+    ref_logprobs: torch.Tensor | None = None,
+    normalizer: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) + optional k3 KL.
+
+    ratio = exp(logp - old_logp)
+    l     = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)) + kl_coef * k3(logp, ref)
+    loss  = sum(mask * l) / normalizer
+
+    Shapes: logprobs/old_logprobs/mask/ref_logprobs (B, R); advantages (B,) or (B, R).
+    Metrics (same normalisation): pg_loss, kl, clip_frac (tokens where the clip is active),
+    ratio.
+    """
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    on = mask > 0
+    # where() rather than multiply: padding positions must not turn inf * 0 into NaN.
+    log_ratio = torch.where(on, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio)
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
+    pg = torch.maximum(pg1, pg2)
+    per_token = pg
+    metrics: dict[str, torch.Tensor] = {}
+    if cfg.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError(
+                f"algorithm.kl_coef={cfg.kl_coef} needs reference logprobs; build the trainer "
+                "with a reference model (make_trainer does when kl_coef > 0)"
+            )
+        kl = torch.where(on, kl_k3(logprobs, ref_logprobs), torch.zeros_like(logprobs))
+        per_token = per_token + cfg.kl_coef * kl
+        metrics["kl"] = (kl * mask).sum().detach() / normalizer
+    loss = (per_token * mask).sum() / normalizer
+    metrics["pg_loss"] = (pg * mask).sum().detach() / normalizer
+    metrics["clip_frac"] = ((pg2 > pg1).float() * mask).sum() / normalizer
+    metrics["ratio"] = (ratio * mask).sum().detach() / normalizer
+    return loss, metrics
+
+
+def make_loss_fn(cfg: AlgorithmConfig) -> LossFn:
+    """The trainer `loss_fn` for `cfg.policy_loss`: a token SUM (normalizer 1); pair it with
+    `token_weight` so the trainer divides by the global batch's token count."""
+    policy = get_policy_loss(cfg.policy_loss)
+
+    def loss_fn(logprobs: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+        return policy(
+            logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.mask,
+            cfg=cfg,
+            ref_logprobs=batch.ref_logprobs,
+            normalizer=1.0,
+        )
+
+    return loss_fn
+
+
+def token_weight(micro_batch: MicroBatch) -> float:
+    """Loss tokens in a micro-batch (the `loss_weight_fn` matching `make_loss_fn`)."""
+    return float(
+        sum(sum(s.loss_mask) if s.loss_mask is not None else len(s.response_ids) for s in micro_batch)
+    )

@@ -1,0 +1,65 @@
+"""In-process executor: ops run on threads standing in for workers, each with resource tags.
+
+It runs the orchestrator without a cluster, for tests of the scheduling logic and for
+single-process use. A "worker" here runs one op at a time, like a 1-thread Dask worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from flexmarl_core.orchestrator import Op, OrchestratorError, Route
+
+
+class ThreadExecutor:
+    def __init__(self, fn: Callable[[Op, str], dict[str, Any]], workers: dict[str, dict[str, float]]) -> None:
+        self.fn = fn
+        self.resources = {w: dict(r) for w, r in workers.items()}
+        self.slots = {w: threading.Lock() for w in workers}
+        self.pool = ThreadPoolExecutor(max_workers=max(len(workers), 1) * 4)
+        self._lock = threading.Lock()
+
+    def _pick(self, route: Route) -> list[str]:
+        if route.worker:
+            return [route.worker]
+        ok = [w for w, r in self.resources.items()
+              if all(r.get(k, 0) >= v for k, v in route.resources.items())]
+        if not ok:
+            raise OrchestratorError(f"no worker has resources {route.resources}")
+        return ok
+
+    def _run(self, op: Op, kwargs: dict[str, Any], candidates: list[str]) -> dict[str, Any]:
+        # Take the first free candidate (least-loaded placement), else wait on the first one.
+        while True:
+            for w in candidates:
+                if self.slots[w].acquire(blocking=False):
+                    try:
+                        return self.fn(op, w)
+                    finally:
+                        self.slots[w].release()
+            with self.slots[candidates[0]]:
+                pass
+
+    def submit(self, op: Op, kwargs: dict[str, Any], route: Route) -> Future:
+        return self.pool.submit(self._run, op, kwargs, self._pick(route))
+
+    def wait_any(self, handles: Sequence[Future], timeout: float | None = None) -> list[Any]:
+        done, _ = wait(list(handles), timeout=timeout, return_when=FIRST_COMPLETED)
+        return list(done)
+
+    def result(self, handle: Future) -> dict[str, Any]:
+        return handle.result()
+
+    def worker_resources(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {w: dict(r) for w, r in self.resources.items()}
+
+    def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None:
+        with self._lock:
+            self.resources[worker].update(resources)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

@@ -1,0 +1,118 @@
+"""Training contracts: samples, collated batches, loss callables and the trainer Protocol.
+
+The trainer knows no RL (AReaL style): it turns a micro-batch into per-token logprobs, calls a
+`loss_fn`, scales, backpropagates and steps. The algorithm lives in `loss_fn` and in the
+advantages already stored on each `Sample`.
+
+Loss normalisation is fixed before any backward, so early (per micro-batch) backward is exact:
+
+    weights  = [trainer.loss_weight(mb) for mb in global_batch]     # e.g. loss-token counts
+    scale    = 1 / sum(weights)                                     # known before the first mb
+    for mb in global_batch (in any order, whenever its rewards are in):
+        trainer.accumulate(mb, loss_scale=scale)                    # backward(loss_fn(mb) * scale)
+    trainer.step()
+
+`loss_fn` returns a *sum* over the units `loss_weight_fn` counts (tokens by default), so the
+accumulated gradient equals the gradient of the whole global batch's mean loss, however the
+batch is split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(slots=True)
+class Sample:
+    """One agent response to train on."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  #: behaviour ("old") logprobs, one per response token
+    advantage: float  #: scalar advantage of the whole response
+    #: per response token: 1 = train on it, 0 = not the policy's own token (e.g. tool output);
+    #: None = all ones
+    loss_mask: list[int] | None = None
+
+
+#: A micro-batch: whole GRPO groups, trained in one forward/backward.
+MicroBatch = Sequence[Sample]
+
+
+@dataclass(slots=True)
+class TokenBatch:
+    """A collated micro-batch, right padded. B samples, T = longest prompt+response,
+    R = longest response. Response token j of row b is predicted by the logits at position
+    `target_index[b, j]` (= prompt_len_b - 1 + j) of `input_ids`."""
+
+    input_ids: torch.Tensor  #: (B, T) long, padded with pad_id
+    attention_mask: torch.Tensor  #: (B, T) long, 1 on real tokens
+    target_index: torch.Tensor  #: (B, R) long, 0 on padding
+    response_ids: torch.Tensor  #: (B, R) long
+    mask: torch.Tensor  #: (B, R) fp32 loss mask, 0 on padding
+    old_logprobs: torch.Tensor  #: (B, R) fp32 behaviour logprobs, 0 on padding
+    advantages: torch.Tensor  #: (B,) fp32
+    ref_logprobs: torch.Tensor | None = None  #: (B, R) fp32, set by a trainer with a reference
+
+
+#: (logprobs (B, R) with grad, batch) -> (loss, metrics). The loss is a SUM over the units the
+#: matching LossWeightFn counts; metrics are sums of the same kind (the trainer scales both).
+LossFn = Callable[["torch.Tensor", TokenBatch], tuple["torch.Tensor", Mapping[str, Any]]]
+#: micro-batch -> how many normalisation units it holds (e.g. loss tokens); summed over the
+#: global batch *before* any backward to get the normaliser.
+LossWeightFn = Callable[[MicroBatch], float]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one optimizer step did."""
+
+    version: int  #: policy version after the step
+    grad_norm: float  #: total grad norm before clipping
+    num_micro_batches: int
+    #: loss_fn metrics summed over micro-batches, each scaled by its loss_scale (with the
+    #: default token normaliser: global per-token means)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class TrainBackend(Protocol):
+    """One agent's trainer (plain torch today; DeepSpeed behind the same calls)."""
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps taken = policy version of the current weights (0 = initial)."""
+        ...
+
+    def loss_weight(self, micro_batch: MicroBatch) -> float:
+        """Normalisation units in `micro_batch` (the trainer's LossWeightFn)."""
+        ...
+
+    def accumulate(self, micro_batch: MicroBatch, loss_scale: float) -> dict[str, float]:
+        """Forward + backward of `loss_fn(mb) * loss_scale`; gradients add up until `step`."""
+        ...
+
+    def step(self) -> StepResult:
+        """Clip gradients, optimizer step, zero gradients, version += 1."""
+        ...
+
+    def logprobs(self, micro_batch: MicroBatch) -> list[list[float]]:
+        """Recompute response-token logprobs with the current weights (no grad)."""
+        ...
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A detached copy of the full state dict for inference (`lm_head.weight` included)."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """Everything needed to resume bit-exactly (weights, optimizer, version, grads, RNG)."""
+        ...
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore a `state()`; afterwards the trainer behaves exactly like the one saved."""
+        ...

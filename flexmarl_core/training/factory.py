@@ -1,0 +1,53 @@
+"""`make_trainer`: the trainer an agent's config asks for."""
+
+from __future__ import annotations
+
+import copy
+
+from transformers import PreTrainedModel
+
+from flexmarl_core.config import AgentConfig
+from flexmarl_core.training.api import LossFn, LossWeightFn, TrainBackend
+
+
+def make_trainer(
+    agent: AgentConfig,
+    model: PreTrainedModel,
+    *,
+    loss_fn: LossFn | None = None,
+    loss_weight_fn: LossWeightFn | None = None,
+    ref_model: PreTrainedModel | None = None,
+) -> TrainBackend:
+    """A trainer for `agent` that owns `model` (fp32 master weights).
+
+    Defaults: the policy loss `agent.algorithm.policy_loss` normalised per global-batch token
+    (`algorithms.make_loss_fn` + `token_weight`). With `algorithm.kl_coef > 0` a frozen copy of
+    `model` becomes the KL reference unless `ref_model` is given. Logprobs are scored at
+    `agent.sampling.temperature`, matching the rollout engine.
+    """
+    backend = agent.backend.training
+    if backend == "deepspeed":
+        raise ValueError(
+            f"agent {agent.name!r}: backend.training='deepspeed' needs the deepspeed extra "
+            "(pip install 'flexmarl[deepspeed]') and its trainer, which this build does not "
+            "include yet; use backend.training='torch'"
+        )
+    if backend != "torch":
+        raise ValueError(f"agent {agent.name!r}: unknown backend.training={backend!r}; valid: torch, deepspeed")
+    from flexmarl_core.algorithms.losses import make_loss_fn, token_weight
+    from flexmarl_core.training.torch_trainer import TorchTrainer
+
+    algo = agent.algorithm
+    if algo.kl_coef > 0 and ref_model is None:
+        ref_model = copy.deepcopy(model)
+    return TorchTrainer(
+        model,
+        loss_fn=loss_fn or make_loss_fn(algo),
+        loss_weight_fn=loss_weight_fn or token_weight,
+        lr=algo.lr,
+        weight_decay=algo.weight_decay,
+        max_grad_norm=algo.max_grad_norm,
+        bf16=algo.bf16,
+        temperature=agent.sampling.temperature,
+        ref_model=ref_model if algo.kl_coef > 0 else None,
+    )

@@ -1,0 +1,127 @@
+"""HF rollout engine: seeded reproducibility, logprobs == trainer recomputation, stops, weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexmarl_core.config import AgentConfig, SamplingConfig
+from flexmarl_core.inference import HFInferenceEngine, InferenceBackend, make_inference_engine
+from flexmarl_core.inference.hf import sample_next
+from flexmarl_core.training import Sample
+from tests._models_util import tiny_model, tokenizer, trainer
+
+PROMPTS = [
+    "question: 12 + 7 * 3\nplan:",
+    "hi",
+    "plan: step 1 compute 3 * 4 = 12\nstep 2 check\nanswer:",
+    "answer:",
+]
+
+
+def engine(seed: int = 0) -> HFInferenceEngine:
+    return HFInferenceEngine(tiny_model(seed), tokenizer())
+
+
+def test_same_seed_same_outputs_and_protocol():
+    eng = engine()
+    assert isinstance(eng, InferenceBackend) and eng.version == 0
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=12)
+    a, b = eng.generate(PROMPTS, sp, seed=11), eng.generate(PROMPTS, sp, seed=11)
+    assert [(g.response_ids, g.logprobs, g.text) for g in a] == [(g.response_ids, g.logprobs, g.text) for g in b]
+    c = eng.generate(PROMPTS, sp, seed=12)
+    assert [g.response_ids for g in a] != [g.response_ids for g in c]
+    for g, p in zip(a, PROMPTS, strict=True):
+        assert g.prompt_ids == tokenizer().encode(p, add_special_tokens=False)
+        assert g.finish_reason == "length" and len(g.response_ids) == len(g.logprobs) == 12
+        assert g.text == tokenizer().decode(g.response_ids) and g.version == 0
+    # prompts may also be token ids
+    ids = eng.generate([g.prompt_ids for g in a], sp, seed=11)
+    assert [g.response_ids for g in ids] == [g.response_ids for g in a]
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_engine_logprobs_match_trainer_recomputation(temperature, top_p):
+    """Same weights -> engine logprobs == trainer logprobs within 1e-4 (fp32), although the
+    engine left-pads and uses a KV cache and the trainer right-pads in one forward."""
+    model = tiny_model(2)
+    eng = HFInferenceEngine(model, tokenizer())
+    gens = eng.generate(PROMPTS, SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=10), seed=3)
+    tr = trainer(tiny_model(2), temperature=temperature)
+    samples = [Sample(g.prompt_ids, g.response_ids, g.logprobs, 0.0) for g in gens]
+    for g, lp in zip(gens, tr.logprobs(samples), strict=True):
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(g.logprobs), atol=1e-4, rtol=0)
+
+
+def test_stop_strings_truncate_text_and_keep_completing_token():
+    eng = engine(1)
+    base = eng.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_new_tokens=24), seed=0)[0]
+    text = base.text
+    k = len(text) // 2
+    stop = text[k : k + 2]
+    cut = text.find(stop)
+    g = eng.generate(PROMPTS[:1], SamplingConfig(temperature=0, max_new_tokens=24, stop=[stop, "@@never"]), seed=0)[0]
+    assert g.finish_reason == "stop"
+    assert g.text == text[:cut]
+    n = len(g.response_ids)
+    assert g.response_ids == base.response_ids[:n] and g.logprobs == base.logprobs[:n]
+    dec = tokenizer().decode
+    assert stop in dec(g.response_ids) and stop not in dec(g.response_ids[:-1])
+
+
+def test_eos_ends_a_row_and_is_not_in_text():
+    model = tiny_model(1)
+    eng = HFInferenceEngine(model, tokenizer())
+    sp = SamplingConfig(temperature=0, max_new_tokens=16)
+    base = eng.generate(PROMPTS[:2], sp, seed=0)
+    eos = base[0].response_ids[3]  # pretend the 4th greedy token of row 0 is an EOS token
+    model.generation_config.eos_token_id = [tokenizer().eos_token_id, eos]
+    g = HFInferenceEngine(model, tokenizer()).generate(PROMPTS[:2], sp, seed=0)[0]
+    first = base[0].response_ids.index(eos)
+    assert g.finish_reason == "eos" and g.response_ids == base[0].response_ids[: first + 1]
+    assert g.text == tokenizer().decode(base[0].response_ids[:first])
+
+
+def test_update_weights_and_version():
+    eng, other = engine(0), tiny_model(5)
+    sp = SamplingConfig(temperature=0, max_new_tokens=8)
+    want = HFInferenceEngine(tiny_model(5), tokenizer()).generate(PROMPTS, sp, seed=0)
+    sd = other.state_dict()
+    assert "lm_head.weight" in sd
+    eng.update_weights(sd, version=3)
+    got = eng.generate(PROMPTS, sp, seed=0)
+    assert eng.version == 3 and all(g.version == 3 for g in got)
+    assert [g.response_ids for g in got] == [g.response_ids for g in want]
+    bad = {k: v for k, v in sd.items() if k != "model.norm.weight"}
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        eng.update_weights(bad, version=4)
+    assert eng.version == 3
+
+
+def test_tiny_top_p_is_greedy_and_sampler_matches_distribution():
+    eng = engine()
+    greedy = eng.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=6), seed=0)
+    nucleus = eng.generate(PROMPTS, SamplingConfig(temperature=1.0, top_p=1e-6, max_new_tokens=6), seed=5)
+    assert [g.response_ids for g in greedy] == [g.response_ids for g in nucleus]
+    probs = torch.tensor([0.1, 0.0, 0.5, 0.15, 0.25])
+    logits = probs.clamp(min=1e-30).log().expand(40_000, -1)
+    draws = sample_next(logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=5).float() / draws.numel()
+    torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)
+    # top_p=0.7 keeps {0.5, 0.25}, renormalised
+    draws = sample_next(logits, SamplingConfig(temperature=1.0, top_p=0.7), torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=5).float() / draws.numel()
+    torch.testing.assert_close(freq, torch.tensor([0, 0, 2 / 3, 0, 1 / 3]), atol=0.01, rtol=0)
+
+
+def test_factory_dtype_and_backend_errors():
+    agent = AgentConfig(name="solver", template="{input}", model={"dtype": "bfloat16"})
+    eng = make_inference_engine(agent, tiny_model(), tokenizer())
+    assert next(eng.model.parameters()).dtype == torch.bfloat16
+    g = eng.generate(PROMPTS[:2], SamplingConfig(max_new_tokens=4), seed=0)
+    assert all(len(x.response_ids) == 4 for x in g)
+    bad = AgentConfig(name="solver", template="{input}", backend={"inference": "vllm"})
+    with pytest.raises(ValueError, match="vllm"):
+        make_inference_engine(bad, tiny_model(), tokenizer())
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([""], SamplingConfig(), seed=0)

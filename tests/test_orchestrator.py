@@ -1,0 +1,131 @@
+"""The iteration graph and the event loop: dependencies per co-design switch, routing, the
+one-op-per-trainer rule. Runs the real orchestrator on the in-process ThreadExecutor."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from flexmarl_core.config import config_from_dict
+from flexmarl_core.executors import ThreadExecutor
+from flexmarl_core.meg import MEG
+from flexmarl_core.orchestrator import Op, Orchestrator, OrchestratorError, Plan
+
+TEAM = {
+    "agents": [
+        {"name": "planner", "template": "{input}"},
+        {"name": "solver", "template": "{input} {planner}"},
+        {"name": "verifier", "template": "{input} {solver}"},
+    ],
+    "edges": ["planner -> solver", "solver -> verifier"],
+}
+WORKERS = {"w0": {"rollout": 1, "train": 1}, "w1": {"rollout": 1, "train": 1}}
+ALL_OFF = {"dependency_parallel": False, "load_balancing": False, "async_pipeline": False,
+           "on_demand_allocation": False}
+
+
+def cfg_of(codesign: dict, iterations: int = 2, mbs: int = 2):
+    return config_from_dict({
+        "team": TEAM, "codesign": codesign, "train": {"iterations": iterations},
+        "batch": {"inputs_per_iteration": 2 * mbs, "micro_batch_inputs": 2},
+    })
+
+
+def run(cfg, workers=WORKERS, delay=lambda op: 0.01):
+    log: list[tuple[Op, str, float, float]] = []
+    lock = threading.Lock()
+
+    def fn(op: Op, worker: str) -> dict:
+        t0 = time.time()
+        time.sleep(delay(op))
+        with lock:
+            log.append((op, worker, t0, time.time()))
+        return {"worker": worker, "t_start": t0, "t_end": time.time()}
+
+    ex = ThreadExecutor(fn, workers)
+    try:
+        res = Orchestrator(cfg, MEG.from_config(cfg.team), ex, lambda op: {}).run()
+    finally:
+        ex.close()
+    return res, log
+
+
+def start(log, op):
+    return next(t0 for o, _, t0, _ in log if o == op)
+
+
+def end(log, op):
+    return next(t1 for o, _, _, t1 in log if o == op)
+
+
+def test_plan_counts_and_names():
+    cfg = cfg_of(ALL_OFF, iterations=3, mbs=2)
+    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    assert plan.count("rollout") == 3 * 3 * 2
+    assert plan.count("reward") == 3 * 2
+    assert plan.count("train") == 3 * 3 * 2 and plan.count("step") == 9 and plan.count("sync") == 9
+    assert Op(3, "rollout", "solver", 0, 2).name == "rollout[solver] it=3 mb=2"
+    assert Op(1, "step", "planner").name == "step[planner] it=1"
+
+
+def test_every_op_runs_once_and_after_its_deps():
+    for codesign in (ALL_OFF, {}):
+        cfg = cfg_of(codesign)
+        res, log = run(cfg)
+        plan = Plan.build(cfg, MEG.from_config(cfg.team))
+        assert sorted(o for o, *_ in log) == sorted(plan.ops())
+        for op, deps in plan.deps.items():
+            for d in deps:
+                assert end(log, d) <= start(log, op), (d.name, op.name)
+        assert len(res.records) == len(plan.ops())
+
+
+def test_sync_baseline_is_phased():
+    cfg = cfg_of(ALL_OFF)
+    _, log = run(cfg)
+    first_solver = min(start(log, o) for o, *_ in log if o.kind == "rollout" and o.agent == "solver" and o.iteration == 0)
+    assert all(end(log, o) <= first_solver for o, *_ in log if o.kind == "rollout" and o.agent == "planner" and o.iteration == 0)
+    first_train = min(start(log, o) for o, *_ in log if o.kind == "train" and o.iteration == 0)
+    assert all(end(log, o) <= first_train for o, *_ in log if o.kind == "rollout" and o.iteration == 0)
+    it1 = min(start(log, o) for o, *_ in log if o.iteration == 1)
+    assert all(end(log, o) <= it1 for o, *_ in log if o.iteration == 0)
+
+
+def test_dependency_parallel_and_async_overlap():
+    cfg = cfg_of({"load_balancing": False, "on_demand_allocation": False})
+    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    assert plan.deps[Op(0, "rollout", "solver", 0, 1)] == [Op(0, "rollout", "planner", 0, 1)]
+    assert plan.deps[Op(0, "train", "solver", mb=1)] == [Op(0, "reward", mb=1)]
+    assert plan.deps[Op(1, "rollout", "planner", 0, 0)] == [Op(0, "sync", "planner")]
+    # Slow planner mb=1: the solver must not wait for it to start mb=0.
+    _, log = run(cfg, delay=lambda op: 0.3 if op == Op(0, "rollout", "planner", 0, 1) else 0.01)
+    assert start(log, Op(0, "rollout", "solver", 0, 0)) < end(log, Op(0, "rollout", "planner", 0, 1))
+
+
+def test_one_op_per_trainer_at_a_time():
+    cfg = cfg_of({}, iterations=2, mbs=3)
+    _, log = run(cfg, delay=lambda op: 0.05 if op.kind == "train" else 0.005)
+    for agent in ("planner", "solver", "verifier"):
+        spans = sorted((t0, t1) for o, _, t0, t1 in log if o.agent == agent and o.kind in ("train", "step", "sync"))
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), agent
+        homes = {w for o, w, *_ in log if o.agent == agent and o.kind in ("train", "step", "sync")}
+        assert len(homes) == 1, f"{agent}'s trainer moved between workers: {homes}"
+
+
+def test_dedicated_rollout_tags_route_agents():
+    workers = {"w0": {"rollout:planner": 1, "rollout:verifier": 1, "train": 1},
+               "w1": {"rollout:solver": 1, "train": 1}}
+    _, log = run(cfg_of(ALL_OFF), workers=workers)
+    for o, w, *_ in log:
+        if o.kind == "rollout":
+            assert w == ("w1" if o.agent == "solver" else "w0"), (o.name, w)
+
+
+def test_missing_tag_fails_fast_with_the_tag_named():
+    workers = {"w0": {"rollout:planner": 1, "train": 1}}
+    t0 = time.time()
+    with pytest.raises(OrchestratorError, match="rollout:solver"):
+        run(cfg_of(ALL_OFF), workers=workers)
+    assert time.time() - t0 < 10

@@ -1,0 +1,155 @@
+"""Trainer: exact micro-batch accumulation, bit-exact state round trip, weights, handles."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from flexmarl_core.config import AgentConfig, AlgorithmConfig
+from flexmarl_core.training import (
+    Sample,
+    TrainBackend,
+    collate,
+    drop,
+    get,
+    global_loss_scale,
+    make_trainer,
+    put,
+)
+from tests._models_util import assert_same_tensors, random_samples, tiny_model, trainer
+
+
+def grads(t) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in t.model.named_parameters()}
+
+
+@pytest.mark.parametrize("split", [[2, 4], [1, 2, 3], [5, 1]])
+def test_micro_batch_accumulation_equals_full_batch(split):
+    samples = random_samples(6, seed=1)
+    base = tiny_model(0)
+    full, parts = trainer(copy.deepcopy(base)), trainer(copy.deepcopy(base))
+    full.accumulate(samples, global_loss_scale([samples], full.loss_weight))
+    mbs, i = [], 0
+    for n in split:
+        mbs.append(samples[i : i + n])
+        i += n
+    scale = global_loss_scale(mbs, parts.loss_weight)  # fixed before any backward
+    for mb in reversed(mbs):  # order does not matter either
+        parts.accumulate(mb, scale)
+    for name, g in grads(full).items():
+        torch.testing.assert_close(grads(parts)[name], g, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def test_state_round_trip_is_bit_exact():
+    samples = random_samples(4, seed=2)
+    mbs = [samples[:2], samples[2:]]
+
+    def train_step(t):
+        scale = global_loss_scale(mbs, t.loss_weight)
+        for mb in mbs:
+            t.accumulate(mb, scale)
+        return t.step()
+
+    a = trainer(tiny_model(0))
+    train_step(a)
+    train_step(a)
+    saved = a.state()
+    train_step(a)
+    b = trainer(tiny_model(7))  # different init: everything must come from the state
+    b.load_state(saved)
+    assert b.version == 2
+    train_step(b)
+    assert a.version == b.version == 3
+    assert_same_tensors(a.weights(), b.weights())
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    for k in sa["state"]:
+        assert_same_tensors(sa["state"][k], sb["state"][k])
+    # mid-accumulation state (pending grads) also round-trips, through a disk handle
+    a.accumulate(mbs[0], 0.5)
+    h = put(a.state(), "disk", cache_dir=_tmp_cache())
+    c = trainer(tiny_model(9))
+    c.load_state(get(h))
+    drop(h)
+    for t in (a, c):
+        t.accumulate(mbs[1], 0.5)
+        t.step()
+    assert_same_tensors(a.weights(), c.weights())
+
+
+def _tmp_cache():
+    from tests._models_util import cache_dir
+
+    return cache_dir()
+
+
+def test_handles_memory_disk_path_are_exact(tmp_path):
+    t = trainer()
+    t.accumulate(random_samples(2), 0.1)
+    t.step()
+    state = t.state()
+    for where in ["memory", "disk", str(tmp_path / "s.pt"), f"file://{tmp_path}/u.pt"]:
+        h = put(state, where, cache_dir=tmp_path)
+        got = get(h)
+        assert_same_tensors(got["model"], state["model"])
+        assert got["version"] == 1 and torch.equal(got["rng"], state["rng"])
+        assert h.nbytes > 0
+        drop(h)
+        if where == "memory":
+            with pytest.raises(ValueError, match="dropped"):
+                get(h)
+
+
+def test_weights_include_lm_head_and_step_changes_version():
+    t = trainer()
+    assert isinstance(t, TrainBackend)
+    w = t.weights()
+    assert "lm_head.weight" in w and torch.equal(w["lm_head.weight"], w["model.embed_tokens.weight"])
+    w["lm_head.weight"].zero_()  # a copy: the model is untouched
+    assert t.model.lm_head.weight.abs().sum() > 0
+    with pytest.raises(ValueError, match="accumulate"):
+        t.step()
+    stats = t.accumulate(random_samples(2), 0.1)
+    assert {"loss", "pg_loss", "clip_frac"} <= set(stats)
+    res = t.step()
+    assert res.version == t.version == 1 and res.num_micro_batches == 1 and res.grad_norm > 0
+
+
+def test_training_raises_logprob_of_rewarded_response():
+    s = random_samples(1, seed=4)[0]
+    s.loss_mask = None
+    t = trainer(algo=AlgorithmConfig(lr=3e-3))
+    before = sum(t.logprobs([s])[0])
+    for _ in range(3):
+        lp = t.logprobs([s])[0]  # on-policy: old logprobs = current ones
+        t.accumulate([Sample(s.prompt_ids, s.response_ids, lp, advantage=1.0)], 1 / len(lp))
+        t.step()
+    assert sum(t.logprobs([s])[0]) > before + 0.5
+
+
+def test_make_trainer_reference_bf16_and_backend_errors():
+    agent = AgentConfig(name="solver", template="{input}", algorithm={"kl_coef": 0.05, "bf16": True})
+    t = make_trainer(agent, tiny_model())
+    assert t.ref_model is not None and not any(p.requires_grad for p in t.ref_model.parameters())
+    stats = t.accumulate(random_samples(3), 0.05)
+    assert torch.isfinite(torch.tensor(stats["loss"])) and "kl" in stats
+    t.step()
+    assert "ref_model" in t.state()
+    plain = make_trainer(AgentConfig(name="a", template="{input}"), tiny_model())
+    assert plain.ref_model is None
+    bad = AgentConfig(name="a", template="{input}", backend={"training": "deepspeed"})
+    with pytest.raises(ValueError, match="deepspeed"):
+        make_trainer(bad, tiny_model())
+
+
+def test_collate_layout_and_errors():
+    s = Sample([5, 6, 7], [8, 9], [-1.0, -2.0], 0.5)
+    b = collate([s, Sample([4], [3, 2, 1], [-1.0] * 3, -1.0, [1, 0, 1])], pad_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [4, 3, 2, 1, 0]]
+    assert b.target_index.tolist() == [[2, 3, 0], [0, 1, 2]]
+    assert b.mask.tolist() == [[1, 1, 0], [1, 0, 1]]
+    with pytest.raises(ValueError, match="logprobs"):
+        collate([Sample([1], [2, 3], [-1.0], 0.0)])
+    with pytest.raises(ValueError, match="nothing to train on"):
+        global_loss_scale([[Sample([1], [2], [-1.0], 0.0, [0])]], lambda mb: 0.0)
