@@ -120,7 +120,8 @@ def run(uri: str, iterations: int, prefill: int, measured: int, mb_size: int) ->
             writes.append(t1 - t0)
             reads.append(t2 - t1)
             status_ready.append(t4 - t3)
-        fragments_seen = max(fragments_seen, len(store.dataset("samples").files))
+        files = store.dataset("samples").files
+        fragments_seen = max(fragments_seen, sum(f"/iteration={it}/" in f for f in files))
         t0 = time.perf_counter()
         whole = store.read_samples(AGENT, it)
         full_reads.append(time.perf_counter() - t0)

@@ -68,7 +68,9 @@ def ensure_api(configured: str | None = None, *, home: Path | None = None) -> tu
     home = home or Path(os.environ.get("PREFECT_HOME", Path.cwd() / ".prefect"))
     home.mkdir(parents=True, exist_ok=True)
     log = open(home / "server.log", "ab")  # noqa: SIM115 - handed to the child process
-    env = {**os.environ, "PREFECT_HOME": str(home)}
+    from tasks.lean import server_env
+
+    env = {**os.environ, **server_env(), "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",

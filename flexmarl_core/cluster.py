@@ -26,10 +26,12 @@ from flexmarl_core.orchestrator import Op, Route
 
 # A task whose tag no worker has would otherwise wait forever (FACTS.md). The orchestrator
 # checks tags before it submits; this is the backstop.
-NO_WORKERS_TIMEOUT = "30s"
+NO_WORKERS_TIMEOUT = "15s"
 
 
-def start_cluster(cfg: ClusterConfig, *, dashboard: bool = True) -> tuple[SpecCluster | None, Client]:
+def start_cluster(
+    cfg: ClusterConfig, *, dashboard: bool = True, env: dict[str, str] | None = None
+) -> tuple[SpecCluster | None, Client]:
     """A `(cluster, client)` pair: a new local cluster, or (None, client) for `cfg.address`."""
     dask.config.set({"distributed.scheduler.no-workers-timeout": NO_WORKERS_TIMEOUT,
                      "logging.distributed": "warning"})
@@ -39,7 +41,7 @@ def start_cluster(cfg: ClusterConfig, *, dashboard: bool = True) -> tuple[SpecCl
     # workers on two cores do not oversubscribe.
     env = {"OMP_NUM_THREADS": str(cfg.torch_threads), "MKL_NUM_THREADS": str(cfg.torch_threads),
            "FLEXMARL_TORCH_THREADS": str(cfg.torch_threads),
-           "DASK_LOGGING__DISTRIBUTED": "warning"}
+           "DASK_LOGGING__DISTRIBUTED": "warning", **(env or {})}
     workers = {
         w.name: {
             "cls": Nanny,
@@ -90,9 +92,9 @@ def worker_cpu_s(client: Client) -> float:
 
 
 @contextmanager
-def cluster_for(cfg: ClusterConfig) -> Iterator[Client]:
+def cluster_for(cfg: ClusterConfig, env: dict[str, str] | None = None) -> Iterator[Client]:
     """Start (and afterwards stop) a local cluster, or connect to `cfg.address`."""
-    cluster, client = start_cluster(cfg)
+    cluster, client = start_cluster(cfg, env=env)
     try:
         yield client
     finally:

@@ -236,6 +236,12 @@ class ClusterConfig(_Strict):
     prefect_api_url: str | None = Field(
         None, description="Prefect API to report to; None uses PREFECT_API_URL or starts one."
     )
+    prefect_lean: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Lean Prefect task submission (~5x less bookkeeping per task run, tasks/lean.py): "
+        "workers read Prefect settings from their own environment. auto: on for a cluster "
+        "flexmarl starts, off for `address`; on: the remote workers' env has PREFECT_API_URL.",
+    )
 
 
 class StoreConfig(_Strict):

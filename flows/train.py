@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.settings import PREFECT_API_URL
 
 from flexmarl_core import cluster, run
 from flexmarl_core.config import load_config
 from flexmarl_core.metrics import run_summary
+from tasks import lean as lean_tasks
 from tasks import report as report_tasks
 from tasks.executor import PrefectDaskExecutor
 
@@ -27,7 +29,14 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
     cfg = load_config(config, overrides or [])
     run_dir = report_tasks.prepare_run(cfg)
     log.info("run folder %s, store %s", run_dir, cfg.resolved_store_uri())
-    with cluster.cluster_for(cfg.cluster) as client, PrefectDaskExecutor(client.scheduler.address) as ex:
+    api = PREFECT_API_URL.value()
+    lean = bool(api) and (cfg.cluster.prefect_lean == "on" or (
+        cfg.cluster.prefect_lean == "auto" and cfg.cluster.address is None))
+    env = lean_tasks.worker_env(api) if lean else {}
+    with (
+        cluster.cluster_for(cfg.cluster, env=env) as client,
+        PrefectDaskExecutor(client.scheduler.address, lean=lean) as ex,
+    ):
         log.info("Dask dashboard: %s", client.dashboard_link)
         workers_cpu0, cpu0 = cluster.worker_cpu_s(client), time.process_time()
         on_done, bar = _progress(cfg, progress)

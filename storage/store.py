@@ -662,7 +662,11 @@ class MEGStore:
         bad = [f for f in need if f not in valid]
         if bad:
             raise ValueError(f"unknown ready field(s) {bad}; valid: {valid}")
-        table = self.read_samples(agent, iteration, mb=mb)
+        cols = None
+        if columns is not None:
+            extra = [*need, "consumed_step", "policy_version"]
+            cols = list(dict.fromkeys([*columns, *extra]))
+        table = self.read_samples(agent, iteration, mb=mb, columns=cols)
         mask = None
         conds = [pc.is_valid(table.column(f)) for f in need]
         if unconsumed:

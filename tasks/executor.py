@@ -7,6 +7,7 @@ pinned worker, if any) is the one the router chose at that moment.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import dask
@@ -16,21 +17,26 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from flexmarl_core import cluster
 from flexmarl_core.orchestrator import Op, Route
+from tasks.lean import lean_submission
 from tasks.stages import BY_KIND
 
 
 class PrefectDaskExecutor:
     """Use as a context manager inside a flow run: `with PrefectDaskExecutor(address) as ex:`."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, lean: bool = False) -> None:
         self.runner = DaskTaskRunner(address=address)
+        self.lean = lean
+        self._stack = ExitStack()
 
     def __enter__(self) -> PrefectDaskExecutor:
-        self.runner.__enter__()
+        self._stack.enter_context(self.runner)
+        if self.lean:
+            self._stack.enter_context(lean_submission())
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.runner.__exit__(*exc)
+        self._stack.__exit__(*exc)
 
     @property
     def client(self) -> distributed.Client:
@@ -44,7 +50,10 @@ class PrefectDaskExecutor:
         if route.worker:
             annotations["workers"] = [route.worker]
         with dask.annotate(**annotations):
-            return self.runner.submit(task, parameters=kwargs)
+            # What DaskTaskRunner.submit does, with pure=False: every task run has a fresh id,
+            # so hashing its arguments for a deterministic key is wasted work.
+            future = self.client.submit(task, parameters=kwargs, return_type="state", pure=False)
+        return PrefectDaskFuture(wrapped_future=future, task_run_id=future.task_run_id)
 
     def wait_any(self, handles: Sequence[PrefectDaskFuture], timeout: float | None = None) -> list[Any]:
         by_dask = {h.wrapped_future: h for h in handles}

@@ -6,7 +6,8 @@ Prompt formatting (templates, chat turns) is the caller's job, not the engine's.
 Logprob contract (shared with the trainer, see `flexmarl_core.models.logprobs`): `logprobs[i]`
 is log softmax(logits / T)[response_ids[i]] in fp32, with T the sampling temperature (1 for
 greedy) and no top-p truncation. A trainer holding the same weights recomputes the same values
-(fp32: within 1e-4), so PPO ratios start at exactly 1 on-policy.
+(fp32: within 1e-4), so PPO ratios start at 1 on-policy. A bf16 engine (`model.dtype`) scores
+with bf16 logits: expect ~1e-2 differences from an fp32 trainer.
 
 Stop strings: `text` is the decoded response cut *before* the first stop string (as vLLM does);
 `response_ids`/`logprobs` keep the sampled tokens up to and including the token that completed

@@ -12,6 +12,8 @@ inference engine factory, which owns its copy.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -120,8 +122,10 @@ def load_model(
 
 
 def base_model_dir(preset: str, seed: int, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    _preset(preset)
-    return default_cache_dir(cache_dir) / "models" / f"{preset}-seed{seed}-{tokenizer_key()}"
+    # The folder name pins everything the weights depend on, so a changed preset or tokenizer
+    # recipe never silently reuses a stale cache.
+    shape = hashlib.sha256(json.dumps(asdict(_preset(preset)), sort_keys=True).encode()).hexdigest()[:8]
+    return default_cache_dir(cache_dir) / "models" / f"{preset}-{shape}-seed{seed}-{tokenizer_key()}"
 
 
 def load_agent_model(

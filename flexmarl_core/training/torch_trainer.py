@@ -90,9 +90,9 @@ class TorchTrainer:
         """(B, R) fp32 logprobs of the response tokens (grad flows if enabled)."""
         dev = self.device
         input_ids = batch.input_ids.to(dev)
-        # All-ones mask: skip it, so attention takes the plain causal path. Right padding never
-        # influences real tokens under a causal mask anyway.
-        attn = None if bool(batch.attention_mask.all()) else batch.attention_mask.to(dev)
+        # No attention mask: with RIGHT padding a causal mask already hides every pad from every
+        # real token (pads come after it), and attention keeps its fast is_causal path. Logits at
+        # pad positions are garbage but never gathered into a real (mask = 1) entry.
         target_index = batch.target_index.to(dev)
         kwargs: dict[str, Any] = {}
         if self._keep_ok:
@@ -102,7 +102,7 @@ class TorchTrainer:
             kwargs["logits_to_keep"] = torch.arange(lo, hi, device=dev)
             target_index = (target_index - lo).clamp_(min=0)  # padding entries were 0
         with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.bf16):
-            logits = model(input_ids=input_ids, attention_mask=attn, **kwargs).logits  # (B, T', V)
+            logits = model(input_ids=input_ids, **kwargs).logits  # (B, T', V)
         idx = target_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])  # (B, R, V)
         resp_logits = logits.gather(1, idx)
         return token_logprobs(resp_logits, batch.response_ids.to(dev), self.temperature)

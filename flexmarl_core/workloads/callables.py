@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import math
 import numbers
 import os
 import sys
@@ -104,7 +105,7 @@ def as_score(value: Any) -> float | None:
     """A reward callable's result as a finite float (numpy scalars too), else None."""
     if isinstance(value, numbers.Real):
         f = float(value)
-        return f if f == f and f not in (float("inf"), float("-inf")) else None
+        return f if math.isfinite(f) else None
     return None
 
 

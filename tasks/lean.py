@@ -1,0 +1,86 @@
+"""Lean task submission: cut Prefect's per-task bookkeeping about 5x on a local cluster.
+
+Measured on this machine (100 no-op task runs, 2 Dask worker processes): stock Prefect costs
+~0.43 CPU-s per task run, this mode ~0.08. Where the time went, and what we change:
+
+- `serialize_context()` dumps the whole Settings model with every submission, and each worker
+  re-validates it (~54 pydantic-settings sub-models). Workers we start inherit the same
+  environment, so we send an empty settings context and they use their own.
+- Each worker-side Prefect client builds an SSL context from the 230 KB CA bundle, even for a
+  plain-http API. For an http API we point `PREFECT_API_SSL_CERT_FILE` at a one-certificate
+  file (never for https, where it would break verification of the real server).
+
+Task runs, names, states, retries and logs in the API are unchanged (tests/test_run_e2e.py).
+Requires the workers' environment to carry `PREFECT_API_URL`; relies on prefect 3.9.1 and
+prefect-dask 0.3.7 internals, which pyproject.toml pins.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import prefect.context as _pctx
+import prefect_dask.client as _pdc
+
+
+def _one_cert_file() -> str:
+    import certifi
+
+    text = Path(certifi.where()).read_text()
+    end = "-----END CERTIFICATE-----"
+    first = text[text.index("-----BEGIN CERTIFICATE-----") : text.index(end) + len(end)]
+    path = Path(os.environ.get("FLEXMARL_CACHE", Path.home() / ".cache" / "flexmarl")) / "one-ca.pem"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != first + "\n":
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(first + "\n")
+        os.replace(tmp, path)
+    return str(path)
+
+
+def worker_env(api_url: str) -> dict[str, str]:
+    """Environment for worker processes so they report to `api_url` cheaply."""
+    env = {"PREFECT_API_URL": api_url, "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"}
+    if api_url.startswith("http://"):
+        env["PREFECT_API_SSL_CERT_FILE"] = _one_cert_file()
+    return env
+
+
+def server_env() -> dict[str, str]:
+    """Settings for a local `prefect server start`: batch the task-run recorder and event
+    persister (task runs show up to ~1 s later), quieter logs."""
+    return {
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "50",
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "50",
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+        "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "200",
+        "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_READ_BATCH_SIZE": "50",
+        "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+    }
+
+
+@contextmanager
+def lean_submission() -> Iterator[None]:
+    """While active, task submissions from this process carry no settings context."""
+    original = _pdc.serialize_context
+    settings_serialize = _pctx.SettingsContext.serialize
+
+    def serialize_without_settings(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        # Skip dumping the settings model (the dominant flow-side cost) for this call only.
+        _pctx.SettingsContext.serialize = lambda self, include_secrets=True: {}  # type: ignore[method-assign]
+        try:
+            ctx = original(*args, **kwargs)
+        finally:
+            _pctx.SettingsContext.serialize = settings_serialize  # type: ignore[method-assign]
+        ctx["settings_context"] = {}
+        return ctx
+
+    _pdc.serialize_context = serialize_without_settings
+    try:
+        yield
+    finally:
+        _pdc.serialize_context = original
