@@ -9,8 +9,9 @@ What it measures, per preset (tiny-1m, tiny-10m, tiny-50m; --quick skips 50m):
   `TorchTrainer.accumulate + step` vs a plain torch loop (forward, log_softmax/gather, same loss,
   backward, clip, AdamW, zero_grad).
 
-Runs are interleaved (engine, plain, engine, ...) after a warm-up and reported as medians, so
-machine noise hits both sides alike. Targets: gen_ratio = engine/plain tokens/s >= 0.9 and
+Runs are interleaved (engine, plain, engine, ...) after a warm-up, so machine noise hits both
+sides alike; ratios use the best run of each side (on a shared, loaded box the best run is the
+least disturbed one), medians are in the JSON too. Targets: gen_ratio = engine/plain tokens/s >= 0.9 and
 step_ratio = engine/plain seconds <= 1.1. Torch threads = 2 (--threads).
 
     .venv/bin/python bench/engines.py --json /tmp/engines.json --quick
@@ -69,7 +70,7 @@ def bench_generate(model, tok, reps: int) -> tuple[float, float]:
     for r in range(reps):
         eng.append(run_engine(r + 1))
         plain.append(run_plain(r + 1))
-    return statistics.median(eng), statistics.median(plain)
+    return eng, plain
 
 
 def train_batch(vocab: int) -> list[Sample]:
@@ -123,29 +124,31 @@ def bench_train(model, samples: list[Sample], reps: int) -> tuple[float, float]:
     for _ in range(reps):
         eng.append(run_engine())
         plain.append(run_plain())
-    return statistics.median(eng), statistics.median(plain)
+    return eng, plain
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, help="where to write the results")
-    ap.add_argument("--quick", action="store_true", help="skip tiny-50m and use 3 repetitions")
+    ap.add_argument("--quick", action="store_true", help="skip tiny-50m and use 4 repetitions")
     ap.add_argument("--presets", nargs="*", default=None, help="override the preset list")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per side")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     presets = args.presets or (["tiny-1m", "tiny-10m"] if args.quick else ["tiny-1m", "tiny-10m", "tiny-50m"])
-    reps = args.reps or (3 if args.quick else 5)
+    reps = args.reps or (4 if args.quick else 6)
 
+    load_start = os.getloadavg()  # other jobs on the box make absolute numbers meaningless
     tok = get_tokenizer()
     rows = []
     print(f"{'preset':<10} {'params':>7} | {'engine tok/s':>12} {'plain tok/s':>11} {'ratio':>6} | "
           f"{'engine step s':>13} {'plain step s':>12} {'ratio':>6}")
     for preset in presets:
         model = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
-        e_tok, p_tok = bench_generate(model, tok, reps)
-        e_step, p_step = bench_train(model, train_batch(len(tok)), reps)
+        gen_e, gen_p = bench_generate(model, tok, reps)
+        step_e, step_p = bench_train(model, train_batch(len(tok)), reps)
+        e_tok, p_tok, e_step, p_step = max(gen_e), max(gen_p), min(step_e), min(step_p)
         row = {
             "preset": preset,
             "params": num_params(model),
@@ -155,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
             "engine_step_s": round(e_step, 4),
             "plain_step_s": round(p_step, 4),
             "step_ratio": round(e_step / p_step, 3),
+            "median": {
+                "engine_gen_tok_s": round(statistics.median(gen_e), 1),
+                "plain_gen_tok_s": round(statistics.median(gen_p), 1),
+                "engine_step_s": round(statistics.median(step_e), 4),
+                "plain_step_s": round(statistics.median(step_p), 4),
+            },
         }
         rows.append(row)
         print(f"{preset:<10} {row['params'] / 1e6:>6.1f}M | {e_tok:>12.0f} {p_tok:>11.0f} "
@@ -165,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {
             "generate": f"batch {GEN_BATCH} x {GEN_NEW} new tokens, temperature 1, fp32",
             "train": f"{TRAIN_BATCH} x {TRAIN_LEN} tokens ({TRAIN_PROMPT} prompt), fp32, AdamW",
-            "ratios": "gen_ratio = engine/plain tokens/s (>= 0.9 ok); step_ratio = engine/plain s (<= 1.1 ok)",
+            "ratios": "best run per side; gen_ratio = engine/plain tokens/s (>= 0.9 ok), "
+            "step_ratio = engine/plain s (<= 1.1 ok)",
             "reps": reps,
             "threads": args.threads,
         },
@@ -173,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
+            "loadavg_start": load_start,
             "loadavg_end": os.getloadavg(),
         },
         "rows": rows,

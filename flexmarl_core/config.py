@@ -236,11 +236,11 @@ class ClusterConfig(_Strict):
     prefect_api_url: str | None = Field(
         None, description="Prefect API to report to; None uses PREFECT_API_URL or starts one."
     )
-    prefect_lean: Literal["auto", "on", "off"] = Field(
+    prefect_lean: bool | Literal["auto"] = Field(
         "auto",
         description="Lean Prefect task submission (~5x less bookkeeping per task run, tasks/lean.py): "
         "workers read Prefect settings from their own environment. auto: on for a cluster "
-        "flexmarl starts, off for `address`; on: the remote workers' env has PREFECT_API_URL.",
+        "flexmarl starts, off for `address`; true: the remote workers' env has PREFECT_API_URL.",
     )
 
 
@@ -252,12 +252,20 @@ class StoreConfig(_Strict):
 
 class TrainConfig(_Strict):
     iterations: int = Field(4, ge=1, description="Training iterations.")
-    eval_every: int = Field(0, ge=0, description="Evaluate held-out accuracy every N iterations (0: end only).")
+    evaluate: bool = Field(True, description="Measure greedy held-out team accuracy after training.")
     checkpoint_every: int = Field(1, ge=0, description="Checkpoint every N iterations (0: never).")
     sft_target_accuracy: float = Field(
         0.3, ge=0.0, le=1.0, description="`flexmarl sft` stops once held-out accuracy reaches this."
     )
     sft_max_steps: int = Field(2000, ge=1, description="Upper bound on SFT optimizer steps.")
+    sft_lr: float = Field(1e-3, gt=0.0, description="SFT learning rate (models start from scratch).")
+    sft_batch: int = Field(64, ge=1, description="Problems per SFT step (one demonstration chain each).")
+    sft_eval_every: int = Field(25, ge=1, description="SFT steps between held-out evaluations.")
+    sft_eval_size: int = Field(64, ge=1, description="Held-out problems per SFT evaluation.")
+    sft_perturb: float = Field(
+        0.2, ge=0.0, le=1.0,
+        description="Chance that a child sees a plausible upstream mistake instead of the demonstration.",
+    )
     init_from: str | None = Field(
         None, description="Folder of per-agent starting checkpoints (e.g. the output of `flexmarl sft`)."
     )

@@ -194,14 +194,14 @@ class MEG:
         return order
 
     def _check_templates(self) -> None:
-        for n in self.nodes:
-            allowed = {INPUT} | {p.agent for p in self.parents[n]}
-            fields = _template_fields(self.agents[n.agent].template)
-            bad = sorted(fields - allowed)
-            if bad and n.turn == 0 and self.agents[n.agent].rounds != "last":
-                # Later rounds may see more parents; judge each template at its first turn.
+        for agent in self.agents:
+            # Any agent with an edge into this one may appear in its template; in a turn where
+            # that parent has not run yet (round 0 of a refine loop) it renders as "".
+            allowed = {INPUT} | {e.src for e in self.edges if e.dst == agent}
+            bad = sorted(_template_fields(self.agents[agent].template) - allowed)
+            if bad:
                 raise MEGError(
-                    f"agent {n.agent!r}: template placeholder(s) {bad} are neither 'input' nor a "
+                    f"agent {agent!r}: template placeholder(s) {bad} are neither 'input' nor a "
                     f"parent agent; parents: {sorted(allowed - {INPUT})}"
                 )
 
@@ -267,8 +267,10 @@ class MEG:
         return out
 
     def render_prompt(self, agent: str, input_text: str, parent_outputs: Mapping[str, str]) -> str:
-        """Fill `agent`'s template from the input and its parents' outputs (keyed by agent)."""
-        values = {INPUT: input_text, **parent_outputs}
+        """Fill `agent`'s template from the input and its parents' outputs (keyed by agent).
+        A declared parent with no output in this turn (not run yet) renders as ""."""
+        declared = {e.src: "" for e in self.edges if e.dst == agent}
+        values = {**declared, INPUT: input_text, **parent_outputs}
         try:
             return self.agents[agent].template.format_map(values)
         except KeyError as exc:

@@ -256,3 +256,20 @@ STAGE_FNS: dict[str, Callable[..., dict[str, Any]]] = {
     "step": lambda run_dir, iteration, agent, turn, mb: step(run_dir, iteration, agent),
     "sync": lambda run_dir, iteration, agent, turn, mb: sync(run_dir, iteration, agent),
 }
+
+
+def evaluate(run_dir: str, iteration: int) -> dict[str, Any]:
+    """Greedy held-out accuracy of the team with the weights that iteration `iteration` uses
+    (`iteration = train.iterations` evaluates the final weights)."""
+    return _measured("evaluate", lambda: _evaluate(context(run_dir), iteration))
+
+
+def _evaluate(ctx: WorkerContext, iteration: int) -> dict[str, Any]:
+    from flexmarl_core.evaluate import evaluate_team
+
+    problems = ctx.workload.problems("heldout", ctx.cfg.workload.heldout_size, seed=ctx.cfg.seed)
+    with ctx.lock:
+        engines = {a: ctx.engine(a, weights_version(ctx, a, iteration)) for a in ctx.meg.agent_names}
+        res = evaluate_team(ctx.meg, ctx.workload, engines, problems, seed=ctx.cfg.seed)
+    return {"iteration": iteration, "heldout_accuracy": res["accuracy"], "heldout_n": res["n"],
+            **{f"heldout_reward/{a}": v for a, v in res["reward"].items()}}

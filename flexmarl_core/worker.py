@@ -28,9 +28,8 @@ def weights_path(run_dir: str | Path, agent: str, version: int) -> Path:
     return Path(run_dir) / "weights" / agent / f"v{version}.safetensors"
 
 
-def publish_weights(run_dir: str | Path, agent: str, version: int, state: dict[str, torch.Tensor]) -> Path:
-    """Write one weights version atomically (temp + rename); a retry rewrites the same bytes."""
-    path = weights_path(run_dir, agent, version)
+def save_state_atomic(path: Path, state: dict[str, torch.Tensor]) -> Path:
+    """Write a state dict as safetensors atomically (temp + rename): readers never see half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     # Clone: tied embeddings share storage and safetensors refuses shared tensors; lm_head must
@@ -38,6 +37,11 @@ def publish_weights(run_dir: str | Path, agent: str, version: int, state: dict[s
     save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(tmp))
     os.replace(tmp, path)
     return path
+
+
+def publish_weights(run_dir: str | Path, agent: str, version: int, state: dict[str, torch.Tensor]) -> Path:
+    """Publish one weights version; a retry rewrites the same bytes."""
+    return save_state_atomic(weights_path(run_dir, agent, version), state)
 
 
 def load_weights(run_dir: str | Path, agent: str, version: int) -> dict[str, torch.Tensor]:

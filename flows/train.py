@@ -30,7 +30,7 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
     run_dir = report_tasks.prepare_run(cfg)
     log.info("run folder %s, store %s", run_dir, cfg.resolved_store_uri())
     api = PREFECT_API_URL.value()
-    lean = bool(api) and (cfg.cluster.prefect_lean == "on" or (
+    lean = bool(api) and (cfg.cluster.prefect_lean is True or (
         cfg.cluster.prefect_lean == "auto" and cfg.cluster.address is None))
     env = lean_tasks.worker_env(api) if lean else {}
     with (
@@ -46,6 +46,9 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
         workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
     stage_cpu = sum(m["cpu_s"] for m in out["iterations"])
     summary = run_summary(out["iterations"], out["wall_s"])
+    if cfg.train.evaluate:
+        ev = report_tasks.evaluate(run_dir, cfg.train.iterations)
+        summary.update({k: v for k, v in ev.items() if k.startswith("heldout")})
     # Bookkeeping = everything the workers and this flow process spent outside the stages'
     # own work (Prefect task engine, API calls, Dask). The API server's CPU is not included.
     overhead = max(workers_cpu - stage_cpu, 0.0) + flow_cpu

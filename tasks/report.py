@@ -8,7 +8,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flexmarl_core import run
+from flexmarl_core import run, stages
 from flexmarl_core.config import ExperimentConfig
 
 
@@ -16,6 +16,12 @@ from flexmarl_core.config import ExperimentConfig
 def prepare_run(cfg: ExperimentConfig) -> str:
     """CPU/IO: run folder, initial weights per agent, every iteration's inputs in the store."""
     return str(run.prepare_run(cfg))
+
+
+@task(name="evaluate", retries=1, cache_policy=NO_CACHE, persist_result=False)
+def evaluate(run_dir: str, iteration: int) -> dict[str, Any]:
+    """CPU: greedy held-out accuracy of the team with the weights of `iteration`."""
+    return stages.evaluate(run_dir, iteration)
 
 
 @task(name="report", cache_policy=NO_CACHE, persist_result=False)

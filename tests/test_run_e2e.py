@@ -41,7 +41,7 @@ def test_train_flow_end_to_end(prefect_api, dask_cluster, tmp_path, mode):
     switches = ["dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation"]
     # A reward that varies for untrained models, so every agent gets a gradient.
     overrides = [f"run_dir={tmp_path}/run", f"cluster.address={dask_cluster}",
-                 "cluster.prefect_lean=on", "workload.reward=tests.reward_fns:varied", "workload.credit=team"]
+                 "cluster.prefect_lean=true", "workload.reward=tests.reward_fns:varied", "workload.credit=team"]
     overrides += [f"codesign.{s}={'false' if mode == 'sync' else 'true'}" for s in switches]
     state = run_flow(overrides)
     assert state.is_completed(), state.message
@@ -51,7 +51,13 @@ def test_train_flow_end_to_end(prefect_api, dask_cluster, tmp_path, mode):
     plan = Plan.build(cfg, meg)
 
     # Every task run completed: one per op of the graph, plus prepare-run and report.
-    runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
+    # The server records task runs from events in batches: poll briefly.
+    deadline = time.time() + 30
+    while True:
+        runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
+        if len(runs) >= len(plan.ops()) + 2 or time.time() > deadline:
+            break
+        time.sleep(0.5)
     assert len(runs) == len(plan.ops()) + 2
     assert all(r.state.is_completed() for r in runs), [r.name for r in runs if not r.state.is_completed()]
     names = {r.name for r in runs}

@@ -93,19 +93,24 @@ class TorchTrainer:
         # No attention mask: with RIGHT padding a causal mask already hides every pad from every
         # real token (pads come after it), and attention keeps its fast is_causal path. Logits at
         # pad positions are garbage but never gathered into a real (mask = 1) entry.
-        target_index = batch.target_index.to(dev)
+        # Logits are needed only on [lo, hi): from the earliest first-response-token predictor to
+        # the last predictor. Every row has >= 1 response token, so column 0 of target_index
+        # holds each row's first target position.
+        lo = int(batch.target_index[:, 0].min())
+        hi = int(batch.target_index.max()) + 1
         kwargs: dict[str, Any] = {}
-        if self._keep_ok:
-            # Every row has >= 1 response token, so column 0 holds each row's first target.
-            lo = int(batch.target_index[:, 0].min())
-            hi = int(batch.target_index.max()) + 1
+        if self._keep_ok:  # lm_head runs only over the span
             kwargs["logits_to_keep"] = torch.arange(lo, hi, device=dev)
-            target_index = (target_index - lo).clamp_(min=0)  # padding entries were 0
         with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.bf16):
-            logits = model(input_ids=input_ids, **kwargs).logits  # (B, T', V)
-        idx = target_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])  # (B, R, V)
-        resp_logits = logits.gather(1, idx)
-        return token_logprobs(resp_logits, batch.response_ids.to(dev), self.temperature)
+            logits = model(input_ids=input_ids, **kwargs).logits  # (B, T' = hi - lo, V)
+        if not self._keep_ok:
+            logits = logits[:, lo:hi]
+        # Score every position in the span against the next input token, then pick the response
+        # positions: gathering (B, R, V) logit rows instead would cost a V-wide scatter in backward.
+        next_tokens = input_ids[:, lo + 1 : hi + 1]  # (B, T')
+        per_pos = token_logprobs(logits, next_tokens, self.temperature)  # (B, T')
+        index = (batch.target_index.to(dev) - lo).clamp_(min=0)  # padding entries were 0
+        return per_pos.gather(1, index)  # (B, R)
 
     # -- TrainBackend -------------------------------------------------------------------------
     def loss_weight(self, micro_batch: MicroBatch) -> float:

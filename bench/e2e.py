@@ -1,0 +1,115 @@
+"""End-to-end: the co-design (all switches on) against the synchronous multi-agent baseline
+(all off) on the same work and seed, through the real stack (Prefect flow, Dask workers, MEG
+Store), alternating the two so machine noise hits both alike.
+
+    python bench/e2e.py --json runs/bench/e2e.json [--quick] [--config configs/default.yaml]
+
+Reports E2E seconds per iteration, tokens/s and utilisation (busy / wall over all workers)
+for each mode, their ratios, and the share of CPU spent on Prefect + Dask bookkeeping.
+With --ablation it also runs each switch off alone (keys `ablation.<switch>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SWITCHES = ["dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation"]
+
+
+def modes(ablation: bool) -> dict[str, list[str]]:
+    out = {
+        "codesign": [f"codesign.{s}=true" for s in SWITCHES],
+        "sync": [f"codesign.{s}=false" for s in SWITCHES],
+    }
+    if ablation:
+        for off in SWITCHES:
+            out[f"ablation.{off}"] = [f"codesign.{s}={'false' if s == off else 'true'}" for s in SWITCHES]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True, help="write results here")
+    ap.add_argument("--quick", action="store_true", help="2 iterations, 1 repeat")
+    ap.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--iterations", type=int, default=None)
+    ap.add_argument("--ablation", action="store_true", help="also each switch off alone")
+    ap.add_argument("--set", action="append", default=[], help="extra config overrides")
+    args = ap.parse_args()
+    repeats = args.repeats or (1 if args.quick else 2)
+    iterations = args.iterations or (2 if args.quick else 4)
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flexmarl.prefect_api import ensure_api
+
+    api, _ = ensure_api()
+    from flows.train import train
+
+    runs: dict[str, list[dict]] = {m: [] for m in modes(args.ablation)}
+    out_dir = REPO / "runs" / "bench-e2e"
+    t0 = time.time()
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        for rep in range(repeats):
+            order = list(runs)
+            if rep % 2:  # alternate which mode goes first
+                order.reverse()
+            for mode in order:
+                overrides = [f"run_dir={out_dir}/{mode}-{rep}", f"train.iterations={iterations}",
+                             *modes(args.ablation)[mode], *args.set]
+                state = train(args.config, overrides, progress=False, return_state=True)
+                if not state.is_completed():
+                    print(f"{mode} rep {rep} failed: {state.message}", file=sys.stderr)
+                    return 1
+                s = state.result()["summary"]
+                runs[mode].append(s)
+                print(f"{mode:32s} rep {rep}: {s['e2e_s_per_iteration']:.2f} s/it, "
+                      f"{s['tokens_per_s']:.0f} tok/s, util {s['utilization']:.2f}, "
+                      f"bookkeeping {s['prefect_overhead_frac']:.3f}", flush=True)
+
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[mode])
+
+    res = {
+        "config": args.config, "iterations": iterations, "repeats": repeats,
+        "e2e_s_codesign": med("codesign", "e2e_s_per_iteration"),
+        "e2e_s_sync": med("sync", "e2e_s_per_iteration"),
+        "util_codesign": med("codesign", "utilization"),
+        "util_sync": med("sync", "utilization"),
+        "tokens_per_s_codesign": med("codesign", "tokens_per_s"),
+        "tokens_per_s_sync": med("sync", "tokens_per_s"),
+        "prefect_overhead_frac": statistics.median(
+            r["prefect_overhead_frac"] for m in runs for r in runs[m]),
+        "bench_wall_s": time.time() - t0,
+    }
+    res["speedup"] = res["e2e_s_sync"] / res["e2e_s_codesign"]
+    res["tokens_per_s_ratio"] = res["tokens_per_s_codesign"] / res["tokens_per_s_sync"]
+    for m in runs:
+        if m.startswith("ablation."):
+            res[m] = {"e2e_s": med(m, "e2e_s_per_iteration"),
+                      "slowdown_vs_codesign": med(m, "e2e_s_per_iteration") / res["e2e_s_codesign"],
+                      "util": med(m, "utilization")}
+    res["runs"] = runs
+
+    print(f"\n{'mode':32s} {'E2E s/it':>9s} {'tok/s':>8s} {'util':>6s}")
+    for m in runs:
+        print(f"{m:32s} {med(m, 'e2e_s_per_iteration'):9.2f} {med(m, 'tokens_per_s'):8.0f} "
+              f"{med(m, 'utilization'):6.2f}")
+    print(f"speedup (sync / codesign E2E): {res['speedup']:.2f}x; "
+          f"Prefect+Dask bookkeeping {100 * res['prefect_overhead_frac']:.1f}% of CPU")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""SFT warm start: each agent's starting checkpoint from the workload's demonstrations.
+
+Tiny models built from scratch know nothing, so GRPO would see all-zero reward groups. SFT on
+teacher-forced demonstrations (each agent's ideal output given its parents' ideal outputs,
+sometimes a plausible mistake upstream so downstream agents see real errors) gives RL a signal.
+It stops as soon as the team's greedy held-out accuracy reaches `train.sft_target_accuracy`,
+which is the paper's "SFT-only" starting point; RL must then add to it.
+
+    flexmarl sft configs/default.yaml        # writes <run_dir>/sft/<agent>/model.safetensors
+    flexmarl train configs/default.yaml --set train.init_from=runs/arith-team/sft
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.evaluate import evaluate_team
+from flexmarl_core.meg import MEG
+from flexmarl_core.training.api import TokenBatch
+
+
+def sft_loss(logprobs: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, Mapping[str, Any]]:
+    """Negative log-likelihood of the demonstration tokens, summed (the trainer normalises)."""
+    nll = -(logprobs * batch.mask).sum()
+    return nll, {"nll": nll.detach()}
+
+
+def demonstrations(
+    meg: MEG, workload: Any, problems: list[Any], rng: random.Random, perturb: float
+) -> dict[str, list[tuple[str, str]]]:
+    """(prompt, target) pairs per agent, the chain teacher-forced along the MEG."""
+    out: dict[str, list[tuple[str, str]]] = {a: [] for a in meg.agent_names}
+    can_perturb = hasattr(workload, "perturbation")
+    for p in problems:
+        outputs: dict[str, str] = {}
+        for node in meg.nodes:
+            parents = {q.agent: outputs[q.agent] for q in meg.parents[node]}
+            prompt = meg.render_prompt(node.agent, p.text, parents)
+            target = workload.demonstration(p, node.agent, parents)
+            out[node.agent].append((prompt, target))
+            # What children see: usually the right output, sometimes a realistic mistake.
+            shown = target
+            if can_perturb and perturb > 0 and rng.random() < perturb and meg.children_of(node):
+                shown = workload.perturbation(p, node.agent, rng)
+            outputs[node.agent] = shown
+    return out
+
+
+def run_sft(
+    cfg: ExperimentConfig,
+    out_dir: str | Path | None = None,
+    *,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Train every trainable agent on demonstrations until the team reaches the target."""
+    from flexmarl_core.algorithms import token_weight
+    from flexmarl_core.inference import make_inference_engine
+    from flexmarl_core.models import load_agent_model
+    from flexmarl_core.training import Sample, make_trainer
+    from flexmarl_core.workloads import make_workload
+
+    torch.manual_seed(cfg.seed)
+    meg = MEG.from_config(cfg.team)
+    workload = make_workload(cfg.workload, cfg.team)
+    out = Path(out_dir) if out_dir else cfg.resolved_run_dir() / "sft"
+    tc = cfg.train
+    models, engines, trainers, toks = {}, {}, {}, {}
+    for agent in meg.agent_names:
+        acfg = cfg.agent(agent)
+        model, tok = load_agent_model(acfg.model, seed=cfg.seed)
+        models[agent], toks[agent] = model, tok
+        if acfg.trainable:
+            sft_cfg = acfg.model_copy(update={"algorithm": acfg.algorithm.model_copy(update={"lr": tc.sft_lr})})
+            trainers[agent] = make_trainer(sft_cfg, model, loss_fn=sft_loss, loss_weight_fn=token_weight)
+        # The engine shares the trainer's module: evaluation sees the latest weights for free.
+        engines[agent] = make_inference_engine(acfg, model, tok)
+    heldout = workload.problems("heldout", min(cfg.workload.heldout_size, tc.sft_eval_size), seed=cfg.seed)
+    rng = random.Random(cfg.seed)
+    step, acc, t0 = 0, 0.0, time.time()
+    history = []
+    while True:
+        if step % tc.sft_eval_every == 0:
+            acc = evaluate_team(meg, workload, engines, heldout, seed=cfg.seed)["accuracy"]
+            history.append({"step": step, "accuracy": acc, "time_s": time.time() - t0})
+            log(f"sft step {step}: held-out accuracy {acc:.3f}")
+            if acc >= tc.sft_target_accuracy or step >= tc.sft_max_steps:
+                break
+        problems = workload.problems("train", tc.sft_batch, seed=cfg.seed + 1, offset=step * tc.sft_batch)
+        demos = demonstrations(meg, workload, problems, rng, tc.sft_perturb)
+        for agent, tr in trainers.items():
+            tok = toks[agent]
+            stop = (cfg.agent(agent).sampling.stop or [""])[0]
+            batch = []
+            for prompt, target in demos[agent]:
+                resp = tok(target + stop, add_special_tokens=False)["input_ids"]
+                batch.append(Sample(prompt_ids=tok(prompt, add_special_tokens=False)["input_ids"],
+                                    response_ids=resp, logprobs=[0.0] * len(resp), advantage=0.0))
+            tr.accumulate(batch, loss_scale=1.0 / max(token_weight(batch), 1.0))
+            tr.step()
+        step += 1
+    for agent in meg.agent_names:
+        _save(out / agent, models[agent])
+    result = {"out_dir": str(out), "accuracy": acc, "steps": step, "history": history,
+              "target": tc.sft_target_accuracy}
+    (out / "sft.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _save(path: Path, model: torch.nn.Module) -> None:
+    from flexmarl_core.worker import save_state_atomic
+
+    save_state_atomic(path / "model.safetensors", model.state_dict())
