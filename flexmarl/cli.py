@@ -64,7 +64,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
 def cmd_store_check(args: argparse.Namespace) -> int:
     from storage.check import main as check_main
 
-    return check_main([args.path])
+    extra = ["--strict"] if args.strict else []
+    if args.stale_after is not None:
+        extra += ["--stale-after", str(args.stale_after)]
+    return check_main([args.path, *extra])
 
 
 def cmd_server_stop(args: argparse.Namespace) -> int:
@@ -97,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     st_sub = st.add_subparsers(dest="store_command", required=True)
     chk = st_sub.add_parser("check", help="list problems in a store; exit 1 if any")
     chk.add_argument("path", help="store path or URI")
+    chk.add_argument("--strict", action="store_true", help="warnings fail too")
+    chk.add_argument("--stale-after", type=float, default=None, metavar="S",
+                     help="staging files older than S seconds count as stale")
     chk.set_defaults(fn=cmd_store_check)
 
     sv = sub.add_parser("server", help="the local Prefect server")
