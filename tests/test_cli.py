@@ -1,0 +1,43 @@
+"""The `flexmarl` console script, run as a user would (a subprocess of the installed entry point)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from storage import MEGStore
+
+FLEXMARL = str(Path(sys.executable).with_name("flexmarl"))
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([FLEXMARL, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_store_check_clean_and_damaged(tmp_path):
+    root = tmp_path / "store"
+    store = MEGStore(str(root))
+    store.write_samples("solver", 0, [
+        {"input_id": "p0", "traj": t, "turn": 0, "mb": 0, "policy_version": 0,
+         "prompt_ids": [1, 2], "response_ids": [3], "logprobs": [-0.5],
+         "prompt_text": "Q", "response_text": "A"} for t in range(2)
+    ])
+    ok = run("store", "check", str(root))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = root / "samples" / "agent=solver" / "iteration=0" / "mb000000-deadbeef.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet")
+    res = run("store", "check", str(root))
+    assert res.returncode == 1
+    assert bad.name in res.stdout + res.stderr
+
+
+def test_train_rejects_bad_config_naming_file_and_field(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(TINY.read_text().replace("group_size: 2", "group_size: -1"))
+    res = run("train", str(cfg))
+    assert res.returncode == 2
+    assert str(cfg) in res.stderr and "batch.group_size" in res.stderr
+    res = run("train", str(TINY), "--set", "codesign.async_pipline=true")
+    assert res.returncode == 2 and "codesign.async_pipline" in res.stderr
