@@ -46,6 +46,9 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
         workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
     stage_cpu = sum(m["cpu_s"] for m in out["iterations"])
     summary = run_summary(out["iterations"], out["wall_s"])
+    if cfg.train.evaluate_initial:
+        ev = report_tasks.evaluate(run_dir, 0)
+        summary.update({f"initial_{k}": v for k, v in ev.items() if k.startswith("heldout")})
     if cfg.train.evaluate:
         ev = report_tasks.evaluate(run_dir, cfg.train.iterations)
         summary.update({k: v for k, v in ev.items() if k.startswith("heldout")})

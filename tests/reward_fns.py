@@ -10,3 +10,10 @@ def varied(problem: object, outputs: Mapping[str, str]) -> float:
     the team's texts), so GRPO advantages are non-zero and every agent really trains."""
     text = "".join(outputs.values())
     return sum(c.isdigit() for c in text) / (1 + len(text)) + 0.01 * len(text)
+
+
+def lowercase(problem: object, outputs: Mapping[str, str]) -> float:
+    """Easy to learn from scratch: the share of a-z characters in the team's outputs (an
+    untrained model scores ~0.6, so every group has spread to learn from)."""
+    text = "".join(outputs.values())
+    return sum("a" <= c <= "z" for c in text) / max(len(text), 1)

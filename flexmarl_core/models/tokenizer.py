@@ -175,9 +175,14 @@ def tokenizer_key(vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> str:
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """Load a tokenizer folder as a plain fast tokenizer (the class is not re-derived from the
-    model type, so what was saved is what runs)."""
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
+    """Load a tokenizer folder. With a `tokenizer.json` it is loaded as a plain fast tokenizer,
+    so what was saved is what runs (the class is not re-derived from the model type); other
+    folders (e.g. sentencepiece-only) go through AutoTokenizer."""
+    if (Path(path) / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def atomic_save_dir(target: Path, write) -> None:

@@ -1,0 +1,102 @@
+"""Learning: does RL on the team add accuracy on top of SFT, and do the synchronous and the
+co-design (async) pipelines learn equally well?
+
+For each seed: `flexmarl sft` until the team reaches `train.sft_target_accuracy` on held-out
+problems (the "SFT-only" row), then N RL iterations through the Prefect flow from those
+checkpoints, once with all co-design switches off (sync) and once with all on (async);
+held-out accuracy is greedy team accuracy on the same held-out problems before and after.
+
+    python bench/learning.py --json runs/bench/learning.json [--quick] [--seeds 0 1 2]
+
+JSON: acc_sft, acc_rl (= acc_async), acc_sync, acc_async (fractions, mean over seeds), seeds,
+iterations, and per-seed rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SWITCHES = ["dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--quick", action="store_true", help="1 seed, fewer iterations, async only")
+    ap.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
+    ap.add_argument("--seeds", type=int, nargs="*", default=None)
+    ap.add_argument("--iterations", type=int, default=None)
+    ap.add_argument("--modes", nargs="*", default=None, choices=["sync", "async"])
+    ap.add_argument("--set", action="append", default=[], help="extra config overrides")
+    args = ap.parse_args()
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    iterations = args.iterations or (6 if args.quick else 20)
+    run_modes = args.modes or (["async"] if args.quick else ["sync", "async"])
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flexmarl.prefect_api import ensure_api
+    from flexmarl_core.config import load_config
+    from flexmarl_core.sft import run_sft
+
+    api, _ = ensure_api()
+    from flows.train import train
+
+    out_dir = REPO / "runs" / "bench-learning"
+    rows = []
+    t0 = time.time()
+    for seed in seeds:
+        base = [f"seed={seed}", *args.set]
+        cfg = load_config(args.config, [*base, f"run_dir={out_dir}/sft-{seed}"])
+        ts = time.time()
+        sft = run_sft(cfg, out_dir=out_dir / f"sft-{seed}" / "ckpt", log=lambda m: print(m, flush=True))
+        row = {"seed": seed, "sft_steps": sft["steps"], "sft_s": time.time() - ts}
+        for mode in run_modes:
+            value = "true" if mode == "async" else "false"
+            overrides = [*base, f"run_dir={out_dir}/{mode}-{seed}", f"train.iterations={iterations}",
+                         f"train.init_from={out_dir}/sft-{seed}/ckpt", "train.evaluate_initial=true",
+                         *[f"codesign.{s}={value}" for s in SWITCHES]]
+            tr = time.time()
+            with temporary_settings(updates={PREFECT_API_URL: api}):
+                state = train(args.config, overrides, progress=False, return_state=True)
+            if not state.is_completed():
+                print(f"seed {seed} {mode} failed: {state.message}", file=sys.stderr)
+                return 1
+            s = state.result()["summary"]
+            # SFT-only accuracy is measured by the same evaluation on the same problems.
+            row["acc_sft"] = s["initial_heldout_accuracy"]
+            row[f"acc_{mode}"] = s["heldout_accuracy"]
+            row[f"{mode}_s"] = time.time() - tr
+            print(f"seed {seed} {mode}: SFT-only {row['acc_sft']:.3f} -> RL {row[f'acc_{mode}']:.3f} "
+                  f"({iterations} iterations, {row[f'{mode}_s']:.0f} s)", flush=True)
+        rows.append(row)
+
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in rows if key in r]
+        return statistics.fmean(vals) if vals else None
+
+    res = {"seeds": seeds, "iterations": iterations, "acc_sft": mean("acc_sft"),
+           "acc_sync": mean("acc_sync"), "acc_async": mean("acc_async"),
+           "bench_wall_s": time.time() - t0, "rows": rows}
+    res["acc_rl"] = res["acc_async"] if res["acc_async"] is not None else res["acc_sync"]
+    print(f"\n{'seed':>4s} {'SFT-only':>9s} {'sync':>7s} {'async':>7s}")
+    for r in rows:
+        print(f"{r['seed']:4d} {r['acc_sft']:9.3f} {r.get('acc_sync', float('nan')):7.3f} "
+              f"{r.get('acc_async', float('nan')):7.3f}")
+    print(f"mean: SFT-only {res['acc_sft']:.3f}, RL {res['acc_rl']:.3f} "
+          f"(+{res['acc_rl'] - res['acc_sft']:.3f})")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
