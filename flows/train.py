@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.settings import PREFECT_API_URL
+from prefect.runtime import flow_run
+from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
 from flexmarl_core import cluster, run
 from flexmarl_core.config import load_config
@@ -26,6 +27,9 @@ from tasks.executor import PrefectDaskExecutor
 def train(config: str, overrides: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
     """Train the team described by `config` (a YAML path) with `overrides` (`a.b=c`)."""
     log = get_run_logger()
+    ui = PREFECT_UI_URL.value()
+    if ui:
+        log.info("Prefect UI for this run: %s/runs/flow-run/%s", ui, flow_run.get_id())
     cfg = load_config(config, overrides or [])
     run_dir = report_tasks.prepare_run(cfg)
     log.info("run folder %s, store %s", run_dir, cfg.resolved_store_uri())
