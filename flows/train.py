@@ -61,6 +61,7 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
     overhead = max(workers_cpu - stage_cpu, 0.0) + flow_cpu
     summary.update(
         run_dir=str(run_dir), ops=out["ops"], stage_cpu_s=stage_cpu, bookkeeping_cpu_s=overhead,
+        flow_cpu_s=flow_cpu, worker_bookkeeping_cpu_s=max(workers_cpu - stage_cpu, 0.0),
         prefect_overhead_frac=overhead / max(overhead + stage_cpu, 1e-9),
     )
     report_tasks.report(cfg.name, out["iterations"], summary, cfg.resolved_store_uri())

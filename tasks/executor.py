@@ -6,6 +6,7 @@ pinned worker, if any) is the one the router chose at that moment.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -28,6 +29,7 @@ class PrefectDaskExecutor:
         self.runner = DaskTaskRunner(address=address)
         self.lean = lean
         self._stack = ExitStack()
+        self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
 
     def __enter__(self) -> PrefectDaskExecutor:
         self._stack.enter_context(self.runner)
@@ -43,7 +45,7 @@ class PrefectDaskExecutor:
         return self.runner.client
 
     def submit(self, op: Op, kwargs: dict[str, Any], route: Route) -> PrefectDaskFuture:
-        task = BY_KIND[op.kind].with_options(task_run_name=op.name)
+        task = BY_KIND[op.kind]
         annotations: dict[str, Any] = {}
         if route.resources:
             annotations["resources"] = route.resources
@@ -64,7 +66,13 @@ class PrefectDaskExecutor:
         return handle.result()
 
     def worker_resources(self) -> dict[str, dict[str, float]]:
-        return cluster.worker_resources(self.client)
+        # Tags change only when we re-tag (which invalidates) or a worker joins/leaves: a
+        # short-lived cache saves a scheduler round trip per submission wave.
+        now = time.monotonic()
+        if self._tags is None or now - self._tags[0] > 1.0:
+            self._tags = (now, cluster.worker_resources(self.client))
+        return self._tags[1]
 
     def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None:
         cluster.set_worker_resources(self.client, worker, resources)
+        self._tags = None
