@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +40,8 @@ def start_cluster(
                      "logging.distributed": "warning",
                      "distributed.admin.tick.interval": "100ms",
                      "distributed.admin.system-monitor.interval": "2s"})
+    # Scheduler/nanny INFO lines (connections, retirements) drown the run's own output.
+    logging.getLogger("distributed").setLevel(logging.WARNING)
     if cfg.address:
         return None, Client(cfg.address)
     # Worker processes inherit the environment; pin BLAS/torch threads before they start so two
