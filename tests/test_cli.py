@@ -41,3 +41,13 @@ def test_train_rejects_bad_config_naming_file_and_field(tmp_path):
     assert str(cfg) in res.stderr and "batch.group_size" in res.stderr
     res = run("train", str(TINY), "--set", "codesign.async_pipline=true")
     assert res.returncode == 2 and "codesign.async_pipline" in res.stderr
+
+
+def test_sft_writes_a_checkpoint_per_agent(tmp_path):
+    res = run("sft", str(TINY), "--out", str(tmp_path / "sft"), "--set", "train.sft_max_steps=2",
+              "--set", "train.sft_eval_every=1", "--set", "train.sft_eval_size=4",
+              "--set", "train.sft_batch=4")
+    assert res.returncode == 0, res.stderr[-2000:]
+    for agent in ("planner", "solver", "verifier"):
+        assert (tmp_path / "sft" / agent / "model.safetensors").exists()
+    assert "after 2 steps" in res.stdout
