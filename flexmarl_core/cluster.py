@@ -110,11 +110,6 @@ def cluster_for(cfg: ClusterConfig, env: dict[str, str] | None = None) -> Iterat
             cluster.close()
 
 
-def worker_names(client: Client) -> dict[str, str]:
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    return {addr: str(w.get("name", addr)) for addr, w in info.items()}
-
-
 async def _set_resources(dask_worker: Any, resources: dict[str, float]) -> None:
     await dask_worker.set_resources(**resources)
 

@@ -283,7 +283,7 @@ class Orchestrator:
             ready.sort()
             held: list[Op] = []
             if ready:
-                workers = self.executor.worker_resources()
+                workers = self._live_workers()
             while ready:
                 op = ready.pop(0)
                 needs_trainer = op.kind in ("train", "step", "sync")
@@ -319,3 +319,13 @@ class Orchestrator:
                     self.on_op_done(rec)
                 complete(op)
         return RunResult(records=records, wall_s=time.time() - t0, started=t0)
+
+    def _live_workers(self, patience_s: float = 60.0) -> dict[str, dict[str, float]]:
+        """Current worker tags. No workers at all means the cluster is (re)starting one, so
+        wait for it; workers that lack a tag are a config error the router reports at once."""
+        deadline = time.time() + patience_s
+        while True:
+            workers = self.executor.worker_resources()
+            if workers or time.time() > deadline:
+                return workers
+            time.sleep(0.5)

@@ -9,7 +9,6 @@ store rows (deduplicated by sample id and policy version) or finds the work alre
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import time
@@ -49,15 +48,6 @@ def weights_version(ctx: WorkerContext, agent: str, iteration: int) -> int:
     return iteration if ctx.cfg.agent(agent).trainable else 0
 
 
-def _inputs(ctx: WorkerContext, iteration: int, mb: int) -> list[dict[str, Any]]:
-    rows = ctx.store.read_inputs(iteration).to_pylist()
-    mine = [r for r in rows if json.loads(r["meta"] or "{}").get("mb") == mb]
-    mine.sort(key=lambda r: json.loads(r["meta"])["pos"])
-    if not mine:
-        raise RuntimeError(f"iteration {iteration} micro-batch {mb}: no inputs in the store")
-    return mine
-
-
 # -- rollout ----------------------------------------------------------------------------------
 
 
@@ -70,7 +60,7 @@ def _rollout(ctx: WorkerContext, iteration: int, agent: str, turn: int, mb: int)
 
     node = NodeKey(agent, turn)
     parents = ctx.meg.parents[node]
-    inputs = _inputs(ctx, iteration, mb)
+    inputs = ctx.inputs(iteration, mb)
     parent_text: dict[str, str] = {}
     for p in parents:
         tbl = ctx.store.read_samples(p.agent, iteration, mb=mb, columns=["sample_id", "response_text"])
@@ -117,7 +107,7 @@ def reward(run_dir: str, iteration: int, mb: int) -> dict[str, Any]:
 def _reward(ctx: WorkerContext, iteration: int, mb: int) -> dict[str, Any]:
     from flexmarl_core.workloads.api import Problem
 
-    inputs = {r["input_id"]: r for r in _inputs(ctx, iteration, mb)}
+    inputs = {r["input_id"]: r for r in ctx.inputs(iteration, mb)}
     # Each agent's output per trajectory is its last turn's response.
     samples: dict[str, list[dict[str, Any]]] = {}
     final: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
@@ -130,7 +120,7 @@ def _reward(ctx: WorkerContext, iteration: int, mb: int) -> dict[str, Any]:
     correct = []
     for (input_id, traj), outputs in final.items():
         inp = inputs[input_id]
-        problem = Problem(input_id=input_id, text=inp["text"], answer=inp["answer"], meta=json.loads(inp["meta"] or "{}"))
+        problem = Problem(input_id=input_id, text=inp["text"], answer=inp["answer"], meta=inp["meta"])
         rewards[(input_id, traj)] = ctx.workload.reward(problem, outputs)
         correct.append(float(ctx.workload.is_correct(problem, outputs)))
     mean_reward = {}

@@ -9,6 +9,7 @@ restarted worker rebuilds any engine from the latest published version.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ class WorkerContext:
     trainers: dict[str, Any] = field(default_factory=dict)
     #: per agent, the (iteration, mb) already in the trainer's accumulated gradients
     accumulated: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
+    #: iteration -> micro-batch -> input rows (meta parsed); inputs never change once written
+    _inputs: dict[int, dict[int, list[dict[str, Any]]]] = field(default_factory=dict)
     _store: Any = None
     _workload: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -79,6 +82,21 @@ class WorkerContext:
 
             self._workload = make_workload(self.cfg.workload, self.cfg.team)
         return self._workload
+
+    def inputs(self, iteration: int, mb: int) -> list[dict[str, Any]]:
+        """The inputs of one micro-batch in their original order, read once per iteration."""
+        if iteration not in self._inputs:
+            by_mb: dict[int, list[dict[str, Any]]] = {}
+            for r in self.store.read_inputs(iteration).to_pylist():
+                r["meta"] = json.loads(r["meta"] or "{}")
+                by_mb.setdefault(r["meta"]["mb"], []).append(r)
+            for rows in by_mb.values():
+                rows.sort(key=lambda r: r["meta"]["pos"])
+            self._inputs[iteration] = by_mb
+        rows = self._inputs[iteration].get(mb)
+        if not rows:
+            raise RuntimeError(f"iteration {iteration} micro-batch {mb}: no inputs in the store")
+        return rows
 
     def _fresh_model(self, agent: str) -> tuple[Any, Any]:
         from flexmarl_core.models import load_agent_model
@@ -132,8 +150,3 @@ def context(run_dir: str | Path) -> WorkerContext:
             ctx = WorkerContext(run_dir=Path(key), cfg=cfg, meg=MEG.from_config(cfg.team))
             _CONTEXTS[key] = ctx
         return ctx
-
-
-def forget(run_dir: str | Path) -> None:
-    """Drop a run's state from this process (tests, and resuming in the same process)."""
-    _CONTEXTS.pop(str(Path(run_dir).resolve()), None)

@@ -70,7 +70,10 @@ class PrefectDaskExecutor:
         # short-lived cache saves a scheduler round trip per submission wave.
         now = time.monotonic()
         if self._tags is None or now - self._tags[0] > 1.0:
-            self._tags = (now, cluster.worker_resources(self.client))
+            tags = cluster.worker_resources(self.client)
+            if not tags:  # a transient empty view (worker restarting) must not be cached
+                return tags
+            self._tags = (now, tags)
         return self._tags[1]
 
     def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None:
