@@ -256,7 +256,6 @@ class TrainConfig(_Strict):
     evaluate_initial: bool = Field(
         False, description="Also measure it before training (the starting point, e.g. SFT-only)."
     )
-    checkpoint_every: int = Field(1, ge=0, description="Checkpoint every N iterations (0: never).")
     sft_target_accuracy: float = Field(
         0.3, ge=0.0, le=1.0, description="`flexmarl sft` stops once held-out accuracy reaches this."
     )

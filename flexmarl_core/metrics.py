@@ -58,6 +58,15 @@ def iteration_metrics(result: RunResult, cfg: ExperimentConfig) -> list[dict[str
             "cpu_s": sum(r.result.get("cpu_s", 0.0) for r in ops),
             "ops": len(ops),
         }
+        # Swap traffic of on-demand training allocation (checkpoint out after each step, state
+        # in where a slot took an agent whose state was elsewhere).
+        for key in ("swap_in_s", "swap_in_bytes", "swap_out_s", "swap_out_bytes"):
+            m[key] = sum(r.result.get(key, 0.0) for r in ops)
+        moves = [d for d in result.decisions
+                 if d["decision"] == "move_instance" and prev_end < d["t"] <= end]
+        m["balance_moves"] = len(moves)
+        m["train_swaps"] = sum(1 for d in result.decisions
+                               if d["decision"] == "train_slot" and d["iteration"] == it and d["swap"])
         m.update({f"stage_s/{k}": v for k, v in sorted(stage_s.items())})
         m.update({f"busy_s/{w}": busy.get(w, 0.0) for w in workers})
         m.update({f"reward/{a}": sum(v) / len(v) for a, v in sorted(rewards.items())})
@@ -97,6 +106,12 @@ class MetricsWriter:
                "finished": rec.finished, **rec.result}
         self._ops.write(json.dumps(row, default=str) + "\n")
         self._ops.flush()
+
+    def decisions(self, decisions: list[dict[str, Any]]) -> None:
+        """Every control-plane decision (instance moves, training slots) as JSONL."""
+        with open(self.dir / "decisions.jsonl", "a") as f:
+            for d in decisions:
+                f.write(json.dumps(d, default=str) + "\n")
 
     def iteration(self, m: dict[str, Any]) -> None:
         with open(self.dir / "iterations.jsonl", "a") as f:

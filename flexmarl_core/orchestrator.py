@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from flexmarl_core.balancer import InstanceBalancer, apply_move
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.meg import MEG
 
@@ -171,13 +172,23 @@ class Router:
 
     Rollouts go to an instance of their agent: a worker tagged `rollout:<agent>`, else any worker
     tagged `rollout`. With `load_balancing`, the least-loaded instance is chosen (intra-agent
-    balancing); without it, Dask places the task among the tagged workers. An agent's trainer
-    lives in one worker's memory, so its train/step/sync ops are pinned to that worker.
+    balancing; the `InstanceBalancer` moves instances between agents); without it, Dask places
+    the task among the tagged workers.
+
+    An agent's trainer accumulates gradients in one worker's memory, so its train/step/sync ops
+    of one iteration run on one worker. Without `on_demand` that worker is fixed for the run
+    (agents spread over the `train` slots in agent order). With `on_demand`, each agent's
+    iteration takes the least-loaded slot when its first micro-batch is ready, and the worker
+    swaps the trainer state in from its last checkpoint if it does not hold it.
     """
 
     load_balancing: bool
+    on_demand: bool = False
     outstanding: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     trainer_home: dict[str, str] = field(default_factory=dict)
+    #: on-demand: the slot of each (agent, iteration) and where each agent's state was last
+    slot: dict[tuple[str, int], str] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
 
     def instances(self, agent: str, workers: dict[str, dict[str, float]]) -> tuple[str, list[str]]:
         dedicated = [w for w, r in workers.items() if r.get(rollout_tag(agent), 0) > 0]
@@ -199,21 +210,38 @@ class Router:
             worker = min(candidates, key=lambda w: (self.outstanding[w], w))
             return Route({tag: 1}, worker)
         if op.kind in ("train", "step", "sync"):
+            slots = sorted(w for w, r in workers.items() if r.get(TRAIN_TAG, 0) > 0)
+            if not slots:
+                raise OrchestratorError(f"{op.name}: no worker has resource tag {TRAIN_TAG!r}; workers: {workers}")
+            return Route({TRAIN_TAG: 1}, self._train_slot(op, slots))
+        return Route({})  # reward: cheap, anywhere
+
+    def _train_slot(self, op: Op, slots: list[str]) -> str:
+        if not self.on_demand:
             home = self.trainer_home.get(op.agent)
-            if home is None or home not in workers:
-                slots = sorted(w for w, r in workers.items() if r.get(TRAIN_TAG, 0) > 0)
-                if not slots:
-                    raise OrchestratorError(
-                        f"{op.name}: no worker has resource tag {TRAIN_TAG!r}; workers: {workers}"
-                    )
+            if home is None or home not in slots:
                 # Spread trainers over the training slots in agent order (static placement).
-                taken = defaultdict(int)
+                taken: dict[str, int] = defaultdict(int)
                 for w in self.trainer_home.values():
                     taken[w] += 1
                 home = min(slots, key=lambda w: (taken[w], w))
                 self.trainer_home[op.agent] = home
-            return Route({TRAIN_TAG: 1}, home)
-        return Route({})  # reward: cheap, anywhere
+            return home
+        key = (op.agent, op.iteration)
+        slot = self.slot.get(key)
+        if slot is None or slot not in slots:
+            last = self.trainer_home.get(op.agent)
+            # Least loaded slot; on a tie, the one already holding the state (no swap).
+            slot = min(slots, key=lambda w: (self.outstanding[w], w != last, w))
+            self.slot[key] = slot
+            self.decisions.append({
+                "t": time.time(), "decision": "train_slot", "agent": op.agent,
+                "iteration": op.iteration, "worker": slot, "state_was_on": last,
+                "swap": last is not None and last != slot,
+                "loads": {w: self.outstanding[w] for w in slots},
+            })
+            self.trainer_home[op.agent] = slot
+        return slot
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -233,6 +261,8 @@ class RunResult:
     records: list[OpRecord]
     wall_s: float
     started: float
+    #: control-plane decisions: instance moves and training-slot allocations, in order
+    decisions: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Orchestrator:
@@ -253,7 +283,13 @@ class Orchestrator:
         self.plan = Plan.build(cfg, meg, first_iteration)
         self.executor = executor
         self.op_kwargs = op_kwargs
-        self.router = Router(load_balancing=cfg.codesign.load_balancing)
+        self.router = Router(
+            load_balancing=cfg.codesign.load_balancing, on_demand=cfg.codesign.on_demand_allocation
+        )
+        self.balancer = (
+            InstanceBalancer(agents=meg.agent_names, threshold=cfg.codesign.balance_threshold)
+            if cfg.codesign.load_balancing else None
+        )
         self.on_op_done = on_op_done
         self.skip = set(skip)
 
@@ -284,6 +320,8 @@ class Orchestrator:
             held: list[Op] = []
             if ready:
                 workers = self._live_workers()
+                if self.balancer is not None and any(op.kind == "rollout" for op in ready):
+                    workers = self._rebalance(ready, running, workers)
             while ready:
                 op = ready.pop(0)
                 needs_trainer = op.kind in ("train", "step", "sync")
@@ -315,10 +353,51 @@ class Orchestrator:
                     raise OrchestratorError(f"{op.name} failed: {exc}") from exc
                 rec = OpRecord(op, submitted, time.time(), res.get("worker"), res)
                 records.append(rec)
+                if self.balancer is not None and op.kind == "rollout":
+                    self.balancer.observe(op.agent, res["t_end"] - res["t_start"])
                 if self.on_op_done:
                     self.on_op_done(rec)
                 complete(op)
-        return RunResult(records=records, wall_s=time.time() - t0, started=t0)
+        return RunResult(records=records, wall_s=time.time() - t0, started=t0,
+                         decisions=sorted(self.router.decisions, key=lambda d: d["t"]))
+
+    def _rebalance(
+        self, ready: list[Op], running: dict[Any, tuple[Op, float, Route]], workers: dict[str, dict[str, float]]
+    ) -> dict[str, dict[str, float]]:
+        """Inter-agent balancing before a submission wave: move instances (re-tag workers)
+        until the balancer sees no disparity worth a move. Only dedicated `rollout:<agent>`
+        tags move; a cluster of shared `rollout` workers has nothing to rebalance."""
+        assert self.balancer is not None
+        agents = self.balancer.agents
+        prefix = f"{ROLLOUT_TAG}:"
+        rollout_workers = [w for w, r in workers.items() if any(k.startswith(prefix) for k in r)]
+        if not rollout_workers:
+            return workers
+        workers = {w: dict(r) for w, r in workers.items()}
+        instances = {a: [w for w in rollout_workers if workers[w].get(rollout_tag(a), 0) > 0] for a in agents}
+        queued: dict[str, int] = defaultdict(int)
+        in_use: set[tuple[str, str]] = set()
+        for op, _, route in running.values():
+            if op.kind == "rollout":
+                queued[op.agent] += 1
+                if route.worker:
+                    in_use.add((route.worker, op.agent))
+        for op in ready:
+            if op.kind == "rollout":
+                queued[op.agent] += 1
+        for _ in range(len(rollout_workers) * len(agents)):  # bounded: each move changes a tag
+            load = {w: float(self.router.outstanding[w]) for w in rollout_workers}
+            move = self.balancer.step(queued, instances, load, in_use)
+            if move is None:
+                break
+            tags = {rollout_tag(move.to_agent): 1.0}
+            if move.from_agent is not None:
+                tags[rollout_tag(move.from_agent)] = 0.0
+            self.executor.set_worker_resources(move.worker, tags)
+            workers[move.worker].update(tags)
+            apply_move(instances, move)
+            self.router.decisions.append({"decision": "move_instance", **move.as_dict()})
+        return workers
 
     def _live_workers(self, patience_s: float = 60.0) -> dict[str, dict[str, float]]:
         """Current worker tags. No workers at all means the cluster is (re)starting one, so

@@ -101,6 +101,7 @@ def train(
     per_it = iteration_metrics(result, cfg)
     for m in per_it:
         writer.iteration(m)
+    writer.decisions(result.decisions)
     writer.close()
     return {"iterations": per_it, "wall_s": result.wall_s, "ops": len(result.records),
-            "run_dir": str(run_dir)}
+            "run_dir": str(run_dir), "decisions": result.decisions}

@@ -160,7 +160,7 @@ def _train(ctx: WorkerContext, iteration: int, agent: str, mb: int) -> dict[str,
     from flexmarl_core.algorithms import advantage_scope, compute_advantages
     from flexmarl_core.training import Sample
 
-    tr = ctx.trainer(agent, iteration)
+    tr, swap = ctx.trainer(agent, iteration)
     done = ctx.accumulated.setdefault(agent, set())
     if tr.version != iteration or (iteration, mb) in done:
         # A retry after the work was done (version moved on, or this micro-batch is in the grads).
@@ -199,7 +199,7 @@ def _train(ctx: WorkerContext, iteration: int, agent: str, mb: int) -> dict[str,
          "advantage": a, "consumed_step": iteration}
         for r, a in mine
     ])
-    return {"agent": agent, "iteration": iteration, "mb": mb, "samples": len(batch),
+    return {"agent": agent, "iteration": iteration, "mb": mb, "samples": len(batch), **swap,
             **{f"train/{k}": float(v) for k, v in stats.items()}}
 
 
@@ -208,7 +208,7 @@ def step(run_dir: str, iteration: int, agent: str) -> dict[str, Any]:
 
 
 def _step(ctx: WorkerContext, iteration: int, agent: str) -> dict[str, Any]:
-    tr = ctx.trainer(agent, iteration)
+    tr, _ = ctx.trainer(agent, iteration)
     if tr.version == iteration + 1:
         return {"agent": agent, "iteration": iteration, "version": tr.version, "skipped": True}
     done = ctx.accumulated.setdefault(agent, set())
@@ -218,7 +218,8 @@ def _step(ctx: WorkerContext, iteration: int, agent: str) -> dict[str, Any]:
     with ctx.lock:
         res = tr.step()
         done.clear()
-    return {"agent": agent, "iteration": iteration, "version": res.version,
+        swap = ctx.checkpoint_trainer(agent)
+    return {"agent": agent, "iteration": iteration, "version": res.version, **swap,
             "train/grad_norm": res.grad_norm, **{f"train/{k}": v for k, v in res.metrics.items()}}
 
 
@@ -227,7 +228,7 @@ def sync(run_dir: str, iteration: int, agent: str) -> dict[str, Any]:
 
 
 def _sync(ctx: WorkerContext, iteration: int, agent: str) -> dict[str, Any]:
-    tr = ctx.trainer(agent, iteration + 1)
+    tr, _ = ctx.trainer(agent, iteration + 1)
     if tr.version != iteration + 1:
         raise ConsistencyError(f"sync[{agent}] it={iteration}: trainer is at version {tr.version}, expected {iteration + 1}")
     with ctx.lock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,12 @@ def save_state_atomic(path: Path, state: dict[str, torch.Tensor]) -> Path:
 def publish_weights(run_dir: str | Path, agent: str, version: int, state: dict[str, torch.Tensor]) -> Path:
     """Publish one weights version; a retry rewrites the same bytes."""
     return save_state_atomic(weights_path(run_dir, agent, version), state)
+
+
+def trainer_state_path(run_dir: str | Path, agent: str, version: int) -> Path:
+    """Where the trainer state after `version` steps lives: the swap tier every worker can
+    read (on-demand allocation swaps in from here) and the checkpoint `--resume` starts from."""
+    return Path(run_dir) / "trainers" / agent / f"v{version}.pt"
 
 
 def load_weights(run_dir: str | Path, agent: str, version: int) -> dict[str, torch.Tensor]:
@@ -117,21 +124,51 @@ class WorkerContext:
             eng.update_weights(load_weights(self.run_dir, agent, version), version)
         return eng
 
-    def trainer(self, agent: str, version: int) -> Any:
-        """This process's trainer for `agent`, created from published weights `version`."""
-        tr = self.trainers.get(agent)
-        if tr is None:
-            from flexmarl_core.training import make_trainer
+    def trainer(self, agent: str, version: int) -> tuple[Any, dict[str, float]]:
+        """This process's trainer for `agent` at `version` (or later: a retried op finds its
+        work done), and swap figures when the state had to be swapped in.
 
+        A trainer this process holds at an older version was moved to another worker since
+        (on-demand allocation): its state is swapped in from the checkpoint of `version`.
+        """
+        tr = self.trainers.get(agent)
+        if tr is not None and tr.version >= version:
+            return tr, {}
+        from flexmarl_core.training import make_trainer
+        from flexmarl_core.training.handles import StateHandle, get
+
+        t0 = time.perf_counter()
+        if tr is None:
             model, _ = self._fresh_model(agent)
-            model.load_state_dict(load_weights(self.run_dir, agent, version))
-            if version != 0:
-                raise RuntimeError(
-                    f"agent {agent!r}: no trainer state in this process for version {version}"
-                )
+            model.load_state_dict(load_weights(self.run_dir, agent, 0))
             tr = make_trainer(self.cfg.agent(agent), model)
+        if version == 0:
             self.trainers[agent] = tr
-        return tr
+            return tr, {}
+        path = trainer_state_path(self.run_dir, agent, version)
+        if not path.exists():
+            raise RuntimeError(
+                f"agent {agent!r}: trainer state version {version} is neither in this worker's "
+                f"memory nor checkpointed at {path}"
+            )
+        tr.load_state(get(StateHandle("file", str(path), 0)))
+        self.trainers[agent] = tr
+        self.accumulated[agent] = set()  # gradients of the stale copy are not this state's
+        return tr, {"swap_in_s": time.perf_counter() - t0, "swap_in_bytes": float(path.stat().st_size)}
+
+    def checkpoint_trainer(self, agent: str) -> dict[str, float]:
+        """Swap the trainer state out to the shared tier after a step (atomic file), keeping
+        the previous version (a resumed run may need it) and deleting older ones."""
+        from flexmarl_core.training.handles import put
+
+        tr = self.trainers[agent]
+        t0 = time.perf_counter()
+        path = trainer_state_path(self.run_dir, agent, tr.version)
+        h = put(tr.state(), str(path))
+        for old in path.parent.glob("v*.pt"):
+            if int(old.stem[1:]) < tr.version - 1:
+                old.unlink(missing_ok=True)
+        return {"swap_out_s": time.perf_counter() - t0, "swap_out_bytes": float(h.nbytes)}
 
 
 _CONTEXTS: dict[str, WorkerContext] = {}

@@ -104,14 +104,35 @@ def test_dependency_parallel_and_async_overlap():
     assert start(log, Op(0, "rollout", "solver", 0, 0)) < end(log, Op(0, "rollout", "planner", 0, 1))
 
 
-def test_one_op_per_trainer_at_a_time():
-    cfg = cfg_of({}, iterations=2, mbs=3)
-    _, log = run(cfg, delay=lambda op: 0.05 if op.kind == "train" else 0.005)
+@pytest.mark.parametrize("on_demand", [False, True])
+def test_one_op_per_trainer_at_a_time(on_demand):
+    cfg = cfg_of({"on_demand_allocation": on_demand}, iterations=3, mbs=3)
+    res, log = run(cfg, delay=lambda op: 0.05 if op.kind == "train" else 0.005)
     for agent in ("planner", "solver", "verifier"):
         spans = sorted((t0, t1) for o, _, t0, t1 in log if o.agent == agent and o.kind in ("train", "step", "sync"))
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), agent
+        for it in range(3):
+            homes = {w for o, w, *_ in log if o.agent == agent and o.iteration == it
+                     and o.kind in ("train", "step", "sync")}
+            assert len(homes) == 1, f"{agent}'s trainer moved within iteration {it}: {homes}"
         homes = {w for o, w, *_ in log if o.agent == agent and o.kind in ("train", "step", "sync")}
-        assert len(homes) == 1, f"{agent}'s trainer moved between workers: {homes}"
+        if not on_demand:
+            assert len(homes) == 1, f"static placement moved {agent}'s trainer: {homes}"
+    slots = [d for d in res.decisions if d["decision"] == "train_slot"]
+    # On demand: one slot decision per (agent, iteration), recorded with the loads it saw.
+    assert len(slots) == (9 if on_demand else 0)
+    assert all(set(d["loads"]) == {"w0", "w1"} for d in slots)
+
+
+def test_on_demand_slots_follow_free_workers():
+    """A slow planner trainer occupies its slot: the other agents' training goes to the free
+    slot, so on-demand allocation moves (swaps) states between workers."""
+    cfg = cfg_of({"on_demand_allocation": True}, iterations=3, mbs=2)
+    res, log = run(cfg, delay=lambda op: 0.2 if op.kind == "train" and op.agent == "planner" else 0.01)
+    swaps = [d for d in res.decisions if d["decision"] == "train_slot" and d["swap"]]
+    assert swaps, res.decisions
+    for d in swaps:
+        assert d["state_was_on"] != d["worker"]
 
 
 def test_dedicated_rollout_tags_route_agents():
@@ -129,3 +150,31 @@ def test_missing_tag_fails_fast_with_the_tag_named():
     with pytest.raises(OrchestratorError, match="rollout:solver"):
         run(cfg_of(ALL_OFF), workers=workers)
     assert time.time() - t0 < 10
+
+
+DEDICATED = {"w0": {"rollout:planner": 1, "rollout:verifier": 1, "train": 1},
+             "w1": {"rollout:solver": 1, "train": 1}}
+
+
+def test_balancer_moves_instances_to_the_hot_agent():
+    """The planner is slow and has one instance (w0): the control plane gives it w1 too, the
+    moves are recorded with loads and cost, and every op still runs exactly once."""
+    cfg = cfg_of({"load_balancing": True, "dependency_parallel": True, "async_pipeline": False,
+                  "on_demand_allocation": False}, iterations=2, mbs=4)
+    res, log = run(cfg, workers={w: dict(r) for w, r in DEDICATED.items()},
+                   delay=lambda op: 0.1 if op.kind == "rollout" and op.agent == "planner" else 0.01)
+    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    assert sorted(o for o, *_ in log) == sorted(plan.ops())
+    moves = [d for d in res.decisions if d["decision"] == "move_instance"]
+    assert any(d["to_agent"] == "planner" and d["worker"] == "w1" for d in moves), moves
+    assert all({"t", "loads", "from_agent", "to_agent", "cost_bytes", "monitor_us"} <= set(d) for d in moves)
+    assert {w for o, w, *_ in log if o.kind == "rollout" and o.agent == "planner"} == {"w0", "w1"}
+
+
+def test_without_balancing_instances_stay_put():
+    cfg = cfg_of({"load_balancing": False, "dependency_parallel": True, "async_pipeline": False,
+                  "on_demand_allocation": False}, iterations=1, mbs=4)
+    res, log = run(cfg, workers={w: dict(r) for w, r in DEDICATED.items()},
+                   delay=lambda op: 0.05 if op.kind == "rollout" and op.agent == "planner" else 0.01)
+    assert not [d for d in res.decisions if d["decision"] == "move_instance"]
+    assert {w for o, w, *_ in log if o.kind == "rollout" and o.agent == "planner"} == {"w0"}

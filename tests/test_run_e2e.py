@@ -29,21 +29,51 @@ async def _task_runs(flow_run_id):
         return await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)
 
 
-def run_flow(overrides):
+SWITCHES = ["dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation"]
+ITERATIONS = 3
+# Dedicated instances (static in the sync run, moved by the balancer in the co-design run).
+DEDICATED = {"w0": {"rollout": 0, "rollout:planner": 1, "rollout:verifier": 1, "train": 1},
+             "w1": {"rollout": 0, "rollout:solver": 1, "train": 1}}
+
+
+def _retag(address: str, tags: dict[str, dict[str, float]]) -> None:
+    import distributed
+
+    from flexmarl_core.cluster import set_worker_resources, worker_resources
+
+    with distributed.Client(address) as client:
+        by_name = {info["name"]: addr for addr, info in client.scheduler_info(n_workers=-1)["workers"].items()}
+        for name, res in tags.items():
+            # Zero every tag first: the balancer may have added others during the run.
+            current = worker_resources(client)[by_name[name]]
+            set_worker_resources(client, by_name[name], {**{k: 0.0 for k in current}, **res})
+
+
+@pytest.fixture(scope="module")
+def runs(prefect_api, dask_cluster, tmp_path_factory):
+    """The same work and seed, all switches off and all on, on dedicated instances."""
     from flows.train import train
 
-    state = train(TINY, overrides, progress=False, return_state=True)
-    return state
+    out = {}
+    _retag(dask_cluster, DEDICATED)
+    try:
+        for mode in ("sync", "codesign"):
+            run_dir = tmp_path_factory.mktemp(mode) / "run"
+            # A reward that varies for untrained models, so every agent gets a gradient.
+            overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}",
+                         "cluster.prefect_lean=true", "workload.reward=tests.reward_fns:varied",
+                         "workload.credit=team", f"train.iterations={ITERATIONS}"]
+            overrides += [f"codesign.{s}={'false' if mode == 'sync' else 'true'}" for s in SWITCHES]
+            state = train(TINY, overrides, progress=False, return_state=True)
+            out[mode] = (state, overrides)
+    finally:
+        _retag(dask_cluster, {"w0": {"rollout": 1, "train": 1}, "w1": {"rollout": 1, "train": 1}})
+    return out
 
 
 @pytest.mark.parametrize("mode", ["sync", "codesign"])
-def test_train_flow_end_to_end(prefect_api, dask_cluster, tmp_path, mode):
-    switches = ["dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation"]
-    # A reward that varies for untrained models, so every agent gets a gradient.
-    overrides = [f"run_dir={tmp_path}/run", f"cluster.address={dask_cluster}",
-                 "cluster.prefect_lean=true", "workload.reward=tests.reward_fns:varied", "workload.credit=team"]
-    overrides += [f"codesign.{s}={'false' if mode == 'sync' else 'true'}" for s in switches]
-    state = run_flow(overrides)
+def test_train_flow_end_to_end(runs, mode):
+    state, overrides = runs[mode]
     assert state.is_completed(), state.message
     out = state.result()
     cfg = load_config(TINY, overrides)
@@ -93,6 +123,51 @@ def test_train_flow_end_to_end(prefect_api, dask_cluster, tmp_path, mode):
     assert 0 <= s["prefect_overhead_frac"] < 1
     m0 = out["iterations"][0]
     assert {"e2e_s", "tokens", "stage_s/rollout", "stage_s/train", "reward/solver"} <= set(m0)
+
+    # Control-plane decisions: none in the synchronous baseline; in the co-design run a
+    # training slot per (agent, iteration) and instance moves toward the planner, whose two
+    # micro-batches wait on one instance at the start.
+    decisions = [json.loads(x) for x in (run_dir / "metrics" / "decisions.jsonl").read_text().splitlines()]
+    if mode == "sync":
+        assert decisions == []
+    else:
+        slots = [d for d in decisions if d["decision"] == "train_slot"]
+        assert len(slots) == len(meg.trainable_agents) * cfg.train.iterations
+        moves = [d for d in decisions if d["decision"] == "move_instance"]
+        assert any(d["to_agent"] == "planner" for d in moves), decisions
+        # Every step checkpointed the trainer state (the swap tier); older ones are pruned.
+        for agent in meg.trainable_agents:
+            kept = sorted(p.name for p in (run_dir / "trainers" / agent).glob("v*.pt"))
+            assert kept == [f"v{cfg.train.iterations - 1}.pt", f"v{cfg.train.iterations}.pt"]
+    assert all(m["swap_out_bytes"] > 0 for m in out["iterations"])
+
+
+def test_async_codesign_equals_sync(runs):
+    """Same seed: the co-design run (async, balanced, on-demand swaps) produced exactly the
+    synchronous run's samples, and the same weights (rtol 1e-4) after 3 iterations."""
+    import torch
+
+    dirs = {}
+    for mode, (state, overrides) in runs.items():
+        assert state.is_completed(), state.message
+        dirs[mode] = load_config(TINY, overrides)
+    cfg = dirs["sync"]
+    meg = MEG.from_config(cfg.team)
+    cols = ["sample_id", "policy_version", "prompt_ids", "response_ids", "reward", "consumed_step"]
+    stores = {m: MEGStore(c.resolved_store_uri()) for m, c in dirs.items()}
+    for it in range(ITERATIONS):
+        for agent in meg.agent_names:
+            a, b = (stores[m].read_samples(agent, it).select(cols).sort_by("sample_id") for m in ("sync", "codesign"))
+            assert a.num_rows == b.num_rows > 0
+            for c in cols:
+                if c == "reward":
+                    assert a.column(c).to_pylist() == pytest.approx(b.column(c).to_pylist(), rel=1e-6)
+                else:
+                    assert a.column(c).to_pylist() == b.column(c).to_pylist(), (it, agent, c)
+    for agent in meg.trainable_agents:
+        wa, wb = (load_file(str(weights_path(Path(c.resolved_run_dir()), agent, ITERATIONS))) for c in dirs.values())
+        for k in wa:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6, msg=f"{agent}.{k}")
 
 
 def test_missing_tag_fails_fast_with_clear_error(prefect_api, dask_cluster, tmp_path):

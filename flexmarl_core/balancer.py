@@ -1,0 +1,155 @@
+"""The control plane's inter-agent load balancer: moves inference instances between agents.
+
+An instance of agent A is a worker tagged `rollout:A` (one worker may host instances of several
+agents). The orchestrator calls the balancer each time it is about to submit work:
+
+    loads = balancer.monitor(queued, instances)      # seconds of queued rollout work per instance
+    move = balancer.decide(loads, instances, queued, worker_load)
+    if move: executor.set_worker_resources(move.worker, ...)   # re-tag; weights load lazily there
+
+Load is measured in seconds, not task counts, so an agent that writes longer outputs (or is
+called more often) weighs more: queued rollouts x the agent's recent rollout duration, divided
+by its number of instances. When the hottest agent's load exceeds `threshold` times the coldest
+one's, the coldest agent gives up an instance on a worker that does not serve the hottest yet.
+An agent never loses its last instance while it has queued work; one with queued work and no
+instance at all is served first (infinite load). Pure Python, no Dask: `bench/control_plane.py`
+times `monitor` and `decide`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One scaling decision: `worker` starts serving `to_agent` (and stops serving `from_agent`)."""
+
+    t: float
+    worker: str
+    to_agent: str
+    from_agent: str | None
+    loads: dict[str, float]
+    #: bytes of weights the worker must load for `to_agent` (the move's cost)
+    cost_bytes: int
+    monitor_us: float
+    decide_us: float
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["loads"] = {a: (v if math.isfinite(v) else "inf") for a, v in self.loads.items()}
+        return d
+
+
+@dataclass
+class InstanceBalancer:
+    """Decides instance moves from queued work per agent; keeps the estimates it needs."""
+
+    agents: Sequence[str]
+    threshold: float = 2.0
+    #: bytes of each agent's weights (cost of bringing an instance up)
+    weight_bytes: Mapping[str, int] = field(default_factory=dict)
+    #: exponential moving average of each agent's rollout duration (s)
+    est_s: dict[str, float] = field(default_factory=dict)
+    alpha: float = 0.5
+
+    def observe(self, agent: str, duration_s: float) -> None:
+        """Feed one finished rollout's duration into the agent's estimate."""
+        prev = self.est_s.get(agent)
+        self.est_s[agent] = duration_s if prev is None else (1 - self.alpha) * prev + self.alpha * duration_s
+
+    def _est(self, agent: str) -> float:
+        if agent in self.est_s:
+            return self.est_s[agent]
+        # Before an agent's first rollout: the mean of the others (or 1 s), so it is comparable.
+        return sum(self.est_s.values()) / len(self.est_s) if self.est_s else 1.0
+
+    def monitor(self, queued: Mapping[str, int], instances: Mapping[str, Sequence[str]]) -> dict[str, float]:
+        """Seconds of queued+running rollout work per instance, per agent."""
+        loads: dict[str, float] = {}
+        for a in self.agents:
+            q = queued.get(a, 0)
+            n = len(instances.get(a, ()))
+            if q == 0:
+                loads[a] = 0.0
+            elif n == 0:
+                loads[a] = math.inf
+            else:
+                loads[a] = q * self._est(a) / n
+        return loads
+
+    def decide(
+        self,
+        loads: Mapping[str, float],
+        instances: Mapping[str, Sequence[str]],
+        queued: Mapping[str, int],
+        worker_load: Mapping[str, float],
+        in_use: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
+    ) -> tuple[str, str, str | None] | None:
+        """The move to make now, as (worker, to_agent, from_agent), or None.
+
+        `worker_load` is the work already waiting on each rollout-capable worker (any agent);
+        among the workers that could take the hot agent, the least loaded is chosen. `in_use`
+        holds (worker, agent) pairs with tasks queued there: such a tag is never taken away
+        (FACTS.md: a task already waiting on a tag would be stuck), the worker is shared instead.
+        """
+        if not loads:
+            return None
+        hot = max(loads, key=lambda a: (loads[a], a))
+        if loads[hot] <= 0 or (queued.get(hot, 0) <= len(instances.get(hot, ())) and loads[hot] != math.inf):
+            return None  # every queued task of the hottest agent already has an instance to itself
+        serving = {a: set(ws) for a, ws in instances.items()}
+        best: tuple[float, float, str, str | None] | None = None
+        for w in worker_load:
+            if w in serving.get(hot, set()):
+                continue
+            hosted = [a for a, ws in serving.items() if w in ws and a != hot]
+            # The agent on `w` to take the instance from: the coldest one that can spare it.
+            donor = min(hosted, key=lambda a: (loads.get(a, 0.0), a), default=None)
+            donor_load = loads.get(donor, 0.0) if donor else 0.0
+            if not (loads[hot] == math.inf or loads[hot] > self.threshold * donor_load):
+                continue
+            if donor is not None and (
+                (w, donor) in in_use or (len(serving[donor]) <= 1 and queued.get(donor, 0) > 0)
+            ):
+                donor = None  # keep its last instance while it has work: share the worker instead
+            key = (worker_load[w], donor_load, w, donor)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            return None
+        return best[2], hot, best[3]
+
+    def step(
+        self,
+        queued: Mapping[str, int],
+        instances: Mapping[str, Sequence[str]],
+        worker_load: Mapping[str, float],
+        in_use: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
+        now: float | None = None,
+    ) -> Move | None:
+        """monitor + decide, timed; returns the move (not yet applied) or None."""
+        t0 = time.perf_counter()
+        loads = self.monitor(queued, instances)
+        t1 = time.perf_counter()
+        d = self.decide(loads, instances, queued, worker_load, in_use)
+        t2 = time.perf_counter()
+        if d is None:
+            return None
+        worker, to_agent, from_agent = d
+        return Move(
+            t=time.time() if now is None else now, worker=worker, to_agent=to_agent,
+            from_agent=from_agent, loads=dict(loads), cost_bytes=int(self.weight_bytes.get(to_agent, 0)),
+            monitor_us=(t1 - t0) * 1e6, decide_us=(t2 - t1) * 1e6,
+        )
+
+
+def apply_move(instances: dict[str, list[str]], move: Move) -> None:
+    """Update an `agent -> workers` view in place after a move."""
+    instances.setdefault(move.to_agent, []).append(move.worker)
+    if move.from_agent is not None:
+        instances[move.from_agent] = [w for w in instances.get(move.from_agent, []) if w != move.worker]

@@ -1,0 +1,67 @@
+"""The inter-agent load balancer's decisions, as pure functions of queued work and instances."""
+
+from __future__ import annotations
+
+import math
+
+from flexmarl_core.balancer import InstanceBalancer, apply_move
+
+AGENTS = ["planner", "solver", "verifier"]
+
+
+def test_load_is_seconds_of_queued_work_per_instance():
+    b = InstanceBalancer(AGENTS)
+    b.observe("planner", 4.0)
+    b.observe("solver", 1.0)
+    loads = b.monitor({"planner": 2, "solver": 2, "verifier": 1},
+                      {"planner": ["w0"], "solver": ["w0", "w1"], "verifier": []})
+    assert loads["planner"] == 8.0  # 2 x 4 s on one instance
+    assert loads["solver"] == 1.0  # 2 x 1 s over two instances
+    assert loads["verifier"] == math.inf  # work and no instance at all
+    b.observe("planner", 2.0)  # moving average
+    assert b.est_s["planner"] == 3.0
+
+
+def test_moves_an_instance_from_the_coldest_agent_to_the_hottest():
+    b = InstanceBalancer(AGENTS, threshold=2.0, weight_bytes={"planner": 123})
+    b.observe("planner", 2.0)
+    inst = {"planner": ["w0"], "solver": ["w1"], "verifier": ["w0"]}
+    move = b.step({"planner": 3}, inst, {"w0": 1.0, "w1": 0.0})
+    assert move is not None
+    assert (move.worker, move.to_agent, move.from_agent) == ("w1", "planner", "solver")
+    assert move.cost_bytes == 123 and move.monitor_us >= 0 and move.decide_us >= 0
+    apply_move(inst, move)
+    assert inst == {"planner": ["w0", "w1"], "solver": [], "verifier": ["w0"]}
+    # Two instances for 3 queued tasks on a 2-worker cluster: nowhere left to move to.
+    assert b.step({"planner": 3}, inst, {"w0": 1.0, "w1": 0.0}) is None
+
+
+def test_no_move_below_threshold_or_when_every_task_has_an_instance():
+    b = InstanceBalancer(AGENTS, threshold=2.0)
+    inst = {"planner": ["w0"], "solver": ["w1"], "verifier": ["w1"]}
+    # planner 2 queued vs solver 2 queued, same speed: ratio 1 < 2.
+    assert b.step({"planner": 2, "solver": 2}, inst, {"w0": 2.0, "w1": 2.0}) is None
+    # One queued task and one instance: another instance would not help.
+    assert b.step({"planner": 1}, inst, {"w0": 1.0, "w1": 0.0}) is None
+
+
+def test_keeps_last_instance_of_an_agent_with_work_and_tags_in_use():
+    b = InstanceBalancer(AGENTS, threshold=2.0)
+    b.observe("planner", 10.0)
+    b.observe("solver", 0.1)
+    inst = {"planner": ["w0"], "solver": ["w1"], "verifier": ["w0"]}
+    # solver still has a task queued: w1 is shared, not taken from it.
+    move = b.step({"planner": 4, "solver": 1}, inst, {"w0": 4.0, "w1": 1.0})
+    assert move is not None and (move.worker, move.from_agent) == ("w1", None)
+    # No queued work, but a task of verifier is pinned to w2: its tag stays.
+    inst = {"planner": ["w0"], "solver": ["w1"], "verifier": ["w2", "w1"]}
+    move = b.step({"planner": 4}, inst, {"w0": 4.0, "w1": 3.0, "w2": 0.0}, in_use={("w2", "verifier")})
+    assert move is not None and (move.worker, move.from_agent) == ("w2", None)
+
+
+def test_agent_without_instance_is_served_first():
+    b = InstanceBalancer(AGENTS)
+    inst = {"planner": ["w0", "w1"], "solver": [], "verifier": ["w1"]}
+    move = b.step({"solver": 1, "planner": 1}, inst, {"w0": 1.0, "w1": 0.0})
+    assert move is not None and move.to_agent == "solver"
+    assert move.worker == "w1" and move.from_agent == "verifier"
