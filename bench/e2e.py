@@ -127,6 +127,13 @@ def main() -> int:
         r["prefect_overhead_frac"] for r in runs["codesign"])
     res["plain_dask"] = plain
     res["tokens_per_s_ratio"] = res["tokens_per_s_codesign"] / res["tokens_per_s_sync"]
+    res["balance_moves_per_run_codesign"] = med("codesign", "balance_moves")
+    res["train_swaps_per_run_codesign"] = med("codesign", "train_swaps")
+    # Where the time goes on each mode's critical path (first repeat), and idle worker time.
+    for m in ("codesign", "sync"):
+        r0 = runs[m][0]
+        res[f"critical_path_{m}"] = r0.get("critical_path", {})
+        res[f"idle_frac_{m}"] = 1.0 - med(m, "utilization")
     for m in runs:
         if m.startswith("ablation."):
             res[m] = {"e2e_s": med(m, "e2e_s_per_iteration"),
@@ -138,6 +145,12 @@ def main() -> int:
     for m in runs:
         print(f"{m:32s} {med(m, 'e2e_s_per_iteration'):9.2f} {med(m, 'tokens_per_s'):8.0f} "
               f"{med(m, 'utilization'):6.2f}")
+    for m in ("codesign", "sync"):
+        cp = res[f"critical_path_{m}"]
+        parts = ", ".join(f"{k.split('/')[-1]} {v:.1f}s" for k, v in sorted(cp.items()) if k != "ops")
+        print(f"critical path {m}: {parts}")
+    print(f"co-design: {res['balance_moves_per_run_codesign']:.0f} instance moves, "
+          f"{res['train_swaps_per_run_codesign']:.0f} trainer swaps per run")
     print(f"speedup (sync / codesign E2E): {res['speedup']:.2f}x; Prefect bookkeeping "
           f"{100 * res['prefect_overhead_frac']:.1f}% of CPU "
           f"({res['prefect_overhead_cpu_s_per_task']:.3f} CPU-s per task run; with Dask's own "

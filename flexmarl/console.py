@@ -44,10 +44,11 @@ def summary_table(per_it: list[dict[str, Any]], summary: dict[str, Any]) -> Tabl
     agents = sorted({k.split("/", 1)[1] for m in per_it for k in m if k.startswith("reward/")})
     t = Table(title=f"flexmarl run: {summary.get('iterations', 0)} iterations, "
               f"{summary.get('wall_s', 0):.1f} s wall")
-    for col in ["it", "E2E s", "tokens/s", "util", "acc", *[f"R {a}" for a in agents]]:
+    for col in ["it", "E2E s", "tokens/s", "util", "moves", "swaps", "acc", *[f"R {a}" for a in agents]]:
         t.add_column(col, justify="right")
     for m in per_it:
         t.add_row(str(m["iteration"]), f"{m['e2e_s']:.2f}", f"{m['tokens_per_s']:.0f}",
-                  f"{m['utilization']:.2f}", f"{m['accuracy']:.2f}",
+                  f"{m['utilization']:.2f}", str(m.get("balance_moves", 0)), str(m.get("train_swaps", 0)),
+                  f"{m['accuracy']:.2f}",
                   *[f"{m.get(f'reward/{a}', float('nan')):.3f}" for a in agents])
     return t

@@ -102,27 +102,26 @@ class InstanceBalancer:
         hot = max(loads, key=lambda a: (loads[a], a))
         if loads[hot] <= 0 or (queued.get(hot, 0) <= len(instances.get(hot, ())) and loads[hot] != math.inf):
             return None  # every queued task of the hottest agent already has an instance to itself
-        serving = {a: set(ws) for a, ws in instances.items()}
-        best: tuple[float, float, str, str | None] | None = None
-        for w in worker_load:
-            if w in serving.get(hot, set()):
-                continue
-            hosted = [a for a, ws in serving.items() if w in ws and a != hot]
+        hot_on = set(instances.get(hot, ()))
+        hot_load = loads[hot]
+        candidates = [w for w in worker_load if w not in hot_on]
+        # The least-loaded worker that can take the hot agent wins; usually the first one
+        # qualifies, so this stays a few C-level passes even on hundreds of workers.
+        while candidates:
+            w = min(candidates, key=worker_load.__getitem__)
             # The agent on `w` to take the instance from: the coldest one that can spare it.
+            hosted = [a for a, ws in instances.items() if w in ws]
             donor = min(hosted, key=lambda a: (loads.get(a, 0.0), a), default=None)
             donor_load = loads.get(donor, 0.0) if donor else 0.0
-            if not (loads[hot] == math.inf or loads[hot] > self.threshold * donor_load):
+            if not (hot_load == math.inf or hot_load > self.threshold * donor_load):
+                candidates.remove(w)
                 continue
             if donor is not None and (
-                (w, donor) in in_use or (len(serving[donor]) <= 1 and queued.get(donor, 0) > 0)
+                (w, donor) in in_use or (len(instances[donor]) <= 1 and queued.get(donor, 0) > 0)
             ):
                 donor = None  # keep its last instance while it has work: share the worker instead
-            key = (worker_load[w], donor_load, w, donor)
-            if best is None or key < best:
-                best = key
-        if best is None:
-            return None
-        return best[2], hot, best[3]
+            return w, hot, donor
+        return None
 
     def step(
         self,

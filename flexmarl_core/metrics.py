@@ -75,6 +75,30 @@ def iteration_metrics(result: RunResult, cfg: ExperimentConfig) -> list[dict[str
     return out
 
 
+def critical_path(records: list[OpRecord], deps: dict[Any, list[Any]]) -> dict[str, Any]:
+    """Where the run's time went on its critical path: from the op that finished last, walk
+    back through the dependency that finished last. Seconds per stage kind on the path, and
+    `wait_s`: time an op on the path was ready but not yet running (queued behind other work
+    on its worker, or dispatch overhead)."""
+    if not records:
+        return {}
+    by_op = {r.op: r for r in records}
+    cur: OpRecord | None = max(records, key=lambda r: r.result["t_end"])
+    out: dict[str, Any] = defaultdict(float)
+    ops = 0
+    while cur is not None:
+        ops += 1
+        res = cur.result
+        out[f"stage_s/{cur.op.kind}"] += res["t_end"] - res["t_start"]
+        parents = [by_op[d] for d in deps.get(cur.op, []) if d in by_op]
+        gate = max(parents, key=lambda r: r.result["t_end"], default=None)
+        ready_at = gate.result["t_end"] if gate else cur.submitted
+        out["wait_s"] += max(res["t_start"] - ready_at, 0.0)
+        cur = gate
+    out["ops"] = ops
+    return dict(out)
+
+
 def run_summary(per_it: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     """Whole-run figures: mean E2E per iteration, tokens/s and utilisation over the run."""
     if not per_it:

@@ -16,7 +16,7 @@ import yaml
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.meg import MEG
-from flexmarl_core.metrics import MetricsWriter, iteration_metrics
+from flexmarl_core.metrics import MetricsWriter, critical_path, iteration_metrics
 from flexmarl_core.orchestrator import Executor, OpRecord, Orchestrator
 from flexmarl_core.worker import CONFIG_NAME, publish_weights, weights_path
 
@@ -104,4 +104,5 @@ def train(
     writer.decisions(result.decisions)
     writer.close()
     return {"iterations": per_it, "wall_s": result.wall_s, "ops": len(result.records),
-            "run_dir": str(run_dir), "decisions": result.decisions}
+            "run_dir": str(run_dir), "decisions": result.decisions,
+            "critical_path": critical_path(result.records, orch.plan.deps)}

@@ -63,6 +63,9 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
         run_dir=str(run_dir), ops=out["ops"], stage_cpu_s=stage_cpu, bookkeeping_cpu_s=overhead,
         flow_cpu_s=flow_cpu, worker_bookkeeping_cpu_s=max(workers_cpu - stage_cpu, 0.0),
         prefect_overhead_frac=overhead / max(overhead + stage_cpu, 1e-9),
+        critical_path=out["critical_path"],
+        balance_moves=sum(1 for d in out["decisions"] if d["decision"] == "move_instance"),
+        train_swaps=sum(1 for d in out["decisions"] if d["decision"] == "train_slot" and d["swap"]),
     )
     report_tasks.report(cfg.name, out["iterations"], summary, cfg.resolved_store_uri())
     log.info("done: %s", {k: v for k, v in summary.items() if not isinstance(v, dict)})
