@@ -1,6 +1,7 @@
 """`flexmarl` command line.
 
     flexmarl train CONFIG [--set k=v ...]   train a team (Prefect flow on a local/remote Dask cluster)
+    flexmarl train --resume RUN             continue an interrupted run from its last checkpoints
     flexmarl sft CONFIG [--out DIR]         warm-start checkpoints from demonstrations
     flexmarl store check PATH               list problems in a MEG Store; non-zero exit if any
     flexmarl server stop                    stop the Prefect server `train` started
@@ -19,10 +20,30 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - avoids importing pydant
     return load_config(args.config, args.set)
 
 
+def _resume_config(args: argparse.Namespace) -> None:
+    """`train --resume RUN`: the run's own saved config is the config."""
+    from pathlib import Path
+
+    from flexmarl_core.config import ConfigError
+    from flexmarl_core.worker import CONFIG_NAME
+
+    if args.config is not None:
+        raise ConfigError("give either CONFIG or --resume RUN, not both (a resumed run keeps its config)")
+    saved = Path(args.resume) / CONFIG_NAME
+    if not saved.exists():
+        raise ConfigError(f"--resume {args.resume}: no {CONFIG_NAME} there (not a flexmarl run folder)")
+    args.config = str(saved)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from flexmarl.console import console, summary_table
     from flexmarl.prefect_api import ensure_api, ui_url
 
+    if args.resume:
+        _resume_config(args)
+    elif args.config is None:
+        console.print("[red]train: give a CONFIG file, or --resume RUN to continue a run")
+        return 2
     cfg = _config(args)  # validate before starting anything
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
@@ -33,7 +54,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     # Settings may have been loaded before ensure_api set the env var: pin the API explicitly.
     with temporary_settings(updates={PREFECT_API_URL: api}):
-        state = train(args.config, args.set, progress=not args.no_progress, return_state=True)
+        state = train(args.config, args.set, progress=not args.no_progress, resume=bool(args.resume),
+                      return_state=True)
     flow_run_id = getattr(state, "state_details", None) and state.state_details.flow_run_id
     if flow_run_id:
         console.print(f"Prefect UI for this run: {ui_url(api)}/runs/flow-run/{flow_run_id}")
@@ -87,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override a config field, e.g. --set batch.group_size=8")
 
     t = sub.add_parser("train", help="train a team")
-    with_config(t)
+    t.add_argument("config", nargs="?", default=None, help="experiment YAML (see configs/)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set batch.group_size=8")
+    t.add_argument("--resume", metavar="RUN", default=None,
+                   help="continue an interrupted run from its folder (its own config, last checkpoints)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(fn=cmd_train)
 

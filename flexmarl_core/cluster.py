@@ -26,8 +26,21 @@ from flexmarl_core.config import ClusterConfig
 from flexmarl_core.orchestrator import Op, Route
 
 # A task whose tag no worker has would otherwise wait forever (FACTS.md). The orchestrator
-# checks tags before it submits; this is the backstop.
+# checks tags before it submits; this is the backstop, and how a task pinned to a worker that
+# died comes back to the orchestrator to be routed again.
 NO_WORKERS_TIMEOUT = "15s"
+
+#: Errors that mean a task's worker died or vanished, not that the task failed.
+LOST_WORKER_ERRORS: tuple[type[BaseException], ...] = (
+    distributed.scheduler.KilledWorker,
+    distributed.scheduler.NoValidWorkerError,
+    distributed.client.FutureCancelledError,
+    distributed.comm.core.CommClosedError,
+)
+
+
+def lost_worker(exc: BaseException) -> bool:
+    return isinstance(exc, LOST_WORKER_ERRORS)
 
 
 def start_cluster(
@@ -149,3 +162,6 @@ class DaskExecutor:
 
     def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None:
         set_worker_resources(self.client, worker, resources)
+
+    def lost(self, exc: BaseException) -> bool:
+        return lost_worker(exc)

@@ -126,7 +126,7 @@ class MetricsWriter:
 
     def op(self, rec: OpRecord) -> None:
         row = {"op": rec.op.name, "kind": rec.op.kind, "iteration": rec.op.iteration,
-               "agent": rec.op.agent, "mb": rec.op.mb, "submitted": rec.submitted,
+               "agent": rec.op.agent, "turn": rec.op.turn, "mb": rec.op.mb, "submitted": rec.submitted,
                "finished": rec.finished, **rec.result}
         self._ops.write(json.dumps(row, default=str) + "\n")
         self._ops.flush()

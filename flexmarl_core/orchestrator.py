@@ -91,6 +91,15 @@ class Executor(Protocol):
 
     def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None: ...
 
+    def lost(self, exc: BaseException) -> bool:
+        """True when `exc` means the op's worker died or vanished (not that the op failed):
+        the orchestrator then routes and submits the op again."""
+        ...
+
+
+#: How often one op is resubmitted after losing its worker before the run gives up.
+LOST_WORKER_RESUBMITS = 3
+
 
 # -- the graph --------------------------------------------------------------------------------
 
@@ -304,6 +313,7 @@ class Orchestrator:
         ready = sorted(op for op, n in waiting.items() if n == 0 and op not in self.skip)
         # One op per trainer at a time: its state lives in one worker's memory and accumulates.
         trainer_busy: set[str] = set()
+        resubmits: dict[Op, int] = defaultdict(int)
         running: dict[Any, tuple[Op, float, Route]] = {}
         records: list[OpRecord] = []
         t0 = time.time()
@@ -350,6 +360,17 @@ class Orchestrator:
                 try:
                     res = self.executor.result(handle)
                 except Exception as exc:
+                    lost = getattr(self.executor, "lost", None)
+                    if lost is not None and lost(exc) and resubmits[op] < LOST_WORKER_RESUBMITS:
+                        # Its worker died: every stage is idempotent and rebuilds its engine or
+                        # trainer from published weights / checkpoints, so run it again elsewhere.
+                        resubmits[op] += 1
+                        self.router.decisions.append({
+                            "t": time.time(), "decision": "resubmit", "op": op.name,
+                            "worker": route.worker, "error": f"{type(exc).__name__}: {exc}"[:300],
+                        })
+                        ready.append(op)
+                        continue
                     raise OrchestratorError(f"{op.name} failed: {exc}") from exc
                 rec = OpRecord(op, submitted, time.time(), res.get("worker"), res)
                 records.append(rec)

@@ -17,7 +17,7 @@ import yaml
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.meg import MEG
 from flexmarl_core.metrics import MetricsWriter, critical_path, iteration_metrics
-from flexmarl_core.orchestrator import Executor, OpRecord, Orchestrator
+from flexmarl_core.orchestrator import Executor, Op, OpRecord, Orchestrator
 from flexmarl_core.worker import CONFIG_NAME, publish_weights, weights_path
 
 
@@ -76,15 +76,57 @@ def _initial_weights(cfg: ExperimentConfig, agent: str) -> dict[str, Any] | None
     return load_file(str(path))
 
 
+class ResumeError(RuntimeError):
+    """A run folder that cannot be resumed; the message names the folder and why."""
+
+
+def check_resumable(cfg: ExperimentConfig, run_dir: Path) -> None:
+    """`--resume` continues the run in `run_dir` only with the config it was started with."""
+    saved = run_dir / CONFIG_NAME
+    if not saved.exists():
+        raise ResumeError(f"cannot resume {run_dir}: no {CONFIG_NAME} (not a flexmarl run folder)")
+    data = cfg.model_dump(mode="json")
+    data["run_dir"] = str(run_dir)
+    if yaml.safe_load(saved.read_text()) != data:
+        raise ResumeError(f"cannot resume {run_dir}: the config differs from the run's own {saved}")
+
+
+def completed_records(run_dir: Path) -> list[OpRecord]:
+    """Ops an earlier attempt of this run finished, from its op log, as far as they still hold:
+    a micro-batch's training counts only once its agent's step is done (accumulated gradients
+    live in worker memory and died with the attempt); a torn last line is ignored."""
+    path = Path(run_dir) / "metrics" / "ops.jsonl"
+    if not path.exists():
+        return []
+    recs: dict[Op, OpRecord] = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            op = Op(row["iteration"], row["kind"], row["agent"], row.get("turn", 0), row["mb"])
+        except (json.JSONDecodeError, KeyError):
+            continue  # the attempt died while writing this line
+        recs[op] = OpRecord(op, row["submitted"], row["finished"], row.get("worker"), row)
+    stepped = {(op.agent, op.iteration) for op in recs if op.kind == "step"}
+    return [r for op, r in recs.items() if op.kind != "train" or (op.agent, op.iteration) in stepped]
+
+
 def train(
     cfg: ExperimentConfig,
     run_dir: Path,
     executor: Executor,
     *,
     on_op_done: Any = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
-    """Run every iteration through the orchestrator; write and return the metrics."""
+    """Run every iteration through the orchestrator; write and return the metrics.
+
+    `resume`: continue an interrupted run in `run_dir` (same config): ops its op log records
+    as finished are not run again; every stage is idempotent, so an op that finished but was
+    not logged runs again without duplicating samples, and trainers restart from their last
+    checkpoint (`worker.trainer_state_path`).
+    """
     meg = MEG.from_config(cfg.team)
+    earlier = completed_records(run_dir) if resume else []
     writer = MetricsWriter(run_dir)
 
     def kwargs(op: Any) -> dict[str, Any]:
@@ -96,8 +138,11 @@ def train(
         if on_op_done:
             on_op_done(rec)
 
-    orch = Orchestrator(cfg, meg, executor, kwargs, on_op_done=done)
+    orch = Orchestrator(cfg, meg, executor, kwargs, on_op_done=done, skip=[r.op for r in earlier])
     result = orch.run()
+    if earlier:
+        result.records = [*earlier, *result.records]
+        result.started = min(result.started, *(r.submitted for r in earlier))
     per_it = iteration_metrics(result, cfg)
     for m in per_it:
         writer.iteration(m)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from flexmarl_core.worker import WorkerContext, context, publish_weights
+from flexmarl_core.worker import WorkerContext, context, publish_weights, trainer_state_path
 
 
 class ConsistencyError(RuntimeError):
@@ -33,7 +34,24 @@ def _worker_name() -> str:
     return os.environ.get("FLEXMARL_WORKER_NAME") or f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _measured(kind: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def faults_dir(run_dir: str | os.PathLike[str]) -> str:
+    """Fault injection for tests and chaos drills: a file `kill@<op name>` in this folder (next
+    to the run folder, so starting the run does not wipe it) makes the worker process running
+    that op SIGKILL itself as the op starts; the file is removed first, so the rerun goes
+    through. A real process death at a chosen point of the graph."""
+    return os.fspath(run_dir).rstrip("/") + ".faults"
+
+
+def _fault_point(run_dir: str, op_name: str) -> None:
+    marker = os.path.join(faults_dir(run_dir), f"kill@{op_name}")
+    if os.path.exists(marker):
+        os.remove(marker)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _measured(kind: str, fn: Callable[[], dict[str, Any]], run_dir: str = "", op_name: str = "") -> dict[str, Any]:
+    if op_name:
+        _fault_point(run_dir, op_name)
     t0, c0 = time.time(), time.process_time()
     out = fn()
     out.update(
@@ -52,7 +70,8 @@ def weights_version(ctx: WorkerContext, agent: str, iteration: int) -> int:
 
 
 def rollout(run_dir: str, iteration: int, agent: str, turn: int, mb: int) -> dict[str, Any]:
-    return _measured("rollout", lambda: _rollout(context(run_dir), iteration, agent, turn, mb))
+    name = f"rollout[{agent}]{f'@{turn}' if turn else ''} it={iteration} mb={mb}"
+    return _measured("rollout", lambda: _rollout(context(run_dir), iteration, agent, turn, mb), run_dir, name)
 
 
 def _rollout(ctx: WorkerContext, iteration: int, agent: str, turn: int, mb: int) -> dict[str, Any]:
@@ -101,7 +120,7 @@ def _rollout(ctx: WorkerContext, iteration: int, agent: str, turn: int, mb: int)
 
 
 def reward(run_dir: str, iteration: int, mb: int) -> dict[str, Any]:
-    return _measured("reward", lambda: _reward(context(run_dir), iteration, mb))
+    return _measured("reward", lambda: _reward(context(run_dir), iteration, mb), run_dir, f"reward it={iteration} mb={mb}")
 
 
 def _reward(ctx: WorkerContext, iteration: int, mb: int) -> dict[str, Any]:
@@ -153,7 +172,8 @@ def loss_scale(ctx: WorkerContext, agent: str) -> float:
 
 
 def train(run_dir: str, iteration: int, agent: str, mb: int) -> dict[str, Any]:
-    return _measured("train", lambda: _train(context(run_dir), iteration, agent, mb))
+    return _measured("train", lambda: _train(context(run_dir), iteration, agent, mb), run_dir,
+                     f"train[{agent}] it={iteration} mb={mb}")
 
 
 def _train(ctx: WorkerContext, iteration: int, agent: str, mb: int) -> dict[str, Any]:
@@ -169,7 +189,11 @@ def _train(ctx: WorkerContext, iteration: int, agent: str, mb: int) -> dict[str,
     # Group-scoped estimators need only this micro-batch (whole groups); batch-scoped ones
     # (REINFORCE++) normalise over the iteration, whose rewards the plan waits for.
     whole = advantage_scope(alg.advantage) == "batch"
-    rows = ctx.store.ready(agent, iteration, need=("reward",), mb=None if whole else mb).to_pylist()
+    # Consumed-or-not does not matter here: the trainer is still at `iteration`, so no update
+    # has applied these samples yet; a `consumed_step` on them was written by an attempt whose
+    # gradients died with its process (the version check above keeps this exactly-once).
+    rows = ctx.store.ready(agent, iteration, need=("reward",), unconsumed=False,
+                           mb=None if whole else mb).to_pylist()
     per_mb = _samples_per_step(ctx, agent) // ctx.cfg.batch.num_micro_batches
     expected = per_mb * (ctx.cfg.batch.num_micro_batches if whole else 1)
     if len(rows) != expected:
@@ -204,27 +228,31 @@ def _train(ctx: WorkerContext, iteration: int, agent: str, mb: int) -> dict[str,
 
 
 def step(run_dir: str, iteration: int, agent: str) -> dict[str, Any]:
-    return _measured("step", lambda: _step(context(run_dir), iteration, agent))
+    return _measured("step", lambda: _step(context(run_dir), iteration, agent), run_dir, f"step[{agent}] it={iteration}")
 
 
 def _step(ctx: WorkerContext, iteration: int, agent: str) -> dict[str, Any]:
-    tr, _ = ctx.trainer(agent, iteration)
-    if tr.version == iteration + 1:
+    if trainer_state_path(ctx.run_dir, agent, iteration + 1).exists():
+        # An earlier attempt stepped and checkpointed (then died or was retried): take that state.
+        tr, _ = ctx.trainer(agent, iteration + 1)
         return {"agent": agent, "iteration": iteration, "version": tr.version, "skipped": True}
+    tr, _ = ctx.trainer(agent, iteration)
     done = ctx.accumulated.setdefault(agent, set())
     missing = [j for j in range(ctx.cfg.batch.num_micro_batches) if (iteration, j) not in done]
-    if missing:
-        raise RuntimeError(f"step[{agent}] it={iteration}: micro-batches {missing} not accumulated in this trainer")
+    # Micro-batches whose gradients died with another process (a killed worker, a trainer that
+    # moved) are accumulated again from the store: same samples, same gradients.
+    for j in missing:
+        _train(ctx, iteration, agent, j)
     with ctx.lock:
         res = tr.step()
         done.clear()
         swap = ctx.checkpoint_trainer(agent)
-    return {"agent": agent, "iteration": iteration, "version": res.version, **swap,
+    return {"agent": agent, "iteration": iteration, "version": res.version, **swap, "recomputed_mbs": len(missing),
             "train/grad_norm": res.grad_norm, **{f"train/{k}": v for k, v in res.metrics.items()}}
 
 
 def sync(run_dir: str, iteration: int, agent: str) -> dict[str, Any]:
-    return _measured("sync", lambda: _sync(context(run_dir), iteration, agent))
+    return _measured("sync", lambda: _sync(context(run_dir), iteration, agent), run_dir, f"sync[{agent}] it={iteration}")
 
 
 def _sync(ctx: WorkerContext, iteration: int, agent: str) -> dict[str, Any]:

@@ -24,14 +24,26 @@ from tasks.executor import PrefectDaskExecutor
 
 
 @flow(name="flexmarl-train")
-def train(config: str, overrides: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train the team described by `config` (a YAML path) with `overrides` (`a.b=c`)."""
+def train(
+    config: str, overrides: list[str] | None = None, progress: bool = True, resume: bool = False
+) -> dict[str, Any]:
+    """Train the team described by `config` (a YAML path) with `overrides` (`a.b=c`).
+
+    `resume`: continue the interrupted run in the config's run folder instead of starting
+    afresh. A Prefect retry of a failed flow run resumes too (its run folder is kept).
+    """
     log = get_run_logger()
     ui = PREFECT_UI_URL.value()
     if ui:
         log.info("Prefect UI for this run: %s/runs/flow-run/%s", ui, flow_run.get_id())
     cfg = load_config(config, overrides or [])
-    run_dir = report_tasks.prepare_run(cfg)
+    resume = resume or (flow_run.run_count > 1 and (cfg.resolved_run_dir() / run.CONFIG_NAME).exists())
+    if resume:
+        run_dir = str(cfg.resolved_run_dir().resolve())
+        run.check_resumable(cfg, Path(run_dir))
+        log.info("resuming the run in %s", run_dir)
+    else:
+        run_dir = report_tasks.prepare_run(cfg)
     log.info("run folder %s, store %s", run_dir, cfg.resolved_store_uri())
     api = PREFECT_API_URL.value()
     lean = bool(api) and (cfg.cluster.prefect_lean is True or (
@@ -45,7 +57,7 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
         workers_cpu0, cpu0 = cluster.worker_cpu_s(client), time.process_time()
         on_done, bar = _progress(cfg, progress)
         with bar:
-            out = run.train(cfg, Path(run_dir), ex, on_op_done=on_done)
+            out = run.train(cfg, Path(run_dir), ex, on_op_done=on_done, resume=resume)
         flow_cpu = time.process_time() - cpu0
         workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
     stage_cpu = sum(m["cpu_s"] for m in out["iterations"])

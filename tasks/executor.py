@@ -79,3 +79,9 @@ class PrefectDaskExecutor:
     def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None:
         cluster.set_worker_resources(self.client, worker, resources)
         self._tags = None
+
+    def lost(self, exc: BaseException) -> bool:
+        if cluster.lost_worker(exc):
+            self._tags = None  # the worker set changed: route the resubmission on fresh tags
+            return True
+        return False
