@@ -101,6 +101,108 @@ def test_handles_memory_disk_path_are_exact(tmp_path):
                 get(h)
 
 
+def _mixed_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(8, 4, generator=g)
+    base = torch.arange(10, dtype=torch.int64)
+    return {
+        "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "half": torch.randn(7, generator=g).half(),
+        "flags": torch.tensor([True, False, True]),
+        "step": torch.tensor(3.0),  # 0-dim, like Adam's step counter
+        "empty": torch.zeros(0, 5),
+        "transposed": torch.randn(4, 6, generator=g).t(),  # non-contiguous
+        "tied": [emb, emb],  # one tensor object twice, like tied embeddings
+        "views": (base, base[2:7]),  # two tensors on one storage
+        "rng": torch.get_rng_state(),
+        "meta": {0: {"lr": 1e-3, "betas": (0.9, 0.999), "name": "adamw", "none": None}},
+        "version": 7,
+    }
+
+
+def _assert_same_state(got, want) -> None:
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            _assert_same_state(got[k], want[k])
+    elif isinstance(want, list | tuple):
+        assert type(got) is type(want) and len(got) == len(want)
+        for x, y in zip(got, want, strict=True):
+            _assert_same_state(x, y)
+    else:
+        assert type(got) is type(want) and got == want
+
+
+@pytest.mark.parametrize("where", ["memory", "disk", "path", "file"])
+def test_handles_round_trip_mixed_state_bit_exact(tmp_path, where):
+    state = _mixed_state()
+    target = {"path": str(tmp_path / "s.state"), "file": f"file://{tmp_path}/f.state"}.get(where, where)
+    h = put(state, target, cache_dir=tmp_path)
+    assert h.nbytes == sum(
+        t.nbytes for k, t in state.items() if isinstance(t, torch.Tensor)
+    ) + state["tied"][0].nbytes + sum(t.nbytes for t in state["views"])
+    got = get(h)
+    _assert_same_state(got, state)
+    assert got["tied"][0] is got["tied"][1]  # still tied
+    torch.set_rng_state(got["rng"])  # a pooled-buffer tensor is a valid RNG state
+    # A second get is independent of the first and of the handle.
+    again = get(h)
+    again["bf16"].zero_()
+    assert torch.equal(got["bf16"], state["bf16"]) and torch.equal(get(h)["bf16"], state["bf16"])
+    drop(h)
+
+
+def test_handles_reuse_buffers_without_aliasing():
+    from flexmarl_core.training import handles
+
+    state = {"w": torch.randn(1000), "m": torch.randn(1000)}
+    sizes = []
+    for _ in range(5):
+        h = put(state, "memory")
+        got = get(h)
+        _assert_same_state(got, state)
+        drop(h)
+        del got
+        sizes.append(len(handles._POOL._bufs))
+    assert len(set(sizes[1:])) == 1  # steady state (the first cycle may evict older spares)
+    handles.trim_buffers()
+    assert handles._POOL._bufs == []
+    # Buffers in use are never handed out again.
+    h = put(state, "memory")
+    kept = get(h)
+    h2 = put({"w": torch.zeros(1000), "m": torch.zeros(1000)}, "memory")
+    other = get(h2)
+    other["w"].fill_(5.0)
+    _assert_same_state(kept, state)
+    _assert_same_state(get(h), state)
+    drop(h), drop(h2)
+
+
+def test_handle_missing_file_names_the_path(tmp_path):
+    path = tmp_path / "gone.state"
+    h = put({"w": torch.ones(3)}, str(path))
+    drop(h)
+    with pytest.raises(FileNotFoundError, match="gone.state"):
+        get(h)
+
+
+def test_handles_reject_unsupported_leaves(tmp_path):
+    with pytest.raises(TypeError, match=r"state\['opt'\]\[0\] is a object"):
+        put({"opt": [object()]}, "memory")
+
+
+def test_handles_read_torch_save_files(tmp_path):
+    from flexmarl_core.training import StateHandle
+
+    state = _mixed_state()
+    state.pop("tied"), state.pop("views")
+    torch.save(state, tmp_path / "old.pt")
+    _assert_same_state(get(StateHandle("file", str(tmp_path / "old.pt"), 0)), state)
+
+
 def test_weights_include_lm_head_and_step_changes_version():
     t = trainer()
     assert isinstance(t, TrainBackend)

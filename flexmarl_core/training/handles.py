@@ -1,35 +1,76 @@
 """Location-agnostic handles for trainer states (on-demand allocation swaps states in and out).
 
-    h = put(trainer.state(), "memory")          # host memory (tensors cloned to CPU)
+    h = put(trainer.state(), "memory")          # host memory of this process
     h = put(trainer.state(), "disk")            # a file under $FLEXMARL_CACHE/states
     h = put(trainer.state(), "s3://bucket/x")   # any pyarrow.fs URI or a local path
     trainer.load_state(get(h, device="cpu"))    # bit-exact, wherever it was
     drop(h)
 
-A state is a nested dict/list of tensors and plain Python values (what `TrainBackend.state()`
-returns). Files are written with `torch.save` (temp name + rename on local disk) and read with
-`torch.load(weights_only=True)`.
+A state is a nested dict/list/tuple of tensors and plain Python values (int, float, bool, str,
+bytes, None), which is what `TrainBackend.state()` returns.
+
+Swapping is meant to run at memory-copy speed (bench/swap.py measures it against a plain memcpy):
+
+* The memory tier packs all tensors of a state into ONE flat byte buffer with plain memcpys
+  (numpy slice assignment), and `get` is one flat memcpy plus cheap views, whatever the number of
+  tensors. Tensors are ordered by element size (largest first) so every slot is aligned for its
+  dtype without padding.
+* Flat buffers come from a small process-wide pool and go back to it when their last user lets
+  go (a dropped handle, or a state returned by `get` once the caller has loaded it). On a VM,
+  writing fresh pages costs several times a memcpy (page faults); a reused buffer is already
+  mapped.
+* The memory tier never pickles. Files hold a short header (magic, pickled slot table and
+  skeleton) and then the raw tensor bytes, written straight from the tensors (no staging copy)
+  and read back with `readinto` into a pooled buffer. Unpickling allows no globals at all: the
+  skeleton holds only builtin containers and scalars, tensors are persistent ids. Files written
+  by the earlier `torch.save` format are still read. Files are not fsynced: a swapped state
+  lives as long as the run that wrote it.
+
+What a round trip keeps: dtype, shape and every byte of each tensor, and which entries were the
+same tensor object (tied embeddings come back tied). What it does not keep: strides (tensors come
+back contiguous), views between different tensors, or dict subclasses (they come back as dict).
+Tensors returned by `get` on the CPU each own their bytes of a pooled buffer (torch.save of one
+writes only its bytes) but cannot be resized in place (`resize_`); the buffer returns to the pool
+when the last of them is freed.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pickle
+import struct
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
+import numpy as np
 import torch
 
 from flexmarl_core.models.tokenizer import default_cache_dir
-from flexmarl_core.training.torch_trainer import clone_tree
 
 Location = Literal["memory", "disk"]
 
-_MEMORY: dict[str, Any] = {}
+_MAGIC = b"FLXSTATE\x01\n"  # 10 bytes; torch.save files start with "PK" (zip)
+_ALIGN = 64  # raw tensor bytes start at a multiple of this in a file
+_SCALARS = (int, float, bool, str, bytes, complex, type(None))
+
 _LOCK = threading.Lock()
+
+# dtypes numpy has: their tensors convert with one torch call (per-tensor overhead is most of a
+# small state's swap time). Others (bfloat16, float8) go through a torch uint8 view.
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
+    t: np.dtype(n)
+    for t, n in [
+        (torch.float32, "float32"), (torch.float64, "float64"), (torch.float16, "float16"),
+        (torch.int64, "int64"), (torch.int32, "int32"), (torch.int16, "int16"),
+        (torch.int8, "int8"), (torch.uint8, "uint8"), (torch.bool, "bool"),
+        (torch.complex64, "complex64"), (torch.complex128, "complex128"),
+    ]
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,28 +82,255 @@ class StateHandle:
     nbytes: int  #: tensor bytes in the state (for placement decisions)
 
 
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(_nbytes(v) for v in obj)
-    return 0
+# -- buffer pool -------------------------------------------------------------------------------
+class _BufferPool:
+    """Reusable flat host buffers (numpy-owned, so their users can be counted).
+
+    A tensor made by `torch.from_numpy` holds a reference to its array (and a numpy slice to its
+    base) for as long as the tensor or a view of it lives, so a base array whose only reference
+    is our list is free to hand out again. At most `max_spare` free buffers are kept.
+    """
+
+    def __init__(self, max_spare: int = 2) -> None:
+        self.max_spare = max_spare
+        self._bufs: list[np.ndarray] = []
+
+    def _free(self) -> list[int]:
+        # Indexing (no loop variable) leaves two references: our list and getrefcount's argument.
+        return [i for i in range(len(self._bufs)) if sys.getrefcount(self._bufs[i]) <= 2]
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A flat uint8 array of `nbytes` (a slice of a reused buffer when one fits)."""
+        with _LOCK:
+            # At most 2x the request: a small state must not pin a big buffer.
+            fits = [i for i in self._free() if nbytes <= self._bufs[i].nbytes <= 2 * nbytes + 4096]
+            if fits:
+                base = self._bufs[min(fits, key=lambda i: self._bufs[i].nbytes)]
+            else:
+                base = np.empty(max(nbytes, 1), dtype=np.uint8)
+                self._bufs.append(base)
+            out = base[:nbytes]
+            del base
+            spare = self._free()
+            for i in reversed(spare[: max(0, len(spare) - self.max_spare)]):  # oldest go first
+                del self._bufs[i]
+        return out
+
+    def trim(self) -> None:
+        with _LOCK:
+            for i in reversed(self._free()):
+                del self._bufs[i]
 
 
-def _to_device(obj: Any, device: torch.device | str) -> Any:
+_POOL = _BufferPool()
+
+
+def trim_buffers() -> None:
+    """Give the spare swap buffers of this process back to the allocator (under memory pressure)."""
+    _POOL.trim()
+
+
+# -- packing -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """One tensor's place in a flat buffer."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Ref:
+    """Stands for tensor number `index` in a skeleton."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Flat:
+    """A state as a skeleton, a slot table, and its tensor bytes in buffer order."""
+
+    skeleton: Any  #: the state with every tensor replaced by a _Ref
+    slots: list[_Slot]
+    parts: list[np.ndarray]  #: flat uint8 arrays; concatenated, they are the buffer
+    nbytes: int  #: sum of slot sizes
+
+
+def _skeleton(obj: Any, tensors: list[torch.Tensor], seen: dict[int, int], path: str) -> Any:
+    """`obj` with tensors replaced by _Ref (one per distinct tensor object), collecting them."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        index = seen.get(id(obj))
+        if index is None:
+            index = seen[id(obj)] = len(tensors)
+            tensors.append(obj)
+        return _Ref(index)
     if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
+        return {k: _skeleton(v, tensors, seen, f"{path}[{k!r}]") for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_to_device(v, device) for v in obj)
+        items = [_skeleton(v, tensors, seen, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    if isinstance(obj, _SCALARS):
+        return obj
+    raise TypeError(
+        f"state{path} is a {type(obj).__name__}; a trainer state may hold only tensors, "
+        "dict/list/tuple and int/float/bool/str/bytes/None (convert it, e.g. to a tensor or str)"
+    )
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[_Slot], int]:
+    """Slots ordered by element size, largest first, so each offset suits its dtype."""
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+    slots: list[_Slot | None] = [None] * len(tensors)
+    offset = 0
+    for i in order:
+        t = tensors[i]
+        slots[i] = _Slot(t.dtype, tuple(t.shape), offset, t.nbytes)
+        offset += t.nbytes
+    return slots, offset  # type: ignore[return-value]
+
+
+def _flatten(state: Any) -> _Flat:
+    """`state` as a _Flat whose parts are byte views of its own tensors (no copy yet)."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _skeleton(state, tensors, {}, "")
+    slots, total = _layout(tensors)
+    order = sorted(range(len(tensors)), key=lambda i: slots[i].offset)
+    return _Flat(skeleton, slots, [_bytes_of(tensors[i]) for i in order], total)
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as a flat uint8 array (a view unless it is off-CPU or non-contiguous)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype in _NUMPY_DTYPES:
+        return t.numpy().reshape(-1).view(np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _pack(flat: _Flat) -> _Flat:
+    """`flat` copied into one pooled buffer.
+
+    numpy slice assignment is a plain single-threaded memcpy. torch.copy_ opens a thread-pool
+    region per tensor, and on a loaded box each one waits for a descheduled worker thread:
+    hundreds of ~1 MB copies ran at a fifth of memcpy speed.
+    """
+    data = _POOL.take(flat.nbytes)
+    offset = 0
+    for part in flat.parts:
+        data[offset : offset + part.size] = part
+        offset += part.size
+    return _Flat(flat.skeleton, flat.slots, [data], flat.nbytes)
+
+
+def _views(data: np.ndarray, slots: list[_Slot], device: torch.device | str) -> list[torch.Tensor]:
+    """One tensor per slot, each on its own storage over its bytes of `data`.
+
+    Own storage, not a slice of one big tensor: torch.save of one tensor then writes only its
+    bytes, and torch.set_rng_state reads a state at a storage offset wrongly (segfault, torch
+    2.13).
+    """
+    out = [
+        torch.from_numpy(data[s.offset : s.offset + s.nbytes].view(_NUMPY_DTYPES[s.dtype]).reshape(s.shape))
+        if s.dtype in _NUMPY_DTYPES
+        else torch.from_numpy(data[s.offset : s.offset + s.nbytes]).view(s.dtype).view(s.shape)
+        for s in slots
+    ]
+    if torch.device(device).type != "cpu":
+        out = [t.to(device) for t in out]
+    return out
+
+
+def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _Ref):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rebuild(v, tensors) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_rebuild(v, tensors) for v in obj)
     return obj
+
+
+# -- file format -------------------------------------------------------------------------------
+class _HeaderPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> int | None:
+        return obj.index if isinstance(obj, _Ref) else None
+
+
+class _HeaderUnpickler(pickle.Unpickler):
+    def __init__(self, file: BinaryIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        return self._tensors[pid]
+
+    def find_class(self, module: str, name: str) -> Any:
+        # The skeleton holds builtin containers and scalars only: nothing to import.
+        raise pickle.UnpicklingError(f"state file refers to {module}.{name}; not allowed")
+
+
+def _header(flat: _Flat) -> bytes:
+    """Magic, lengths, pickled slot table and skeleton, padded to _ALIGN."""
+    table = [(str(s.dtype).removeprefix("torch."), s.shape, s.offset, s.nbytes) for s in flat.slots]
+    buf = io.BytesIO()
+    pickle.dump(table, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    table_len = buf.tell()
+    _HeaderPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(flat.skeleton)
+    body = buf.getvalue()
+    head = _MAGIC + struct.pack("<QQQ", len(body), table_len, flat.nbytes) + body
+    return head + b"\0" * (-len(head) % _ALIGN)
+
+
+def _write(f: BinaryIO, flat: _Flat) -> None:
+    """Header, then each tensor's bytes straight from the tensor (one copy, into the file)."""
+    f.write(_header(flat))
+    for part in flat.parts:
+        f.write(memoryview(part))
+
+
+def _read_exact(f: Any, out: memoryview, what: str) -> None:
+    got = 0
+    while got < len(out):
+        n = f.readinto(out[got:])
+        if not n:
+            raise ValueError(f"state file {what} is truncated: {got} of {len(out)} data bytes")
+        got += n
+
+
+def _read(f: Any, device: torch.device | str, what: str) -> dict[str, Any]:
+    """Read a file in the raw format from `f`, positioned just after the magic."""
+    fixed = f.read(24)
+    body_len, table_len, data_len = struct.unpack("<QQQ", fixed)
+    body = f.read(body_len)
+    f.read(-(len(_MAGIC) + 24 + body_len) % _ALIGN)  # padding
+    table = pickle.loads(body[:table_len])  # list of tuples of builtins
+    slots = [_Slot(getattr(torch, d), tuple(shape), off, n) for d, shape, off, n in table]
+    data = _POOL.take(data_len)
+    _read_exact(f, memoryview(data), what)
+    tensors = _views(data, slots, device)
+    return _HeaderUnpickler(io.BytesIO(body[table_len:]), tensors).load()
+
+
+def _load(f: Any, device: torch.device | str, what: str) -> dict[str, Any]:
+    if f.read(len(_MAGIC)) == _MAGIC:
+        return _read(f, device, what)
+    f.seek(0)  # written by the torch.save format of earlier versions
+    return torch.load(f, map_location=device, weights_only=True)
 
 
 def _is_uri(where: str) -> bool:
     return "://" in where and not where.startswith("file://")
+
+
+# -- API ---------------------------------------------------------------------------------------
+_MEMORY: dict[str, _Flat] = {}
 
 
 def put(
@@ -74,56 +342,77 @@ def put(
     """Store a copy of `state` and return its handle.
 
     Args:
-        where: "memory" (this process, CPU tensors), "disk" (a new file under
-            `cache_dir`/states, default `$FLEXMARL_CACHE`), a local file path, `file://path`,
-            or a URI pyarrow.fs understands (s3://, gs://, hdfs://).
+        where: "memory" (this process, CPU), "disk" (a new file under `cache_dir`/states,
+            default `$FLEXMARL_CACHE`), a local file path, `file://path`, or a URI pyarrow.fs
+            understands (s3://, gs://, hdfs://).
+
+    Raises:
+        TypeError: a leaf of `state` is neither a tensor nor a builtin scalar.
     """
-    nbytes = _nbytes(state)
+    flat = _flatten(state)
+    nbytes = flat.nbytes
     if where == "memory":
         key = uuid.uuid4().hex
-        copy = _to_device(clone_tree(state), "cpu")
+        packed = _pack(flat)
         with _LOCK:
-            _MEMORY[key] = copy
+            _MEMORY[key] = packed
         return StateHandle("memory", key, nbytes)
     if where == "disk":
-        target = default_cache_dir(cache_dir) / "states" / f"{uuid.uuid4().hex}.pt"
+        target = default_cache_dir(cache_dir) / "states" / f"{uuid.uuid4().hex}.state"
     elif _is_uri(where):
         import pyarrow.fs as pafs  # only needed for remote stores
 
-        buf = io.BytesIO()
-        torch.save(state, buf)
         fs, path = pafs.FileSystem.from_uri(where)
         with fs.open_output_stream(path) as f:
-            f.write(buf.getvalue())
+            _write(f, flat)
         return StateHandle("file", where, nbytes)
     else:
         target = Path(where.removeprefix("file://"))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, target)  # readers never see half a file
+    try:
+        with open(tmp, "wb") as f:  # large writes bypass the 8 KiB buffer (no extra copy)
+            _write(f, flat)
+        os.replace(tmp, target)  # readers never see half a file
+    finally:
+        tmp.unlink(missing_ok=True)
     return StateHandle("file", str(target), nbytes)
 
 
 def get(handle: StateHandle, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """The state behind `handle`, tensors on `device` (a fresh copy; the handle stays valid)."""
+    """The state behind `handle`, tensors on `device` (a fresh copy; the handle stays valid).
+
+    Raises:
+        ValueError: a memory handle that was dropped or belongs to another process.
+        FileNotFoundError: the handle's file is gone (the message names it).
+    """
     if handle.kind == "memory":
         with _LOCK:
-            if handle.key not in _MEMORY:
-                raise ValueError(
-                    f"no in-memory state {handle.key!r} in this process (dropped, or put() ran in "
-                    "another process: use where='disk' or a URI to move states between workers)"
-                )
-            state = _MEMORY[handle.key]
-        return _to_device(clone_tree(state), device)
+            packed = _MEMORY.get(handle.key)
+        if packed is None:
+            raise ValueError(
+                f"no in-memory state {handle.key!r} in this process (dropped, or put() ran in "
+                "another process: use where='disk' or a URI to move states between workers)"
+            )
+        data = _POOL.take(packed.nbytes)
+        np.copyto(data, packed.parts[0])  # one memcpy
+        return _rebuild(packed.skeleton, _views(data, packed.slots, device))
     if _is_uri(handle.key):
         import pyarrow.fs as pafs
 
         fs, path = pafs.FileSystem.from_uri(handle.key)
-        with fs.open_input_stream(path) as f:
-            data = io.BytesIO(f.read())
-        return torch.load(data, map_location=device, weights_only=True)
-    return torch.load(handle.key, map_location=device, weights_only=True)
+        try:
+            f = fs.open_input_file(path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"state {handle.key} is missing (dropped?): {e}") from e
+        with f:
+            return _load(f, device, handle.key)
+    try:
+        f = open(handle.key, "rb", buffering=0)  # readinto goes straight to the buffer
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"state file {handle.key} is missing (dropped?)") from e
+    with f:
+        return _load(f, device, handle.key)
 
 
 def drop(handle: StateHandle) -> None:
