@@ -3,6 +3,7 @@
     flexmarl train CONFIG [--set k=v ...]   train a team (Prefect flow on a local/remote Dask cluster)
     flexmarl sft CONFIG [--out DIR]         warm-start checkpoints from demonstrations
     flexmarl store check PATH               list problems in a MEG Store; non-zero exit if any
+    flexmarl store audit RUN_OR_STORE       exactly-once audit; exit 1 on duplicates/missing
     flexmarl server stop                    stop the Prefect server `train` started
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _config(args: argparse.Namespace):  # noqa: ANN202 - avoids importing pydantic models at parse time
@@ -24,6 +26,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flexmarl.prefect_api import ensure_api, ui_url
 
     cfg = _config(args)  # validate before starting anything
+    _preflight(cfg)
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
         console.print(f"started a local Prefect server at {ui_url(api)} (stop: flexmarl server stop)")
@@ -51,6 +54,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preflight(cfg) -> None:  # noqa: ANN001 - an ExperimentConfig
+    """Read the problems now: a broken dataset row or reward callable fails here, as a one-line
+    error, before a Prefect server, a cluster or a half-made run folder exists."""
+    from flexmarl_core.workloads import make_workload
+
+    make_workload(cfg.workload, cfg.team)
+
+
 def cmd_sft(args: argparse.Namespace) -> int:
     from flexmarl_core.sft import run_sft
 
@@ -68,6 +79,29 @@ def cmd_store_check(args: argparse.Namespace) -> int:
     if args.stale_after is not None:
         extra += ["--stale-after", str(args.stale_after)]
     return check_main([args.path, *extra])
+
+
+def cmd_store_audit(args: argparse.Namespace) -> int:
+    """Exit 0 when every sample is stored exactly once, 1 otherwise (2: not a run or store)."""
+    from flexmarl_core.worker import CONFIG_NAME
+    from storage import StoreError, audit_store
+
+    path = args.path
+    try:
+        if "://" not in path and (Path(path) / CONFIG_NAME).is_file():
+            from flexmarl_core.audit import audit_run
+
+            uri, problems = audit_run(path)  # a run folder: also the expected samples
+        else:
+            uri, problems = path, audit_store(path)
+    except (OSError, StoreError) as exc:
+        print(f"error: cannot audit {path}: {exc}", file=sys.stderr)
+        return 2
+    for p in problems:
+        print(p)
+    errors = sum(p.severity == "error" for p in problems)
+    print(f"{uri}: {errors} error(s), {len(problems) - errors} warning(s)")
+    return 1 if errors else 0
 
 
 def cmd_server_stop(args: argparse.Namespace) -> int:
@@ -105,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="staging files older than S seconds count as stale")
     chk.set_defaults(fn=cmd_store_check)
 
+    aud = st_sub.add_parser(
+        "audit", help="exactly-once audit: duplicates, orphan status rows, missing samples; "
+        "exit 1 if any")
+    aud.add_argument("path", help="run folder (also checks each completed iteration's "
+                     "expected samples) or store path/URI")
+    aud.set_defaults(fn=cmd_store_audit)
+
     sv = sub.add_parser("server", help="the local Prefect server")
     sv_sub = sv.add_subparsers(dest="server_command", required=True)
     stop = sv_sub.add_parser("stop", help="stop the server `flexmarl train` started")
@@ -114,11 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from flexmarl_core.config import ConfigError
+    from flexmarl_core.workloads import WorkloadError
 
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except ConfigError as exc:
+    except (ConfigError, WorkloadError) as exc:  # bad input: the message names it, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
