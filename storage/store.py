@@ -459,9 +459,16 @@ class MEGStore:
             staging = f"{self.root}/{STAGING}"
             self._ensure_dir(staging)
             tmp = f"{staging}/{uuid.uuid4().hex}.{name}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:  # never created: keep the original error
+                    pass
+                raise
             return
         # One write then close: the object appears only when close() completes the upload.
         out = self.fs.open_output_stream(path)

@@ -27,6 +27,7 @@ from storage import MEGStore
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
+FLEXMARL = str(Path(sys.executable).with_name("flexmarl"))
 POOL = "flexmarl-local"  # the work pool prefect.yaml names
 ITERATIONS = 1
 
@@ -158,6 +159,10 @@ def test_deploy_train_and_evaluate_on_a_process_worker(prefect_server, tmp_path:
         for agent in ("planner", "solver", "verifier"):
             assert weights_path(run_dir, agent, ITERATIONS).is_file(), agent
         assert MEGStore(str(run_dir / "store"), create=False).read_samples("solver", 0).num_rows
+        # Every expected sample of the completed iteration is stored exactly once.
+        res = subprocess.run([FLEXMARL, "store", "audit", str(run_dir)], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0 and "0 error(s)" in res.stdout, res.stdout + res.stderr
 
         res = _prefect(env, "deployment", "run", "flexmarl-evaluate/evaluate",
                        "--param", f"run_dir={run_dir}", "--watch", "--watch-timeout", "300",
@@ -179,6 +184,15 @@ def test_deploy_train_and_evaluate_on_a_process_worker(prefect_server, tmp_path:
         failed = [r for r in _flow_runs(api, "evaluate") if r["id"] != eval_run["id"]]
         assert [r["state_type"] for r in failed] == ["FAILED"]
         assert "no weights for iteration 7" in failed[0]["state"]["message"]
+
+        # A lost fragment of a completed iteration: the audit names the missing samples.
+        part = run_dir / "store" / "samples" / "agent=verifier" / "iteration=0"
+        next(part.glob("mb000001-*.parquet")).unlink()
+        res = subprocess.run([FLEXMARL, "store", "audit", str(run_dir)], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 1, res.stdout + res.stderr
+        missing = next(ln for ln in res.stdout.splitlines() if " missing " in ln)
+        assert missing.startswith("ERROR") and str(part) in missing and ":verifier:" in missing
     finally:
         _stop(worker)
         worker_log.close()
