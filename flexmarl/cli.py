@@ -83,15 +83,17 @@ def cmd_store_check(args: argparse.Namespace) -> int:
 
 def cmd_store_audit(args: argparse.Namespace) -> int:
     """Exit 0 when every sample is stored exactly once, 1 otherwise (2: not a run or store)."""
-    from flexmarl_core.worker import CONFIG_NAME
     from storage import StoreError, audit_store
+    from storage.store import MARKER
 
     path = args.path
     try:
-        if "://" not in path and (Path(path) / CONFIG_NAME).is_file():
+        # A local folder that is not itself a store is taken for a run folder (its config
+        # says where the store is and which samples each iteration must hold).
+        if "://" not in path and Path(path).is_dir() and not (Path(path) / MARKER).exists():
             from flexmarl_core.audit import audit_run
 
-            uri, problems = audit_run(path)  # a run folder: also the expected samples
+            uri, problems = audit_run(path)
         else:
             uri, problems = path, audit_store(path)
     except (OSError, StoreError) as exc:

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flexmarl_core.config import load_config
+from flexmarl_core.config import ConfigError, load_config
 from flexmarl_core.meg import MEG
-from flexmarl_core.worker import CONFIG_NAME, weights_path
 from storage import MEGStore, Problem, audit_store
 
 
 def completed_iterations(run_dir: Path, iterations: int, trainable: list[str]) -> list[int]:
     """Iterations whose update every trainable agent published (weights v<k+1>): all their
     samples were produced, rewarded and trained on."""
+    from flexmarl_core.worker import weights_path  # torch: only for run folders
+
     return [k for k in range(iterations)
             if trainable and all(weights_path(run_dir, a, k + 1).is_file() for a in trainable)]
 
@@ -22,7 +23,11 @@ def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
     """(store URI, problems) of a run folder: `audit_store` with the sample_ids each completed
     iteration must hold (from its inputs and the team graph), and, for trainable agents,
     samples of a completed iteration that no update consumed."""
+    from flexmarl_core.worker import CONFIG_NAME
+
     run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_NAME).is_file():
+        raise ConfigError(f"{run_dir}: neither a MEG store nor a run folder (no {CONFIG_NAME})")
     cfg = load_config(run_dir / CONFIG_NAME)
     meg = MEG.from_config(cfg.team)
     uri = cfg.resolved_store_uri()

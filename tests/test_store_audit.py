@@ -65,7 +65,10 @@ def test_orphan_status_row_fails(tmp_path: Path) -> None:
     assert "orphan_status" in res.stdout and "p9:0:solver:0" in res.stdout
 
 
-def test_not_a_store_exits_2(tmp_path: Path) -> None:
+def test_neither_store_nor_run_exits_2(tmp_path: Path) -> None:
     res = audit(tmp_path / "nothing")
     assert res.returncode == 2 and "no MEG store" in res.stderr
     assert "Traceback" not in res.stderr
+    (tmp_path / "empty").mkdir()
+    res = audit(tmp_path / "empty")
+    assert res.returncode == 2 and "neither a MEG store nor a run folder" in res.stderr
