@@ -4,6 +4,7 @@
     flexmarl train --resume RUN             continue an interrupted run from its last checkpoints
     flexmarl sft CONFIG [--out DIR]         warm-start checkpoints from demonstrations
     flexmarl store check PATH               list problems in a MEG Store; non-zero exit if any
+    flexmarl store audit RUN_OR_STORE       exactly-once audit; exit 1 on duplicates/missing
     flexmarl server stop                    stop the Prefect server `train` started
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _config(args: argparse.Namespace):  # noqa: ANN202 - avoids importing pydantic models at parse time
@@ -45,6 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         console.print("[red]train: give a CONFIG file, or --resume RUN to continue a run")
         return 2
     cfg = _config(args)  # validate before starting anything
+    _preflight(cfg)
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
         console.print(f"started a local Prefect server at {ui_url(api)} (stop: flexmarl server stop)")
@@ -73,6 +76,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preflight(cfg) -> None:  # noqa: ANN001 - an ExperimentConfig
+    """Read the problems now: a broken dataset row or reward callable fails here, as a one-line
+    error, before a Prefect server, a cluster or a half-made run folder exists."""
+    from flexmarl_core.workloads import make_workload
+
+    make_workload(cfg.workload, cfg.team)
+
+
 def cmd_sft(args: argparse.Namespace) -> int:
     from flexmarl_core.sft import run_sft
 
@@ -90,6 +101,31 @@ def cmd_store_check(args: argparse.Namespace) -> int:
     if args.stale_after is not None:
         extra += ["--stale-after", str(args.stale_after)]
     return check_main([args.path, *extra])
+
+
+def cmd_store_audit(args: argparse.Namespace) -> int:
+    """Exit 0 when every sample is stored exactly once, 1 otherwise (2: not a run or store)."""
+    from storage import StoreError, audit_store
+    from storage.store import MARKER
+
+    path = args.path
+    try:
+        # A local folder that is not itself a store is taken for a run folder (its config
+        # says where the store is and which samples each iteration must hold).
+        if "://" not in path and Path(path).is_dir() and not (Path(path) / MARKER).exists():
+            from flexmarl_core.audit import audit_run
+
+            uri, problems = audit_run(path)
+        else:
+            uri, problems = path, audit_store(path)
+    except (OSError, StoreError) as exc:
+        print(f"error: cannot audit {path}: {exc}", file=sys.stderr)
+        return 2
+    for p in problems:
+        print(p)
+    errors = sum(p.severity == "error" for p in problems)
+    print(f"{uri}: {errors} error(s), {len(problems) - errors} warning(s)")
+    return 1 if errors else 0
 
 
 def cmd_server_stop(args: argparse.Namespace) -> int:
@@ -131,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="staging files older than S seconds count as stale")
     chk.set_defaults(fn=cmd_store_check)
 
+    aud = st_sub.add_parser(
+        "audit", help="exactly-once audit: duplicates, orphan status rows, missing samples; "
+        "exit 1 if any")
+    aud.add_argument("path", help="run folder (also checks each completed iteration's "
+                     "expected samples) or store path/URI")
+    aud.set_defaults(fn=cmd_store_audit)
+
     sv = sub.add_parser("server", help="the local Prefect server")
     sv_sub = sv.add_subparsers(dest="server_command", required=True)
     stop = sv_sub.add_parser("stop", help="stop the server `flexmarl train` started")
@@ -140,11 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from flexmarl_core.config import ConfigError
+    from flexmarl_core.workloads import WorkloadError
 
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except ConfigError as exc:
+    except (ConfigError, WorkloadError) as exc:  # bad input: the message names it, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

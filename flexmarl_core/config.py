@@ -42,6 +42,23 @@ class ModelConfig(_Strict):
             raise ValueError("set `preset` (e.g. tiny-1m) or `path` (a local HF model folder)")
         return self
 
+    @field_validator("path")
+    @classmethod
+    def _model_folder(cls, v: str | None) -> str | None:
+        # Checked at config load, so a typo fails before a run folder or a cluster exists, with
+        # the agent's field path (team.agents[<name>].model.path) in the message.
+        if v is None:
+            return v
+        folder = Path(os.path.expanduser(v))
+        if not folder.is_dir():
+            raise ValueError(f"model folder {v!r} does not exist (resolved: {folder.absolute()})")
+        if not (folder / "config.json").is_file():
+            raise ValueError(
+                f"{v!r} is not a Hugging Face model folder (no config.json); point it at a "
+                "folder written by save_pretrained"
+            )
+        return v
+
 
 class SamplingConfig(_Strict):
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
@@ -375,13 +392,19 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     """Read, override and validate one experiment file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read config: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: cannot read config: not UTF-8 text (byte {exc.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        # One line, with the position: PyYAML's own message spans several lines.
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{p}: not valid YAML{where}: {what}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
     return config_from_dict(data, source=str(p), overrides=overrides)

@@ -4,10 +4,14 @@ problems; the team is correct when the workload says the output agent's answer i
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from flexmarl_core.meg import MEG
 from flexmarl_core.workloads.api import Problem, Workload
+
+if TYPE_CHECKING:
+    from flexmarl_core.config import ExperimentConfig
 
 
 def evaluate_team(
@@ -37,3 +41,35 @@ def evaluate_team(
             rewards[a] = rewards.get(a, 0.0) + r / len(problems)
     return {"accuracy": sum(correct) / max(len(correct), 1), "reward": rewards,
             "n": len(problems), "outputs": outputs}
+
+
+def evaluation_iteration(run_dir: str | Path, iteration: int | None = None) -> tuple[ExperimentConfig, int]:
+    """The run's config and the iteration whose weights to evaluate (default: the final one,
+    `train.iterations`), after checking every agent's weights of that iteration were published.
+
+    Raises FileNotFoundError naming the run folder or the missing weights file, with the
+    versions that do exist (e.g. a run stopped early: evaluate one of those instead).
+    """
+    from flexmarl_core.config import load_config
+    from flexmarl_core.worker import CONFIG_NAME, weights_path
+
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{run_dir}: not a flexmarl run folder (no {CONFIG_NAME})")
+    cfg = load_config(run_dir / CONFIG_NAME)
+    it = cfg.train.iterations if iteration is None else iteration
+    if it < 0:
+        raise ValueError(f"iteration must be >= 0, got {it}")
+    for agent in cfg.team.agents:
+        # Frozen agents keep version 0 (the same rule the rollout stage applies).
+        version = it if agent.trainable else 0
+        path = weights_path(run_dir, agent.name, version)
+        if not path.is_file():
+            have = sorted(
+                int(p.stem[1:]) for p in path.parent.glob("v*.safetensors") if p.stem[1:].isdigit()
+            )
+            raise FileNotFoundError(
+                f"agent {agent.name!r}: no weights for iteration {it} at {path}; "
+                f"published versions: {have or 'none'}"
+            )
+    return cfg, it

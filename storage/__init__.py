@@ -36,10 +36,10 @@ not folded; pass the agent type, DuckDB infers ``agent=7`` as a number otherwise
              partitioning=storage.partitioning("samples"))
 
 API: :class:`MEGStore` (write_samples / write_status / mark_consumed / write_inputs,
-read_samples / ready / read_inputs, compact, audit, clean_staging), :func:`check_store`.
+read_samples / ready / read_inputs, compact, audit, clean_staging), :func:`check_store`, :func:`audit_store`.
 """
 
-from .check import check_store, main
+from .check import audit_store, check_store, main
 from .errors import Problem, StoreError
 from .schema import (
     INPUT_FILE_SCHEMA,
@@ -68,6 +68,7 @@ __all__ = [
     "Problem",
     "Rows",
     "StoreError",
+    "audit_store",
     "check_store",
     "main",
     "open_filesystem",

@@ -14,7 +14,7 @@ import argparse
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pyarrow.compute as pc
@@ -29,7 +29,7 @@ from .schema import (
 )
 from .store import _MB_NAME, MARKER, STAGING, MEGStore, open_filesystem
 
-__all__ = ["check_store", "main"]
+__all__ = ["EXACTLY_ONCE", "audit_store", "check_store", "main"]
 
 _SAMPLE_NAME = re.compile(r"(mb\d{6,}|all)-[0-9a-f]+\.parquet")
 _INPUT_NAME = re.compile(r"part-[0-9a-f]+\.parquet")
@@ -208,6 +208,41 @@ def check_store(
     if deep:
         for agent, iteration in sorted(partitions - bad_partitions):
             problems.extend(store.audit(agent, iteration))
+    return problems
+
+
+#: Findings of ``MEGStore.audit`` that break exactly-once storage; ``audit_store`` makes them
+#: errors (``check_store`` keeps duplicates and orphans as warnings: readers tolerate them).
+EXACTLY_ONCE = frozenset({"duplicate", "orphan_status", "bad_sample_id", "missing", "unexpected", "count"})
+
+
+def audit_store(
+    uri: str,
+    expected: Mapping[tuple[str, int], Iterable[str]] | None = None,
+    **fs_kwargs: Any,
+) -> list[Problem]:
+    """Exactly-once audit of every (agent, iteration) partition of a store.
+
+    Errors: a (sample_id, policy_version) stored more than once, a status row naming no stored
+    sample, a malformed sample_id, and, for the partitions in ``expected`` (its keys: (agent,
+    iteration); values: the sample_ids that must be there), missing or unexpected samples.
+    A sample_id under several policy versions stays a warning.
+    """
+    store = MEGStore(uri, create=False, **fs_kwargs)
+    keys: set[tuple[str, int]] = set(expected or {})
+    for table in ("samples", "status"):
+        for adir in store._list(f"{store.root}/{table}", dirs=True):
+            if adir.startswith("agent=") and AGENT_NAME_RE.fullmatch(adir[6:]):
+                for idir in store._list(f"{store.root}/{table}/{adir}", dirs=True):
+                    if _ITERATION.fullmatch(idir):
+                        keys.add((adir[6:], int(idir[10:])))
+    problems = []
+    for agent, iteration in sorted(keys):
+        want = (expected or {}).get((agent, iteration))
+        for p in store.audit(agent, iteration, expected=want):
+            if p.kind in EXACTLY_ONCE:
+                p = Problem(p.kind, p.path, p.message, "error")
+            problems.append(p)
     return problems
 
 

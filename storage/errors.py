@@ -11,7 +11,8 @@ Severity = Literal["error", "warning"]
 
 
 class StoreError(Exception):
-    """A store file cannot be used: unreadable, truncated, foreign or of the wrong schema.
+    """A store file cannot be used: unreadable, truncated, foreign, of the wrong schema, or
+    cannot be written.
 
     The message always names the file; ``path`` holds it (a local path or ``s3://...`` URI).
     """
@@ -19,8 +20,8 @@ class StoreError(Exception):
     def __init__(self, message: str, path: str | None = None, reason: str = "unreadable") -> None:
         super().__init__(message)
         self.path = path
-        #: ``unreadable`` (not Parquet, truncated, I/O error), ``schema`` (foreign columns)
-        #: or ``missing`` (no store at this path).
+        #: ``unreadable`` (not Parquet, truncated, I/O error), ``schema`` (foreign columns),
+        #: ``missing`` (no store at this path) or ``unwritable`` (read-only or full disk).
         self.reason = reason
 
 

@@ -271,7 +271,14 @@ class MEGStore:
                     "missing",
                 )
             body = json.dumps({"format_version": FORMAT_VERSION, "kind": "flexmarl MEG store"})
-            self._put_bytes(self.root, MARKER, body.encode())
+            try:
+                self._put_bytes(self.root, MARKER, body.encode())
+            except OSError as e:
+                raise StoreError(
+                    f"cannot create a MEG store at {self.display(self.root)}: {_os_reason(e)}",
+                    self.display(self.root),
+                    "unwritable",
+                ) from e
 
     def __repr__(self) -> str:
         return f"MEGStore({self.display(self.root)!r})"
@@ -387,6 +394,20 @@ class MEGStore:
         straight to its final key.
         """
         path = f"{directory}/{name}"
+        try:
+            return self._commit_fragment(table, directory, path)
+        except OSError as e:
+            # A read-only or full disk, a permission error, a file size limit: name the
+            # fragment (its partition) instead of the temp file; nothing was published.
+            raise StoreError(
+                f"cannot write store fragment {self.display(path)}: {_os_reason(e)}; nothing "
+                "of this write is visible to readers",
+                self.display(path),
+                "unwritable",
+            ) from e
+
+    def _commit_fragment(self, table: pa.Table, directory: str, path: str) -> str:
+        name = path.rsplit("/", 1)[1]
         opts = {
             "compression": self.compression,
             # Token ids are near-random: dictionary pages cost time and save nothing there.
@@ -426,7 +447,7 @@ class MEGStore:
         except BaseException:
             try:
                 os.unlink(tmp)
-            except FileNotFoundError:
+            except OSError:  # never created, or undeletable: keep the original error
                 pass
             raise
         return path
@@ -438,9 +459,16 @@ class MEGStore:
             staging = f"{self.root}/{STAGING}"
             self._ensure_dir(staging)
             tmp = f"{staging}/{uuid.uuid4().hex}.{name}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:  # never created: keep the original error
+                    pass
+                raise
             return
         # One write then close: the object appears only when close() completes the upload.
         out = self.fs.open_output_stream(path)
@@ -952,6 +980,13 @@ class MEGStore:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _os_reason(e: OSError) -> str:
+    """``Permission denied`` / ``No space left on device`` / ... (pyarrow's text otherwise)."""
+    if e.errno and e.strerror and not str(e.strerror).startswith("Cannot"):
+        return f"{e.strerror} [errno {e.errno}]"
+    return str(e)
 
 
 def _fsync_path(path: str) -> None:

@@ -34,3 +34,15 @@ def report(name: str, per_it: list[dict[str, Any]], summary: dict[str, Any], sto
     lines += [f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summary.items()
               if k not in ("run_dir",)]
     create_markdown_artifact(key=f"{key}-summary", markdown="\n".join(lines), description=f"{name}: run summary")
+
+
+@task(name="evaluation-report", cache_policy=NO_CACHE, persist_result=False)
+def evaluation_report(name: str, run_dir: str, result: dict[str, Any]) -> None:
+    """IO: a markdown artifact with a run's held-out evaluation (accuracy, reward per agent)."""
+    key = "".join(c if c.isalnum() else "-" for c in name.lower())
+    lines = [f"# {name}: held-out evaluation, iteration {result['iteration']}", "",
+             f"- run folder: `{run_dir}`",
+             f"- accuracy: {result['heldout_accuracy']:.4g} on {result['heldout_n']} problems"]
+    lines += [f"- {k}: {v:.4g}" for k, v in sorted(result.items()) if k.startswith("heldout_reward/")]
+    create_markdown_artifact(key=f"{key}-evaluation", markdown="\n".join(lines),
+                             description=f"{name}: held-out evaluation")

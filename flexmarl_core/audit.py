@@ -1,0 +1,51 @@
+"""Exactly-once audit of a run: every expected sample of every completed iteration is stored
+once, and every status row belongs to a stored sample (`flexmarl store audit RUN_DIR`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flexmarl_core.config import ConfigError, load_config
+from flexmarl_core.meg import MEG
+from storage import MEGStore, Problem, audit_store
+
+
+def completed_iterations(run_dir: Path, iterations: int, trainable: list[str]) -> list[int]:
+    """Iterations whose update every trainable agent published (weights v<k+1>): all their
+    samples were produced, rewarded and trained on."""
+    from flexmarl_core.worker import weights_path  # torch: only for run folders
+
+    return [k for k in range(iterations)
+            if trainable and all(weights_path(run_dir, a, k + 1).is_file() for a in trainable)]
+
+
+def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
+    """(store URI, problems) of a run folder: `audit_store` with the sample_ids each completed
+    iteration must hold (from its inputs and the team graph), and, for trainable agents,
+    samples of a completed iteration that no update consumed."""
+    from flexmarl_core.worker import CONFIG_NAME
+
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_NAME).is_file():
+        raise ConfigError(f"{run_dir}: neither a MEG store nor a run folder (no {CONFIG_NAME})")
+    cfg = load_config(run_dir / CONFIG_NAME)
+    meg = MEG.from_config(cfg.team)
+    uri = cfg.resolved_store_uri()
+    store = MEGStore(uri, create=False)
+    expected: dict[tuple[str, int], list[str]] = {}
+    done = completed_iterations(run_dir, cfg.train.iterations, list(meg.trainable_agents))
+    for it in done:
+        ids = store.read_inputs(it).column("input_id").to_pylist()
+        for node in meg.instantiate(ids, cfg.batch.group_size):
+            expected.setdefault((node.agent, it), []).append(node.sample_id)
+    problems = audit_store(uri, expected)
+    for agent in meg.trainable_agents:
+        for it in done:
+            tbl = store.read_samples(agent, it, columns=["sample_id", "consumed_step"])
+            idle = tbl.filter(tbl.column("consumed_step").is_null())
+            if idle.num_rows:
+                problems.append(Problem(
+                    "unconsumed", store.display(store._samples_dir(agent, it)),
+                    f"{idle.num_rows} samples of completed iteration {it} were never trained "
+                    f"on, e.g. {idle.column('sample_id').to_pylist()[:5]}"))
+    return uri, problems

@@ -1,0 +1,270 @@
+"""Bad input fails early and clearly: the error names the thing that is wrong (agent and model
+folder, config file, store fragment, dataset file + line/row + field), and nothing half-written
+is left behind (no run folder, no fragment visible to readers)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexmarl_core.config import ConfigError, WorkloadConfig, load_config
+from flexmarl_core.workloads import WorkloadError, make_workload
+from storage import MEGStore, check_store
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+FLEXMARL = str(Path(sys.executable).with_name("flexmarl"))
+
+
+def flexmarl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([FLEXMARL, *args], capture_output=True, text=True, timeout=120)
+
+
+# -- (a) a model folder that is not there -----------------------------------------------------
+
+
+def test_missing_model_folder_names_agent_and_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ConfigError) as exc:
+        load_config(TINY, [f"team.agents.solver.model.path={missing}"])
+    msg = str(exc.value)
+    assert "team.agents[solver].model.path" in msg and str(missing) in msg
+    assert "does not exist" in msg
+
+    # A folder without config.json is not a model either.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"team.agents\[planner\].model.path: .*no config.json"):
+        load_config(TINY, [f"team.agents.planner.model.path={tmp_path / 'empty'}"])
+
+
+def test_train_cli_with_missing_model_creates_no_run_folder(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    res = flexmarl("train", str(TINY), "--set", f"run_dir={run_dir}",
+                   "--set", f"team.agents.verifier.model.path={tmp_path / 'gone'}")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "team.agents[verifier].model.path" in res.stderr and "gone" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not run_dir.exists()  # failed before the run folder (or a Prefect server) was made
+
+
+# -- (b) a config file that cannot be read ----------------------------------------------------
+
+
+def _unreadable_configs(tmp_path: Path) -> list[tuple[Path, str]]:
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("name: x\nteam:\n  agents: [oops\n")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"name: \xff\xfe\x00x\n")
+    folder = tmp_path / "folder.yaml"
+    folder.mkdir()
+    return [
+        (tmp_path / "absent.yaml", "No such file"),
+        (bad_yaml, "not valid YAML at line"),
+        (binary, "not UTF-8"),
+        (folder, "Is a directory"),
+    ]
+
+
+def test_unreadable_config_raises_config_error_naming_the_file(tmp_path: Path) -> None:
+    for path, why in _unreadable_configs(tmp_path):
+        with pytest.raises(ConfigError) as exc:
+            load_config(path)
+        assert str(path) in str(exc.value) and why in str(exc.value)
+        assert "\n" not in str(exc.value)
+
+
+def test_unreadable_config_cli_one_line_no_traceback(tmp_path: Path) -> None:
+    cases = _unreadable_configs(tmp_path)
+    for path, why in cases:
+        res = flexmarl("train", str(path), "--set", f"run_dir={tmp_path / 'run'}")
+        assert res.returncode == 2, (path, res.stderr)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(path) in lines[0] and why in lines[0], res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_permission_denied_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "secret.yaml"
+    cfg.write_text(TINY.read_text())
+    cfg.chmod(0)
+    res = subprocess.run([FLEXMARL, "train", str(cfg)], capture_output=True, text=True,
+                         timeout=120, preexec_fn=_without_root_file_access())
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == f"error: {cfg}: cannot read config: Permission denied"
+
+
+# -- (c) a store on a read-only or full disk --------------------------------------------------
+
+# Capabilities that let root ignore file permissions (linux/capability.h).
+_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH, _PR_CAPBSET_DROP = 1, 2, 24
+
+
+def _without_root_file_access():  # noqa: ANN202 - a preexec_fn
+    """A preexec_fn under which file permissions apply, also when the tests run as root (CI):
+    the child drops the capabilities that bypass them. Non-root: nothing to do."""
+    if os.geteuid() != 0:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    probe = subprocess.run(["true"], preexec_fn=lambda: _drop(libc), capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("running as root without CAP_SETPCAP: cannot drop CAP_DAC_OVERRIDE")
+    return lambda: _drop(libc)
+
+
+def _drop(libc: ctypes.CDLL) -> None:
+    for cap in (_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH):
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+# Runs in a child process (resource limits and capabilities must not touch the test process):
+# write `n` samples of `tokens` random token ids to (agent, iteration, mb), report the error.
+_WRITER = """
+import json, random, sys
+from storage import MEGStore, StoreError
+root, iteration, mb, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+rng = random.Random(0)
+rows = [{"input_id": f"w{t}", "traj": 0, "turn": 0, "mb": mb, "policy_version": iteration,
+         "prompt_ids": [rng.randrange(50000) for _ in range(tokens)], "response_ids": [1],
+         "logprobs": [-0.5], "prompt_text": "Q", "response_text": "A"} for t in range(2)]
+try:
+    MEGStore(root, create=False).write_samples("solver", iteration, rows)
+except StoreError as e:
+    print(json.dumps({"error": str(e), "path": e.path, "reason": e.reason}))
+    sys.exit(3)
+"""
+
+
+def _write_in_child(root: Path, iteration: int, mb: int, tokens: int, preexec) -> dict:  # noqa: ANN001
+    res = subprocess.run([sys.executable, "-c", _WRITER, str(root), str(iteration), str(mb),
+                          str(tokens)], capture_output=True, text=True, timeout=120,
+                         preexec_fn=preexec, cwd=REPO)
+    assert res.returncode == 3, res.stdout + res.stderr  # a StoreError, not a crash or success
+    return json.loads(res.stdout)
+
+
+def _baseline_store(root: Path) -> MEGStore:
+    store = MEGStore(str(root))
+    store.write_samples("solver", 0, [
+        {"input_id": "p0", "traj": t, "turn": 0, "mb": 0, "policy_version": 0,
+         "prompt_ids": [1, 2], "response_ids": [3], "logprobs": [-0.5],
+         "prompt_text": "Q", "response_text": "A"} for t in range(2)
+    ])
+    return store
+
+
+def _assert_nothing_half_written(store: MEGStore, root: Path) -> None:
+    assert store.read_samples("solver", 0).column("sample_id").to_pylist() == [
+        "p0:0:solver:0", "p0:1:solver:0"]
+    assert not list((root / "_staging").iterdir())
+    assert not (root / "samples" / "agent=solver" / "iteration=1").exists()
+    assert [p for p in check_store(str(root), stale_after_s=0) if p.severity == "error"] == []
+
+
+def test_store_on_full_disk(tmp_path: Path) -> None:
+    """A file size limit (RLIMIT_FSIZE) in the writer makes its writes fail with EFBIG, as a
+    full disk fails them with ENOSPC; it applies to root too."""
+    root = tmp_path / "store"
+    store = _baseline_store(root)
+    limit = 16 << 10  # the new fragment (2 rows x 20k random ids, ~150 KiB) cannot fit
+
+    def small_disk() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write instead of killing us
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    err = _write_in_child(root, 0, 1, 20_000, small_disk)
+    assert err["reason"] == "unwritable"
+    assert "samples/agent=solver/iteration=0/mb000001-" in err["path"]
+    assert err["error"].startswith(f"cannot write store fragment {err['path']}: File too large")
+    assert not Path(err["path"]).exists()
+    _assert_nothing_half_written(store, root)
+
+    # The same rows fit once the limit is gone (the failed write left nothing in the way).
+    res = subprocess.run([sys.executable, "-c", _WRITER, str(root), "0", "1", "20000"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    assert store.read_samples("solver", 0).num_rows == 4
+
+
+def test_store_on_read_only_disk(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store = _baseline_store(root)
+    preexec = _without_root_file_access()
+    dirs = [root, *(p for p in root.rglob("*") if p.is_dir())]
+    for d in dirs:
+        d.chmod(0o555)
+    try:
+        # Into an existing partition (the temp file cannot be created) ...
+        err = _write_in_child(root, 0, 1, 10, preexec)
+        assert "samples/agent=solver/iteration=0/mb000001-" in err["path"]
+        assert "Permission denied" in err["error"] and err["reason"] == "unwritable"
+        # ... and into a new one (its directory cannot be created).
+        err = _write_in_child(root, 1, 0, 10, preexec)
+        assert "samples/agent=solver/iteration=1/mb000000-" in err["path"]
+        assert "Permission denied" in err["error"]
+        # A new store under a read-only folder: the error names the store.
+        res = subprocess.run(
+            [sys.executable, "-c", "import sys; from storage import MEGStore, StoreError\n"
+             "try: MEGStore(sys.argv[1])\nexcept StoreError as e: sys.exit(str(e))",
+             str(root / "samples" / "new")],
+            capture_output=True, text=True, timeout=60, preexec_fn=preexec, cwd=REPO)
+        assert res.stderr.startswith(f"cannot create a MEG store at {root / 'samples' / 'new'}")
+    finally:
+        for d in dirs:
+            d.chmod(0o755)
+    _assert_nothing_half_written(store, root)
+
+
+# -- (d) dataset rows that cannot be parsed ---------------------------------------------------
+
+TEAM = load_config(TINY).team
+
+
+def _dataset(path: Path, **fields: str) -> None:
+    cfg = WorkloadConfig(kind="dataset", path=str(path),
+                         fields=fields or {"input": "q", "answer": "a"})
+    make_workload(cfg, TEAM)
+
+
+def test_gzipped_jsonl_broken_line_names_file_and_line(tmp_path: Path) -> None:
+    import gzip
+
+    path = tmp_path / "d.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write('{"q": "1+1", "a": 2}\n\n{"q": "2+2", "a": 4}\n{"q": "3+3", "a": \n')
+    with pytest.raises(WorkloadError, match=r"d\.jsonl\.gz: line 4: not valid JSON"):
+        _dataset(path)
+
+
+def test_parquet_missing_mapped_field_names_file_row_and_field(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"q": [f"{i}+1" for i in range(4)], "answer_text": ["x"] * 4}), path)
+    with pytest.raises(WorkloadError) as exc:
+        _dataset(path, input="q", answer="a")
+    msg = str(exc.value)
+    assert f"{path}: row 0: no column 'a' (workload.fields.answer)" in msg
+    assert "answer_text" in msg  # the columns it does have, to spot the mapping typo
+
+
+def test_bad_dataset_stops_train_cli_naming_the_line(tmp_path: Path) -> None:
+    """Through the command line a broken row is a one-line error, not a Prefect traceback."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "1+1", "a": 2}\n{"q": "2+2", "a": 4\n')
+    res = flexmarl("train", str(TINY), "--set", f"run_dir={tmp_path / 'run'}",
+                   "--set", "workload.kind=dataset", "--set", f"workload.path={data}",
+                   "--set", "workload.fields={input: q, answer: a}", "--set", "workload.params={}")
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert f"{data}: line 2: not valid JSON" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()
