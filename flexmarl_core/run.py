@@ -28,6 +28,7 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
     from storage import MEGStore
 
     meg = MEG.from_config(cfg.team)
+    workload = make_workload(cfg.workload, cfg.team)  # bad data fails before the folder is touched
     run_dir = cfg.resolved_run_dir().resolve()
     if fresh and run_dir.exists():
         shutil.rmtree(run_dir)
@@ -46,7 +47,6 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
             init = model.state_dict()
         publish_weights(run_dir, agent, 0, init)
 
-    workload = make_workload(cfg.workload, cfg.team)
     store = MEGStore(cfg.resolved_store_uri())
     n, per_mb = cfg.batch.inputs_per_iteration, cfg.batch.micro_batch_inputs
     for it in range(cfg.train.iterations):
