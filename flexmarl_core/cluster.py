@@ -49,7 +49,11 @@ def start_cluster(
     """A `(cluster, client)` pair: a new local cluster, or (None, client) for `cfg.address`."""
     # The scheduler runs in this process: its default 20 ms tick and 500 ms system monitor
     # cost ~0.08 CPU-s per second idle (measured); coarser ticks cut that by ~60%.
+    # Workers sample their task thread's stack every 10 ms for the dashboard's profile tab;
+    # on 2 cores that is measurable CPU for a view nobody reads during training (nannies pass
+    # this config on to the worker processes).
     dask.config.set({"distributed.scheduler.no-workers-timeout": NO_WORKERS_TIMEOUT,
+                     "distributed.worker.profile.enabled": False,
                      "logging.distributed": "warning",
                      "distributed.admin.tick.interval": "100ms",
                      "distributed.admin.system-monitor.interval": "2s"})
