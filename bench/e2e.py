@@ -6,7 +6,8 @@ Store), alternating the two so machine noise hits both alike.
 
 Reports E2E seconds per iteration, tokens/s and utilisation (busy / wall over all workers)
 for each mode, their ratios, and the share of CPU spent on Prefect + Dask bookkeeping.
-With --ablation it also runs each switch off alone (keys `ablation.<switch>`).
+With --ablation it also runs each switch off alone (keys `ablation.<switch>`); with --reference,
+the synchronous schedule on a shared worker pool (key `reference.sync_shared_pool`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,19 @@ sys.path.insert(0, str(REPO))
 SWITCHES = ["dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation"]
 
 
-def modes(ablation: bool) -> dict[str, list[str]]:
+SHARED_POOL = ("cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}, "
+               "{name: w1, resources: {rollout: 1, train: 1}}]")
+
+
+def modes(ablation: bool, reference: bool = False) -> dict[str, list[str]]:
     out = {
         "codesign": [f"codesign.{s}=true" for s in SWITCHES],
         "sync": [f"codesign.{s}=false" for s in SWITCHES],
     }
+    if reference:
+        # Not the baseline: the synchronous schedule on workers that serve every agent (no
+        # static instances). Shows how much of the speedup is placement vs scheduling.
+        out["reference.sync_shared_pool"] = [*out["sync"], SHARED_POOL]
     if ablation:
         for off in SWITCHES:
             out[f"ablation.{off}"] = [f"codesign.{s}={'false' if s == off else 'true'}" for s in SWITCHES]
@@ -65,6 +74,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--ablation", action="store_true", help="also each switch off alone")
+    ap.add_argument("--reference", action="store_true",
+                    help="also the sync schedule on a shared worker pool (no static instances)")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 2)
@@ -77,7 +88,8 @@ def main() -> int:
     api, _ = ensure_api()
     from flows.train import train
 
-    runs: dict[str, list[dict]] = {m: [] for m in modes(args.ablation)}
+    all_modes = modes(args.ablation, args.reference)
+    runs: dict[str, list[dict]] = {m: [] for m in all_modes}
     out_dir = REPO / "runs" / "bench-e2e"
     t0 = time.time()
     with temporary_settings(updates={PREFECT_API_URL: api}):
@@ -87,7 +99,7 @@ def main() -> int:
                 order.reverse()
             for mode in order:
                 overrides = [f"run_dir={out_dir}/{mode}-{rep}", f"train.iterations={iterations}",
-                             *modes(args.ablation)[mode], *args.set]
+                             *all_modes[mode], *args.set]
                 state = train(args.config, overrides, progress=False, return_state=True)
                 if not state.is_completed():
                     print(f"{mode} rep {rep} failed: {state.message}", file=sys.stderr)
@@ -135,6 +147,9 @@ def main() -> int:
         res[f"critical_path_{m}"] = r0.get("critical_path", {})
         res[f"idle_frac_{m}"] = 1.0 - med(m, "utilization")
     for m in runs:
+        if m.startswith("reference."):
+            res[m] = {"e2e_s": med(m, "e2e_s_per_iteration"), "util": med(m, "utilization"),
+                      "speedup_of_codesign": med(m, "e2e_s_per_iteration") / res["e2e_s_codesign"]}
         if m.startswith("ablation."):
             res[m] = {"e2e_s": med(m, "e2e_s_per_iteration"),
                       "slowdown_vs_codesign": med(m, "e2e_s_per_iteration") / res["e2e_s_codesign"],
