@@ -33,9 +33,6 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
     if fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    data = cfg.model_dump(mode="json")
-    data["run_dir"] = str(run_dir)
-    (run_dir / CONFIG_NAME).write_text(yaml.safe_dump(data, sort_keys=False))
 
     for agent in meg.agent_names:
         if weights_path(run_dir, agent, 0).exists():
@@ -61,6 +58,13 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
                 for k, p in enumerate(problems)
             ],
         )
+    # The config goes in last, atomically: a folder with one is fully prepared, which is what
+    # a Prefect retry of the flow run checks before resuming instead of preparing again.
+    data = cfg.model_dump(mode="json")
+    data["run_dir"] = str(run_dir)
+    tmp = run_dir / f".{CONFIG_NAME}.tmp"
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(run_dir / CONFIG_NAME)
     return run_dir
 
 

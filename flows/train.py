@@ -79,7 +79,7 @@ def train(
         balance_moves=sum(1 for d in out["decisions"] if d["decision"] == "move_instance"),
         train_swaps=sum(1 for d in out["decisions"] if d["decision"] == "train_slot" and d["swap"]),
     )
-    report_tasks.report(cfg.name, out["iterations"], summary, cfg.resolved_store_uri())
+    report_tasks.report(cfg.name, out["iterations"], summary, cfg.resolved_store_uri(), out["decisions"])
     log.info("done: %s", {k: v for k, v in summary.items() if not isinstance(v, dict)})
     return {"summary": summary, "iterations": out["iterations"]}
 

@@ -1,48 +1,172 @@
-"""Run bookkeeping tasks: prepare the run folder, publish the run's artifacts."""
+"""Run bookkeeping tasks: prepare the run folder, publish the run's artifacts.
+
+A training run publishes three artifacts (keys from the run's name, e.g. `arith-tiny-...`):
+`-iterations` (table: E2E time, tokens/s, utilisation, reward/accuracy per agent, balancing
+and swap figures per iteration), `-decisions` (table: every control-plane decision) and
+`-summary` (markdown: store, run folder, text charts of reward and throughput, run figures).
+Charts are Unicode text in a code block: the Prefect UI renders markdown but no images.
+"""
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flexmarl_core import run, stages
 from flexmarl_core.config import ExperimentConfig
 
+#: per-iteration columns shown first, in this order; other metrics (stage_s/*, busy_s/*) follow
+ITERATION_LEAD = ["iteration", "e2e_s", "tokens", "tokens_per_s", "utilization", "accuracy"]
+ITERATION_AFTER_REWARDS = ["balance_moves", "train_swaps", "swap_in_bytes", "swap_out_bytes",
+                           "swap_in_s", "swap_out_s"]
+#: decision columns, whichever kinds of decision a run made (a column is empty where n/a)
+DECISION_COLUMNS = ["t", "decision", "iteration", "agent", "worker", "from_agent", "to_agent",
+                    "swap", "state_was_on", "cost_bytes", "loads", "op", "error"]
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def artifact_key(name: str) -> str:
+    """Artifact keys allow lowercase letters, digits and dashes only."""
+    return "".join(c if c.isalnum() else "-" for c in name.lower())
+
 
 @task(name="prepare-run", retries=1, cache_policy=NO_CACHE, persist_result=False)
 def prepare_run(cfg: ExperimentConfig) -> str:
     """CPU/IO: run folder, initial weights per agent, every iteration's inputs in the store."""
-    return str(run.prepare_run(cfg))
+    run_dir = str(run.prepare_run(cfg))
+    get_run_logger().info("prepared run folder %s (store %s)", run_dir, cfg.resolved_store_uri())
+    return run_dir
 
 
 @task(name="evaluate", retries=1, cache_policy=NO_CACHE, persist_result=False)
 def evaluate(run_dir: str, iteration: int) -> dict[str, Any]:
     """CPU: greedy held-out accuracy of the team with the weights of `iteration`."""
-    return stages.evaluate(run_dir, iteration)
+    res = stages.evaluate(run_dir, iteration)
+    get_run_logger().info("held-out accuracy with the weights of iteration %d: %.4g on %d problems",
+                          iteration, res["heldout_accuracy"], res["heldout_n"])
+    return res
+
+
+def _cell(v: Any) -> Any:
+    if isinstance(v, float):
+        return round(v, 4)
+    if isinstance(v, dict | list | tuple):  # table cells are scalars: nested values as JSON text
+        return json.dumps(v, default=str, separators=(", ", ": "))
+    return v
+
+
+def iteration_rows(per_it: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Table rows with the headline columns first; every row has the same keys."""
+    keys: list[str] = []
+    for m in per_it:
+        keys += [k for k in m if k not in keys]
+    rewards = sorted(k for k in keys if k.startswith("reward/"))
+    order = [k for k in ITERATION_LEAD if k in keys] + rewards + [k for k in ITERATION_AFTER_REWARDS if k in keys]
+    order += [k for k in keys if k not in order]
+    return [{k: _cell(m.get(k)) for k in order} for m in per_it]
+
+
+def decision_table(decisions: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Column-oriented, so the columns exist even for a run that made no decision (the
+    synchronous baseline); `t` as UTC ISO time, decision kinds' own extra keys appended."""
+    extra = sorted({k for d in decisions for k in d} - set(DECISION_COLUMNS))
+    cols: dict[str, list[Any]] = {k: [] for k in [*DECISION_COLUMNS, *extra]}
+    for d in sorted(decisions, key=lambda d: d.get("t", 0.0)):
+        for k, col in cols.items():
+            v = d.get(k)
+            if k == "t" and isinstance(v, int | float):
+                v = dt.datetime.fromtimestamp(v, dt.UTC).isoformat(timespec="milliseconds")
+            col.append(_cell(v))
+    return cols
+
+
+def sparkline(values: list[float], lo: float, hi: float) -> str:
+    """One block character per value on the scale lo..hi (a flat series sits mid-height)."""
+    if hi - lo <= 1e-12:
+        return SPARK[len(SPARK) // 2] * len(values)
+    return "".join(SPARK[min(int((v - lo) / (hi - lo) * len(SPARK)), len(SPARK) - 1)] for v in values)
+
+
+def text_charts(per_it: list[dict[str, Any]], width: int = 40, max_bar_rows: int = 40) -> str:
+    """Reward per agent (and team accuracy) as sparklines on one shared scale, and tokens/s as
+    one bar per iteration (a sparkline beyond `max_bar_rows` iterations), axes labelled."""
+    if not per_it:
+        return "(no iterations)"
+    its = [m["iteration"] for m in per_it]
+    agents = sorted({k.split("/", 1)[1] for m in per_it for k in m if k.startswith("reward/")})
+    series = {a: [float(m.get(f"reward/{a}", 0.0)) for m in per_it] for a in agents}
+    series["accuracy"] = [float(m.get("accuracy", 0.0)) for m in per_it]
+    lo = min(min(v) for v in series.values())
+    hi = max(max(v) for v in series.values())
+    label = max(len(a) for a in series)
+    out = [f"reward per agent and team accuracy, iterations {its[0]}..{its[-1]} (shared scale {lo:.3f} ▁ .. █ {hi:.3f})", ""]
+    for a, vals in series.items():
+        out.append(f"{a:<{label}}  {sparkline(vals, lo, hi)}  {vals[0]:.3f} -> {vals[-1]:.3f}")
+    tps = [float(m.get("tokens_per_s", 0.0)) for m in per_it]
+    top = max(max(tps), 1e-9)
+    out += ["", f"throughput (tokens/s) per iteration, mean {sum(tps) / len(tps):,.1f}", ""]
+    if len(per_it) > max_bar_rows:
+        out.append(f"tokens/s  {sparkline(tps, 0.0, top)}  0 ▁ .. █ {top:,.1f}")
+        return "\n".join(out)
+    w = len(str(its[-1]))
+    for it, v in zip(its, tps, strict=True):
+        n = round(v / top * width)
+        out.append(f"it {it:>{w}} │{'█' * n}{' ' * (width - n)} {v:,.1f}")
+    out.append(f"{' ' * (w + 3)} └{'─' * width}")
+    out.append(f"{' ' * (w + 5)}0{f'{top:,.1f} tokens/s':>{width - 1}}")
+    return "\n".join(out)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else f"`{v}`" if isinstance(v, str) else str(v)
+
+
+def summary_markdown(name: str, per_it: list[dict[str, Any]], summary: dict[str, Any], store_uri: str) -> str:
+    lines = [f"# {name}", "", f"- store: `{store_uri}`", f"- run folder: `{summary.get('run_dir', '')}`", "",
+             "## Reward and throughput", "", "```text", text_charts(per_it), "```", "", "## Run figures", ""]
+    for k, v in summary.items():
+        if k == "run_dir":
+            continue
+        if isinstance(v, dict):  # e.g. critical_path, final_reward: one sub-item per entry
+            lines.append(f"- {k}:" + ("" if v else " (none)"))
+            lines += [f"  - {sk}: {_fmt(sv)}" for sk, sv in v.items()]
+        else:
+            lines.append(f"- {k}: {_fmt(v)}")
+    return "\n".join(lines)
 
 
 @task(name="report", cache_policy=NO_CACHE, persist_result=False)
-def report(name: str, per_it: list[dict[str, Any]], summary: dict[str, Any], store_uri: str) -> None:
-    """IO: a table artifact of the iterations and a markdown summary of the run."""
-    key = "".join(c if c.isalnum() else "-" for c in name.lower())
-    rows = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()} for m in per_it]
-    create_table_artifact(key=f"{key}-iterations", table=rows, description=f"{name}: per-iteration metrics")
-    lines = [f"# {name}", "", f"- store: `{store_uri}`", f"- run folder: `{summary.get('run_dir', '')}`"]
-    lines += [f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summary.items()
-              if k not in ("run_dir",)]
-    create_markdown_artifact(key=f"{key}-summary", markdown="\n".join(lines), description=f"{name}: run summary")
+def report(
+    name: str, per_it: list[dict[str, Any]], summary: dict[str, Any], store_uri: str,
+    decisions: list[dict[str, Any]] | None = None,
+) -> dict[str, str]:
+    """IO: the run's three artifacts (module docstring); returns their keys by kind."""
+    key = artifact_key(name)
+    keys = {k: f"{key}-{k}" for k in ("iterations", "decisions", "summary")}
+    create_table_artifact(key=keys["iterations"], table=iteration_rows(per_it),
+                          description=f"{name}: per-iteration metrics")
+    create_table_artifact(key=keys["decisions"], table=decision_table(decisions or []),
+                          description=f"{name}: control-plane decisions (instance moves, training slots, resubmits)")
+    create_markdown_artifact(key=keys["summary"], markdown=summary_markdown(name, per_it, summary, store_uri),
+                             description=f"{name}: run summary")
+    get_run_logger().info("artifacts %s published for run folder %s (store %s, %d decisions)",
+                          ", ".join(keys.values()), summary.get("run_dir", ""), store_uri, len(decisions or []))
+    return keys
 
 
 @task(name="evaluation-report", cache_policy=NO_CACHE, persist_result=False)
 def evaluation_report(name: str, run_dir: str, result: dict[str, Any]) -> None:
     """IO: a markdown artifact with a run's held-out evaluation (accuracy, reward per agent)."""
-    key = "".join(c if c.isalnum() else "-" for c in name.lower())
+    key = artifact_key(name)
     lines = [f"# {name}: held-out evaluation, iteration {result['iteration']}", "",
              f"- run folder: `{run_dir}`",
              f"- accuracy: {result['heldout_accuracy']:.4g} on {result['heldout_n']} problems"]
     lines += [f"- {k}: {v:.4g}" for k, v in sorted(result.items()) if k.startswith("heldout_reward/")]
     create_markdown_artifact(key=f"{key}-evaluation", markdown="\n".join(lines),
                              description=f"{name}: held-out evaluation")
+    get_run_logger().info("artifact %s-evaluation published for %s", key, run_dir)

@@ -1,9 +1,12 @@
 """Faults on the real stack: a Dask worker process killed during a rollout and during a
-training micro-step, and the whole training process killed (kill -9) and resumed. After each,
-the store holds every sample exactly once and the final weights equal an uninterrupted run's."""
+training micro-step, a stage that raises once (Prefect's task retry), a stage that fails for
+good (Prefect's flow-run retry resumes the run), and the whole training process killed (kill -9)
+and resumed. After each, the store holds every sample exactly once and the final weights equal
+an uninterrupted run's. The uninterrupted run's Prefect artifacts are checked here too."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -57,13 +60,48 @@ def assert_same_weights(cfg_a, cfg_b) -> None:
             torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6, msg=f"{agent}.{k}")
 
 
+def assert_same_samples(cfg_a, cfg_b) -> None:
+    """Same tokens sampled for every agent and iteration (seeds depend on the op, not the run)."""
+    a, b = MEGStore(cfg_a.resolved_store_uri()), MEGStore(cfg_b.resolved_store_uri())
+    for it in range(ITERATIONS):
+        for agent in MEG.from_config(cfg_a.team).agent_names:
+            ta, tb = (s.read_samples(agent, it).select(["sample_id", "response_ids"]).sort_by("sample_id")
+                      for s in (a, b))
+            assert ta.num_rows == tb.num_rows > 0, (agent, it)
+            assert ta.to_pylist() == tb.to_pylist(), (agent, it)
+
+
+async def _task_runs(flow_run_id):
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async with get_client() as c:
+        return await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)
+
+
+async def _flow_run(flow_run_id):
+    from prefect import get_client
+
+    async with get_client() as c:
+        return await c.read_flow_run(flow_run_id), await c.read_flow_run_states(flow_run_id)
+
+
+def _ops(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines() if x.strip()]
+
+
 @pytest.fixture(scope="module")
-def baseline(prefect_api, dask_cluster, tmp_path_factory):
-    """The uninterrupted run every fault run is compared with."""
+def baseline_run(prefect_api, dask_cluster, tmp_path_factory):
+    """The uninterrupted run every fault run is compared with: its config and flow run id."""
     overrides = [f"run_dir={tmp_path_factory.mktemp('baseline')}/run", f"cluster.address={dask_cluster}", *COMMON]
     state = _flow(overrides)
     assert state.is_completed(), state.message
-    return load_config(TINY, overrides)
+    return load_config(TINY, overrides), state.state_details.flow_run_id
+
+
+@pytest.fixture(scope="module")
+def baseline(baseline_run):
+    return baseline_run[0]
 
 
 @pytest.mark.parametrize("victim", ["rollout[solver] it=1 mb=0", "train[solver] it=1 mb=1"])
@@ -84,6 +122,115 @@ def test_worker_killed_mid_stage_run_completes_exactly_once(baseline, dask_clust
         # mb=0's gradients died with the worker: the step accumulated them again from the store.
         step = next(o for o in ops if o["op"] == "step[solver] it=1")
         assert step["recomputed_mbs"] >= 1 or step.get("skipped"), step
+
+
+def test_stage_raising_once_is_retried_by_prefect(baseline, dask_cluster, tmp_path):
+    """`raise@`: the stage raises once; the task's own retry (retries=2) reruns it in place."""
+    victim = "rollout[solver] it=1 mb=0"
+    run_dir = tmp_path / "run"
+    marker = Path(faults_dir(run_dir)) / f"raise@{victim}"
+    marker.parent.mkdir(parents=True)
+    marker.touch()
+    overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON]
+    state = _flow(overrides)
+    assert state.is_completed(), state.message
+    assert not marker.exists(), "the fault never fired"
+    cfg = load_config(TINY, overrides)
+    assert_exactly_once(cfg)
+    assert_same_weights(baseline, cfg)
+    assert_same_samples(baseline, cfg)
+    # The orchestrator saw one op that succeeded: the retry happened inside the task run.
+    assert [o["op"] for o in _ops(run_dir)].count(victim) == 1
+    # The server records task runs from events in batches: poll briefly for the retried one.
+    deadline = time.time() + 30
+    while True:
+        runs = [r for r in asyncio.run(_task_runs(state.state_details.flow_run_id)) if r.name == victim]
+        if (runs and runs[0].state.is_completed() and runs[0].run_count >= 2) or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(runs) == 1, [r.name for r in runs]
+    assert runs[0].state.is_completed() and runs[0].run_count == 2, (runs[0].state, runs[0].run_count)
+
+
+def test_flow_run_retry_resumes_the_run(baseline, dask_cluster, tmp_path):
+    """`fail@` with a count above the rollout task's retries fails the op, hence attempt 1 of the
+    flow run; Prefect's flow retry (attempt 2) resumes from the op log instead of starting over."""
+    from flows.train import train
+
+    victim = "rollout[solver] it=1 mb=0"
+    run_dir = tmp_path / "run"
+    marker = Path(faults_dir(run_dir)) / f"fail@{victim}"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("3")  # 1 try + 2 task retries, all fail
+    overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON]
+    state = train.with_options(retries=1)(TINY, overrides, progress=False, return_state=True)
+    assert state.is_completed(), state.message
+    assert not marker.exists(), "the fault never fired"
+    fr, states = asyncio.run(_flow_run(state.state_details.flow_run_id))
+    assert fr.run_count == 2, fr.run_count
+    # Attempt 1 ended when the flow run went back to a scheduled (AwaitingRetry) state.
+    retried_at = min(s.timestamp for s in states if s.is_scheduled() and s.name == "AwaitingRetry").timestamp()
+    ops = _ops(run_dir)
+    first = [o for o in ops if o["finished"] < retried_at]
+    assert any(o["iteration"] == 0 for o in first), "attempt 1 completed no op: nothing to resume"
+    assert victim not in {o["op"] for o in first}
+    cfg = load_config(TINY, overrides)
+    assert_exactly_once(cfg)
+    assert_same_weights(baseline, cfg)
+    assert_same_samples(baseline, cfg)
+    # Completed ops were not rerun: each op once, except training of an iteration whose step
+    # had not happened in attempt 1 (its gradients lived in memory; see completed_records).
+    names = [o["op"] for o in ops]
+    assert set(names) == {o["op"] for o in _ops(baseline.resolved_run_dir())}
+    stepped = {(o["agent"], o["iteration"]) for o in first if o["kind"] == "step"}
+    repeated = [o for o in ops if names.count(o["op"]) > 1]
+    assert all(o["kind"] == "train" and (o["agent"], o["iteration"]) not in stepped for o in repeated), \
+        sorted({o["op"] for o in repeated})
+    its = [json.loads(x)["iteration"] for x in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
+    assert its == list(range(ITERATIONS))
+
+
+def test_run_artifacts(baseline_run, prefect_api):
+    """The flow run publishes its iterations table, decisions table and markdown summary."""
+    import httpx
+
+    cfg, flow_run_id = baseline_run
+    arts = httpx.post(f"{prefect_api}/artifacts/filter", json={
+        "artifacts": {"flow_run_id": {"any_": [str(flow_run_id)]}}}).json()
+    by_key = {a["key"]: a for a in arts}
+    assert set(by_key) >= {"arith-tiny-iterations", "arith-tiny-decisions", "arith-tiny-summary"}, sorted(by_key)
+    agents = MEG.from_config(cfg.team).agent_names
+
+    table = by_key["arith-tiny-iterations"]
+    assert table["type"] == "table"
+    rows = json.loads(table["data"])
+    assert [r["iteration"] for r in rows] == list(range(ITERATIONS))
+    want = {"e2e_s", "tokens_per_s", "utilization", "accuracy", "balance_moves", "train_swaps",
+            "swap_in_bytes", "swap_out_bytes", *(f"reward/{a}" for a in agents)}
+    assert all(want <= set(r) for r in rows), sorted(rows[0])
+    assert all(r["tokens_per_s"] > 0 and 0 < r["utilization"] <= 1 for r in rows)
+
+    decisions = by_key["arith-tiny-decisions"]
+    assert decisions["type"] == "table"
+    cols = json.loads(decisions["data"])
+    assert {"t", "decision", "iteration", "agent", "worker", "from_agent", "to_agent", "loads",
+            "cost_bytes", "swap"} <= set(cols), sorted(cols)
+    logged = [json.loads(x) for x in (cfg.resolved_run_dir() / "metrics" / "decisions.jsonl").read_text().splitlines()]
+    assert len(cols["decision"]) == len(logged) and sorted(cols["decision"]) == sorted(d["decision"] for d in logged)
+    # tiny.yaml turns on-demand allocation on: a training slot per trainable agent and iteration.
+    assert cols["decision"].count("train_slot") == len(agents) * ITERATIONS
+
+    md = by_key["arith-tiny-summary"]
+    assert md["type"] == "markdown"
+    text = md["data"]
+    assert f"store: `{cfg.resolved_store_uri()}`" in text and f"run folder: `{cfg.resolved_run_dir()}`" in text
+    chart = text.split("```text", 1)[1].split("```", 1)[0]
+    assert "reward per agent" in chart and "tokens/s" in chart
+    assert all(any(line.startswith(a) and any(c in line for c in "▁▂▃▄▅▆▇█") for line in chart.splitlines())
+               for a in agents), chart
+    assert sum(line.startswith("it ") and "│" in line for line in chart.splitlines()) == ITERATIONS, chart
+    # Dict-valued figures render as sub-items, not as a Python repr.
+    assert "- critical_path:\n  - " in text and "{'" not in text, text
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.Popen:
