@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flexmarl_core.config import SamplingConfig
 from flexmarl_core.inference.api import Generation
-from flexmarl_core.inference.hf import _eos_ids, encode_prompts, finish_generation
+from flexmarl_core.inference.hf import encode_prompts, finish_generation
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -121,9 +122,25 @@ class VLLMInferenceEngine:
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         kwargs.update(engine_kwargs)
-        self.llm: LLM = vllm.LLM(**kwargs)
+        # vLLM's CPU worker binds OpenMP threads in the thread that builds it, and its attention
+        # kernels check that every later call runs with the same OpenMP thread count: calls from
+        # another thread (a Dask or executor thread) fail. So one private thread builds the engine
+        # and runs every call into it.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
+        self.llm: LLM = self._thread.submit(self._build, vllm, kwargs).result()
         self._vllm = vllm
         self.eos_ids = _eos_ids_from_dir(self.model_dir, tokenizer)
+
+    @staticmethod
+    def _build(vllm: Any, kwargs: dict[str, Any]) -> LLM:
+        # The CPU worker replaces torch.set_num_threads process-wide with a no-op that warns;
+        # put it back: other threads' settings never reach the engine's thread (OpenMP thread
+        # counts are per thread), and trainers in this process keep their own.
+        set_threads = torch.set_num_threads
+        try:
+            return vllm.LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_threads
 
     @classmethod
     def from_model(
@@ -163,8 +180,12 @@ class VLLMInferenceEngine:
                 "trainer's full weights()."
             )
         weights = [(k, v.detach()) for k, v in state_dict.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+        def push() -> None:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+        self._thread.submit(push).result()
         self._version = int(version)
 
     def generate(
@@ -178,7 +199,7 @@ class VLLMInferenceEngine:
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         params = [self._params(sampling, request_seed(seed, i)) for i in range(len(prompt_ids))]
         requests = [{"prompt_token_ids": ids} for ids in prompt_ids]
-        outs = self.llm.generate(requests, params, use_tqdm=False)
+        outs = self._thread.submit(self.llm.generate, requests, params, use_tqdm=False).result()
         eos_set = set(self.eos_ids)
         gens = []
         for ids, out in zip(prompt_ids, outs, strict=True):
@@ -206,18 +227,25 @@ class VLLMInferenceEngine:
     def close(self) -> None:
         """Free the engine and delete the private model folder, if any."""
         llm = self.__dict__.pop("llm", None)
-        del llm
+        if llm is not None:
+            self._thread.submit(lambda: None).result()  # nothing in flight
+            del llm
+            self._thread.shutdown(wait=True)
         if self._owns_dir:
             shutil.rmtree(self.model_dir, ignore_errors=True)
 
 
 def _eos_ids_from_dir(folder: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS ids as the HF engine finds them: the tokenizer's plus the saved generation config's."""
     from transformers import GenerationConfig
 
-    class _M:  # what `_eos_ids` reads from a model
-        try:
-            generation_config = GenerationConfig.from_pretrained(str(folder))
-        except OSError:
-            generation_config = None
-
-    return _eos_ids(_M, tokenizer)  # type: ignore[arg-type]
+    ids = {tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set()
+    try:
+        gen = GenerationConfig.from_pretrained(str(folder)).eos_token_id
+    except OSError:
+        gen = None
+    if isinstance(gen, int):
+        ids.add(gen)
+    elif isinstance(gen, list | tuple):
+        ids.update(int(i) for i in gen)
+    return sorted(ids)

@@ -80,9 +80,14 @@ def init_distributed(cache_dir: str | os.PathLike[str] | None = None) -> Any:
     spawned data-parallel group); otherwise sets up rank 0 of 1 on a free local port.
     """
     deepspeed = import_deepspeed(cache_dir)
-    if torch.distributed.is_initialized():
-        return deepspeed
-    if "WORLD_SIZE" not in os.environ:
+    dist = torch.distributed
+    if dist.is_initialized():
+        # Someone else made the world (an in-process vLLM engine makes a 1-process gloo one):
+        # DeepSpeed joins it, but reads its rank from the environment.
+        os.environ.setdefault("RANK", str(dist.get_rank()))
+        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    elif "WORLD_SIZE" not in os.environ:
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
         )
