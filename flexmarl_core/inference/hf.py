@@ -35,6 +35,19 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list
     return sorted(ids)
 
 
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str] | Sequence[Sequence[int]]
+) -> list[list[int]]:
+    """Prompt strings (no special tokens added) or token ids -> token ids; empty is an error."""
+    out = []
+    for i, p in enumerate(prompts):
+        ids = tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [int(t) for t in p]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        out.append(ids)
+    return out
+
+
 def sample_next(
     logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
 ) -> torch.Tensor:
@@ -107,19 +120,6 @@ class HFInferenceEngine:
         self._version = int(version)
 
     # -- generation ---------------------------------------------------------------------------
-    def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-        out = []
-        for i, p in enumerate(prompts):
-            ids = (
-                self.tokenizer.encode(p, add_special_tokens=False)
-                if isinstance(p, str)
-                else [int(t) for t in p]
-            )
-            if not ids:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            out.append(ids)
-        return out
-
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -128,7 +128,7 @@ class HFInferenceEngine:
     ) -> list[Generation]:
         if not prompts:
             return []
-        prompt_ids = self._encode(prompts)
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
         dev = self.device
         bsz, plen = len(prompt_ids), max(len(p) for p in prompt_ids)
         max_new = sampling.max_new_tokens
@@ -192,7 +192,8 @@ class HFInferenceEngine:
         tok_rows, lp_rows, len_list = tokens.tolist(), logps.tolist(), lengths.tolist()
         eos_set = set(self.eos_ids)
         return [
-            self._finish(prompt_ids[i], tok_rows[i][: len_list[i]], lp_rows[i][: len_list[i]], sampling.stop, eos_set)
+            finish_generation(self.tokenizer, prompt_ids[i], tok_rows[i][: len_list[i]],
+                              lp_rows[i][: len_list[i]], sampling.stop, eos_set, self._version)
             for i in range(bsz)
         ]
 
@@ -217,37 +218,43 @@ class HFInferenceEngine:
                 done[r] = True
                 stop_hit[r] = True
 
-    def _finish(
-        self,
-        prompt: list[int],
-        resp: list[int],
-        lps: list[float],
-        stops: list[str],
-        eos_set: set[int],
-    ) -> Generation:
-        reason: FinishReason = "length"
-        body = resp
-        if resp and resp[-1] in eos_set:
-            reason, body = "eos", resp[:-1]
-        text = self.tokenizer.decode(body, skip_special_tokens=False)
-        cut = _first_stop(text, stops)
-        if cut is not None:
-            # Keep the shortest token prefix whose text contains the stop string.
-            for k in range(1, len(body) + 1):
-                prefix = self.tokenizer.decode(body[:k], skip_special_tokens=False)
-                at = _first_stop(prefix, stops)
-                if at is not None:
-                    resp, lps, reason = body[:k], lps[:k], "stop"
-                    text = prefix[:at]
-                    break
-        return Generation(
-            prompt_ids=prompt,
-            response_ids=resp,
-            text=text,
-            logprobs=lps,
-            finish_reason=reason,
-            version=self._version,
-        )
+
+def finish_generation(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: list[int],
+    resp: list[int],
+    lps: list[float],
+    stops: list[str],
+    eos_set: set[int],
+    version: int,
+) -> Generation:
+    """Sampled tokens -> `Generation` under the stop-string / EOS rules of `inference/api.py`.
+
+    Shared by every engine, so text, cut point and finish reason never depend on the backend.
+    """
+    reason: FinishReason = "length"
+    body = resp
+    if resp and resp[-1] in eos_set:
+        reason, body = "eos", resp[:-1]
+    text = tokenizer.decode(body, skip_special_tokens=False)
+    cut = _first_stop(text, stops)
+    if cut is not None:
+        # Keep the shortest token prefix whose text contains the stop string.
+        for k in range(1, len(body) + 1):
+            prefix = tokenizer.decode(body[:k], skip_special_tokens=False)
+            at = _first_stop(prefix, stops)
+            if at is not None:
+                resp, lps, reason = body[:k], lps[:k], "stop"
+                text = prefix[:at]
+                break
+    return Generation(
+        prompt_ids=prompt,
+        response_ids=resp,
+        text=text,
+        logprobs=lps,
+        finish_reason=reason,
+        version=version,
+    )
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

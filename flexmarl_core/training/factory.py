@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 from transformers import PreTrainedModel
 
@@ -23,16 +24,11 @@ def make_trainer(
     Defaults: the policy loss `agent.algorithm.policy_loss` normalised per global-batch token
     (`algorithms.make_loss_fn` + `token_weight`). With `algorithm.kl_coef > 0` a frozen copy of
     `model` becomes the KL reference unless `ref_model` is given. Logprobs are scored at
-    `agent.sampling.temperature`, matching the rollout engine.
+    `agent.sampling.temperature`, matching the rollout engine. backend.training='deepspeed' gives a
+    `DeepSpeedTrainer` (ZeRO-2, deepspeed extra) with the same arguments.
     """
     backend = agent.backend.training
-    if backend == "deepspeed":
-        raise ValueError(
-            f"agent {agent.name!r}: backend.training='deepspeed' needs the deepspeed extra "
-            "(pip install 'flexmarl[deepspeed]') and its trainer, which this build does not "
-            "include yet; use backend.training='torch'"
-        )
-    if backend != "torch":
+    if backend not in ("torch", "deepspeed"):
         raise ValueError(f"agent {agent.name!r}: unknown backend.training={backend!r}; valid: torch, deepspeed")
     from flexmarl_core.algorithms.losses import make_loss_fn, token_weight
     from flexmarl_core.training.torch_trainer import TorchTrainer
@@ -40,7 +36,12 @@ def make_trainer(
     algo = agent.algorithm
     if algo.kl_coef > 0 and ref_model is None:
         ref_model = copy.deepcopy(model)
-    return TorchTrainer(
+    cls: Any = TorchTrainer
+    if backend == "deepspeed":
+        from flexmarl_core.training.deepspeed_trainer import DeepSpeedTrainer
+
+        cls = DeepSpeedTrainer
+    return cls(
         model,
         loss_fn=loss_fn or make_loss_fn(algo),
         loss_weight_fn=loss_weight_fn or token_weight,

@@ -38,6 +38,45 @@ def clone_tree(obj: Any) -> Any:
     return obj
 
 
+def response_logprobs(
+    model: torch.nn.Module,
+    batch: TokenBatch,
+    *,
+    device: torch.device,
+    temperature: float,
+    bf16: bool,
+    keep_ok: bool,
+) -> torch.Tensor:
+    """(B, R) fp32 logprobs of the response tokens of `batch` under `model` (grad flows if
+    enabled); shared by every trainer so they score tokens identically.
+
+    `keep_ok`: the model's forward takes `logits_to_keep` (lm_head then runs only over the
+    response span)."""
+    dev = device
+    input_ids = batch.input_ids.to(dev)
+    # No attention mask: with RIGHT padding a causal mask already hides every pad from every
+    # real token (pads come after it), and attention keeps its fast is_causal path. Logits at
+    # pad positions are garbage but never gathered into a real (mask = 1) entry.
+    # Logits are needed only on [lo, hi): from the earliest first-response-token predictor to
+    # the last predictor. Every row has >= 1 response token, so column 0 of target_index
+    # holds each row's first target position.
+    lo = int(batch.target_index[:, 0].min())
+    hi = int(batch.target_index.max()) + 1
+    kwargs: dict[str, Any] = {}
+    if keep_ok:  # lm_head runs only over the span
+        kwargs["logits_to_keep"] = torch.arange(lo, hi, device=dev)
+    with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=input_ids, **kwargs).logits  # (B, T' = hi - lo, V)
+    if not keep_ok:
+        logits = logits[:, lo:hi]
+    # Score every position in the span against the next input token, then pick the response
+    # positions: gathering (B, R, V) logit rows instead would cost a V-wide scatter in backward.
+    next_tokens = input_ids[:, lo + 1 : hi + 1]  # (B, T')
+    per_pos = token_logprobs(logits, next_tokens, temperature)  # (B, T')
+    index = (batch.target_index.to(dev) - lo).clamp_(min=0)  # padding entries were 0
+    return per_pos.gather(1, index)  # (B, R)
+
+
 class TorchTrainer:
     """`TrainBackend` on one torch module: policy, optional frozen reference, AdamW."""
 
@@ -88,29 +127,8 @@ class TorchTrainer:
     # -- forward ------------------------------------------------------------------------------
     def _response_logprobs(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
         """(B, R) fp32 logprobs of the response tokens (grad flows if enabled)."""
-        dev = self.device
-        input_ids = batch.input_ids.to(dev)
-        # No attention mask: with RIGHT padding a causal mask already hides every pad from every
-        # real token (pads come after it), and attention keeps its fast is_causal path. Logits at
-        # pad positions are garbage but never gathered into a real (mask = 1) entry.
-        # Logits are needed only on [lo, hi): from the earliest first-response-token predictor to
-        # the last predictor. Every row has >= 1 response token, so column 0 of target_index
-        # holds each row's first target position.
-        lo = int(batch.target_index[:, 0].min())
-        hi = int(batch.target_index.max()) + 1
-        kwargs: dict[str, Any] = {}
-        if self._keep_ok:  # lm_head runs only over the span
-            kwargs["logits_to_keep"] = torch.arange(lo, hi, device=dev)
-        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.bf16):
-            logits = model(input_ids=input_ids, **kwargs).logits  # (B, T' = hi - lo, V)
-        if not self._keep_ok:
-            logits = logits[:, lo:hi]
-        # Score every position in the span against the next input token, then pick the response
-        # positions: gathering (B, R, V) logit rows instead would cost a V-wide scatter in backward.
-        next_tokens = input_ids[:, lo + 1 : hi + 1]  # (B, T')
-        per_pos = token_logprobs(logits, next_tokens, self.temperature)  # (B, T')
-        index = (batch.target_index.to(dev) - lo).clamp_(min=0)  # padding entries were 0
-        return per_pos.gather(1, index)  # (B, R)
+        return response_logprobs(model, batch, device=self.device, temperature=self.temperature,
+                                 bf16=self.bf16, keep_ok=self._keep_ok)
 
     # -- TrainBackend -------------------------------------------------------------------------
     def loss_weight(self, micro_batch: MicroBatch) -> float:

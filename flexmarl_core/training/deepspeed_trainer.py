@@ -1,0 +1,306 @@
+"""DeepSpeed ZeRO-1/2 trainer (`deepspeed` extra) behind the `TrainBackend` calls; CPU + gloo.
+
+    trainer = DeepSpeedTrainer(model, loss_fn=..., loss_weight_fn=token_weight, lr=1e-4, zero_stage=2)
+    scale = global_loss_scale(micro_batches, trainer.loss_weight)
+    for mb in micro_batches:               # the pipeline's micro-batches, whenever they are ready
+        trainer.accumulate(mb, scale)      # engine.backward(loss_fn(mb) * scale)
+    trainer.step()                         # clip + AdamW step + zero grads, version += 1
+
+Same math as `TorchTrainer`: the same token scoring (`response_logprobs`), the same loss
+normalisation (`loss_scale` multiplies each micro-batch's summed loss, DeepSpeed's own division by
+`gradient_accumulation_steps` is off), the same torch AdamW (passed to DeepSpeed as the client
+optimizer, so ZeRO partitions its state), clipping at `max_grad_norm` by DeepSpeed. The pipeline
+decides how many micro-batches make a step, not the DeepSpeed config:
+`managed_gradient_accumulation: false` makes `engine.backward` only accumulate and `engine.step`
+the boundary (reduce into the ZeRO partitions, clip, update).
+
+World: one process by default (`init_distributed`: gloo, world size 1, a free port on
+127.0.0.1), so several agents' trainers share it. DeepSpeed is imported lazily, with
+`DS_ACCELERATOR=cpu` unless a CUDA device is present, and JIT-compiled ops are cached in
+`TORCH_EXTENSIONS_DIR` (default `$FLEXMARL_CACHE/torch_extensions`): the first run on a machine
+compiles DeepSpeed's shm op (~30 s here), later runs reuse it.
+
+State: `state()` is DeepSpeed's own checkpoint (`save_checkpoint`, which restores bit-exactly)
+packed as file bytes plus version/metrics/RNG, so it travels through `handles.put`/`get` like a
+`TorchTrainer` state; `load_state` writes it back and runs `load_checkpoint`. Taken between steps
+only (the pipeline checkpoints after `step`): accumulated gradients live inside ZeRO's buffers
+and are not part of DeepSpeed's checkpoint. `offload_states`/`reload_states` swap the
+optimizer state and fp32 master weights out of / back into device memory in place (ZeRO-1/2; on
+CPU they stay in host memory).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from flexmarl_core.training.api import LossFn, LossWeightFn, MicroBatch, StepResult
+from flexmarl_core.training.collate import collate
+from flexmarl_core.training.torch_trainer import response_logprobs
+
+STATE_FORMAT = "deepspeed-1"
+_TAG = "state"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def import_deepspeed(cache_dir: str | os.PathLike[str] | None = None) -> Any:
+    """Import DeepSpeed with flexmarl's defaults (CPU accelerator without CUDA, cached JIT ops)."""
+    from flexmarl_core.models.tokenizer import default_cache_dir
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_cache_dir(cache_dir) / "torch_extensions"))
+    try:
+        import deepspeed
+    except ImportError as e:  # the config validator normally catches this first
+        raise ImportError(
+            "backend.training='deepspeed' needs DeepSpeed: DS_BUILD_OPS=0 pip install "
+            f"'flexmarl[deepspeed]' (or `make setup-scale`): {e}"
+        ) from e
+    return deepspeed
+
+
+def init_distributed(cache_dir: str | os.PathLike[str] | None = None) -> Any:
+    """Join (or create) this process's torch.distributed world; default a 1-process gloo world.
+
+    Respects MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK already set (torchrun, or a
+    spawned data-parallel group); otherwise sets up rank 0 of 1 on a free local port.
+    """
+    deepspeed = import_deepspeed(cache_dir)
+    dist = torch.distributed
+    if dist.is_initialized():
+        # Someone else made the world (an in-process vLLM engine makes a 1-process gloo one):
+        # DeepSpeed joins it, but reads its rank from the environment.
+        os.environ.setdefault("RANK", str(dist.get_rank()))
+        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    elif "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return deepspeed
+
+
+class DeepSpeedTrainer:
+    """`TrainBackend` on a DeepSpeed engine (ZeRO stage 1 or 2) wrapping one torch module."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        loss_fn: LossFn,
+        loss_weight_fn: LossWeightFn,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 1.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        bf16: bool = False,
+        temperature: float = 1.0,
+        ref_model: PreTrainedModel | None = None,
+        pad_id: int | None = None,
+        zero_stage: int = 2,
+        cache_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if zero_stage not in (1, 2):
+            raise ValueError(
+                f"zero_stage={zero_stage}: DeepSpeedTrainer supports ZeRO stages 1 and 2 "
+                "(stage 3 shards parameters, which the in-process weight push does not gather)"
+            )
+        deepspeed = init_distributed(cache_dir)
+        self._cache_dir = cache_dir
+        self.loss_fn = loss_fn
+        self.loss_weight_fn = loss_weight_fn
+        self.max_grad_norm = max_grad_norm
+        self.bf16 = bf16
+        self.temperature = temperature
+        self.zero_stage = zero_stage
+        self.ref_model = ref_model
+        if ref_model is not None:
+            ref_model.eval().requires_grad_(False)
+        cfg_pad = getattr(model.config, "pad_token_id", None)
+        self.pad_id = pad_id if pad_id is not None else (cfg_pad if isinstance(cfg_pad, int) else 0)
+        model = model.float().train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        config = {
+            "train_micro_batch_size_per_gpu": 1,  # nominal: batches come whole from the pipeline
+            "gradient_accumulation_steps": 1,
+            # The caller owns the boundary: backward() only accumulates, step() reduces + updates.
+            "managed_gradient_accumulation": False,
+            "gradient_clipping": max_grad_norm,
+            "zero_optimization": {"stage": zero_stage},
+            "zero_allow_untested_optimizer": True,  # torch AdamW: same update as TorchTrainer
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config
+        )
+        self._version = 0
+        self._pending = 0
+        self._metrics: dict[str, float] = {}
+        import inspect
+
+        self._keep_ok = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.engine.module.parameters()).device
+
+    def _logprobs(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return response_logprobs(model, batch, device=self.device, temperature=self.temperature,
+                                 bf16=self.bf16, keep_ok=self._keep_ok)
+
+    # -- TrainBackend -------------------------------------------------------------------------
+    def loss_weight(self, micro_batch: MicroBatch) -> float:
+        return float(self.loss_weight_fn(micro_batch))
+
+    def accumulate(self, micro_batch: MicroBatch, loss_scale: float) -> dict[str, float]:
+        batch = collate(micro_batch, self.pad_id)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                batch.ref_logprobs = self._logprobs(self.ref_model, batch)
+        dev = self.device
+        batch.mask, batch.old_logprobs = batch.mask.to(dev), batch.old_logprobs.to(dev)
+        batch.advantages = batch.advantages.to(dev)
+        logprobs = self._logprobs(self.engine, batch)
+        loss, metrics = self.loss_fn(logprobs, batch)
+        # Unmanaged accumulation: gradients add up (in ZeRO-2's partitions) until step().
+        self.engine.backward(loss * loss_scale, scale_wrt_gas=False)
+        self._pending += 1
+        out = {"loss": float(loss.detach()) * loss_scale}
+        out.update({k: float(v) * loss_scale for k, v in metrics.items()})
+        for k, v in out.items():
+            self._metrics[k] = self._metrics.get(k, 0.0) + v
+        return out
+
+    def step(self) -> StepResult:
+        if self._pending == 0:
+            raise ValueError(
+                "step() called with no accumulated micro-batch; call accumulate(mb, loss_scale) "
+                "for the global batch first"
+            )
+        self.engine.step()  # the boundary: reduce, clip, AdamW, zero grads
+        grad_norm = self.engine.get_global_grad_norm()
+        self._version += 1
+        result = StepResult(
+            version=self._version,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            num_micro_batches=self._pending,
+            metrics=self._metrics,
+        )
+        self._pending, self._metrics = 0, {}
+        return result
+
+    def logprobs(self, micro_batch: MicroBatch) -> list[list[float]]:
+        batch = collate(micro_batch, self.pad_id)
+        with torch.no_grad():
+            lp = self._logprobs(self.engine.module, batch).cpu()
+        return [lp[b, : len(s.response_ids)].tolist() for b, s in enumerate(micro_batch)]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        module = self.engine.module
+        sd = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        out_emb = module.get_output_embeddings()
+        if "lm_head.weight" not in sd and out_emb is not None:
+            sd["lm_head.weight"] = out_emb.weight.detach().clone()
+        return sd
+
+    def state(self) -> dict[str, Any]:
+        if self._pending:
+            raise ValueError(
+                f"state() with {self._pending} accumulated micro-batch(es) not stepped: a "
+                "DeepSpeed trainer's state is taken between steps (call step() first)"
+            )
+        with tempfile.TemporaryDirectory(prefix="ds-state-", dir=self._scratch()) as d:
+            self.engine.save_checkpoint(d, tag=_TAG)
+            files = {
+                str(p.relative_to(d)): p.read_bytes() for p in sorted(Path(d).rglob("*")) if p.is_file()
+            }
+        state: dict[str, Any] = {
+            "format": STATE_FORMAT,
+            "zero_stage": self.zero_stage,
+            "checkpoint": files,
+            "version": self._version,
+            "rng": torch.get_rng_state(),
+        }
+        if self.ref_model is not None:
+            state["ref_model"] = {k: v.detach().clone() for k, v in self.ref_model.state_dict().items()}
+        return state
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"trainer state format {state.get('format')!r}, expected {STATE_FORMAT!r}; was it "
+                "written by DeepSpeedTrainer.state()? (a TorchTrainer state does not load here)"
+            )
+        if state["zero_stage"] != self.zero_stage:
+            raise ValueError(
+                f"trainer state is ZeRO stage {state['zero_stage']}, this trainer runs stage "
+                f"{self.zero_stage}; build it with the same stage"
+            )
+        if ("ref_model" in state) != (self.ref_model is not None):
+            raise ValueError(
+                "trainer state and trainer disagree on the KL reference model: build the trainer "
+                "with the same algorithm.kl_coef (> 0 keeps a reference) as the saved one"
+            )
+        with tempfile.TemporaryDirectory(prefix="ds-state-", dir=self._scratch()) as d:
+            for rel, data in state["checkpoint"].items():
+                path = Path(d) / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+            load_path, _ = self.engine.load_checkpoint(
+                d, tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
+        if load_path is None:
+            raise ValueError("DeepSpeed found no checkpoint in the trainer state")
+        if self.ref_model is not None:
+            with torch.no_grad():
+                self.ref_model.load_state_dict(state["ref_model"])
+        self._version = int(state["version"])
+        self._pending, self._metrics = 0, {}
+        torch.set_rng_state(state["rng"])
+
+    # -- swap ---------------------------------------------------------------------------------
+    def offload_states(self) -> None:
+        """Move optimizer state, fp32 master weights and gradient buffers to host memory."""
+        self.engine.offload_states()
+
+    def reload_states(self) -> None:
+        """Bring back what `offload_states` moved out."""
+        self.engine.reload_states()
+
+    def _scratch(self) -> str:
+        from flexmarl_core.models.tokenizer import default_cache_dir
+
+        d = default_cache_dir(self._cache_dir) / "deepspeed"
+        d.mkdir(parents=True, exist_ok=True)
+        return str(d)
+
+    def close(self) -> None:
+        """Release the engine (the process's distributed world stays for other trainers)."""
+        self.engine.destroy()
