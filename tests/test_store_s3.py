@@ -13,8 +13,9 @@ import pytest
 
 from storage import MEGStore, StoreError, check_store
 
-pytest.importorskip("moto.server")
-from moto.server import ThreadedMotoServer  # noqa: E402
+# moto is imported inside the fixture, not at collection: moto.server brings Flask, whose
+# module-level context proxies raise on attribute access, and vLLM's engine start scans every
+# loaded module's objects (tests/test_backends.py runs before this file).
 
 BUCKET = "flexmarl-test"
 G = 4
@@ -48,9 +49,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict]:
     """Start moto's S3 server on 127.0.0.1 and make a bucket; yields S3FileSystem kwargs."""
+    moto_server = pytest.importorskip("moto.server")
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
     port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     kwargs = {
         "endpoint_override": f"127.0.0.1:{port}",
