@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from flexmarl_core.training.api import LossFn, LossWeightFn, MicroBatch, StepResult
+from flexmarl_core.training.api import LossFn, LossWeightFn, MicroBatch
 from flexmarl_core.training.collate import collate
-from flexmarl_core.training.torch_trainer import response_logprobs
+from flexmarl_core.training.torch_trainer import PolicyGradientSteps, response_logprobs
 
 STATE_FORMAT = "deepspeed-1"
 _TAG = "state"
@@ -96,7 +96,7 @@ def init_distributed(cache_dir: str | os.PathLike[str] | None = None) -> Any:
     return deepspeed
 
 
-class DeepSpeedTrainer:
+class DeepSpeedTrainer(PolicyGradientSteps):
     """`TrainBackend` on a DeepSpeed engine (ZeRO stage 1 or 2) wrapping one torch module."""
 
     def __init__(
@@ -179,42 +179,17 @@ class DeepSpeedTrainer:
     def loss_weight(self, micro_batch: MicroBatch) -> float:
         return float(self.loss_weight_fn(micro_batch))
 
-    def accumulate(self, micro_batch: MicroBatch, loss_scale: float) -> dict[str, float]:
-        batch = collate(micro_batch, self.pad_id)
-        if self.ref_model is not None:
-            with torch.no_grad():
-                batch.ref_logprobs = self._logprobs(self.ref_model, batch)
-        dev = self.device
-        batch.mask, batch.old_logprobs = batch.mask.to(dev), batch.old_logprobs.to(dev)
-        batch.advantages = batch.advantages.to(dev)
-        logprobs = self._logprobs(self.engine, batch)
-        loss, metrics = self.loss_fn(logprobs, batch)
-        # Unmanaged accumulation: gradients add up (in ZeRO-2's partitions) until step().
-        self.engine.backward(loss * loss_scale, scale_wrt_gas=False)
-        self._pending += 1
-        out = {"loss": float(loss.detach()) * loss_scale}
-        out.update({k: float(v) * loss_scale for k, v in metrics.items()})
-        for k, v in out.items():
-            self._metrics[k] = self._metrics.get(k, 0.0) + v
-        return out
+    def _policy(self) -> torch.nn.Module:
+        return self.engine
 
-    def step(self) -> StepResult:
-        if self._pending == 0:
-            raise ValueError(
-                "step() called with no accumulated micro-batch; call accumulate(mb, loss_scale) "
-                "for the global batch first"
-            )
+    def _backward(self, loss: torch.Tensor) -> None:
+        # Unmanaged accumulation: gradients add up (in ZeRO-2's partitions) until step().
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def _optimizer_step(self) -> float:
         self.engine.step()  # the boundary: reduce, clip, AdamW, zero grads
         grad_norm = self.engine.get_global_grad_norm()
-        self._version += 1
-        result = StepResult(
-            version=self._version,
-            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            num_micro_batches=self._pending,
-            metrics=self._metrics,
-        )
-        self._pending, self._metrics = 0, {}
-        return result
+        return float(grad_norm) if grad_norm is not None else float("nan")
 
     def logprobs(self, micro_batch: MicroBatch) -> list[list[float]]:
         batch = collate(micro_batch, self.pad_id)

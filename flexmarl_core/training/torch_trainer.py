@@ -77,7 +77,71 @@ def response_logprobs(
     return per_pos.gather(1, index)  # (B, R)
 
 
-class TorchTrainer:
+class PolicyGradientSteps:
+    """The micro-batch and step bookkeeping every trainer backend shares: collate, reference and
+    policy logprobs, the loss scaled by the caller's fixed normaliser, metrics summed over the
+    global batch, one version per step. A backend provides `_logprobs(module, batch)`,
+    `_policy()` (the module to differentiate), `_backward(loss)` and `_optimizer_step()`
+    (which returns the gradient norm) plus the attributes used below."""
+
+    pad_id: int
+    ref_model: torch.nn.Module | None
+    loss_fn: LossFn
+    _pending: int
+    _metrics: dict[str, float]
+    _version: int
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    def _logprobs(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _policy(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _optimizer_step(self) -> float:
+        raise NotImplementedError
+
+    def accumulate(self, micro_batch: MicroBatch, loss_scale: float) -> dict[str, float]:
+        batch = collate(micro_batch, self.pad_id)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                batch.ref_logprobs = self._logprobs(self.ref_model, batch)
+        dev = self.device
+        batch.mask, batch.old_logprobs = batch.mask.to(dev), batch.old_logprobs.to(dev)
+        batch.advantages = batch.advantages.to(dev)
+        logprobs = self._logprobs(self._policy(), batch)
+        loss, metrics = self.loss_fn(logprobs, batch)
+        self._backward(loss * loss_scale)
+        self._pending += 1
+        out = {"loss": float(loss.detach()) * loss_scale}
+        out.update({k: float(v) * loss_scale for k, v in metrics.items()})
+        for k, v in out.items():
+            self._metrics[k] = self._metrics.get(k, 0.0) + v
+        return out
+
+    def step(self) -> StepResult:
+        if self._pending == 0:
+            raise ValueError(
+                "step() called with no accumulated micro-batch; call accumulate(mb, loss_scale) "
+                "for the global batch first"
+            )
+        grad_norm = self._optimizer_step()
+        self._version += 1
+        result = StepResult(
+            version=self._version, grad_norm=grad_norm, num_micro_batches=self._pending,
+            metrics=self._metrics,
+        )
+        self._pending, self._metrics = 0, {}
+        return result
+
+
+class TorchTrainer(PolicyGradientSteps):
     """`TrainBackend` on one torch module: policy, optional frozen reference, AdamW."""
 
     def __init__(
@@ -125,7 +189,7 @@ class TorchTrainer:
         return next(self.model.parameters()).device
 
     # -- forward ------------------------------------------------------------------------------
-    def _response_logprobs(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    def _logprobs(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
         """(B, R) fp32 logprobs of the response tokens (grad flows if enabled)."""
         return response_logprobs(model, batch, device=self.device, temperature=self.temperature,
                                  bf16=self.bf16, keep_ok=self._keep_ok)
@@ -134,47 +198,22 @@ class TorchTrainer:
     def loss_weight(self, micro_batch: MicroBatch) -> float:
         return float(self.loss_weight_fn(micro_batch))
 
-    def accumulate(self, micro_batch: MicroBatch, loss_scale: float) -> dict[str, float]:
-        batch = collate(micro_batch, self.pad_id)
-        if self.ref_model is not None:
-            with torch.no_grad():
-                batch.ref_logprobs = self._response_logprobs(self.ref_model, batch)
-        dev = self.device
-        batch.mask, batch.old_logprobs = batch.mask.to(dev), batch.old_logprobs.to(dev)
-        batch.advantages = batch.advantages.to(dev)
-        logprobs = self._response_logprobs(self.model, batch)
-        loss, metrics = self.loss_fn(logprobs, batch)
-        (loss * loss_scale).backward()
-        self._pending += 1
-        out = {"loss": float(loss.detach()) * loss_scale}
-        out.update({k: float(v) * loss_scale for k, v in metrics.items()})
-        for k, v in out.items():
-            self._metrics[k] = self._metrics.get(k, 0.0) + v
-        return out
+    def _policy(self) -> torch.nn.Module:
+        return self.model
 
-    def step(self) -> StepResult:
-        if self._pending == 0:
-            raise ValueError(
-                "step() called with no accumulated micro-batch; call accumulate(mb, loss_scale) "
-                "for the global batch first"
-            )
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _optimizer_step(self) -> float:
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._version += 1
-        result = StepResult(
-            version=self._version,
-            grad_norm=float(grad_norm),
-            num_micro_batches=self._pending,
-            metrics=self._metrics,
-        )
-        self._pending, self._metrics = 0, {}
-        return result
+        return float(grad_norm)
 
     def logprobs(self, micro_batch: MicroBatch) -> list[list[float]]:
         batch = collate(micro_batch, self.pad_id)
         with torch.no_grad():
-            lp = self._response_logprobs(self.model, batch).cpu()
+            lp = self._logprobs(self.model, batch).cpu()
         return [lp[b, : len(s.response_ids)].tolist() for b, s in enumerate(micro_batch)]
 
     def weights(self) -> dict[str, torch.Tensor]:
