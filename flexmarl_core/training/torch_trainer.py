@@ -14,6 +14,7 @@ Master weights stay fp32; `bf16=True` runs forward/backward under bf16 autocast.
 from __future__ import annotations
 
 import inspect
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,12 +78,11 @@ def response_logprobs(
     return per_pos.gather(1, index)  # (B, R)
 
 
-class PolicyGradientSteps:
+class PolicyGradientSteps(ABC):
     """The micro-batch and step bookkeeping every trainer backend shares: collate, reference and
     policy logprobs, the loss scaled by the caller's fixed normaliser, metrics summed over the
-    global batch, one version per step. A backend provides `_logprobs(module, batch)`,
-    `_policy()` (the module to differentiate), `_backward(loss)` and `_optimizer_step()`
-    (which returns the gradient norm) plus the attributes used below."""
+    global batch, one version per step. A backend provides the abstract methods below plus the
+    attributes annotated here."""
 
     pad_id: int
     ref_model: torch.nn.Module | None
@@ -92,20 +92,24 @@ class PolicyGradientSteps:
     _version: int
 
     @property
-    def device(self) -> torch.device:
-        raise NotImplementedError
+    @abstractmethod
+    def device(self) -> torch.device: ...
 
+    @abstractmethod
     def _logprobs(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
-        raise NotImplementedError
+        """(B, R) fp32 logprobs of the response tokens (grad flows if enabled)."""
 
+    @abstractmethod
     def _policy(self) -> torch.nn.Module:
-        raise NotImplementedError
+        """The module to differentiate."""
 
+    @abstractmethod
     def _backward(self, loss: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Add `loss`'s gradients to the accumulated ones."""
 
+    @abstractmethod
     def _optimizer_step(self) -> float:
-        raise NotImplementedError
+        """Apply the accumulated gradients (clip, optimizer, zero); returns the gradient norm."""
 
     def accumulate(self, micro_batch: MicroBatch, loss_scale: float) -> dict[str, float]:
         batch = collate(micro_batch, self.pad_id)
