@@ -104,12 +104,18 @@ def baseline(baseline_run):
     return baseline_run[0]
 
 
+def plant_fault(run_dir: Path, kind: str, victim: str, content: str = "") -> Path:
+    """A `<kind>@<victim>` marker beside the run folder (see `stages.faults_dir`)."""
+    marker = Path(faults_dir(run_dir)) / f"{kind}@{victim}"
+    marker.parent.mkdir(parents=True)
+    marker.write_text(content)
+    return marker
+
+
 @pytest.mark.parametrize("victim", ["rollout[solver] it=1 mb=0", "train[solver] it=1 mb=1"])
 def test_worker_killed_mid_stage_run_completes_exactly_once(baseline, dask_cluster, tmp_path, victim):
     run_dir = tmp_path / "run"
-    marker = Path(faults_dir(run_dir)) / f"kill@{victim}"
-    marker.parent.mkdir(parents=True)
-    marker.touch()
+    marker = plant_fault(run_dir, "kill", victim)
     overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON]
     state = _flow(overrides)
     assert state.is_completed(), state.message
@@ -128,9 +134,7 @@ def test_stage_raising_once_is_retried_by_prefect(baseline, dask_cluster, tmp_pa
     """`raise@`: the stage raises once; the task's own retry (retries=2) reruns it in place."""
     victim = "rollout[solver] it=1 mb=0"
     run_dir = tmp_path / "run"
-    marker = Path(faults_dir(run_dir)) / f"raise@{victim}"
-    marker.parent.mkdir(parents=True)
-    marker.touch()
+    marker = plant_fault(run_dir, "raise", victim)
     overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON]
     state = _flow(overrides)
     assert state.is_completed(), state.message
@@ -159,9 +163,7 @@ def test_flow_run_retry_resumes_the_run(baseline, dask_cluster, tmp_path):
 
     victim = "rollout[solver] it=1 mb=0"
     run_dir = tmp_path / "run"
-    marker = Path(faults_dir(run_dir)) / f"fail@{victim}"
-    marker.parent.mkdir(parents=True)
-    marker.write_text("3")  # 1 try + 2 task retries, all fail
+    marker = plant_fault(run_dir, "fail", victim, "3")  # 1 try + 2 task retries, all fail
     overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON]
     state = train.with_options(retries=1)(TINY, overrides, progress=False, return_state=True)
     assert state.is_completed(), state.message
