@@ -18,7 +18,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from flexmarl_core import cluster
 from flexmarl_core.orchestrator import Op, Route
-from tasks.lean import lean_submission
+from tasks.lean import lean_submission, refresh_worker_settings
 from tasks.stages import BY_KIND
 
 
@@ -34,6 +34,7 @@ class PrefectDaskExecutor:
     def __enter__(self) -> PrefectDaskExecutor:
         self._stack.enter_context(self.runner)
         if self.lean:
+            refresh_worker_settings(self.client)
             self._stack.enter_context(lean_submission())
         return self
 

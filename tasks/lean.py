@@ -7,8 +7,13 @@ Measured on this machine (100 no-op task runs, 2 Dask worker processes): stock P
   re-validates it (~54 pydantic-settings sub-models). Workers we start inherit the same
   environment, so we send an empty settings context and they use their own.
 - Each worker-side Prefect client builds an SSL context from the 230 KB CA bundle, even for a
-  plain-http API. For an http API we point `PREFECT_API_SSL_CERT_FILE` at a one-certificate
-  file (never for https, where it would break verification of the real server).
+  plain-http API (~50 ms a task run here). For an http API we point `PREFECT_API_SSL_CERT_FILE`
+  at a one-certificate file (never for https, where it would break verification of the real
+  server).
+- Those variables reach a worker through the nanny's `env`, which is applied after the spawned
+  process has imported Prefect (re-importing `__main__` does) and built its settings from the
+  parent's environment. A worker plugin rebuilds Prefect's global settings in every worker,
+  restarted ones included, so the variables take effect.
 
 Task runs, names, states, retries and logs in the API are unchanged (tests/test_run_e2e.py).
 Requires the workers' environment to carry `PREFECT_API_URL`; relies on prefect 3.9.1 and
@@ -25,6 +30,7 @@ from typing import Any
 
 import prefect.context as _pctx
 import prefect_dask.client as _pdc
+from distributed import Client, WorkerPlugin
 
 
 def _one_cert_file() -> str:
@@ -61,6 +67,19 @@ def server_env() -> dict[str, str]:
         "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_READ_BATCH_SIZE": "50",
         "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
     }
+
+
+class FreshPrefectSettings(WorkerPlugin):
+    """Rebuild Prefect's global settings from the worker's environment when a worker starts."""
+
+    name = "flexmarl-fresh-prefect-settings"
+
+    def setup(self, worker: Any) -> None:
+        _pctx.refresh_global_settings_context()
+
+
+def refresh_worker_settings(client: Client) -> None:
+    client.register_plugin(FreshPrefectSettings())
 
 
 @contextmanager
