@@ -192,3 +192,23 @@ def test_missing_tag_fails_fast_with_clear_error(prefect_api, dask_cluster, tmp_
             fut.result(timeout=120)
     assert time.time() - t0 < 120
     del overrides
+
+
+def _worker_prefect_settings() -> tuple[str | None, str | None]:
+    from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_URL
+
+    return PREFECT_API_SSL_CERT_FILE.value(), PREFECT_API_URL.value()
+
+
+def test_lean_workers_report_with_their_own_settings(runs, prefect_api, dask_cluster):
+    """Lean mode sends task runs no settings, so workers must use their own: the nanny applies
+    their env after Prefect has read the parent's, and the executor's worker plugin rebuilds
+    them. Without it every task run paid a full CA-bundle SSL context (~0.1 CPU-s here)."""
+    import distributed
+
+    from tasks.lean import worker_env
+
+    want = worker_env(prefect_api)
+    with distributed.Client(dask_cluster) as client:
+        got = client.run(_worker_prefect_settings)
+    assert got and all(v == (want["PREFECT_API_SSL_CERT_FILE"], prefect_api) for v in got.values()), got

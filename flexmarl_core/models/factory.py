@@ -26,6 +26,7 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.utils import logging as hf_logging
 
 from flexmarl_core.config import ModelConfig
 from flexmarl_core.models.tokenizer import (
@@ -35,6 +36,10 @@ from flexmarl_core.models.tokenizer import (
     load_tokenizer,
     tokenizer_key,
 )
+
+# Per-load "Loading weights" / "Writing model shards" bars: workers load models every time an
+# instance moves, and dozens of bars would drown the run's own progress display.
+hf_logging.disable_progress_bar()
 
 
 @dataclass(frozen=True)
