@@ -9,6 +9,10 @@ held-out accuracy is greedy team accuracy on the same held-out problems before a
     python bench/learning.py --json runs/bench/learning.json [--quick] [--seeds 0 1 2]
     python bench/learning.py --json OUT --sft-from runs/bench-learning   # reuse SFT checkpoints
 
+RL runs at 128 problems per iteration in two micro-batches of 64 (`RL_BATCH`; the default
+config's 64 is sized for a short `make run`): over 25 iterations that doubled batch added
++0.016 held-out accuracy on seed 2 (+0.082 -> +0.098), and `--set` can override it.
+
 `--sft-from DIR` skips SFT and starts RL from DIR/sft-<seed>/ckpt (what an earlier run of this
 bench wrote), so RL settings can be compared on the same SFT-only starting points.
 Held-out accuracy is measured on `--heldout` problems (default 512, ~10 s of greedy decoding):
@@ -31,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SWITCHES = ["dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation"]
+RL_BATCH = ["batch.inputs_per_iteration=128", "batch.micro_batch_inputs=64"]
 
 
 def main() -> int:
@@ -83,7 +88,7 @@ def main() -> int:
             row = {"seed": seed, "sft_steps": sft["steps"], "sft_s": time.time() - ts}
         for mode in run_modes:
             value = "true" if mode == "async" else "false"
-            overrides = [*base, f"run_dir={out_dir}/{mode}-{seed}", f"train.iterations={iterations}",
+            overrides = [*RL_BATCH, *base, f"run_dir={out_dir}/{mode}-{seed}", f"train.iterations={iterations}",
                          f"train.init_from={ckpt}", "train.evaluate_initial=true",
                          *[f"codesign.{s}={value}" for s in SWITCHES]]
             tr = time.time()
