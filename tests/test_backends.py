@@ -27,7 +27,7 @@ from flexmarl_core.config import (
 )
 from flexmarl_core.inference import HFInferenceEngine
 from flexmarl_core.training import Sample, TorchTrainer, global_loss_scale
-from flexmarl_core.training.handles import get, put
+from flexmarl_core.training.handles import StateHandle, get, put
 from tests._models_util import random_samples, tiny_model, tokenizer, trainer
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -368,34 +368,20 @@ def test_training_dp_needs_deepspeed():
 
 
 @needs_ds
-def test_team_with_a_dp2_deepspeed_agent_trains_end_to_end(tmp_path):
-    """solver on DeepSpeed ZeRO-2 over 2 rank processes, the others on torch, through the
-    real orchestrator, store and stages (in-process executor)."""
-    from flexmarl_core import run, stages
-    from flexmarl_core.executors import ThreadExecutor
-    from flexmarl_core.training.dp_trainer import DataParallelDeepSpeedTrainer
+def test_team_with_a_dp2_deepspeed_agent_trains_through_the_flow(prefect_api, dask_cluster, tmp_path):
+    """solver on DeepSpeed ZeRO-2 over 2 rank processes, the others on torch: the Prefect flow on
+    the session's Dask cluster, so the rank processes start from a (daemonic) Dask worker."""
+    from flexmarl_core.worker import trainer_state_path
+    from flows.train import train
 
-    cfg = load_config(TINY, [
-        f"run_dir={tmp_path}/run", "train.iterations=2",
-        "team.agents.solver.backend.training=deepspeed",
-        "team.agents.solver.backend.training_dp=2",
-    ])
-    run_dir = run.prepare_run(cfg)
+    run_dir = tmp_path / "run"
+    overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", "cluster.prefect_lean=true",
+                 "train.iterations=2", "team.agents.solver.backend.training=deepspeed",
+                 "team.agents.solver.backend.training_dp=2"]
+    state = train(str(TINY), overrides, progress=False, return_state=True)
+    assert state.is_completed(), state.message
 
-    def fn(op, worker):
-        return stages.STAGE_FNS[op.kind](str(run_dir), op.iteration, op.agent, op.turn, op.mb)
-
-    ex = ThreadExecutor(fn, {"w0": {"rollout": 1, "train": 1}})
-    try:
-        out = run.train(cfg, run_dir, ex)
-    finally:
-        ex.close()
-    ctx = stages.context(str(run_dir))
-    solver = ctx.trainers["solver"]
-    try:
-        assert len(out["iterations"]) == 2
-        assert isinstance(solver, DataParallelDeepSpeedTrainer) and solver.dp == 2
-        assert all(t.version == 2 for t in ctx.trainers.values())
-        assert (run_dir / "trainers" / "solver" / "v2.pt").exists()
-    finally:
-        solver.close()
+    path = trainer_state_path(run_dir, "solver", 2)
+    assert path.exists(), sorted(p.name for p in path.parent.iterdir())
+    solver = get(StateHandle("file", str(path), 0))  # checkpointed by the worker after step 2
+    assert (solver["version"], solver["dp_world"]) == (2, 2)
