@@ -199,8 +199,9 @@ class DeepSpeedTrainer(PolicyGradientSteps):
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def accumulate_nothing(self) -> None:
-        """Join the next step's gradient reduction with zero gradients: a data-parallel rank
-        that got no samples this step (fewer samples than ranks) must still take part."""
+        """Backprop zeros: a data-parallel rank with an empty share of a micro-batch (fewer
+        samples than ranks) still enters the backward's gradient collectives (ZeRO-2 reduces
+        partitions in every backward, not only at step())."""
         params = [p for p in self.engine.module.parameters() if p.requires_grad]
         self.engine.backward(sum(p.sum() for p in params) * 0.0, scale_wrt_gas=False)
         self._pending += 1
