@@ -93,7 +93,9 @@ def init_distributed(
         os.environ.setdefault("RANK", str(dist.get_rank()))
         os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
-    elif "WORLD_SIZE" not in os.environ:
+    elif not all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
+        # Not only WORLD_SIZE: the branch above leaves RANK/WORLD_SIZE behind without MASTER_*,
+        # and once that world is gone (vLLM closed) DeepSpeed would fall back to MPI discovery.
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
         )
