@@ -234,21 +234,23 @@ def scale_out_rows(presets: list[str], tok, reps: int) -> dict:
         if not ok:
             out[name] = {"skipped": f"{name} not importable: `make setup-scale` installs it"}
             print(f"{name}: skipped (not importable; `make setup-scale` installs it)")
-    for preset in presets:
-        model = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
-        if have["vllm"]:
-            row = bench_vllm(model, tok, reps)
-            out.setdefault("vllm", {})[preset] = row
-            print(f"vllm      {preset:<10} {row['gen_tok_s']:>8.0f} tok/s | start {row['start_s']:.1f} s | "
-                  f"push {row['push_s'] * 1e3:.0f} ms")
-        if have["deepspeed"]:
-            row = bench_deepspeed(model, train_batch(len(tok)), reps)
-            out.setdefault("deepspeed", {})[preset] = row
-            print(f"deepspeed {preset:<10} step {row['step_s']:.3f} s | state swap "
-                  f"{row['state_swap_s'] * 1e3:.0f} ms | offload+reload {row['offload_reload_s'] * 1e3:.0f} ms")
-            row = bench_deepspeed_dp(model, train_batch(len(tok)), reps)
-            out.setdefault("deepspeed_dp2", {})[preset] = row
-            print(f"ds dp-2   {preset:<10} step {row['step_s']:.3f} s | rank start {row['start_s']:.1f} s")
+    models = {p: build_model(ModelConfig(preset=p), seed=0, tokenizer=tok) for p in presets}
+    # DeepSpeed first, for every preset: closing an in-process vLLM engine tears down the
+    # torch.distributed world vLLM made, and a later DeepSpeed engine then trips over the
+    # process groups DeepSpeed cached from it ("Group ... is not registered").
+    for preset, model in models.items() if have["deepspeed"] else ():
+        row = bench_deepspeed(model, train_batch(len(tok)), reps)
+        out.setdefault("deepspeed", {})[preset] = row
+        print(f"deepspeed {preset:<10} step {row['step_s']:.3f} s | state swap "
+              f"{row['state_swap_s'] * 1e3:.0f} ms | offload+reload {row['offload_reload_s'] * 1e3:.0f} ms")
+        row = bench_deepspeed_dp(model, train_batch(len(tok)), reps)
+        out.setdefault("deepspeed_dp2", {})[preset] = row
+        print(f"ds dp-2   {preset:<10} step {row['step_s']:.3f} s | rank start {row['start_s']:.1f} s")
+    for preset, model in models.items() if have["vllm"] else ():
+        row = bench_vllm(model, tok, reps)
+        out.setdefault("vllm", {})[preset] = row
+        print(f"vllm      {preset:<10} {row['gen_tok_s']:>8.0f} tok/s | start {row['start_s']:.1f} s | "
+              f"push {row['push_s'] * 1e3:.0f} ms")
     return out
 
 
