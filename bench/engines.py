@@ -16,6 +16,11 @@ Scale-out rows (when the extras are importable; otherwise the JSON says why they
 * deepspeed: `DeepSpeedTrainer` ZeRO-2 on the same train batch (step seconds), plus the swap of
   its state: `state()` -> `handles.put(memory)` -> `get` -> `load_state` (seconds), and
   DeepSpeed's in-place `offload_states` + `reload_states` (seconds).
+* deepspeed_dp2: `DataParallelDeepSpeedTrainer` (backend.training_dp=2) on the same train batch,
+  split over 2 ZeRO-2 rank processes (step seconds, rank start seconds). On a 2-core box the two
+  ranks share the cores the 1-process trainer had to itself: expect no speed-up there.
+
+The run ends with one table of every row (HF/torch, vLLM, DeepSpeed, DeepSpeed DP-2).
 
 Runs are interleaved (engine, plain, engine, ...) after a warm-up, so machine noise hits both
 sides alike; ratios use the best run of each side (on a shared, loaded box the best run is the
@@ -195,6 +200,30 @@ def bench_deepspeed(model, samples: list[Sample], reps: int) -> dict:
             "state_swap_s": _median(swap_s), "offload_reload_s": _median(offload_s)}
 
 
+def bench_deepspeed_dp(model, samples: list[Sample], reps: int, dp: int = 2) -> dict:
+    """Step time of a `dp`-rank DeepSpeed ZeRO-2 trainer on the train batch (split by samples)."""
+    from flexmarl_core.training.dp_trainer import DataParallelDeepSpeedTrainer
+
+    algo = AlgorithmConfig(lr=1e-5)
+    t0 = time.perf_counter()
+    tr = DataParallelDeepSpeedTrainer(copy.deepcopy(model), name="bench", dp=dp,
+                                      loss_fn=make_loss_fn(algo), loss_weight_fn=token_weight, lr=algo.lr)
+    start_s = time.perf_counter() - t0
+    try:
+        scale = 1.0 / token_weight(samples)
+        step_s = []
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            tr.accumulate(samples, scale)
+            tr.step()
+            if r:  # the first step is the warm-up
+                step_s.append(time.perf_counter() - t0)
+    finally:
+        tr.close()
+    return {"dp": dp, "step_s": round(min(step_s), 4), "step_s_median": _median(step_s),
+            "start_s": round(start_s, 2)}
+
+
 def scale_out_rows(presets: list[str], tok, reps: int) -> dict:
     """vLLM and DeepSpeed rows next to the HF/torch ones, or why they were skipped."""
     import importlib.util
@@ -205,19 +234,49 @@ def scale_out_rows(presets: list[str], tok, reps: int) -> dict:
         if not ok:
             out[name] = {"skipped": f"{name} not importable: `make setup-scale` installs it"}
             print(f"{name}: skipped (not importable; `make setup-scale` installs it)")
-    for preset in presets:
-        model = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
-        if have["vllm"]:
-            row = bench_vllm(model, tok, reps)
-            out.setdefault("vllm", {})[preset] = row
-            print(f"vllm      {preset:<10} {row['gen_tok_s']:>8.0f} tok/s | start {row['start_s']:.1f} s | "
-                  f"push {row['push_s'] * 1e3:.0f} ms")
-        if have["deepspeed"]:
-            row = bench_deepspeed(model, train_batch(len(tok)), reps)
-            out.setdefault("deepspeed", {})[preset] = row
-            print(f"deepspeed {preset:<10} step {row['step_s']:.3f} s | state swap "
-                  f"{row['state_swap_s'] * 1e3:.0f} ms | offload+reload {row['offload_reload_s'] * 1e3:.0f} ms")
+    models = {p: build_model(ModelConfig(preset=p), seed=0, tokenizer=tok) for p in presets}
+    # DeepSpeed first, for every preset: closing an in-process vLLM engine tears down the
+    # torch.distributed world vLLM made, and a later DeepSpeed engine then trips over the
+    # process groups DeepSpeed cached from it ("Group ... is not registered").
+    for preset, model in models.items() if have["deepspeed"] else ():
+        row = bench_deepspeed(model, train_batch(len(tok)), reps)
+        out.setdefault("deepspeed", {})[preset] = row
+        print(f"deepspeed {preset:<10} step {row['step_s']:.3f} s | state swap "
+              f"{row['state_swap_s'] * 1e3:.0f} ms | offload+reload {row['offload_reload_s'] * 1e3:.0f} ms")
+        row = bench_deepspeed_dp(model, train_batch(len(tok)), reps)
+        out.setdefault("deepspeed_dp2", {})[preset] = row
+        print(f"ds dp-2   {preset:<10} step {row['step_s']:.3f} s | rank start {row['start_s']:.1f} s")
+    for preset, model in models.items() if have["vllm"] else ():
+        row = bench_vllm(model, tok, reps)
+        out.setdefault("vllm", {})[preset] = row
+        print(f"vllm      {preset:<10} {row['gen_tok_s']:>8.0f} tok/s | start {row['start_s']:.1f} s | "
+              f"push {row['push_s'] * 1e3:.0f} ms")
     return out
+
+
+def print_table(rows: list[dict], scale_out: dict) -> None:
+    """Every engine side by side, per preset: generate tok/s, step s, push / swap ms."""
+    def cell(v: float | None, width: int, prec: int) -> str:
+        return f"{v:>{width}.{prec}f}" if v is not None else f"{'-':>{width}}"
+
+    print(f"\n{'preset':<10} {'engine':<14} {'gen tok/s':>10} {'step s':>8} {'push ms':>8} "
+          f"{'swap ms':>8} {'offl ms':>8}")
+    for row in rows:
+        p = row["preset"]
+        vl, ds, dp = (scale_out.get(k, {}).get(p, {}) for k in ("vllm", "deepspeed", "deepspeed_dp2"))
+        lines = [
+            ("hf/torch", row["engine_gen_tok_s"], row["engine_step_s"], None, None, None),
+            ("plain", row["plain_gen_tok_s"], row["plain_step_s"], None, None, None),
+            ("vllm", vl.get("gen_tok_s"), None, vl.get("push_s"), None, None),
+            ("deepspeed", None, ds.get("step_s"), None, ds.get("state_swap_s"), ds.get("offload_reload_s")),
+            ("deepspeed dp-2", None, dp.get("step_s"), None, None, None),
+        ]
+        for name, tok_s, step, push, swap, offl in lines:
+            if (tok_s, step) == (None, None):
+                continue  # extra not installed
+            ms = [None if x is None else x * 1e3 for x in (push, swap, offl)]
+            print(f"{p:<10} {name:<14} {cell(tok_s, 10, 0)} {cell(step, 8, 3)} "
+                  f"{cell(ms[0], 8, 0)} {cell(ms[1], 8, 0)} {cell(ms[2], 8, 0)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "scale_out": scale_out,
     }
+    print_table(rows, scale_out)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")

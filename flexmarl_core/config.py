@@ -113,6 +113,13 @@ class BackendConfig(_Strict):
         description="Trainer: torch (plain PyTorch, CPU default) or deepspeed (ZeRO-1/2, needs "
         "the deepspeed extra).",
     )
+    training_dp: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel ranks training this agent (training: deepspeed only): each "
+        "micro-batch is split by samples over this many DeepSpeed ZeRO processes started by the "
+        "worker that holds the trainer. 1 trains in the worker process itself.",
+    )
 
     @field_validator("inference", "training")
     @classmethod
@@ -144,6 +151,16 @@ class AgentConfig(_Strict):
     rounds: Literal["each", "first", "last"] = Field(
         "each", description="In which rounds of a multi-round team the agent runs."
     )
+
+    @model_validator(mode="after")
+    def _dp_needs_deepspeed(self) -> AgentConfig:
+        if self.backend.training_dp > 1 and self.backend.training != "deepspeed":
+            raise ValueError(
+                f"agent {self.name!r}: backend.training_dp={self.backend.training_dp} needs "
+                f"backend.training='deepspeed' (got {self.backend.training!r}: the torch trainer "
+                "runs in one process); set backend.training=deepspeed or backend.training_dp=1"
+            )
+        return self
 
     @field_validator("name")
     @classmethod

@@ -78,7 +78,11 @@ def run_sft(
         model, tok = load_agent_model(acfg.model, seed=cfg.seed)
         models[agent], toks[agent] = model, tok
         if acfg.trainable:
-            sft_cfg = acfg.model_copy(update={"algorithm": acfg.algorithm.model_copy(update={"lr": tc.sft_lr})})
+            # One process (training_dp=1): the engine below must share the trained module.
+            sft_cfg = acfg.model_copy(update={
+                "algorithm": acfg.algorithm.model_copy(update={"lr": tc.sft_lr}),
+                "backend": acfg.backend.model_copy(update={"training_dp": 1}),
+            })
             trainers[agent] = make_trainer(sft_cfg, model, loss_fn=sft_loss, loss_weight_fn=token_weight)
         # The engine shares the trainer's module: evaluation sees the latest weights for free.
         engines[agent] = make_inference_engine(acfg, model, tok)

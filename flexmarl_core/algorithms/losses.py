@@ -19,6 +19,7 @@ Metrics are normalised the same way, so after a global batch they are per-token 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -111,21 +112,26 @@ def clipped(
 
 def make_loss_fn(cfg: AlgorithmConfig) -> LossFn:
     """The trainer `loss_fn` for `cfg.policy_loss`: a token SUM (normalizer 1); pair it with
-    `token_weight` so the trainer divides by the global batch's token count."""
-    policy = get_policy_loss(cfg.policy_loss)
+    `token_weight` so the trainer divides by the global batch's token count.
 
-    def loss_fn(logprobs: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
-        return policy(
-            logprobs,
-            batch.old_logprobs,
-            batch.advantages,
-            batch.mask,
-            cfg=cfg,
-            ref_logprobs=batch.ref_logprobs,
-            normalizer=1.0,
-        )
+    A `functools.partial` of a module-level function, so it pickles: a data-parallel trainer
+    sends it to its rank processes (which look the loss up again in their own registry)."""
+    get_policy_loss(cfg.policy_loss)  # an unknown name fails here, listing the valid ones
+    return functools.partial(_policy_token_sum, cfg=cfg)
 
-    return loss_fn
+
+def _policy_token_sum(
+    logprobs: torch.Tensor, batch: TokenBatch, *, cfg: AlgorithmConfig
+) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+    return get_policy_loss(cfg.policy_loss)(
+        logprobs,
+        batch.old_logprobs,
+        batch.advantages,
+        batch.mask,
+        cfg=cfg,
+        ref_logprobs=batch.ref_logprobs,
+        normalizer=1.0,
+    )
 
 
 def token_weight(micro_batch: MicroBatch) -> float:

@@ -8,7 +8,8 @@
 
 Same math as `TorchTrainer`: the same token scoring (`response_logprobs`), the same loss
 normalisation (`loss_scale` multiplies each micro-batch's summed loss, DeepSpeed's own division by
-`gradient_accumulation_steps` is off), the same torch AdamW (passed to DeepSpeed as the client
+`gradient_accumulation_steps` is off, and so is its averaging over data-parallel ranks:
+`gradient_allreduce_op: sum`), the same torch AdamW (passed to DeepSpeed as the client
 optimizer, so ZeRO partitions its state), clipping at `max_grad_norm` by DeepSpeed. The pipeline
 decides how many micro-batches make a step, not the DeepSpeed config:
 `managed_gradient_accumulation: false` makes `engine.backward` only accumulate and `engine.step`
@@ -31,6 +32,7 @@ CPU they stay in host memory).
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import tempfile
@@ -73,11 +75,15 @@ def import_deepspeed(cache_dir: str | os.PathLike[str] | None = None) -> Any:
     return deepspeed
 
 
-def init_distributed(cache_dir: str | os.PathLike[str] | None = None) -> Any:
+def init_distributed(
+    cache_dir: str | os.PathLike[str] | None = None, *, timeout: datetime.timedelta | None = None
+) -> Any:
     """Join (or create) this process's torch.distributed world; default a 1-process gloo world.
 
     Respects MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK already set (torchrun, or a
-    spawned data-parallel group); otherwise sets up rank 0 of 1 on a free local port.
+    spawned data-parallel group); otherwise sets up rank 0 of 1 on a free local port. `timeout`
+    bounds every collective (a data-parallel rank whose peer died fails instead of waiting for
+    DeepSpeed's 30 min default).
     """
     deepspeed = import_deepspeed(cache_dir)
     dist = torch.distributed
@@ -87,12 +93,15 @@ def init_distributed(cache_dir: str | os.PathLike[str] | None = None) -> Any:
         os.environ.setdefault("RANK", str(dist.get_rank()))
         os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
-    elif "WORLD_SIZE" not in os.environ:
+    elif not all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
+        # Not only WORLD_SIZE: the branch above leaves RANK/WORLD_SIZE behind without MASTER_*,
+        # and once that world is gone (vLLM closed) DeepSpeed would fall back to MPI discovery.
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
         )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, **kwargs)
     return deepspeed
 
 
@@ -143,6 +152,10 @@ class DeepSpeedTrainer(PolicyGradientSteps):
             # The caller owns the boundary: backward() only accumulates, step() reduces + updates.
             "managed_gradient_accumulation": False,
             "gradient_clipping": max_grad_norm,
+            # Each rank's loss is already scaled by the GLOBAL normaliser (fixed before any
+            # backward), so the full gradient is the sum over data-parallel ranks, not the mean.
+            # No-op in a 1-process world.
+            "gradient_allreduce_op": "sum",
             "zero_optimization": {"stage": zero_stage},
             "zero_allow_untested_optimizer": True,  # torch AdamW: same update as TorchTrainer
             "steps_per_print": 2**31 - 1,
@@ -157,6 +170,7 @@ class DeepSpeedTrainer(PolicyGradientSteps):
         import inspect
 
         self._keep_ok = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.dp_world = int(self.engine.dp_world_size)
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -185,6 +199,14 @@ class DeepSpeedTrainer(PolicyGradientSteps):
     def _backward(self, loss: torch.Tensor) -> None:
         # Unmanaged accumulation: gradients add up (in ZeRO-2's partitions) until step().
         self.engine.backward(loss, scale_wrt_gas=False)
+
+    def accumulate_nothing(self) -> None:
+        """Backprop zeros: a data-parallel rank with an empty share of a micro-batch (fewer
+        samples than ranks) still enters the backward's gradient collectives (ZeRO-2 reduces
+        partitions in every backward, not only at step())."""
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        self.engine.backward(sum(p.sum() for p in params) * 0.0, scale_wrt_gas=False)
+        self._pending += 1
 
     def _optimizer_step(self) -> float:
         self.engine.step()  # the boundary: reduce, clip, AdamW, zero grads
@@ -219,6 +241,7 @@ class DeepSpeedTrainer(PolicyGradientSteps):
         state: dict[str, Any] = {
             "format": STATE_FORMAT,
             "zero_stage": self.zero_stage,
+            "dp_world": self.dp_world,
             "checkpoint": files,
             "version": self._version,
             "rng": torch.get_rng_state(),
@@ -237,6 +260,12 @@ class DeepSpeedTrainer(PolicyGradientSteps):
             raise ValueError(
                 f"trainer state is ZeRO stage {state['zero_stage']}, this trainer runs stage "
                 f"{self.zero_stage}; build it with the same stage"
+            )
+        if state.get("dp_world", 1) != self.dp_world:
+            raise ValueError(
+                f"trainer state was saved by {state.get('dp_world', 1)} data-parallel rank(s), "
+                f"this trainer runs {self.dp_world}: ZeRO partitions the optimizer state per "
+                "rank; build the trainer with the same backend.training_dp"
             )
         if ("ref_model" in state) != (self.ref_model is not None):
             raise ValueError(

@@ -25,7 +25,9 @@ def make_trainer(
     (`algorithms.make_loss_fn` + `token_weight`). With `algorithm.kl_coef > 0` a frozen copy of
     `model` becomes the KL reference unless `ref_model` is given. Logprobs are scored at
     `agent.sampling.temperature`, matching the rollout engine. backend.training='deepspeed' gives a
-    `DeepSpeedTrainer` (ZeRO-2, deepspeed extra) with the same arguments.
+    `DeepSpeedTrainer` (ZeRO-2, deepspeed extra) with the same arguments, or with
+    backend.training_dp > 1 a `DataParallelDeepSpeedTrainer` over that many rank processes (then
+    `loss_fn` and `loss_weight_fn` must pickle).
     """
     backend = agent.backend.training
     if backend not in ("torch", "deepspeed"):
@@ -37,7 +39,12 @@ def make_trainer(
     if algo.kl_coef > 0 and ref_model is None:
         ref_model = copy.deepcopy(model)
     cls: Any = TorchTrainer
-    if backend == "deepspeed":
+    extra: dict[str, Any] = {}
+    if backend == "deepspeed" and agent.backend.training_dp > 1:
+        from flexmarl_core.training.dp_trainer import DataParallelDeepSpeedTrainer
+
+        cls, extra = DataParallelDeepSpeedTrainer, {"name": agent.name, "dp": agent.backend.training_dp}
+    elif backend == "deepspeed":
         from flexmarl_core.training.deepspeed_trainer import DeepSpeedTrainer
 
         cls = DeepSpeedTrainer
@@ -51,4 +58,5 @@ def make_trainer(
         bf16=algo.bf16,
         temperature=agent.sampling.temperature,
         ref_model=ref_model if algo.kl_coef > 0 else None,
+        **extra,
     )
