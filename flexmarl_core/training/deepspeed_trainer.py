@@ -102,7 +102,24 @@ def init_distributed(
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     deepspeed.init_distributed(dist_backend=backend, verbose=False, **kwargs)
+    _forget_stale_world_clone(dist)
     return deepspeed
+
+
+def _forget_stale_world_clone(dist: Any) -> None:
+    """DeepSpeed caches a clone of the world group once per process. When that world is gone
+    (an in-process vLLM engine that made it was closed) and a new one took its place, the clone
+    is unregistered and every engine built afterwards fails ("Group ... is not registered"):
+    drop it so DeepSpeed clones the current world."""
+    from deepspeed.utils import groups
+
+    clone = getattr(groups, "_WORLD_GROUP", None)
+    if clone is None:
+        return
+    try:
+        dist.get_global_rank(clone, 0)
+    except (ValueError, RuntimeError):
+        groups._WORLD_GROUP = None
 
 
 class DeepSpeedTrainer(PolicyGradientSteps):
