@@ -115,10 +115,7 @@ def bench_train(model, samples: list[Sample], reps: int) -> tuple[float, float]:
     scale = 1.0 / token_weight(samples)
 
     def run_engine() -> float:
-        t0 = time.perf_counter()
-        trainer.accumulate(samples, scale)
-        trainer.step()
-        return time.perf_counter() - t0
+        return timed_step(trainer, samples, scale)
 
     def run_plain() -> float:
         t0 = time.perf_counter()
@@ -142,6 +139,18 @@ def bench_train(model, samples: list[Sample], reps: int) -> tuple[float, float]:
 
 def _median(xs: list[float]) -> float:
     return round(statistics.median(xs), 4)
+
+
+def timed_step(trainer, samples: list[Sample], scale: float) -> float:
+    """Seconds for one accumulate + optimizer step of `trainer` on `samples`."""
+    t0 = time.perf_counter()
+    trainer.accumulate(samples, scale)
+    trainer.step()
+    return time.perf_counter() - t0
+
+
+def _step_row(step_s: list[float]) -> dict:
+    return {"step_s": round(min(step_s), 4), "step_s_median": _median(step_s)}
 
 
 def bench_vllm(model, tok, reps: int) -> dict:
@@ -182,11 +191,9 @@ def bench_deepspeed(model, samples: list[Sample], reps: int) -> dict:
     scale = 1.0 / token_weight(samples)
     step_s, swap_s, offload_s = [], [], []
     for r in range(reps + 1):
-        t0 = time.perf_counter()
-        tr.accumulate(samples, scale)
-        tr.step()
+        t = timed_step(tr, samples, scale)
         if r:  # the first step is the warm-up
-            step_s.append(time.perf_counter() - t0)
+            step_s.append(t)
         t0 = time.perf_counter()
         h = put(tr.state(), "memory")
         tr.load_state(get(h))
@@ -196,8 +203,7 @@ def bench_deepspeed(model, samples: list[Sample], reps: int) -> dict:
         tr.offload_states()
         tr.reload_states()
         offload_s.append(time.perf_counter() - t0)
-    return {"step_s": round(min(step_s), 4), "step_s_median": _median(step_s),
-            "state_swap_s": _median(swap_s), "offload_reload_s": _median(offload_s)}
+    return {**_step_row(step_s), "state_swap_s": _median(swap_s), "offload_reload_s": _median(offload_s)}
 
 
 def bench_deepspeed_dp(model, samples: list[Sample], reps: int, dp: int = 2) -> dict:
@@ -211,17 +217,10 @@ def bench_deepspeed_dp(model, samples: list[Sample], reps: int, dp: int = 2) -> 
     start_s = time.perf_counter() - t0
     try:
         scale = 1.0 / token_weight(samples)
-        step_s = []
-        for r in range(reps + 1):
-            t0 = time.perf_counter()
-            tr.accumulate(samples, scale)
-            tr.step()
-            if r:  # the first step is the warm-up
-                step_s.append(time.perf_counter() - t0)
+        step_s = [timed_step(tr, samples, scale) for _ in range(reps + 1)][1:]  # [0]: warm-up
     finally:
         tr.close()
-    return {"dp": dp, "step_s": round(min(step_s), 4), "step_s_median": _median(step_s),
-            "start_s": round(start_s, 2)}
+    return {"dp": dp, **_step_row(step_s), "start_s": round(start_s, 2)}
 
 
 def scale_out_rows(presets: list[str], tok, reps: int) -> dict:
