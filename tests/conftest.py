@@ -20,6 +20,8 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 os.environ.setdefault("FLEXMARL_CACHE", str(REPO / ".cache" / "flexmarl"))
 # Never touch the user's ~/.prefect: the harness uses its own temporary database.
 os.environ.setdefault("PREFECT_HOME", str(REPO / ".prefect" / "tests"))
+#: The caller's own glibc trim setting, read before any Dask nanny could export its own.
+CALLER_MALLOC_TRIM = os.environ.get("MALLOC_TRIM_THRESHOLD_")
 
 
 @pytest.fixture(scope="session")

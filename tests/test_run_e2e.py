@@ -212,3 +212,21 @@ def test_lean_workers_report_with_their_own_settings(runs, prefect_api, dask_clu
     with distributed.Client(dask_cluster) as client:
         got = client.run(_worker_prefect_settings)
     assert got and all(v == (want["PREFECT_API_SSL_CERT_FILE"], prefect_api) for v in got.values()), got
+
+
+def _malloc_trim_env() -> str | None:
+    import os
+
+    return os.environ.get("MALLOC_TRIM_THRESHOLD_")
+
+
+def test_workers_keep_glibc_adaptive_malloc(dask_cluster):
+    """Dask's nannies would export MALLOC_TRIM_THRESHOLD_=65536, which made every stage 2-3x
+    slower (fresh mmaps for every tensor); our workers keep whatever the caller had."""
+    import distributed
+
+    from tests.conftest import CALLER_MALLOC_TRIM
+
+    with distributed.Client(dask_cluster) as client:
+        got = client.run(_malloc_trim_env)
+    assert len(got) == 2 and all(v == CALLER_MALLOC_TRIM for v in got.values()), got
