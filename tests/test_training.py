@@ -78,6 +78,53 @@ def test_state_round_trip_is_bit_exact():
     assert_same_tensors(a.weights(), c.weights())
 
 
+def test_state_is_a_few_flat_tensors_and_loads_the_old_per_parameter_format():
+    """Weights, grads and Adam moments are one tensor each (a swap copies a handful of tensors,
+    not hundreds); a format-1 state (per-parameter tensors, torch optimizer state_dict) of
+    the same model still loads, so older checkpoints resume."""
+    t = trainer(tiny_model(0))
+    t.accumulate(random_samples(3, seed=3), 0.1)
+    t.step()
+    t.accumulate(random_samples(2, seed=4), 0.1)  # pending grads travel too
+    state = t.state()
+    n_tensors = sum(isinstance(v, torch.Tensor) for v in [state["params"], state["grads"], state["rng"],
+                                                         *state["adam"].values()])
+    assert n_tensors == 6 and state["params"].numel() == sum(p.numel() for p in t.model.parameters())
+    # Each parameter is a view of the flat buffer, so the optimizer's update is the model's.
+    assert all(p.data_ptr() != 0 and p.grad is not None for p in t.model.parameters())
+    legacy = {
+        "format": 1, "version": 1, "pending": 1, "metrics": {}, "rng": torch.get_rng_state(),
+        "model": {k: v.clone() for k, v in t.model.state_dict().items()},
+        "grads": {n: p.grad.clone() for n, p in t.model.named_parameters()},
+        "optimizer": {"state": {i: {"step": state["adam"]["step"].clone(),
+                                    "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+                                for i, (m, v) in enumerate(zip(
+                                    state["adam"]["exp_avg"].split([p.numel() for p in t._params]),
+                                    state["adam"]["exp_avg_sq"].split([p.numel() for p in t._params]),
+                                    strict=True))},
+                      "param_groups": []},
+    }
+    for i, p in enumerate(t._params):
+        legacy["optimizer"]["state"][i]["exp_avg"] = legacy["optimizer"]["state"][i]["exp_avg"].view_as(p)
+    b = trainer(tiny_model(5))
+    b.load_state(legacy)
+    got = b.state()
+    for k in ("params", "grads"):
+        assert torch.equal(got[k], state[k]), k
+    for k in ("step", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(got["adam"][k], state["adam"][k]), k
+    with pytest.raises(ValueError, match="different model"):
+        trainer(build_other_shape()).load_state(state)
+
+
+def build_other_shape():
+    from flexmarl_core.config import ModelConfig
+    from flexmarl_core.models import build_model
+    from tests._models_util import tokenizer
+
+    return build_model(ModelConfig(preset="tiny-10m"), seed=0, tokenizer=tokenizer())
+
+
 def _tmp_cache():
     from tests._models_util import cache_dir
 
@@ -92,7 +139,7 @@ def test_handles_memory_disk_path_are_exact(tmp_path):
     for where in ["memory", "disk", str(tmp_path / "s.pt"), f"file://{tmp_path}/u.pt"]:
         h = put(state, where, cache_dir=tmp_path)
         got = get(h)
-        assert_same_tensors(got["model"], state["model"])
+        assert torch.equal(got["params"], state["params"]) and torch.equal(got["adam"]["exp_avg"], state["adam"]["exp_avg"])
         assert got["version"] == 1 and torch.equal(got["rng"], state["rng"])
         assert h.nbytes > 0
         drop(h)

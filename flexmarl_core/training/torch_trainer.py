@@ -25,7 +25,8 @@ from flexmarl_core.models.logprobs import token_logprobs
 from flexmarl_core.training.api import LossFn, LossWeightFn, MicroBatch, StepResult, TokenBatch
 from flexmarl_core.training.collate import collate
 
-STATE_FORMAT = 1
+#: 2: flat buffers (one tensor each for weights, grads, Adam moments); 1 still loads.
+STATE_FORMAT = 2
 
 
 def clone_tree(obj: Any) -> Any:
@@ -175,8 +176,10 @@ class TorchTrainer(PolicyGradientSteps):
             ref_model.eval().requires_grad_(False)
         cfg_pad = getattr(model.config, "pad_token_id", None)
         self.pad_id = pad_id if pad_id is not None else (cfg_pad if isinstance(cfg_pad, int) else 0)
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self._params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self._flatten_params()
+        # AdamW is elementwise, so one flat tensor gives the per-parameter update; the optimizer
+        # state is then 2 tensors instead of 3 per parameter (see `_flatten_params`).
+        self.optimizer = torch.optim.AdamW([self._flat], lr=lr, betas=betas, weight_decay=weight_decay)
         self._version = 0
         self._pending = 0  # micro-batches accumulated since the last step
         self._metrics: dict[str, float] = {}
@@ -209,10 +212,56 @@ class TorchTrainer(PolicyGradientSteps):
         loss.backward()
 
     def _optimizer_step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+        self._adopt_grads()
+        grad_norm = torch.nn.utils.clip_grad_norm_([self._flat], self.max_grad_norm)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._flat_grad.zero_()  # in place: the parameters' .grad stay views of it
         return float(grad_norm)
+
+    # -- flat buffers -------------------------------------------------------------------------
+    def _flatten_params(self) -> None:
+        """Lay the trainable parameters end to end in one fp32 buffer (`_flat`) and their
+        gradients in another (`_flat_grad`); each parameter's `.data` and `.grad` become views.
+
+        Why: a trainer state is swapped whenever on-demand allocation moves an agent's training,
+        and hundreds of per-tensor copies (weights, grads, two Adam moments and a step counter
+        per parameter) cost more than the bytes themselves (bench/swap.py). With flat buffers a
+        state is a handful of tensors, each saved and restored by one copy."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        numel = sum(p.numel() for p in self._params)
+        dev = self._params[0].device if self._params else torch.device("cpu")
+        flat = torch.empty(numel, dtype=torch.float32, device=dev)
+        self._flat_grad = torch.zeros_like(flat)
+        self._grad_views: list[torch.Tensor] = []
+        off = 0
+        with torch.no_grad():
+            for p in self._params:
+                k = p.numel()
+                flat[off : off + k].copy_(p.reshape(-1))
+                p.data = flat[off : off + k].view_as(p)
+                p.grad = self._flat_grad[off : off + k].view_as(p)
+                self._grad_views.append(p.grad)
+                off += k
+        self._flat = torch.nn.Parameter(flat)
+        self._flat.grad = self._flat_grad
+        # Everything else the model's state_dict holds (frozen weights, persistent buffers),
+        # minus entries that alias a trainable parameter (tied embeddings).
+        trainable = {id(p) for p in self._params}
+        self._others = [k for k, v in self.model.state_dict(keep_vars=True).items() if id(v) not in trainable]
+
+    def _adopt_grads(self) -> None:
+        """Backward adds into each existing `.grad` in place; should autograd ever hand back
+        a new tensor instead, copy it into the flat buffer (a few id checks otherwise)."""
+        for p, view in zip(self._params, self._grad_views, strict=True):
+            if p.grad is not view:
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+
+    def _layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(n, tuple(p.shape)) for n, p in zip(self._names, self._params, strict=True)]
 
     def logprobs(self, micro_batch: MicroBatch) -> list[list[float]]:
         batch = collate(micro_batch, self.pad_id)
@@ -229,17 +278,20 @@ class TorchTrainer(PolicyGradientSteps):
         return sd
 
     def state(self) -> dict[str, Any]:
-        grads = {
-            n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None
-        }
+        """Flat: weights, pending gradients and both Adam moments are one tensor each."""
+        self._adopt_grads()
+        opt = self.optimizer.state.get(self._flat, {})
+        others = self.model.state_dict()
         state: dict[str, Any] = {
             "format": STATE_FORMAT,
-            "model": clone_tree(self.model.state_dict()),
-            "optimizer": clone_tree(self.optimizer.state_dict()),
+            "layout": self._layout(),
+            "params": self._flat.detach().clone(),
+            "others": {k: others[k].detach().clone() for k in self._others},
+            "grads": self._flat_grad.clone() if self._pending else None,
+            "adam": {k: v.detach().clone() for k, v in opt.items()} if opt else None,
             "version": self._version,
             "pending": self._pending,
             "metrics": dict(self._metrics),
-            "grads": grads,
             "rng": torch.get_rng_state(),
         }
         if self.ref_model is not None:
@@ -247,9 +299,10 @@ class TorchTrainer(PolicyGradientSteps):
         return state
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        if state.get("format") != STATE_FORMAT:
+        fmt = state.get("format")
+        if fmt not in (STATE_FORMAT, 1):
             raise ValueError(
-                f"trainer state format {state.get('format')!r}, expected {STATE_FORMAT}; "
+                f"trainer state format {fmt!r}, expected {STATE_FORMAT}; "
                 "was it written by TorchTrainer.state()?"
             )
         if ("ref_model" in state) != (self.ref_model is not None):
@@ -258,16 +311,62 @@ class TorchTrainer(PolicyGradientSteps):
                 "with the same algorithm.kl_coef (> 0 keeps a reference) as the saved one"
             )
         with torch.no_grad():
-            self.model.load_state_dict(state["model"])
+            if fmt == 1:
+                self._load_legacy(state)
+            else:
+                self._load_flat(state)
             if self.ref_model is not None:
                 self.ref_model.load_state_dict(state["ref_model"])
-        # Clone: torch's load_state_dict keeps references to the given tensors and Adam updates
-        # them in place, which would corrupt the caller's copy.
-        self.optimizer.load_state_dict(clone_tree(state["optimizer"]))
-        grads = state["grads"]
-        for n, p in self.model.named_parameters():
-            p.grad = grads[n].clone().to(p.device) if n in grads else None
         self._version = int(state["version"])
         self._pending = int(state["pending"])
         self._metrics = dict(state["metrics"])
         torch.set_rng_state(state["rng"])
+
+    def _load_flat(self, state: Mapping[str, Any]) -> None:
+        saved = [(str(n), tuple(int(d) for d in shape)) for n, shape in state["layout"]]
+        if saved != self._layout():
+            diff = next((f"{a} vs {b}" for a, b in zip(saved, self._layout(), strict=False) if a != b),
+                        f"{len(saved)} vs {len(self._params)} parameters")
+            raise ValueError(f"trainer state is for a different model: parameters differ ({diff})")
+        self._flat.copy_(state["params"])
+        if self._others:
+            self.model.load_state_dict(state["others"], strict=False)
+        self._adopt_grads()
+        if state["grads"] is None:
+            self._flat_grad.zero_()
+        else:
+            self._flat_grad.copy_(state["grads"])
+        self._set_adam(state["adam"])
+
+    def _set_adam(self, adam: Mapping[str, torch.Tensor] | None) -> None:
+        """Adam moments into the optimizer, by copy: they are updated in place later, and the
+        state given to `load_state` must stay the caller's."""
+        if adam is None:
+            self.optimizer.state.pop(self._flat, None)
+            return
+        mine = self.optimizer.state.get(self._flat)
+        if mine and mine.keys() == adam.keys():
+            for k, v in adam.items():
+                mine[k].copy_(v)
+        else:
+            self.optimizer.state[self._flat] = {k: v.detach().clone() for k, v in adam.items()}
+
+    def _load_legacy(self, state: Mapping[str, Any]) -> None:
+        """A format-1 state (one tensor per parameter, torch optimizer state_dict) of the same
+        model: checkpoints of runs started before the flat buffers still resume."""
+        self.model.load_state_dict(state["model"])
+        self._adopt_grads()
+        self._flat_grad.zero_()
+        for n, view in zip(self._names, self._grad_views, strict=True):
+            if n in state["grads"]:
+                view.copy_(state["grads"][n])
+        per_param = state["optimizer"]["state"]
+        if not per_param:
+            self._set_adam(None)
+            return
+        idx = range(len(self._params))
+        self._set_adam({
+            "step": per_param[0]["step"],
+            "exp_avg": torch.cat([per_param[i]["exp_avg"].reshape(-1) for i in idx]),
+            "exp_avg_sq": torch.cat([per_param[i]["exp_avg_sq"].reshape(-1) for i in idx]),
+        })
