@@ -26,7 +26,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from flexmarl_core.balancer import InstanceBalancer, apply_move
 from flexmarl_core.config import ExperimentConfig
@@ -174,6 +174,9 @@ class Plan:
 
 # -- routing ----------------------------------------------------------------------------------
 
+#: op seconds assumed before an op kind was measured (a train micro-batch ~ 2 rollouts on CPU)
+DEFAULT_OP_S: dict[str, float] = {"rollout": 1.0, "reward": 0.05, "train": 2.0, "step": 0.05, "sync": 0.05}
+
 
 @dataclass
 class Router:
@@ -189,15 +192,64 @@ class Router:
     (agents spread over the `train` slots in agent order). With `on_demand`, each agent's
     iteration takes the least-loaded slot when its first micro-batch is ready, and the worker
     swaps the trainer state in from its last checkpoint if it does not hold it.
+
+    Load is seconds of work, not task counts: each op is charged its kind's and agent's recent
+    duration (`observe`) to the worker it goes to, and an on-demand allocation charges the
+    slot the agent's whole iteration of training at once. Counting tasks put a solver's
+    2.8 s micro-batches level with a planner's 1.6 s ones, and the iteration's training
+    piled onto one worker while the other idled (measured: 4.6 s per iteration).
     """
 
     load_balancing: bool
     on_demand: bool = False
+    #: micro-batches per iteration (an allocation reserves that many train ops)
+    num_mb: int = 1
     outstanding: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: estimated seconds of work routed to each worker and not finished (plus reservations)
+    work: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    #: (kind, agent) -> moving average of measured op seconds
+    est_s: dict[tuple[str, str], float] = field(default_factory=dict)
+    #: op -> (worker, seconds) charged to that worker until the op finishes
+    charges: dict[Op, tuple[str, float]] = field(default_factory=dict)
     trainer_home: dict[str, str] = field(default_factory=dict)
     #: on-demand: the slot of each (agent, iteration) and where each agent's state was last
     slot: dict[tuple[str, int], str] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
+
+    #: ops that finished in an earlier attempt (resume): never charged
+    skip: frozenset[Op] = frozenset()
+    #: an on-demand slot that already holds the state wins unless another has this much less work
+    SWAP_PENALTY_S: ClassVar[float] = 0.2
+
+    def estimate(self, kind: str, agent: str) -> float:
+        est = self.est_s.get((kind, agent))
+        if est is not None:
+            return est
+        same_kind = [v for (k, _), v in self.est_s.items() if k == kind]
+        return sum(same_kind) / len(same_kind) if same_kind else DEFAULT_OP_S[kind]
+
+    def observe(self, op: Op, seconds: float, alpha: float = 0.5) -> None:
+        key = (op.kind, op.agent)
+        prev = self.est_s.get(key)
+        self.est_s[key] = seconds if prev is None else (1 - alpha) * prev + alpha * seconds
+
+    def submitted(self, op: Op, worker: str | None) -> None:
+        if worker is None:
+            return
+        self.outstanding[worker] += 1
+        if op not in self.charges:  # trainer ops of an allocation were charged up front
+            self._charge(op, worker, self.estimate(op.kind, op.agent))
+
+    def finished(self, op: Op, worker: str | None) -> None:
+        if worker is not None:
+            self.outstanding[worker] -= 1
+        w, secs = self.charges.pop(op, (None, 0.0))
+        if w is not None:
+            self.work[w] = max(self.work[w] - secs, 0.0)
+
+    def _charge(self, op: Op, worker: str, secs: float) -> None:
+        self.charges[op] = (worker, secs)
+        self.work[worker] += secs
 
     def instances(self, agent: str, workers: dict[str, dict[str, float]]) -> tuple[str, list[str]]:
         dedicated = [w for w, r in workers.items() if r.get(rollout_tag(agent), 0) > 0]
@@ -216,7 +268,7 @@ class Router:
                 )
             if not self.load_balancing:
                 return Route({tag: 1})
-            worker = min(candidates, key=lambda w: (self.outstanding[w], w))
+            worker = min(candidates, key=lambda w: (self.work[w], self.outstanding[w], w))
             return Route({tag: 1}, worker)
         if op.kind in ("train", "step", "sync"):
             slots = sorted(w for w, r in workers.items() if r.get(TRAIN_TAG, 0) > 0)
@@ -240,16 +292,27 @@ class Router:
         slot = self.slot.get(key)
         if slot is None or slot not in slots:
             last = self.trainer_home.get(op.agent)
-            # Least loaded slot; on a tie, the one already holding the state (no swap).
-            slot = min(slots, key=lambda w: (self.outstanding[w], w != last, w))
+            # Least work; the slot already holding the state unless another is clearly freer.
+            slot = min(slots, key=lambda w: (self.work[w] - (self.SWAP_PENALTY_S if w == last else 0.0), w))
             self.slot[key] = slot
             self.decisions.append({
                 "t": time.time(), "decision": "train_slot", "agent": op.agent,
                 "iteration": op.iteration, "worker": slot, "state_was_on": last,
                 "swap": last is not None and last != slot,
                 "loads": {w: self.outstanding[w] for w in slots},
+                "work_s": {w: round(self.work[w], 3) for w in slots},
             })
             self.trainer_home[op.agent] = slot
+            # The whole iteration's training goes there: charge it now, so the next
+            # allocation sees it even before those ops are ready to submit.
+            for j in range(self.num_mb):
+                t = Op(op.iteration, "train", op.agent, mb=j)
+                if t not in self.charges and t not in self.skip:
+                    self._charge(t, slot, self.estimate("train", op.agent))
+            for kind in ("step", "sync"):
+                t = Op(op.iteration, kind, op.agent)  # type: ignore[arg-type]
+                if t not in self.charges and t not in self.skip:
+                    self._charge(t, slot, self.estimate(kind, op.agent))
         return slot
 
 
@@ -293,7 +356,8 @@ class Orchestrator:
         self.executor = executor
         self.op_kwargs = op_kwargs
         self.router = Router(
-            load_balancing=cfg.codesign.load_balancing, on_demand=cfg.codesign.on_demand_allocation
+            load_balancing=cfg.codesign.load_balancing, on_demand=cfg.codesign.on_demand_allocation,
+            num_mb=cfg.batch.num_micro_batches, skip=frozenset(skip),
         )
         self.balancer = (
             InstanceBalancer(agents=meg.agent_names, threshold=cfg.codesign.balance_threshold)
@@ -341,8 +405,7 @@ class Orchestrator:
                 route = self.router.route(op, workers)
                 handle = self.executor.submit(op, self.op_kwargs(op), route)
                 running[handle] = (op, time.time(), route)
-                if route.worker:
-                    self.router.outstanding[route.worker] += 1
+                self.router.submitted(op, route.worker)
                 if needs_trainer:
                     trainer_busy.add(op.agent)
             ready.extend(held)
@@ -353,8 +416,7 @@ class Orchestrator:
                 )
             for handle in self.executor.wait_any(list(running)):
                 op, submitted, route = running.pop(handle)
-                if route.worker:
-                    self.router.outstanding[route.worker] -= 1
+                self.router.finished(op, route.worker)
                 if op.kind in ("train", "step", "sync"):
                     trainer_busy.discard(op.agent)
                 try:
@@ -374,6 +436,8 @@ class Orchestrator:
                     raise OrchestratorError(f"{op.name} failed: {exc}") from exc
                 rec = OpRecord(op, submitted, time.time(), res.get("worker"), res)
                 records.append(rec)
+                if "t_end" in res:
+                    self.router.observe(op, res["t_end"] - res["t_start"])
                 if self.balancer is not None and op.kind == "rollout":
                     self.balancer.observe(op.agent, res["t_end"] - res["t_start"])
                 if self.on_op_done:
@@ -407,7 +471,7 @@ class Orchestrator:
             if op.kind == "rollout":
                 queued[op.agent] += 1
         for _ in range(len(rollout_workers) * len(agents)):  # bounded: each move changes a tag
-            load = {w: float(self.router.outstanding[w]) for w in rollout_workers}
+            load = {w: self.router.work[w] for w in rollout_workers}
             move = self.balancer.step(queued, instances, load, in_use)
             if move is None:
                 break

@@ -125,27 +125,46 @@ def test_one_op_per_trainer_at_a_time(on_demand):
 
 
 def test_on_demand_slots_follow_free_workers():
-    """On demand, an agent's iteration takes the least-loaded training slot, preferring the
-    worker that holds its state on a tie; moving elsewhere is recorded as a swap. Static
-    placement never moves a trainer."""
+    """On demand, an agent's iteration takes the training slot with the least work (seconds,
+    not tasks), preferring the worker that holds its state unless another is clearly freer;
+    moving elsewhere is recorded as a swap. Static placement never moves a trainer."""
     from flexmarl_core.orchestrator import Router
 
     slots = {"w0": {"train": 1}, "w1": {"train": 1}}
-    r = Router(load_balancing=True, on_demand=True)
+    r = Router(load_balancing=True, on_demand=True, num_mb=2)
+
+    def finish_iteration(it: int, agent: str) -> None:
+        for op in [Op(it, "train", agent, mb=0), Op(it, "train", agent, mb=1), Op(it, "step", agent),
+                   Op(it, "sync", agent)]:
+            r.finished(op, None)
+
     assert r.route(Op(0, "train", "planner", mb=0), slots).worker == "w0"  # tie: by name
+    # The allocation charged w0 the whole iteration: 2 micro-batches + step + sync.
+    assert r.work["w0"] == pytest.approx(2 * 2.0 + 0.05 + 0.05) and r.work["w1"] == 0
     assert r.route(Op(0, "train", "planner", mb=1), slots).worker == "w0"  # same iteration: same slot
-    r.outstanding["w0"] = 0
-    r.outstanding["w1"] = 3
+    finish_iteration(0, "planner")
+    assert r.work["w0"] == 0
+    r.work["w1"] = 3.0
     assert r.route(Op(1, "train", "planner", mb=0), slots).worker == "w0"  # no swap: state is here
-    r.outstanding["w0"] = 2
-    r.outstanding["w1"] = 0
+    finish_iteration(1, "planner")
+    r.work["w0"], r.work["w1"] = 2.0, 0.0
     assert r.route(Op(2, "train", "planner", mb=0), slots).worker == "w1"  # w0 busy: swap
     assert r.route(Op(2, "step", "planner"), slots).worker == "w1"
     d = [x for x in r.decisions if x["decision"] == "train_slot"]
     assert [(x["iteration"], x["worker"], x["swap"]) for x in d] == [(0, "w0", False), (1, "w0", False), (2, "w1", True)]
-    assert d[-1]["state_was_on"] == "w0" and d[-1]["loads"] == {"w0": 2, "w1": 0}
+    assert d[-1]["state_was_on"] == "w0" and d[-1]["work_s"] == {"w0": 2.0, "w1": 0.0}
+
+    # Cost-aware: a solver micro-batch measured at 3 s weighs twice a planner's 1.5 s.
+    r = Router(load_balancing=True, on_demand=True, num_mb=2)
+    for agent, secs in [("solver", 3.0), ("verifier", 2.0), ("planner", 1.5)]:
+        r.observe(Op(0, "train", agent, mb=0), secs)
+    assert r.route(Op(1, "train", "solver", mb=0), slots).worker == "w0"
+    assert r.route(Op(1, "train", "verifier", mb=0), slots).worker == "w1"
+    # Task counts would tie (one iteration each); seconds say w1 (4.1 s) is freer than w0 (6.1 s).
+    assert r.route(Op(1, "train", "planner", mb=0), slots).worker == "w1"
+
     static = Router(load_balancing=True, on_demand=False)
-    static.outstanding["w0"] = 5
+    static.work["w0"] = 5.0
     homes = {static.route(Op(it, "train", "planner", mb=0), slots).worker for it in range(3)}
     assert homes == {"w0"} and static.decisions == []
 

@@ -213,7 +213,14 @@ class TorchTrainer(PolicyGradientSteps):
 
     def _optimizer_step(self) -> float:
         self._adopt_grads()
-        grad_norm = torch.nn.utils.clip_grad_norm_([self._flat], self.max_grad_norm)
+        # One norm over the flat buffer, accumulated in fp64: an fp32 sum over millions of
+        # elements drifts by ~1e-4 relative (per-tensor norms, as clip_grad_norm_ takes them
+        # over a parameter list, drift less; fp64 is exact to fp32 precision).
+        grad_norm = torch.linalg.vector_norm(self._flat_grad, dtype=torch.float64).to(torch.float32)
+        # clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6) when that is below 1.
+        coef = self.max_grad_norm / (float(grad_norm) + 1e-6)
+        if coef < 1.0:
+            self._flat_grad.mul_(coef)
         self.optimizer.step()
         self._flat_grad.zero_()  # in place: the parameters' .grad stay views of it
         return float(grad_norm)
