@@ -91,8 +91,9 @@ def plain_dask_run(config: str, overrides: list[str]) -> dict:
 
 def work_mix(run_dir: Path, iterations: int, workers: int = 2) -> dict:
     """Stage seconds by kind from a run's op log, and what they allow: `ideal_s_per_it` is the
-    E2E per iteration of a perfect packing of that work on `workers` workers (no idle time,
-    no dependency waits), a floor no schedule can beat."""
+    E2E per iteration of a perfect packing of that measured work on `workers` one-thread
+    workers (no idle time, no dependency waits): a floor for this work as measured (a
+    different schedule changes stage times only through contention and swaps)."""
     by_kind: dict[str, float] = {}
     for line in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines():
         r = json.loads(line)

@@ -109,7 +109,10 @@ def _import_runtime() -> None:
     import importlib
 
     for mod in RUNTIME_MODULES:
-        importlib.import_module(mod)
+        try:
+            importlib.import_module(mod)
+        except ImportError:  # a warm-up, not a requirement: the stage that needs it will say
+            pass
 
 
 def warm_up(client: Client) -> None:

@@ -218,6 +218,8 @@ class Router:
 
     #: ops that finished in an earlier attempt (resume): never charged
     skip: frozenset[Op] = frozenset()
+    #: ops that finished in this run (a re-allocation must not charge them again)
+    completed: set[Op] = field(default_factory=set)
     #: an on-demand slot that already holds the state wins unless another has this much less work
     SWAP_PENALTY_S: ClassVar[float] = 0.2
 
@@ -304,15 +306,17 @@ class Router:
             })
             self.trainer_home[op.agent] = slot
             # The whole iteration's training goes there: charge it now, so the next
-            # allocation sees it even before those ops are ready to submit.
-            for j in range(self.num_mb):
-                t = Op(op.iteration, "train", op.agent, mb=j)
-                if t not in self.charges and t not in self.skip:
-                    self._charge(t, slot, self.estimate("train", op.agent))
-            for kind in ("step", "sync"):
-                t = Op(op.iteration, kind, op.agent)  # type: ignore[arg-type]
-                if t not in self.charges and t not in self.skip:
-                    self._charge(t, slot, self.estimate(kind, op.agent))
+            # allocation sees it even before those ops are ready to submit. A re-allocation
+            # (the slot's worker is gone) moves what is still charged to the old slot.
+            ops = [Op(op.iteration, "train", op.agent, mb=j) for j in range(self.num_mb)]
+            ops += [Op(op.iteration, "step", op.agent), Op(op.iteration, "sync", op.agent)]
+            for t in ops:
+                if t in self.skip or t in self.completed:
+                    continue
+                old = self.charges.pop(t, None)
+                if old is not None:
+                    self.work[old[0]] = max(self.work[old[0]] - old[1], 0.0)
+                self._charge(t, slot, old[1] if old else self.estimate(t.kind, op.agent))
         return slot
 
 
@@ -357,7 +361,7 @@ class Orchestrator:
         self.op_kwargs = op_kwargs
         self.router = Router(
             load_balancing=cfg.codesign.load_balancing, on_demand=cfg.codesign.on_demand_allocation,
-            num_mb=cfg.batch.num_micro_batches, skip=frozenset(skip),
+            num_mb=cfg.batch.num_micro_batches,
         )
         self.balancer = (
             InstanceBalancer(agents=meg.agent_names, threshold=cfg.codesign.balance_threshold)
@@ -365,6 +369,7 @@ class Orchestrator:
         )
         self.on_op_done = on_op_done
         self.skip = set(skip)
+        self.router.skip = frozenset(self.skip)
 
     def run(self) -> RunResult:
         deps = self.plan.deps
@@ -436,8 +441,10 @@ class Orchestrator:
                     raise OrchestratorError(f"{op.name} failed: {exc}") from exc
                 rec = OpRecord(op, submitted, time.time(), res.get("worker"), res)
                 records.append(rec)
+                self.router.completed.add(op)
                 if "t_end" in res:
-                    self.router.observe(op, res["t_end"] - res["t_start"])
+                    # Swap-in time is the move's cost, not the op's: keep it out of the estimate.
+                    self.router.observe(op, res["t_end"] - res["t_start"] - res.get("swap_in_s", 0.0))
                 if self.balancer is not None and op.kind == "rollout":
                     self.balancer.observe(op.agent, res["t_end"] - res["t_start"])
                 if self.on_op_done:

@@ -12,6 +12,7 @@ which is the paper's "SFT-only" starting point; RL must then add to it.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import time
@@ -73,6 +74,7 @@ def run_sft(
     out = Path(out_dir) if out_dir else cfg.resolved_run_dir() / "sft"
     tc = cfg.train
     models, engines, trainers, toks = {}, {}, {}, {}
+    refresh: list[str] = []  # agents whose engine holds a copy of the trained weights
     for agent in meg.agent_names:
         acfg = cfg.agent(agent)
         model, tok = load_agent_model(acfg.model, seed=cfg.seed)
@@ -84,14 +86,21 @@ def run_sft(
                 "backend": acfg.backend.model_copy(update={"training_dp": 1}),
             })
             trainers[agent] = make_trainer(sft_cfg, model, loss_fn=sft_loss, loss_weight_fn=token_weight)
-        # The engine shares the trainer's module: evaluation sees the latest weights for free.
-        engines[agent] = make_inference_engine(acfg, model, tok)
+        # The engine shares the trainer's module (evaluation sees the latest weights for free)
+        # unless it would cast it: the trainer's fp32 master weights must stay fp32, so a
+        # bf16 engine gets a copy and is refreshed before each evaluation.
+        shared = not acfg.trainable or (acfg.model.dtype == "float32" and acfg.backend.inference == "hf")
+        engines[agent] = make_inference_engine(acfg, model if shared else copy.deepcopy(model), tok)
+        if not shared:
+            refresh.append(agent)
     heldout = workload.problems("heldout", min(cfg.workload.heldout_size, tc.sft_eval_size), seed=cfg.seed)
     rng = random.Random(cfg.seed)
     step, acc, t0 = 0, 0.0, time.time()
     history = []
     while True:
         if step % tc.sft_eval_every == 0:
+            for agent in refresh:
+                engines[agent].update_weights(trainers[agent].weights(), step)
             acc = evaluate_team(meg, workload, engines, heldout, seed=cfg.seed)["accuracy"]
             history.append({"step": step, "accuracy": acc, "time_s": time.time() - t0})
             log(f"sft step {step}: held-out accuracy {acc:.3f}")

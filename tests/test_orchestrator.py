@@ -163,6 +163,18 @@ def test_on_demand_slots_follow_free_workers():
     # Task counts would tie (one iteration each); seconds say w1 (4.1 s) is freer than w0 (6.1 s).
     assert r.route(Op(1, "train", "planner", mb=0), slots).worker == "w1"
 
+    # A slot whose worker vanished mid-iteration: the iteration moves, finished ops are not
+    # charged again, and once everything finishes no work is left on any worker.
+    r = Router(load_balancing=True, on_demand=True, num_mb=2)
+    assert r.route(Op(0, "train", "planner", mb=0), slots).worker == "w0"
+    r.finished(Op(0, "train", "planner", mb=0), None)
+    r.completed.add(Op(0, "train", "planner", mb=0))
+    assert r.route(Op(0, "train", "planner", mb=1), {"w1": {"train": 1}}).worker == "w1"
+    assert r.work["w0"] == 0 and r.work["w1"] == pytest.approx(2.0 + 0.05 + 0.05)
+    for op in [Op(0, "train", "planner", mb=1), Op(0, "step", "planner"), Op(0, "sync", "planner")]:
+        r.finished(op, None)
+    assert r.charges == {} and all(w == 0 for w in r.work.values())
+
     static = Router(load_balancing=True, on_demand=False)
     static.work["w0"] = 5.0
     homes = {static.route(Op(it, "train", "planner", mb=0), slots).worker for it in range(3)}

@@ -117,6 +117,49 @@ def test_state_is_a_few_flat_tensors_and_loads_the_old_per_parameter_format():
         trainer(build_other_shape()).load_state(state)
 
 
+def test_flat_buffers_survive_zero_grad_and_refuse_a_cast_model():
+    """zero_grad() from either side keeps training working (grads zeroed, the flat buffer
+    reattached); a model cast after the trainer was built fails loudly instead of silently
+    not training. A format-1 state whose parameter lacks Adam state loads with zero moments."""
+    t = trainer(tiny_model(0))
+    t.accumulate(random_samples(3, seed=3), 0.1)
+    t.optimizer.zero_grad()
+    t.model.zero_grad()
+    t.accumulate(random_samples(3, seed=4), 0.1)
+    before = t._flat.detach().clone()
+    r = t.step()
+    assert r.grad_norm > 0 and not torch.equal(t._flat.detach(), before)
+    # Only the second micro-batch's gradient counted: same as a fresh trainer on it alone.
+    u = trainer(tiny_model(0))
+    u.accumulate(random_samples(3, seed=3), 0.1)  # so both took the same RNG/metrics path
+    u.model.zero_grad()
+    u.accumulate(random_samples(3, seed=4), 0.1)
+    assert u.step().grad_norm == pytest.approx(r.grad_norm, rel=1e-6)
+
+    cast = trainer(tiny_model(0))
+    cast.model.to(torch.bfloat16)
+    cast.accumulate(random_samples(2, seed=5), 0.1)
+    with pytest.raises(RuntimeError, match="no longer lives in the trainer's flat buffer"):
+        cast.step()
+
+    state = t.state()
+    sizes = [p.numel() for p in t._params]
+    m = state["adam"]["exp_avg"].split(sizes)
+    v = state["adam"]["exp_avg_sq"].split(sizes)
+    per_param = {i: {"step": state["adam"]["step"].clone(), "exp_avg": m[i].clone(), "exp_avg_sq": v[i].clone()}
+                 for i in range(len(sizes)) if i != 2}  # parameter 2 never had a gradient
+    legacy = {"format": 1, "version": 1, "pending": 0, "metrics": {}, "rng": torch.get_rng_state(),
+              "model": {k: x.clone() for k, x in t.model.state_dict().items()}, "grads": {},
+              "optimizer": {"state": per_param, "param_groups": []}}
+    b = trainer(tiny_model(5))
+    b.load_state(legacy)
+    got = b.state()["adam"]["exp_avg"].split(sizes)
+    assert torch.equal(got[2], torch.zeros(sizes[2])) and torch.equal(got[3], m[3])
+    per_param[0]["step"] = per_param[0]["step"] + 1
+    with pytest.raises(ValueError, match="different Adam steps"):
+        trainer(tiny_model(5)).load_state(legacy)
+
+
 def build_other_shape():
     from flexmarl_core.config import ModelConfig
     from flexmarl_core.models import build_model

@@ -178,7 +178,9 @@ class TorchTrainer(PolicyGradientSteps):
         self.pad_id = pad_id if pad_id is not None else (cfg_pad if isinstance(cfg_pad, int) else 0)
         self._flatten_params()
         # AdamW is elementwise, so one flat tensor gives the per-parameter update; the optimizer
-        # state is then 2 tensors instead of 3 per parameter (see `_flatten_params`).
+        # state is then 2 tensors instead of 3 per parameter (see `_flatten_params`). One
+        # difference: a parameter that got no gradient in a step is still stepped (zero grad,
+        # so only momentum and weight decay move it), where per-parameter AdamW skips it.
         self.optimizer = torch.optim.AdamW([self._flat], lr=lr, betas=betas, weight_decay=weight_decay)
         self._version = 0
         self._pending = 0  # micro-batches accumulated since the last step
@@ -212,6 +214,7 @@ class TorchTrainer(PolicyGradientSteps):
         loss.backward()
 
     def _optimizer_step(self) -> float:
+        self._check_views()
         self._adopt_grads()
         # One norm over the flat buffer, accumulated in fp64: an fp32 sum over millions of
         # elements drifts by ~1e-4 relative (per-tensor norms, as clip_grad_norm_ takes them
@@ -260,12 +263,30 @@ class TorchTrainer(PolicyGradientSteps):
 
     def _adopt_grads(self) -> None:
         """Backward adds into each existing `.grad` in place; should autograd ever hand back
-        a new tensor instead, copy it into the flat buffer (a few id checks otherwise)."""
+        a new tensor instead, copy it into the flat buffer (a few id checks otherwise). A
+        `.grad` set to None (`model.zero_grad()`) means zero; `optimizer.zero_grad()` drops
+        the flat buffer's own `.grad`, which is put back."""
+        self._flat.grad = self._flat_grad
         for p, view in zip(self._params, self._grad_views, strict=True):
             if p.grad is not view:
-                if p.grad is not None:
+                if p.grad is None:
+                    view.zero_()
+                else:
                     view.copy_(p.grad)
                 p.grad = view
+
+    def _check_views(self) -> None:
+        """Each parameter must still be a view of the flat buffer: a `model.to(...)`, `.half()`
+        or `load_state_dict(assign=True)` after the trainer was built would give it new
+        storage that the optimizer never updates."""
+        lo = self._flat.data_ptr()
+        hi = lo + self._flat.numel() * self._flat.element_size()
+        for n, p in zip(self._names, self._params, strict=True):
+            if p.dtype != self._flat.dtype or not lo <= p.data_ptr() < hi:
+                raise RuntimeError(
+                    f"parameter {n!r} no longer lives in the trainer's flat buffer (was the model "
+                    f"cast or moved after the trainer was built?); give an inference engine a copy"
+                )
 
     def _layout(self) -> list[tuple[str, tuple[int, ...]]]:
         return [(n, tuple(p.shape)) for n, p in zip(self._names, self._params, strict=True)]
@@ -356,7 +377,10 @@ class TorchTrainer(PolicyGradientSteps):
             for k, v in adam.items():
                 mine[k].copy_(v)
         else:
-            self.optimizer.state[self._flat] = {k: v.detach().clone() for k, v in adam.items()}
+            # Moments live with the weights; AdamW keeps its step counter on the CPU.
+            dev = self._flat.device
+            self.optimizer.state[self._flat] = {
+                k: v.detach().to("cpu" if k == "step" else dev, copy=True) for k, v in adam.items()}
 
     def _load_legacy(self, state: Mapping[str, Any]) -> None:
         """A format-1 state (one tensor per parameter, torch optimizer state_dict) of the same
@@ -371,9 +395,18 @@ class TorchTrainer(PolicyGradientSteps):
         if not per_param:
             self._set_adam(None)
             return
-        idx = range(len(self._params))
-        self._set_adam({
-            "step": per_param[0]["step"],
-            "exp_avg": torch.cat([per_param[i]["exp_avg"].reshape(-1) for i in idx]),
-            "exp_avg_sq": torch.cat([per_param[i]["exp_avg_sq"].reshape(-1) for i in idx]),
-        })
+        steps = {float(st["step"]) for st in per_param.values()}
+        if len(steps) != 1:
+            # Parameters that skipped steps (no gradient) cannot share one flat step counter.
+            raise ValueError(f"format-1 trainer state has parameters at different Adam steps {sorted(steps)}; "
+                             "it cannot be loaded into a flat-buffer trainer")
+
+        def moment(key: str) -> torch.Tensor:
+            # A parameter without state (never had a gradient) starts from zero moments.
+            return torch.cat([per_param[i][key].reshape(-1).to(self._flat.device) if i in per_param
+                              else torch.zeros(p.numel(), device=self._flat.device)
+                              for i, p in enumerate(self._params)])
+
+        step = next(iter(per_param.values()))["step"]
+        self._set_adam({"step": step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step)),
+                        "exp_avg": moment("exp_avg"), "exp_avg_sq": moment("exp_avg_sq")})
