@@ -216,9 +216,7 @@ class Router:
     slot: dict[tuple[str, int], str] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
 
-    #: ops that finished in an earlier attempt (resume): never charged
-    skip: frozenset[Op] = frozenset()
-    #: ops that finished in this run (a re-allocation must not charge them again)
+    #: ops already done (in this run, or an earlier attempt when resuming): never charged again
     completed: set[Op] = field(default_factory=set)
     #: an on-demand slot that already holds the state wins unless another has this much less work
     SWAP_PENALTY_S: ClassVar[float] = 0.2
@@ -311,7 +309,7 @@ class Router:
             ops = [Op(op.iteration, "train", op.agent, mb=j) for j in range(self.num_mb)]
             ops += [Op(op.iteration, "step", op.agent), Op(op.iteration, "sync", op.agent)]
             for t in ops:
-                if t in self.skip or t in self.completed:
+                if t in self.completed:
                     continue
                 old = self.charges.pop(t, None)
                 if old is not None:
@@ -369,7 +367,7 @@ class Orchestrator:
         )
         self.on_op_done = on_op_done
         self.skip = set(skip)
-        self.router.skip = frozenset(self.skip)
+        self.router.completed.update(self.skip)
 
     def run(self) -> RunResult:
         deps = self.plan.deps
