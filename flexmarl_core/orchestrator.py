@@ -207,8 +207,9 @@ class Router:
     outstanding: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     #: estimated seconds of work routed to each worker and not finished (plus reservations)
     work: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    #: (kind, agent) -> moving average of measured op seconds
-    est_s: dict[tuple[str, str], float] = field(default_factory=dict)
+    #: kind -> agent -> moving average of measured op seconds (the rollout table is also the
+    #: InstanceBalancer's, so both read one estimate)
+    est_s: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
     #: op -> (worker, seconds) charged to that worker until the op finishes
     charges: dict[Op, tuple[str, float]] = field(default_factory=dict)
     trainer_home: dict[str, str] = field(default_factory=dict)
@@ -222,16 +223,15 @@ class Router:
     SWAP_PENALTY_S: ClassVar[float] = 0.2
 
     def estimate(self, kind: str, agent: str) -> float:
-        est = self.est_s.get((kind, agent))
-        if est is not None:
-            return est
-        same_kind = [v for (k, _), v in self.est_s.items() if k == kind]
-        return sum(same_kind) / len(same_kind) if same_kind else DEFAULT_OP_S[kind]
+        per_agent = self.est_s.get(kind, {})
+        if agent in per_agent:
+            return per_agent[agent]
+        return sum(per_agent.values()) / len(per_agent) if per_agent else DEFAULT_OP_S[kind]
 
     def observe(self, op: Op, seconds: float, alpha: float = 0.5) -> None:
-        key = (op.kind, op.agent)
-        prev = self.est_s.get(key)
-        self.est_s[key] = seconds if prev is None else (1 - alpha) * prev + alpha * seconds
+        per_agent = self.est_s[op.kind]
+        prev = per_agent.get(op.agent)
+        per_agent[op.agent] = seconds if prev is None else (1 - alpha) * prev + alpha * seconds
 
     def submitted(self, op: Op, worker: str | None) -> None:
         if worker is None:
@@ -362,7 +362,8 @@ class Orchestrator:
             num_mb=cfg.batch.num_micro_batches,
         )
         self.balancer = (
-            InstanceBalancer(agents=meg.agent_names, threshold=cfg.codesign.balance_threshold)
+            InstanceBalancer(agents=meg.agent_names, threshold=cfg.codesign.balance_threshold,
+                             est_s=self.router.est_s["rollout"])
             if cfg.codesign.load_balancing else None
         )
         self.on_op_done = on_op_done
@@ -442,9 +443,8 @@ class Orchestrator:
                 self.router.completed.add(op)
                 if "t_end" in res:
                     # Swap-in time is the move's cost, not the op's: keep it out of the estimate.
+                    # (The balancer reads the rollout estimates from the same table.)
                     self.router.observe(op, res["t_end"] - res["t_start"] - res.get("swap_in_s", 0.0))
-                if self.balancer is not None and op.kind == "rollout":
-                    self.balancer.observe(op.agent, res["t_end"] - res["t_start"])
                 if self.on_op_done:
                     self.on_op_done(rec)
                 complete(op)
