@@ -69,14 +69,14 @@ def server_cpu_s() -> float | None:
 
 def plain_dask_run(config: str, overrides: list[str]) -> dict:
     """The same ops through `DaskExecutor`, no Prefect; returns CPU and wall figures."""
-    from flexmarl_core import cluster, run, stages
+    from flexmarl_core import cluster, run
     from flexmarl_core.config import load_config
     from flexmarl_core.metrics import run_summary
 
     cfg = load_config(config, overrides)
     run_dir = run.prepare_run(cfg)
     with cluster.cluster_for(cfg.cluster) as client:
-        ex = cluster.DaskExecutor(client, lambda op: stages.STAGE_FNS[op.kind])
+        ex = cluster.DaskExecutor(client, str(run_dir))
         w0, c0 = cluster.worker_cpu_s(client), time.process_time()
         out = run.train(cfg, run_dir, ex)
         flow_cpu = time.process_time() - c0

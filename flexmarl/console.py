@@ -8,7 +8,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flexmarl_core.orchestrator import OpRecord, Plan
+from flexmarl_core.metrics import metric_agents
+from flexmarl_core.ops import OpRecord, agent_key
+from flexmarl_core.plan import Plan
 
 console = Console()
 
@@ -21,9 +23,7 @@ class IterationProgress:
             TextColumn("[bold]iteration {task.fields[it]}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console,
         )
-        self.totals: dict[int, int] = {}
-        for op in plan.ops():
-            self.totals[op.iteration] = self.totals.get(op.iteration, 0) + 1
+        self.totals = plan.sizes()
         self.bars: dict[int, Any] = {}
 
     def __enter__(self) -> IterationProgress:
@@ -41,7 +41,7 @@ class IterationProgress:
 
 
 def summary_table(per_it: list[dict[str, Any]], summary: dict[str, Any]) -> Table:
-    agents = sorted({k.split("/", 1)[1] for m in per_it for k in m if k.startswith("reward/")})
+    agents = metric_agents(per_it)
     t = Table(title=f"flexmarl run: {summary.get('iterations', 0)} iterations, "
               f"{summary.get('wall_s', 0):.1f} s wall")
     for col in ["it", "E2E s", "tokens/s", "util", "moves", "swaps", "acc", *[f"R {a}" for a in agents]]:
@@ -50,5 +50,5 @@ def summary_table(per_it: list[dict[str, Any]], summary: dict[str, Any]) -> Tabl
         t.add_row(str(m["iteration"]), f"{m['e2e_s']:.2f}", f"{m['tokens_per_s']:.0f}",
                   f"{m['utilization']:.2f}", str(m.get("balance_moves", 0)), str(m.get("train_swaps", 0)),
                   f"{m['accuracy']:.2f}",
-                  *[f"{m.get(f'reward/{a}', float('nan')):.3f}" for a in agents])
+                  *[f"{m.get(agent_key(a, 'reward'), float('nan')):.3f}" for a in agents])
     return t

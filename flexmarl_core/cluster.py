@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,7 +23,7 @@ import distributed
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
 from flexmarl_core.config import ClusterConfig
-from flexmarl_core.orchestrator import Op, Route
+from flexmarl_core.ops import Op, Route, StageResult
 
 # A task whose tag no worker has would otherwise wait forever (FACTS.md). The orchestrator
 # checks tags before it submits; this is the backstop, and how a task pinned to a worker that
@@ -156,28 +156,33 @@ def set_worker_resources(client: Client, worker: str, resources: dict[str, float
 
 
 class DaskExecutor:
-    """Runs ops as plain Dask tasks: `fn_for(op)` gives the function, called with the op's kwargs."""
+    """Runs ops as plain Dask tasks (no Prefect): `stages.run_stage(run_dir, op)` on the worker
+    the route names. The reference the Prefect executor's bookkeeping is measured against."""
 
-    def __init__(self, client: Client, fn_for: Callable[[Op], Callable[..., dict[str, Any]]]) -> None:
+    def __init__(self, client: Client, run_dir: str) -> None:
         self.client = client
-        self.fn_for = fn_for
+        self.run_dir = str(run_dir)
 
-    def submit(self, op: Op, kwargs: dict[str, Any], route: Route) -> distributed.Future:
+    def submit(self, op: Op, route: Route, deps: Sequence[Op] = ()) -> distributed.Future:
+        from flexmarl_core.stages import run_stage
+
         return self.client.submit(
-            self.fn_for(op),
+            run_stage, self.run_dir, op,
             key=f"{op.name}-{os.urandom(4).hex()}",
             resources=route.resources or None,
             workers=[route.worker] if route.worker else None,
             pure=False,
-            **kwargs,
         )
 
     def wait_any(self, handles: Sequence[distributed.Future], timeout: float | None = None) -> list[Any]:
         done, _ = distributed.wait(list(handles), timeout=timeout, return_when="FIRST_COMPLETED")
         return list(done)
 
-    def result(self, handle: distributed.Future) -> dict[str, Any]:
+    def result(self, handle: distributed.Future) -> StageResult:
         return handle.result()
+
+    def now(self) -> float:
+        return time.time()
 
     def worker_resources(self) -> dict[str, dict[str, float]]:
         return worker_resources(self.client)

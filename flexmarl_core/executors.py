@@ -7,15 +7,19 @@ single-process use. A "worker" here runs one op at a time, like a 1-thread Dask 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
 
-from flexmarl_core.orchestrator import Op, OrchestratorError, Route
+from flexmarl_core.control import OrchestratorError
+from flexmarl_core.ops import Op, Route, StageResult
 
 
 class ThreadExecutor:
-    def __init__(self, fn: Callable[[Op, str], dict[str, Any]], workers: dict[str, dict[str, float]]) -> None:
+    """`fn(op, worker)` does the op's work on the worker thread; `stage_fn(run_dir)` gives
+    the one that runs the real stages."""
+
+    def __init__(self, fn: Callable[[Op, str], StageResult], workers: dict[str, dict[str, float]]) -> None:
         self.fn = fn
         self.resources = {w: dict(r) for w, r in workers.items()}
         self.slots = {w: threading.Lock() for w in workers}
@@ -31,7 +35,7 @@ class ThreadExecutor:
             raise OrchestratorError(f"no worker has resources {route.resources}")
         return ok
 
-    def _run(self, op: Op, kwargs: dict[str, Any], candidates: list[str]) -> dict[str, Any]:
+    def _run(self, op: Op, candidates: list[str]) -> StageResult:
         # Take the first free candidate (least-loaded placement), else wait on the first one.
         while True:
             for w in candidates:
@@ -43,15 +47,18 @@ class ThreadExecutor:
             with self.slots[candidates[0]]:
                 pass
 
-    def submit(self, op: Op, kwargs: dict[str, Any], route: Route) -> Future:
-        return self.pool.submit(self._run, op, kwargs, self._pick(route))
+    def submit(self, op: Op, route: Route, deps: Sequence[Op] = ()) -> Future:
+        return self.pool.submit(self._run, op, self._pick(route))
 
-    def wait_any(self, handles: Sequence[Future], timeout: float | None = None) -> list[Any]:
+    def wait_any(self, handles: Sequence[Future], timeout: float | None = None) -> list[Future]:
         done, _ = wait(list(handles), timeout=timeout, return_when=FIRST_COMPLETED)
         return list(done)
 
-    def result(self, handle: Future) -> dict[str, Any]:
+    def result(self, handle: Future) -> StageResult:
         return handle.result()
+
+    def now(self) -> float:
+        return time.time()
 
     def worker_resources(self) -> dict[str, dict[str, float]]:
         with self._lock:
@@ -61,5 +68,15 @@ class ThreadExecutor:
         with self._lock:
             self.resources[worker].update(resources)
 
+    def lost(self, exc: BaseException) -> bool:
+        return False  # threads do not die on their own
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def stage_fn(run_dir: str) -> Callable[[Op, str], StageResult]:
+    """The real stages of the run in `run_dir`, for `ThreadExecutor`."""
+    from flexmarl_core.stages import run_stage
+
+    return lambda op, worker: run_stage(str(run_dir), op)

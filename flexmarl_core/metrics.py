@@ -9,70 +9,122 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.orchestrator import OpRecord, RunResult
+from flexmarl_core.control import Decision, MoveInstance, TrainSlot
+from flexmarl_core.ops import OpRecord, agent_key
 
 
-def _window_busy(records: list[OpRecord], lo: float, hi: float) -> dict[str, float]:
+def _window_busy(records: Iterable[OpRecord], lo: float, hi: float) -> dict[str, float]:
     busy: dict[str, float] = defaultdict(float)
     for r in records:
-        s, e = r.result["t_start"], r.result["t_end"]
-        busy[r.result["worker"]] += max(0.0, min(e, hi) - max(s, lo))
+        res = r.result
+        busy[res.worker] += max(0.0, min(res.t_end, hi) - max(res.t_start, lo))
     return dict(busy)
 
 
-def iteration_metrics(result: RunResult, cfg: ExperimentConfig) -> list[dict[str, Any]]:
-    recs = result.records
-    workers = sorted({r.result["worker"] for r in recs})
-    by_it: dict[int, list[OpRecord]] = defaultdict(list)
-    for r in recs:
-        by_it[r.op.iteration].append(r)
-    out = []
-    prev_end = min((r.result["t_start"] for r in recs), default=result.started)
-    for it in sorted(by_it):
-        ops = by_it[it]
-        end = max(r.result["t_end"] for r in ops)
-        window = max(end - prev_end, 1e-9)
-        busy = _window_busy(recs, prev_end, end)
-        stage_s: dict[str, float] = defaultdict(float)
-        for r in ops:
-            stage_s[r.op.kind] += r.result["t_end"] - r.result["t_start"]
-        tokens = sum(r.result.get("tokens", 0) for r in ops if r.op.kind == "rollout")
-        rewards: dict[str, list[float]] = defaultdict(list)
-        acc = []
-        for r in ops:
-            if r.op.kind == "reward":
-                for a, v in r.result["reward"].items():
-                    rewards[a].append(v)
-                acc.append(r.result["accuracy"])
-        m: dict[str, Any] = {
-            "iteration": it,
-            "e2e_s": window,
-            "tokens": tokens,
-            "tokens_per_s": tokens / window,
-            "utilization": sum(busy.values()) / (window * max(len(workers), 1)),
-            "accuracy": sum(acc) / max(len(acc), 1),
-            "cpu_s": sum(r.result.get("cpu_s", 0.0) for r in ops),
-            "ops": len(ops),
-        }
-        # Swap traffic of on-demand training allocation (checkpoint out after each step, state
-        # in where a slot took an agent whose state was elsewhere).
-        for key in ("swap_in_s", "swap_in_bytes", "swap_out_s", "swap_out_bytes"):
-            m[key] = sum(r.result.get(key, 0.0) for r in ops)
-        moves = [d for d in result.decisions
-                 if d["decision"] == "move_instance" and prev_end < d["t"] <= end]
-        m["balance_moves"] = len(moves)
-        m["train_swaps"] = sum(1 for d in result.decisions
-                               if d["decision"] == "train_slot" and d["iteration"] == it and d["swap"])
-        m.update({f"stage_s/{k}": v for k, v in sorted(stage_s.items())})
-        m.update({f"busy_s/{w}": busy.get(w, 0.0) for w in workers})
-        m.update({f"reward/{a}": sum(v) / len(v) for a, v in sorted(rewards.items())})
-        out.append(m)
-        prev_end = end
-    return out
+def metric_agents(per_it: list[dict[str, Any]], metric: str = "reward") -> list[str]:
+    """Agents that have `agent/<name>/<metric>` in any iteration's row."""
+    return sorted({k.split("/")[1] for m in per_it for k in m
+                   if k.startswith("agent/") and k.endswith("/" + metric)})
+
+
+def _train_stats(ops: list[OpRecord]) -> dict[str, float]:
+    """Per agent: token-weighted means of the train ops' per-token figures, the last step's
+    gradient norm, and the mean reward over the iteration's micro-batches."""
+    out: dict[str, float] = {}
+    sums: dict[str, float] = defaultdict(float)
+    weights: dict[str, float] = defaultdict(float)
+    rewards: dict[str, list[float]] = defaultdict(list)
+    for r in ops:
+        res = r.result
+        if r.op.kind == "train" and not res.skipped:
+            for k, v in res.metrics.items():
+                sums[k] += v * res.tokens
+                weights[k] += res.tokens
+        elif r.op.kind == "step":
+            out.update({k: v for k, v in res.metrics.items() if k.endswith("/train/grad_norm")})
+        elif r.op.kind == "reward":
+            for a, v in res.per_agent("reward").items():
+                rewards[a].append(v)
+    out.update({k: sums[k] / weights[k] for k in sums if weights[k] > 0})
+    out.update({agent_key(a, "reward"): sum(v) / len(v) for a, v in rewards.items()})
+    return dict(sorted(out.items()))
+
+
+def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: int,
+                      prev_end: float) -> dict[str, Any]:
+    """Iteration `it`'s figures. Its window runs from `prev_end` (the end of the previous
+    iteration's last op, or the run's first op) to the end of its own last op; busy time of
+    every worker is the overlap of its ops, whatever iteration they belong to, with it."""
+    workers = sorted({r.result.worker for r in records})
+    ops = [r for r in records if r.op.iteration == it]
+    end = max(r.result.t_end for r in ops)
+    window = max(end - prev_end, 1e-9)
+    busy = _window_busy(records, prev_end, end)
+    stage_s: dict[str, float] = defaultdict(float)
+    for r in ops:
+        stage_s[r.op.kind] += r.result.seconds
+    tokens = sum(r.result.tokens for r in ops if r.op.kind == "rollout")
+    acc = [r.result.metrics["team/accuracy"] for r in ops if r.op.kind == "reward"]
+    m: dict[str, Any] = {
+        "iteration": it,
+        "e2e_s": window,
+        "tokens": tokens,
+        "tokens_per_s": tokens / window,
+        "utilization": sum(busy.values()) / (window * max(len(workers), 1)),
+        "accuracy": sum(acc) / max(len(acc), 1),
+        "cpu_s": sum(r.result.cpu_s for r in ops),
+        "ops": len(ops),
+    }
+    # Swap traffic of on-demand training allocation (checkpoint out after each step, state
+    # in where a slot took an agent whose state was elsewhere).
+    for key in ("swap_in_s", "swap_in_bytes", "swap_out_s", "swap_out_bytes"):
+        m[key] = sum(r.result.swap.get(key, 0.0) for r in ops)
+    m["balance_moves"] = sum(1 for d in decisions if isinstance(d, MoveInstance) and prev_end < d.t <= end)
+    m["train_swaps"] = sum(1 for d in decisions if isinstance(d, TrainSlot) and d.iteration == it and d.swap)
+    m.update({f"stage_s/{k}": v for k, v in sorted(stage_s.items())})
+    m.update({f"busy_s/{w}": busy.get(w, 0.0) for w in workers})
+    m.update(_train_stats(ops))
+    return m
+
+
+class IterationTracker:
+    """Emits each iteration's metrics as soon as they are final: the iteration's ops are all
+    done and so is every op that was submitted before its last one ended (only those can
+    overlap its window). Feeds `emit` in iteration order, while the run goes on."""
+
+    def __init__(self, sizes: dict[int, int], emit: Callable[[dict[str, Any]], None]) -> None:
+        self.left = dict(sizes)
+        self.emit = emit
+        self.records: list[OpRecord] = []
+        self.decisions: list[Decision] = []
+        self.rows: list[dict[str, Any]] = []
+        self._next = min(sizes, default=0)
+        self._prev_end: float | None = None
+
+    def add(self, rec: OpRecord, in_flight_since: float | None, decisions: list[Decision]) -> None:
+        """`in_flight_since`: the earliest submit time of the ops still running, if any."""
+        self.records.append(rec)
+        self.decisions = decisions
+        self.left[rec.op.iteration] -= 1
+        self.flush(in_flight_since)
+
+    def flush(self, in_flight_since: float | None = None, *, final: bool = False) -> None:
+        while self._next in self.left and self.left[self._next] == 0:
+            ops = [r for r in self.records if r.op.iteration == self._next]
+            end = max(r.result.t_end for r in ops)
+            if not final and in_flight_since is not None and in_flight_since < end:
+                return  # a running op may still overlap this iteration's window
+            if self._prev_end is None:
+                self._prev_end = min(r.result.t_start for r in self.records)
+            row = iteration_metrics(self.records, self.decisions, self._next, self._prev_end)
+            self.rows.append(row)
+            self.emit(row)
+            self._prev_end = end
+            self._next += 1
 
 
 def critical_path(records: list[OpRecord], deps: dict[Any, list[Any]]) -> dict[str, Any]:
@@ -83,17 +135,17 @@ def critical_path(records: list[OpRecord], deps: dict[Any, list[Any]]) -> dict[s
     if not records:
         return {}
     by_op = {r.op: r for r in records}
-    cur: OpRecord | None = max(records, key=lambda r: r.result["t_end"])
+    cur: OpRecord | None = max(records, key=lambda r: r.result.t_end)
     out: dict[str, Any] = defaultdict(float)
     ops = 0
     while cur is not None:
         ops += 1
         res = cur.result
-        out[f"stage_s/{cur.op.kind}"] += res["t_end"] - res["t_start"]
+        out[f"stage_s/{cur.op.kind}"] += res.seconds
         parents = [by_op[d] for d in deps.get(cur.op, []) if d in by_op]
-        gate = max(parents, key=lambda r: r.result["t_end"], default=None)
-        ready_at = gate.result["t_end"] if gate else cur.submitted
-        out["wait_s"] += max(res["t_start"] - ready_at, 0.0)
+        gate = max(parents, key=lambda r: r.result.t_end, default=None)
+        ready_at = gate.result.t_end if gate else cur.submitted
+        out["wait_s"] += max(res.t_start - ready_at, 0.0)
         cur = gate
     out["ops"] = ops
     return dict(out)
@@ -111,12 +163,14 @@ def run_summary(per_it: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "tokens_per_s": sum(m["tokens"] for m in per_it) / span,
         "utilization": sum(m["utilization"] * m["e2e_s"] for m in per_it) / span,
         "final_accuracy": per_it[-1]["accuracy"],
-        "final_reward": {k.split("/", 1)[1]: v for k, v in per_it[-1].items() if k.startswith("reward/")},
+        "final_reward": {a: per_it[-1][agent_key(a, "reward")] for a in metric_agents(per_it[-1:])},
     }
 
 
 class MetricsWriter:
-    """Appends op records and iteration metrics under `run_dir/metrics/`, plus TensorBoard."""
+    """Appends op records, iteration metrics and decisions under `run_dir/metrics/`, and writes
+    each iteration's scalars to TensorBoard as it is emitted (live: open `tensorboard --logdir
+    RUN/metrics/tensorboard` while the run goes on)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.dir = Path(run_dir) / "metrics"
@@ -125,17 +179,15 @@ class MetricsWriter:
         self._tb: Any = None
 
     def op(self, rec: OpRecord) -> None:
-        row = {"op": rec.op.name, "kind": rec.op.kind, "iteration": rec.op.iteration,
-               "agent": rec.op.agent, "turn": rec.op.turn, "mb": rec.op.mb, "submitted": rec.submitted,
-               "finished": rec.finished, **rec.result}
+        row = {**rec.result.to_row(), "submitted": rec.submitted, "finished": rec.finished}
         self._ops.write(json.dumps(row, default=str) + "\n")
         self._ops.flush()
 
-    def decisions(self, decisions: list[dict[str, Any]]) -> None:
+    def decisions(self, decisions: list[Decision]) -> None:
         """Every control-plane decision (instance moves, training slots) as JSONL."""
         with open(self.dir / "decisions.jsonl", "a") as f:
             for d in decisions:
-                f.write(json.dumps(d, default=str) + "\n")
+                f.write(json.dumps(d.as_row(), default=str) + "\n")
 
     def iteration(self, m: dict[str, Any]) -> None:
         with open(self.dir / "iterations.jsonl", "a") as f:
@@ -147,6 +199,7 @@ class MetricsWriter:
         for k, v in m.items():
             if k != "iteration" and isinstance(v, int | float):
                 self._tb.add_scalar(k, v, m["iteration"])
+        self._tb.flush()
 
     def close(self) -> None:
         self._ops.close()

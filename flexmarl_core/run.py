@@ -16,8 +16,10 @@ import yaml
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.meg import MEG
-from flexmarl_core.metrics import MetricsWriter, critical_path, iteration_metrics
-from flexmarl_core.orchestrator import Executor, Op, OpRecord, Orchestrator
+from flexmarl_core.metrics import IterationTracker, MetricsWriter, critical_path
+from flexmarl_core.ops import OpRecord, StageResult
+from flexmarl_core.orchestrator import Executor, Orchestrator
+from flexmarl_core.plan import Plan
 from flexmarl_core.worker import CONFIG_NAME, publish_weights, weights_path
 
 
@@ -102,16 +104,16 @@ def completed_records(run_dir: Path) -> list[OpRecord]:
     path = Path(run_dir) / "metrics" / "ops.jsonl"
     if not path.exists():
         return []
-    recs: dict[Op, OpRecord] = {}
+    recs: dict[object, OpRecord] = {}
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
-            op = Op(row["iteration"], row["kind"], row["agent"], row.get("turn", 0), row["mb"])
-        except (json.JSONDecodeError, KeyError):
+            res = StageResult.from_row(row)
+        except (json.JSONDecodeError, KeyError, TypeError):
             continue  # the attempt died while writing this line
-        recs[op] = OpRecord(op, row["submitted"], row["finished"], row.get("worker"), row)
+        recs[res.op] = OpRecord(res.op, row["submitted"], row["finished"], res)
     stepped = {(op.agent, op.iteration) for op in recs if op.kind == "step"}
-    return [r for op, r in recs.items() if op.kind != "train" or (op.agent, op.iteration) in stepped]
+    return [r for r in recs.values() if r.op.kind != "train" or (r.op.agent, r.op.iteration) in stepped]
 
 
 def train(
@@ -121,37 +123,38 @@ def train(
     *,
     on_op_done: Any = None,
     resume: bool = False,
+    plan: Plan | None = None,
 ) -> dict[str, Any]:
-    """Run every iteration through the orchestrator; write and return the metrics.
+    """Run every iteration through the orchestrator; write the metrics as the run goes (each
+    iteration's row once it is final) and return them.
 
     `resume`: continue an interrupted run in `run_dir` (same config): ops its op log records
     as finished are not run again; every stage is idempotent, so an op that finished but was
     not logged runs again without duplicating samples, and trainers restart from their last
-    checkpoint (`worker.trainer_state_path`).
+    checkpoint (`worker.trainer_state_path`). `plan`: the run's plan, if the caller built it.
     """
-    meg = MEG.from_config(cfg.team)
     earlier = completed_records(run_dir) if resume else []
     writer = MetricsWriter(run_dir)
-
-    def kwargs(op: Any) -> dict[str, Any]:
-        return {"run_dir": str(run_dir), "iteration": op.iteration, "agent": op.agent,
-                "turn": op.turn, "mb": op.mb}
+    plan = plan or Plan.build(cfg, MEG.from_config(cfg.team))
+    orch = Orchestrator(plan, cfg, executor, skip=[r.op for r in earlier])
+    tracker = IterationTracker(plan.sizes(), writer.iteration)
+    for rec in earlier:
+        tracker.add(rec, None, [])
 
     def done(rec: OpRecord) -> None:
         writer.op(rec)
+        tracker.add(rec, orch.in_flight_since(), orch.control.decisions)
         if on_op_done:
             on_op_done(rec)
 
-    orch = Orchestrator(cfg, meg, executor, kwargs, on_op_done=done, skip=[r.op for r in earlier])
-    result = orch.run()
-    if earlier:
-        result.records = [*earlier, *result.records]
-        result.started = min(result.started, *(r.submitted for r in earlier))
-    per_it = iteration_metrics(result, cfg)
-    for m in per_it:
-        writer.iteration(m)
-    writer.decisions(result.decisions)
-    writer.close()
-    return {"iterations": per_it, "wall_s": result.wall_s, "ops": len(result.records),
-            "run_dir": str(run_dir), "decisions": result.decisions,
-            "critical_path": critical_path(result.records, orch.plan.deps)}
+    orch.on_op_done = done
+    try:
+        result = orch.run()
+        tracker.flush(final=True)
+    finally:
+        writer.decisions(orch.control.decisions)
+        writer.close()
+    records = [*earlier, *result.records]
+    return {"iterations": tracker.rows, "wall_s": result.wall_s, "ops": len(records),
+            "run_dir": str(run_dir), "decisions": result.decisions, "records": records,
+            "critical_path": critical_path(records, orch.plan.deps)}

@@ -7,6 +7,7 @@ cluster whose workers carry resource tags.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,13 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
+from flexmarl.console import IterationProgress
 from flexmarl_core import cluster, run
 from flexmarl_core.config import load_config
+from flexmarl_core.control import MoveInstance, TrainSlot
+from flexmarl_core.meg import MEG
 from flexmarl_core.metrics import run_summary
+from flexmarl_core.plan import Plan
 from tasks import lean as lean_tasks
 from tasks import report as report_tasks
 from tasks.executor import PrefectDaskExecutor
@@ -51,13 +56,14 @@ def train(
     env = lean_tasks.worker_env(api) if lean else {}
     with (
         cluster.cluster_for(cfg.cluster, env=env) as client,
-        PrefectDaskExecutor(client.scheduler.address, lean=lean) as ex,
+        PrefectDaskExecutor(client.scheduler.address, run_dir, lean=lean) as ex,
     ):
         log.info("Dask dashboard: %s", client.dashboard_link)
         workers_cpu0, cpu0 = cluster.worker_cpu_s(client), time.process_time()
-        on_done, bar = _progress(cfg, progress)
-        with bar:
-            out = run.train(cfg, Path(run_dir), ex, on_op_done=on_done, resume=resume)
+        plan = Plan.build(cfg, MEG.from_config(cfg.team))
+        bar = IterationProgress(plan) if progress else None
+        with bar or contextlib.nullcontext():
+            out = run.train(cfg, Path(run_dir), ex, on_op_done=bar, resume=resume, plan=plan)
         flow_cpu = time.process_time() - cpu0
         workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
     stage_cpu = sum(m["cpu_s"] for m in out["iterations"])
@@ -76,22 +82,10 @@ def train(
         flow_cpu_s=flow_cpu, worker_bookkeeping_cpu_s=max(workers_cpu - stage_cpu, 0.0),
         prefect_overhead_frac=overhead / max(overhead + stage_cpu, 1e-9),
         critical_path=out["critical_path"],
-        balance_moves=sum(1 for d in out["decisions"] if d["decision"] == "move_instance"),
-        train_swaps=sum(1 for d in out["decisions"] if d["decision"] == "train_slot" and d["swap"]),
+        balance_moves=sum(1 for d in out["decisions"] if isinstance(d, MoveInstance)),
+        train_swaps=sum(1 for d in out["decisions"] if isinstance(d, TrainSlot) and d.swap),
     )
-    report_tasks.report(cfg.name, out["iterations"], summary, cfg.resolved_store_uri(), out["decisions"])
+    report_tasks.report(cfg.name, out["iterations"], summary, cfg.resolved_store_uri(),
+                        [d.as_row() for d in out["decisions"]])
     log.info("done: %s", {k: v for k, v in summary.items() if not isinstance(v, dict)})
     return {"summary": summary, "iterations": out["iterations"]}
-
-
-def _progress(cfg: Any, enabled: bool) -> tuple[Any, Any]:
-    import contextlib
-
-    if not enabled:
-        return None, contextlib.nullcontext()
-    from flexmarl.console import IterationProgress
-    from flexmarl_core.meg import MEG
-    from flexmarl_core.orchestrator import Plan
-
-    bar = IterationProgress(Plan.build(cfg, MEG.from_config(cfg.team)))
-    return bar, bar

@@ -1,7 +1,9 @@
 """The orchestrator's executor on the real stack: Prefect task runs on a Dask cluster.
 
 Routing is applied with `dask.annotate` around each submit, so the resource tag (and the
-pinned worker, if any) is the one the router chose at that moment.
+pinned worker, if any) is the one the router chose at that moment. Each task run records the
+task runs of the ops it waited for as its upstream inputs, so the flow run's graph in the
+Prefect UI is the MEG's iteration graph (rollout -> reward -> train -> step -> sync).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from typing import Any
 
 import dask
 import distributed
+from prefect.client.schemas.objects import TaskRunResult
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from flexmarl_core import cluster
-from flexmarl_core.orchestrator import Op, Route
+from flexmarl_core.ops import Op, Route, StageResult
 from tasks.lean import lean_submission, refresh_worker_settings
 from tasks.stages import BY_KIND
 
@@ -25,9 +28,12 @@ from tasks.stages import BY_KIND
 class PrefectDaskExecutor:
     """Use as a context manager inside a flow run: `with PrefectDaskExecutor(address) as ex:`."""
 
-    def __init__(self, address: str, *, lean: bool = False) -> None:
+    def __init__(self, address: str, run_dir: str, *, lean: bool = False) -> None:
         self.runner = DaskTaskRunner(address=address)
+        self.run_dir = str(run_dir)
         self.lean = lean
+        #: the task run of each op submitted in this flow run (the last one, if resubmitted)
+        self.task_runs: dict[Op, Any] = {}
         self._stack = ExitStack()
         self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
 
@@ -45,8 +51,10 @@ class PrefectDaskExecutor:
     def client(self) -> distributed.Client:
         return self.runner.client
 
-    def submit(self, op: Op, kwargs: dict[str, Any], route: Route) -> PrefectDaskFuture:
+    def submit(self, op: Op, route: Route, deps: Sequence[Op] = ()) -> PrefectDaskFuture:
         task = BY_KIND[op.kind]
+        # Ops finished by an earlier attempt (resume) have no task run in this flow run.
+        upstream = {TaskRunResult(id=self.task_runs[d]) for d in deps if d in self.task_runs}
         annotations: dict[str, Any] = {}
         if route.resources:
             annotations["resources"] = route.resources
@@ -55,7 +63,9 @@ class PrefectDaskExecutor:
         with dask.annotate(**annotations):
             # What DaskTaskRunner.submit does, with pure=False: every task run has a fresh id,
             # so hashing its arguments for a deterministic key is wasted work.
-            future = self.client.submit(task, parameters=kwargs, return_type="state", pure=False)
+            future = self.client.submit(task, parameters={"run_dir": self.run_dir, "op": op},
+                                        dependencies={"op": upstream}, return_type="state", pure=False)
+        self.task_runs[op] = future.task_run_id
         return PrefectDaskFuture(wrapped_future=future, task_run_id=future.task_run_id)
 
     def wait_any(self, handles: Sequence[PrefectDaskFuture], timeout: float | None = None) -> list[Any]:
@@ -63,8 +73,11 @@ class PrefectDaskExecutor:
         done, _ = distributed.wait(list(by_dask), timeout=timeout, return_when="FIRST_COMPLETED")
         return [by_dask[f] for f in done]
 
-    def result(self, handle: PrefectDaskFuture) -> dict[str, Any]:
+    def result(self, handle: PrefectDaskFuture) -> StageResult:
         return handle.result()
+
+    def now(self) -> float:
+        return time.time()
 
     def worker_resources(self) -> dict[str, dict[str, float]]:
         # Tags change only when we re-tag (which invalidates) or a worker joins/leaves: a

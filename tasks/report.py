@@ -19,6 +19,8 @@ from prefect.cache_policies import NO_CACHE
 
 from flexmarl_core import run, stages
 from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.metrics import metric_agents
+from flexmarl_core.ops import agent_key
 
 #: per-iteration columns shown first, in this order; other metrics (stage_s/*, busy_s/*) follow
 ITERATION_LEAD = ["iteration", "e2e_s", "tokens", "tokens_per_s", "utilization", "accuracy"]
@@ -65,7 +67,7 @@ def iteration_rows(per_it: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keys: list[str] = []
     for m in per_it:
         keys += [k for k in m if k not in keys]
-    rewards = sorted(k for k in keys if k.startswith("reward/"))
+    rewards = [agent_key(a, "reward") for a in metric_agents(per_it)]
     order = [k for k in ITERATION_LEAD if k in keys] + rewards + [k for k in ITERATION_AFTER_REWARDS if k in keys]
     order += [k for k in keys if k not in order]
     return [{k: _cell(m.get(k)) for k in order} for m in per_it]
@@ -98,8 +100,8 @@ def text_charts(per_it: list[dict[str, Any]], width: int = 40, max_bar_rows: int
     if not per_it:
         return "(no iterations)"
     its = [m["iteration"] for m in per_it]
-    agents = sorted({k.split("/", 1)[1] for m in per_it for k in m if k.startswith("reward/")})
-    series = {a: [float(m.get(f"reward/{a}", 0.0)) for m in per_it] for a in agents}
+    agents = metric_agents(per_it)
+    series = {a: [float(m.get(agent_key(a, "reward"), 0.0)) for m in per_it] for a in agents}
     series["accuracy"] = [float(m.get("accuracy", 0.0)) for m in per_it]
     lo = min(min(v) for v in series.values())
     hi = max(max(v) for v in series.values())

@@ -245,7 +245,7 @@ def test_mixed_team_trains_end_to_end(tmp_path, vllm_env):
     """planner: vLLM rollout + DeepSpeed ZeRO-2; solver: HF + DeepSpeed; verifier: HF + torch;
     through the real orchestrator, store and stages on the in-process executor."""
     from flexmarl_core import run, stages
-    from flexmarl_core.executors import ThreadExecutor
+    from flexmarl_core.executors import ThreadExecutor, stage_fn
 
     cfg = load_config(TINY, [
         f"run_dir={tmp_path}/run", "train.iterations=2", "train.evaluate=true",
@@ -256,10 +256,7 @@ def test_mixed_team_trains_end_to_end(tmp_path, vllm_env):
     ])
     run_dir = run.prepare_run(cfg)
 
-    def fn(op, worker):
-        return stages.STAGE_FNS[op.kind](str(run_dir), op.iteration, op.agent, op.turn, op.mb)
-
-    ex = ThreadExecutor(fn, {"w0": {"rollout": 1, "train": 1}})
+    ex = ThreadExecutor(stage_fn(str(run_dir)), {"w0": {"rollout": 1, "train": 1}})
     try:
         out = run.train(cfg, run_dir, ex)
     finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from flexmarl_core.balancer import InstanceBalancer, apply_move
+from flexmarl_core.control import InstanceBalancer, apply_move
 
 AGENTS = ["planner", "solver", "verifier"]
 

@@ -208,7 +208,7 @@ def test_run_artifacts(baseline_run, prefect_api):
     rows = json.loads(table["data"])
     assert [r["iteration"] for r in rows] == list(range(ITERATIONS))
     want = {"e2e_s", "tokens_per_s", "utilization", "accuracy", "balance_moves", "train_swaps",
-            "swap_in_bytes", "swap_out_bytes", *(f"reward/{a}" for a in agents)}
+            "swap_in_bytes", "swap_out_bytes", *(f"agent/{a}/reward" for a in agents)}
     assert all(want <= set(r) for r in rows), sorted(rows[0])
     assert all(r["tokens_per_s"] > 0 and 0 < r["utilization"] <= 1 for r in rows)
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from flexmarl_core import run, stages
+from flexmarl_core import run
 from flexmarl_core.config import load_config
-from flexmarl_core.executors import ThreadExecutor
+from flexmarl_core.executors import ThreadExecutor, stage_fn
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -25,14 +25,11 @@ def test_mean_reward_rises_on_an_easy_reward(tmp_path):
     ])
     run_dir = run.prepare_run(cfg)
 
-    def fn(op, worker):
-        return stages.STAGE_FNS[op.kind](str(run_dir), op.iteration, op.agent, op.turn, op.mb)
-
-    ex = ThreadExecutor(fn, {"w0": {"rollout": 1, "train": 1}})
+    ex = ThreadExecutor(stage_fn(str(run_dir)), {"w0": {"rollout": 1, "train": 1}})
     try:
         out = run.train(cfg, run_dir, ex)
     finally:
         ex.close()
-    rewards = [m["reward/solver"] for m in out["iterations"]]
+    rewards = [m["agent/solver/reward"] for m in out["iterations"]]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last > first + 0.03, f"mean reward did not rise: {rewards}"

@@ -9,9 +9,12 @@ import time
 import pytest
 
 from flexmarl_core.config import config_from_dict
+from flexmarl_core.control import MoveInstance, Router, TrainSlot
 from flexmarl_core.executors import ThreadExecutor
 from flexmarl_core.meg import MEG
-from flexmarl_core.orchestrator import Op, Orchestrator, OrchestratorError, Plan
+from flexmarl_core.ops import Op, StageResult
+from flexmarl_core.orchestrator import Orchestrator, OrchestratorError
+from flexmarl_core.plan import Plan
 
 TEAM = {
     "agents": [
@@ -37,16 +40,16 @@ def run(cfg, workers=WORKERS, delay=lambda op: 0.01):
     log: list[tuple[Op, str, float, float]] = []
     lock = threading.Lock()
 
-    def fn(op: Op, worker: str) -> dict:
+    def fn(op: Op, worker: str) -> StageResult:
         t0 = time.time()
         time.sleep(delay(op))
         with lock:
             log.append((op, worker, t0, time.time()))
-        return {"worker": worker, "t_start": t0, "t_end": time.time()}
+        return StageResult(op, worker=worker, t_start=t0, t_end=time.time())
 
     ex = ThreadExecutor(fn, workers)
     try:
-        res = Orchestrator(cfg, MEG.from_config(cfg.team), ex, lambda op: {}).run()
+        res = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex).run()
     finally:
         ex.close()
     return res, log
@@ -118,46 +121,44 @@ def test_one_op_per_trainer_at_a_time(on_demand):
         homes = {w for o, w, *_ in log if o.agent == agent and o.kind in ("train", "step", "sync")}
         if not on_demand:
             assert len(homes) == 1, f"static placement moved {agent}'s trainer: {homes}"
-    slots = [d for d in res.decisions if d["decision"] == "train_slot"]
+    slots = [d for d in res.decisions if isinstance(d, TrainSlot)]
     # On demand: one slot decision per (agent, iteration), recorded with the loads it saw.
     assert len(slots) == (9 if on_demand else 0)
-    assert all(set(d["loads"]) == {"w0", "w1"} for d in slots)
+    assert all(set(d.loads) == {"w0", "w1"} for d in slots)
 
 
 def test_on_demand_slots_follow_free_workers():
     """On demand, an agent's iteration takes the training slot with the least work (seconds,
     not tasks), preferring the worker that holds its state unless another is clearly freer;
     moving elsewhere is recorded as a swap. Static placement never moves a trainer."""
-    from flexmarl_core.orchestrator import Router
-
     slots = {"w0": {"train": 1}, "w1": {"train": 1}}
     r = Router(load_balancing=True, on_demand=True, num_mb=2)
 
     def finish_iteration(it: int, agent: str) -> None:
         for op in [Op(it, "train", agent, mb=0), Op(it, "train", agent, mb=1), Op(it, "step", agent),
                    Op(it, "sync", agent)]:
-            r.finished(op, None)
+            r.ledger.finished(op, None)
 
     assert r.route(Op(0, "train", "planner", mb=0), slots).worker == "w0"  # tie: by name
     # The allocation charged w0 the whole iteration: 2 micro-batches + step + sync.
-    assert r.work["w0"] == pytest.approx(2 * 2.0 + 0.05 + 0.05) and r.work["w1"] == 0
+    assert r.ledger.work["w0"] == pytest.approx(2 * 2.0 + 0.05 + 0.05) and r.ledger.work["w1"] == 0
     assert r.route(Op(0, "train", "planner", mb=1), slots).worker == "w0"  # same iteration: same slot
     finish_iteration(0, "planner")
-    assert r.work["w0"] == 0
-    r.work["w1"] = 3.0
+    assert r.ledger.work["w0"] == 0
+    r.ledger.work["w1"] = 3.0
     assert r.route(Op(1, "train", "planner", mb=0), slots).worker == "w0"  # no swap: state is here
     finish_iteration(1, "planner")
-    r.work["w0"], r.work["w1"] = 2.0, 0.0
+    r.ledger.work["w0"], r.ledger.work["w1"] = 2.0, 0.0
     assert r.route(Op(2, "train", "planner", mb=0), slots).worker == "w1"  # w0 busy: swap
     assert r.route(Op(2, "step", "planner"), slots).worker == "w1"
-    d = [x for x in r.decisions if x["decision"] == "train_slot"]
-    assert [(x["iteration"], x["worker"], x["swap"]) for x in d] == [(0, "w0", False), (1, "w0", False), (2, "w1", True)]
-    assert d[-1]["state_was_on"] == "w0" and d[-1]["work_s"] == {"w0": 2.0, "w1": 0.0}
+    d = [x for x in r.decisions if isinstance(x, TrainSlot)]
+    assert [(x.iteration, x.worker, x.swap) for x in d] == [(0, "w0", False), (1, "w0", False), (2, "w1", True)]
+    assert d[-1].state_was_on == "w0" and d[-1].work_s == {"w0": 2.0, "w1": 0.0}
 
     # Cost-aware: a solver micro-batch measured at 3 s weighs twice a planner's 1.5 s.
     r = Router(load_balancing=True, on_demand=True, num_mb=2)
     for agent, secs in [("solver", 3.0), ("verifier", 2.0), ("planner", 1.5)]:
-        r.observe(Op(0, "train", agent, mb=0), secs)
+        r.ledger.observe(Op(0, "train", agent, mb=0), secs)
     assert r.route(Op(1, "train", "solver", mb=0), slots).worker == "w0"
     assert r.route(Op(1, "train", "verifier", mb=0), slots).worker == "w1"
     # Task counts would tie (one iteration each); seconds say w1 (4.1 s) is freer than w0 (6.1 s).
@@ -167,16 +168,16 @@ def test_on_demand_slots_follow_free_workers():
     # charged again, and once everything finishes no work is left on any worker.
     r = Router(load_balancing=True, on_demand=True, num_mb=2)
     assert r.route(Op(0, "train", "planner", mb=0), slots).worker == "w0"
-    r.finished(Op(0, "train", "planner", mb=0), None)
-    r.completed.add(Op(0, "train", "planner", mb=0))
+    r.ledger.finished(Op(0, "train", "planner", mb=0), None)
+    r.ledger.completed.add(Op(0, "train", "planner", mb=0))
     assert r.route(Op(0, "train", "planner", mb=1), {"w1": {"train": 1}}).worker == "w1"
-    assert r.work["w0"] == 0 and r.work["w1"] == pytest.approx(2.0 + 0.05 + 0.05)
+    assert r.ledger.work["w0"] == 0 and r.ledger.work["w1"] == pytest.approx(2.0 + 0.05 + 0.05)
     for op in [Op(0, "train", "planner", mb=1), Op(0, "step", "planner"), Op(0, "sync", "planner")]:
-        r.finished(op, None)
-    assert r.charges == {} and all(w == 0 for w in r.work.values())
+        r.ledger.finished(op, None)
+    assert r.ledger.charges == {} and all(w == 0 for w in r.ledger.work.values())
 
     static = Router(load_balancing=True, on_demand=False)
-    static.work["w0"] = 5.0
+    static.ledger.work["w0"] = 5.0
     homes = {static.route(Op(it, "train", "planner", mb=0), slots).worker for it in range(3)}
     assert homes == {"w0"} and static.decisions == []
 
@@ -211,9 +212,9 @@ def test_balancer_moves_instances_to_the_hot_agent():
                    delay=lambda op: 0.1 if op.kind == "rollout" and op.agent == "planner" else 0.01)
     plan = Plan.build(cfg, MEG.from_config(cfg.team))
     assert sorted(o for o, *_ in log) == sorted(plan.ops())
-    moves = [d for d in res.decisions if d["decision"] == "move_instance"]
-    assert any(d["to_agent"] == "planner" and d["worker"] == "w1" for d in moves), moves
-    assert all({"t", "loads", "from_agent", "to_agent", "cost_bytes", "monitor_us"} <= set(d) for d in moves)
+    moves = [d for d in res.decisions if isinstance(d, MoveInstance)]
+    assert any(d.to_agent == "planner" and d.worker == "w1" for d in moves), moves
+    assert all({"t", "loads", "from_agent", "to_agent", "cost_bytes", "monitor_us"} <= set(d.as_row()) for d in moves)
     assert {w for o, w, *_ in log if o.kind == "rollout" and o.agent == "planner"} == {"w0", "w1"}
 
 
@@ -222,5 +223,5 @@ def test_without_balancing_instances_stay_put():
                   "on_demand_allocation": False}, iterations=1, mbs=4)
     res, log = run(cfg, workers={w: dict(r) for w, r in DEDICATED.items()},
                    delay=lambda op: 0.05 if op.kind == "rollout" and op.agent == "planner" else 0.01)
-    assert not [d for d in res.decisions if d["decision"] == "move_instance"]
+    assert not [d for d in res.decisions if isinstance(d, MoveInstance)]
     assert {w for o, w, *_ in log if o.kind == "rollout" and o.agent == "planner"} == {"w0"}

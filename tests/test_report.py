@@ -8,7 +8,7 @@ from tasks.report import decision_table, iteration_rows, sparkline, summary_mark
 
 def _per_it(n: int) -> list[dict]:
     return [{"iteration": i, "e2e_s": 2.0, "tokens": 10 * (i + 1), "tokens_per_s": 5.0 * (i + 1),
-             "utilization": 0.5, "accuracy": 0.0, "reward/solver": 0.1 * i, "reward/planner": 0.2,
+             "utilization": 0.5, "accuracy": 0.0, "agent/solver/reward": 0.1 * i, "agent/planner/reward": 0.2,
              "stage_s/rollout": 1.0, "balance_moves": 0, "train_swaps": 1} for i in range(n)]
 
 
@@ -32,7 +32,7 @@ def test_text_charts_bars_per_iteration_then_sparkline_for_long_runs():
 def test_tables_and_summary():
     rows = iteration_rows(_per_it(2))
     assert list(rows[0])[:8] == ["iteration", "e2e_s", "tokens", "tokens_per_s", "utilization",
-                                 "accuracy", "reward/planner", "reward/solver"]
+                                 "accuracy", "agent/planner/reward", "agent/solver/reward"]
     cols = decision_table([{"t": 0.0, "decision": "move_instance", "loads": {"a": 1}, "decide_us": 3.0}])
     assert cols["t"] == ["1970-01-01T00:00:00.000+00:00"] and cols["loads"] == ['{"a": 1}']
     assert cols["decide_us"] == [3.0] and cols["agent"] == [None]

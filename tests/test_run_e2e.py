@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from flexmarl_core.config import load_config
 from flexmarl_core.meg import MEG
-from flexmarl_core.orchestrator import Plan
+from flexmarl_core.plan import Plan
 from flexmarl_core.worker import weights_path
 from storage import MEGStore
 
@@ -122,7 +122,7 @@ def test_train_flow_end_to_end(runs, mode):
     assert 0 < s["utilization"] <= 1.0 and s["tokens_per_s"] > 0
     assert 0 <= s["prefect_overhead_frac"] < 1
     m0 = out["iterations"][0]
-    assert {"e2e_s", "tokens", "stage_s/rollout", "stage_s/train", "reward/solver"} <= set(m0)
+    assert {"e2e_s", "tokens", "stage_s/rollout", "stage_s/train", "agent/solver/reward"} <= set(m0)
 
     # Control-plane decisions: none in the synchronous baseline; in the co-design run a
     # training slot per (agent, iteration) and instance moves toward the planner, whose two
@@ -175,13 +175,14 @@ def test_missing_tag_fails_fast_with_clear_error(prefect_api, dask_cluster, tmp_
     tag nobody has must fail at once, naming the tag, not hang."""
     overrides = [f"run_dir={tmp_path}/run", f"cluster.address={dask_cluster}",
                  "train.iterations=1"]
-    from flexmarl_core import orchestrator
+    from flexmarl_core.control import OrchestratorError, Router
+    from flexmarl_core.ops import Op
 
     # A worker set with no `rollout` tag at all: route() must refuse before submitting.
     t0 = time.time()
-    router = orchestrator.Router(load_balancing=True)
-    with pytest.raises(orchestrator.OrchestratorError, match="rollout:solver"):
-        router.route(orchestrator.Op(0, "rollout", "solver", 0, 0), {"tcp://x": {"train": 1}})
+    router = Router(load_balancing=True)
+    with pytest.raises(OrchestratorError, match="rollout:solver"):
+        router.route(Op(0, "rollout", "solver", 0, 0), {"tcp://x": {"train": 1}})
     # And Dask itself gives up on a task whose resource no worker has (no-workers-timeout).
     import distributed
 

@@ -5,7 +5,9 @@ agents). The orchestrator calls the balancer each time it is about to submit wor
 
     loads = balancer.monitor(queued, instances)      # seconds of queued rollout work per instance
     move = balancer.decide(loads, instances, queued, worker_load)
-    if move: executor.set_worker_resources(move.worker, ...)   # re-tag; weights load lazily there
+    if move: retag(move.worker, ...)                 # re-tag; weights load lazily there
+
+(`rebalance` below runs that loop before each submission wave.)
 
 Load is measured in seconds, not task counts, so an agent that writes longer outputs (or is
 called more often) weighs more: queued rollouts x the agent's recent rollout duration, divided
@@ -20,29 +22,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True, slots=True)
-class Move:
-    """One scaling decision: `worker` starts serving `to_agent` (and stops serving `from_agent`)."""
-
-    t: float
-    worker: str
-    to_agent: str
-    from_agent: str | None
-    loads: dict[str, float]
-    #: bytes of weights the worker must load for `to_agent` (the move's cost)
-    cost_bytes: int
-    monitor_us: float
-    decide_us: float
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["loads"] = {a: (v if math.isfinite(v) else "inf") for a, v in self.loads.items()}
-        return d
+from flexmarl_core.control.decisions import MoveInstance
+from flexmarl_core.control.tags import ROLLOUT_TAG, rollout_tag
+from flexmarl_core.ops import Op, Route
 
 
 @dataclass
@@ -95,7 +81,8 @@ class InstanceBalancer:
         `worker_load` is the work already waiting on each rollout-capable worker (any agent);
         among the workers that could take the hot agent, the least loaded is chosen. `in_use`
         holds (worker, agent) pairs with tasks queued there: such a tag is never taken away
-        (FACTS.md: a task already waiting on a tag would be stuck), the worker is shared instead.
+        (Dask leaves a task that already waits on a tag stuck when the tag goes away), the
+        worker is shared instead.
         """
         if not loads:
             return None
@@ -130,7 +117,7 @@ class InstanceBalancer:
         worker_load: Mapping[str, float],
         in_use: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
         now: float | None = None,
-    ) -> Move | None:
+    ) -> MoveInstance | None:
         """monitor + decide, timed; returns the move (not yet applied) or None."""
         t0 = time.perf_counter()
         loads = self.monitor(queued, instances)
@@ -140,15 +127,60 @@ class InstanceBalancer:
         if d is None:
             return None
         worker, to_agent, from_agent = d
-        return Move(
+        return MoveInstance(
             t=time.time() if now is None else now, worker=worker, to_agent=to_agent,
             from_agent=from_agent, loads=dict(loads), cost_bytes=int(self.weight_bytes.get(to_agent, 0)),
             monitor_us=(t1 - t0) * 1e6, decide_us=(t2 - t1) * 1e6,
         )
 
 
-def apply_move(instances: dict[str, list[str]], move: Move) -> None:
+def apply_move(instances: dict[str, list[str]], move: MoveInstance) -> None:
     """Update an `agent -> workers` view in place after a move."""
     instances.setdefault(move.to_agent, []).append(move.worker)
     if move.from_agent is not None:
         instances[move.from_agent] = [w for w in instances.get(move.from_agent, []) if w != move.worker]
+
+
+def rebalance(
+    balancer: InstanceBalancer,
+    ready: Iterable[Op],
+    running: Iterable[tuple[Op, Route]],
+    workers: dict[str, dict[str, float]],
+    worker_load: Mapping[str, float],
+    retag: Callable[[str, dict[str, float]], None],
+    now: float,
+) -> tuple[dict[str, dict[str, float]], list[MoveInstance]]:
+    """Move instances (re-tag workers) until the balancer sees no disparity worth a move;
+    returns the workers' tags afterwards and the moves made. Only dedicated `rollout:<agent>`
+    tags move: a cluster of shared `rollout` workers has nothing to rebalance."""
+    prefix = f"{ROLLOUT_TAG}:"
+    rollout_workers = [w for w, r in workers.items() if any(k.startswith(prefix) for k in r)]
+    if not rollout_workers:
+        return workers, []
+    workers = {w: dict(r) for w, r in workers.items()}
+    agents = balancer.agents
+    instances = {a: [w for w in rollout_workers if workers[w].get(rollout_tag(a), 0) > 0] for a in agents}
+    queued: dict[str, int] = defaultdict(int)
+    in_use: set[tuple[str, str]] = set()
+    for op, route in running:
+        if op.kind == "rollout":
+            queued[op.agent] += 1
+            if route.worker:
+                in_use.add((route.worker, op.agent))
+    for op in ready:
+        if op.kind == "rollout":
+            queued[op.agent] += 1
+    moves = []
+    for _ in range(len(rollout_workers) * len(agents)):  # bounded: each move changes a tag
+        move = balancer.step(queued, instances, {w: worker_load.get(w, 0.0) for w in rollout_workers},
+                             in_use, now=now)
+        if move is None:
+            break
+        tags = {rollout_tag(move.to_agent): 1.0}
+        if move.from_agent is not None:
+            tags[rollout_tag(move.from_agent)] = 0.0
+        retag(move.worker, tags)
+        workers[move.worker].update(tags)
+        apply_move(instances, move)
+        moves.append(move)
+    return workers, moves

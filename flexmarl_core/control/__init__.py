@@ -1,0 +1,77 @@
+"""The control plane: every decision about where work runs, and the record of each one.
+
+    ControlPlane.place(ready, running, workers)   before a submission wave: move instances
+    ControlPlane.route(op, workers) -> Route      rollout instance, training slot, or anywhere
+    ControlPlane.submitted / finished / observed  keep the work ledger in seconds
+    ControlPlane.decisions                        MoveInstance, TrainSlot, Resubmit, in order
+
+Pure Python, no Dask: the orchestrator applies re-tags through its executor, so the same
+policies run against a real cluster, threads, or a simulated clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.control.balancer import InstanceBalancer, apply_move, rebalance
+from flexmarl_core.control.decisions import Decision, MoveInstance, Resubmit, TrainSlot
+from flexmarl_core.control.ledger import DEFAULT_OP_S, WorkLedger
+from flexmarl_core.control.router import OrchestratorError, Router
+from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
+from flexmarl_core.ops import Op, Route, StageResult
+
+__all__ = [
+    "DEFAULT_OP_S", "ROLLOUT_TAG", "TRAIN_TAG", "ControlPlane", "Decision", "InstanceBalancer",
+    "MoveInstance", "OrchestratorError", "Resubmit", "Router", "TrainSlot", "WorkLedger",
+    "apply_move", "rebalance", "rollout_tag",
+]
+
+
+class ControlPlane:
+    def __init__(self, cfg: ExperimentConfig, agents: list[str], clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.decisions: list[Decision] = []
+        cs = cfg.codesign
+        self.router = Router(load_balancing=cs.load_balancing, on_demand=cs.on_demand_allocation,
+                             num_mb=cfg.batch.num_micro_batches, clock=clock, log=self.decisions)
+        self.ledger = self.router.ledger
+        self.balancer = (
+            InstanceBalancer(agents=agents, threshold=cs.balance_threshold, est_s=self.ledger.est_s["rollout"])
+            if cs.load_balancing else None
+        )
+
+    def place(
+        self,
+        ready: list[Op],
+        running: Iterable[tuple[Op, Route]],
+        workers: dict[str, dict[str, float]],
+        retag: Callable[[str, dict[str, float]], None],
+    ) -> dict[str, dict[str, float]]:
+        """Inter-agent balancing before a submission wave; the workers' tags afterwards."""
+        if self.balancer is None or not any(op.kind == "rollout" for op in ready):
+            return workers
+        workers, moves = rebalance(self.balancer, ready, running, workers, self.ledger.work, retag,
+                                   self.clock())
+        self.decisions.extend(moves)
+        return workers
+
+    def route(self, op: Op, workers: dict[str, dict[str, float]]) -> Route:
+        return self.router.route(op, workers)
+
+    def submitted(self, op: Op, route: Route) -> None:
+        self.ledger.submitted(op, route.worker)
+
+    def finished(self, op: Op, route: Route) -> None:
+        self.ledger.finished(op, route.worker)
+
+    def observed(self, res: StageResult) -> None:
+        """A finished op's measurement: it feeds the duration estimates and is never charged
+        again. Swap-in time is the move's cost, not the op's: kept out of the estimate."""
+        self.ledger.completed.add(res.op)
+        if res.t_end:
+            self.ledger.observe(res.op, res.seconds - res.swap.get("swap_in_s", 0.0))
+
+    def resubmitted(self, op: Op, route: Route, exc: BaseException) -> None:
+        self.decisions.append(Resubmit(t=self.clock(), op=op.name, worker=route.worker,
+                                       error=f"{type(exc).__name__}: {exc}"[:300]))

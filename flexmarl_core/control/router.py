@@ -1,0 +1,68 @@
+"""Routing: where each op runs, chosen at the moment it is submitted (a Dask task already
+waiting on a tag would not move).
+
+Rollouts go to an instance of their agent: a worker tagged `rollout:<agent>`, else any worker
+tagged `rollout`. With `load_balancing` the instance with the least work is chosen (intra-agent
+balancing; `InstanceBalancer` moves instances between agents); without it, Dask places the task
+among the tagged workers. Trainer ops go to the agent's training slot (`SlotAllocator`);
+rewards anywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from flexmarl_core.control.allocation import SlotAllocator
+from flexmarl_core.control.decisions import Decision
+from flexmarl_core.control.ledger import WorkLedger
+from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
+from flexmarl_core.ops import TRAINER_KINDS, Op, Route
+
+
+class OrchestratorError(RuntimeError):
+    """The run cannot go on; the message names the op and the reason."""
+
+
+class Router:
+    def __init__(
+        self,
+        *,
+        load_balancing: bool,
+        on_demand: bool = False,
+        num_mb: int = 1,
+        clock: Callable[[], float] = time.time,
+        log: list[Decision] | None = None,
+    ) -> None:
+        self.load_balancing = load_balancing
+        self.ledger = WorkLedger()
+        self.decisions: list[Decision] = [] if log is None else log
+        self.slots = SlotAllocator(self.ledger, on_demand, num_mb, clock, self.decisions)
+
+    def instances(self, agent: str, workers: dict[str, dict[str, float]]) -> tuple[str, list[str]]:
+        """The tag an agent's rollouts need now, and the workers that carry it."""
+        dedicated = [w for w, r in workers.items() if r.get(rollout_tag(agent), 0) > 0]
+        if dedicated:
+            return rollout_tag(agent), sorted(dedicated)
+        shared = [w for w, r in workers.items() if r.get(ROLLOUT_TAG, 0) > 0]
+        return ROLLOUT_TAG, sorted(shared)
+
+    def route(self, op: Op, workers: dict[str, dict[str, float]]) -> Route:
+        if op.kind == "rollout":
+            tag, candidates = self.instances(op.agent, workers)
+            if not candidates:
+                raise OrchestratorError(
+                    f"{op.name}: no worker has resource tag {rollout_tag(op.agent)!r} or "
+                    f"{ROLLOUT_TAG!r}; workers: {workers}. Add the tag to a worker in cluster.workers."
+                )
+            if not self.load_balancing:
+                return Route({tag: 1})
+            led = self.ledger
+            worker = min(candidates, key=lambda w: (led.work[w], led.outstanding[w], w))
+            return Route({tag: 1}, worker)
+        if op.kind in TRAINER_KINDS:
+            slots = sorted(w for w, r in workers.items() if r.get(TRAIN_TAG, 0) > 0)
+            if not slots:
+                raise OrchestratorError(f"{op.name}: no worker has resource tag {TRAIN_TAG!r}; workers: {workers}")
+            return Route({TRAIN_TAG: 1}, self.slots.choose(op, slots))
+        return Route({})  # reward: cheap, anywhere

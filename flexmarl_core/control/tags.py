@@ -1,0 +1,15 @@
+"""Dask resource tags: how the control plane says where work may run.
+
+A worker tagged `rollout:<agent>` hosts an inference instance dedicated to that agent; a plain
+`rollout` tag serves any agent. `train` marks a training slot. Tags change at run time (the
+balancer re-tags workers), which is how load moves between agents.
+"""
+
+from __future__ import annotations
+
+ROLLOUT_TAG = "rollout"
+TRAIN_TAG = "train"
+
+
+def rollout_tag(agent: str) -> str:
+    return f"{ROLLOUT_TAG}:{agent}"

@@ -1,0 +1,116 @@
+"""The types every layer passes: an op (one node of the iteration graph), where it runs, and
+what it measured. Nothing else crosses the boundary between the orchestrator, the executors
+(threads, Prefect-on-Dask, the simulator) and the stages.
+
+    Plan ──► Op ──► control.Router ──► Route ──► Executor.submit(op, route, deps)
+                                                    │ in a worker: stages.run_stage(run_dir, op)
+    Orchestrator ◄── OpRecord(op, submitted, finished, StageResult) ◄┘
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+OpKind = Literal["rollout", "reward", "train", "step", "sync"]
+OP_KINDS: tuple[OpKind, ...] = ("rollout", "reward", "train", "step", "sync")
+#: kinds that run on the agent's trainer (one at a time: its state lives in one process)
+TRAINER_KINDS: frozenset[str] = frozenset({"train", "step", "sync"})
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Op:
+    """One node of the iteration task graph: `rollout` of an agent's turn on a micro-batch,
+    `reward` of a micro-batch (every agent), `train` of an agent on a micro-batch, its
+    `step` and its weight `sync` once per iteration. `mb = -1`: not per micro-batch."""
+
+    iteration: int
+    kind: OpKind
+    agent: str = ""
+    turn: int = 0
+    mb: int = -1
+
+    @property
+    def name(self) -> str:
+        """The op's one name: task runs, fault markers and the op log all use it."""
+        who = f"[{self.agent}]" if self.agent else ""
+        turn = f"@{self.turn}" if self.kind == "rollout" and self.turn else ""
+        mb = f" mb={self.mb}" if self.mb >= 0 else ""
+        return f"{self.kind}{who}{turn} it={self.iteration}{mb}"
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where an op runs: Dask resources it needs and, optionally, one worker it is pinned to."""
+
+    resources: dict[str, float]
+    worker: str | None = None
+
+
+def agent_key(agent: str, metric: str) -> str:
+    """The namespaced key of one agent's metric: `agent/<name>/<metric>`."""
+    return f"agent/{agent}/{metric}"
+
+
+@dataclass(slots=True)
+class StageResult:
+    """What one stage did, measured in the worker that ran it.
+
+    Scalars that belong to an agent are in `metrics` under `agent/<name>/<metric>` (e.g.
+    `agent/solver/reward`, `agent/solver/train/loss`); team-wide ones under `team/<metric>`.
+    """
+
+    op: Op
+    samples: int = 0  #: samples written (rollout), scored (reward) or trained on (train)
+    tokens: int = 0  #: sampled response tokens (rollout); loss tokens (train)
+    version: int | None = None  #: policy version used (rollout) or produced (step, sync)
+    skipped: bool = False  #: a retry that found its work already done
+    bytes: int = 0  #: bytes of weights published (sync)
+    metrics: dict[str, float] = field(default_factory=dict)
+    #: on-demand allocation traffic: swap_in_s, swap_in_bytes, swap_out_s, swap_out_bytes
+    swap: dict[str, float] = field(default_factory=dict)
+    worker: str = ""
+    t_start: float = 0.0
+    t_end: float = 0.0
+    cpu_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.t_end - self.t_start
+
+    def per_agent(self, metric: str) -> dict[str, float]:
+        """`{agent: value}` of one namespaced metric, e.g. `per_agent("reward")`."""
+        out = {}
+        for k, v in self.metrics.items():
+            if k.startswith("agent/") and k.endswith("/" + metric):
+                agent = k[len("agent/") : -len(metric) - 1]
+                if "/" not in agent:
+                    out[agent] = v
+        return out
+
+    def to_row(self) -> dict[str, Any]:
+        """A flat JSON-able row for the op log (`metrics/ops.jsonl`)."""
+        row = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("op", "metrics", "swap")}
+        return {**asdict(self.op), "op": self.op.name, **row, **self.swap, **self.metrics}
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> StageResult:
+        """Back from an op-log row (resume reads the log of an interrupted attempt)."""
+        op = Op(row["iteration"], row["kind"], row.get("agent", ""), row.get("turn", 0), row.get("mb", -1))
+        plain = {f.name for f in fields(cls)} - {"op", "metrics", "swap"}
+        return cls(
+            op=op,
+            **{k: row[k] for k in plain if k in row},
+            swap={k: float(v) for k, v in row.items() if k.startswith("swap_")},
+            metrics={k: float(v) for k, v in row.items() if k.startswith(("agent/", "team/"))},
+        )
+
+
+@dataclass(slots=True)
+class OpRecord:
+    """One finished op as the orchestrator saw it: client-side times around the stage's own."""
+
+    op: Op
+    submitted: float
+    finished: float
+    result: StageResult

@@ -1,0 +1,96 @@
+"""The iteration task graph: every op of a run and the ops it waits for, derived from the MEG
+and the co-design switches. Per iteration `it` and micro-batch `mb` (whole GRPO groups):
+
+    rollout(agent@turn, it, mb) ─► ... ─► reward(it, mb) ─► train(agent, it, mb) ─► step(agent, it) ─► sync(agent, it)
+                 ▲                                                                                       │
+                 └──────────────────────── rollout(agent@*, it+1, *) waits for it ◄──────────────────────┘
+
+The switches change dependencies only, never the work itself:
+
+- `dependency_parallel`: a rollout waits for its parents' *same micro-batch*; off: for the
+  parents' whole batch (and rewards wait for every rollout of the iteration).
+- `async_pipeline`: training of a micro-batch waits only for its rewards and an agent's next
+  iteration only for its own weight sync (plus its parents); off: training waits for the whole
+  rollout phase and iteration it+1 waits for every agent's sync of it (the synchronous baseline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.meg import MEG
+from flexmarl_core.ops import Op, OpKind
+
+
+@dataclass
+class Plan:
+    """All ops of a run and their dependencies, derived from the MEG and the switches."""
+
+    meg: MEG
+    iterations: int
+    num_mb: int
+    dependency_parallel: bool
+    async_pipeline: bool
+    deps: dict[Op, list[Op]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cfg: ExperimentConfig, meg: MEG) -> Plan:
+        plan = cls(
+            meg=meg,
+            iterations=cfg.train.iterations,
+            num_mb=cfg.batch.num_micro_batches,
+            dependency_parallel=cfg.codesign.dependency_parallel,
+            async_pipeline=cfg.codesign.async_pipeline,
+        )
+        for it in range(cfg.train.iterations):
+            plan._add_iteration(it)
+        return plan
+
+    def _add_iteration(self, it: int) -> None:
+        meg, mbs = self.meg, range(self.num_mb)
+        trainable = meg.trainable_agents
+        rollouts = {(n.agent, n.turn, j): Op(it, "rollout", n.agent, n.turn, j) for n in meg.nodes for j in mbs}
+        prev_syncs = [Op(it - 1, "sync", a) for a in trainable] if it > 0 else []
+        for n in meg.nodes:
+            for j in mbs:
+                d: list[Op] = []
+                for p in meg.parents[n]:
+                    if self.dependency_parallel:
+                        d.append(rollouts[(p.agent, p.turn, j)])
+                    else:
+                        d.extend(rollouts[(p.agent, p.turn, k)] for k in mbs)
+                if self.async_pipeline:
+                    # Only this agent's own new weights gate its next iteration.
+                    d.extend(s for s in prev_syncs if s.agent == n.agent)
+                else:
+                    d.extend(prev_syncs)
+                self.deps[rollouts[(n.agent, n.turn, j)]] = d
+        all_rollouts = list(rollouts.values())
+        for j in mbs:
+            if self.dependency_parallel:
+                d = [op for (_, _, k), op in rollouts.items() if k == j]
+            else:
+                d = list(all_rollouts)
+            self.deps[Op(it, "reward", mb=j)] = d
+        rewards = [Op(it, "reward", mb=j) for j in mbs]
+        for a in trainable:
+            for j in mbs:
+                self.deps[Op(it, "train", a, mb=j)] = (
+                    [Op(it, "reward", mb=j)] if self.async_pipeline else list(rewards)
+                )
+            self.deps[Op(it, "step", a)] = [Op(it, "train", a, mb=j) for j in mbs]
+            self.deps[Op(it, "sync", a)] = [Op(it, "step", a)]
+
+    def sizes(self) -> dict[int, int]:
+        """Ops per iteration."""
+        out: dict[int, int] = {}
+        for op in self.deps:
+            out[op.iteration] = out.get(op.iteration, 0) + 1
+        return out
+
+    def ops(self) -> list[Op]:
+        return list(self.deps)
+
+    def count(self, kind: OpKind) -> int:
+        return sum(1 for op in self.deps if op.kind == kind)

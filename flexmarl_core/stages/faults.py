@@ -1,0 +1,52 @@
+"""Fault injection for tests and chaos drills: marker files name the op they hit."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+class InjectedFault(RuntimeError):
+    """A failure injected by a `raise@`/`fail@` marker (see `faults_dir`), never a real one."""
+
+
+def faults_dir(run_dir: str | os.PathLike[str]) -> str:
+    """A marker file in this folder (next to the run folder, so starting the run does not wipe
+    it) names the op (`<kind>@<Op.name>`) it hits as that op starts:
+
+    - `kill@<op>`: the worker process SIGKILLs itself once (a real process death; Dask, not
+      Prefect, reruns the op).
+    - `raise@<op>`: the stage raises `InjectedFault` once (Prefect's task retries rerun it).
+    - `fail@<op>`: the stage raises `InjectedFault` N times, N the file's integer content
+      (empty: 1), one per attempt; N above the task's retries fails the op, hence the flow run.
+
+    Each marker is consumed (removed, or decremented) before it fires, so the rerun goes through."""
+    return os.fspath(run_dir).rstrip("/") + ".faults"
+
+
+def fault_point(run_dir: str, op_name: str) -> None:
+    folder = faults_dir(run_dir)
+    if not os.path.isdir(folder):  # the common case: one stat, no fault injection
+        return
+    kill = os.path.join(folder, f"kill@{op_name}")
+    if os.path.exists(kill):
+        os.remove(kill)
+        os.kill(os.getpid(), signal.SIGKILL)
+    once = os.path.join(folder, f"raise@{op_name}")
+    if os.path.exists(once):
+        os.remove(once)
+        raise InjectedFault(f"injected fault (raise@) in {op_name}")
+    counted = os.path.join(folder, f"fail@{op_name}")
+    if os.path.exists(counted):
+        with open(counted) as f:
+            text = f.read().strip()
+        left = int(text) if text else 1
+        if left <= 1:
+            os.remove(counted)
+        else:  # replace, not rewrite in place: a reader never sees a torn count
+            tmp = f"{counted}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(str(left - 1))
+            os.replace(tmp, counted)
+        if left >= 1:
+            raise InjectedFault(f"injected fault (fail@, {left} left) in {op_name}")

@@ -1,0 +1,65 @@
+"""The one table of stages: op kind -> `fn(ctx, op) -> StageResult`.
+
+`run_stage(run_dir, op)` is what every executor runs in a worker (Prefect tasks are generated
+from this table in `tasks/stages.py`): fault point, the worker's context, the stage, and the
+measurements every stage reports (worker, wall and CPU time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from collections.abc import Callable
+
+from flexmarl_core.ops import OP_KINDS, Op, OpKind, StageResult
+from flexmarl_core.stages.faults import fault_point
+from flexmarl_core.worker import WorkerContext, context
+
+StageFn = Callable[[WorkerContext, Op], StageResult]
+STAGES: dict[OpKind, StageFn] = {}
+
+
+class ConsistencyError(RuntimeError):
+    """A sample would train a policy version other than the one that produced it."""
+
+
+def stage(kind: OpKind) -> Callable[[StageFn], StageFn]:
+    """Register the stage of one op kind (a second registration of a kind is an error)."""
+    if kind not in OP_KINDS:
+        raise ValueError(f"unknown op kind {kind!r}; kinds: {list(OP_KINDS)}")
+
+    def register(fn: StageFn) -> StageFn:
+        if kind in STAGES:
+            raise ValueError(f"stage {kind!r} is already registered ({STAGES[kind].__qualname__})")
+        STAGES[kind] = fn
+        return fn
+
+    return register
+
+
+def worker_name() -> str:
+    return os.environ.get("FLEXMARL_WORKER_NAME") or f"{socket.gethostname()}:{os.getpid()}"
+
+
+def stage_seed(*parts: object) -> int:
+    """A seed that depends only on the node's identity, never on where or when it runs."""
+    h = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:4], "little")
+
+
+def weights_version(ctx: WorkerContext, agent: str, iteration: int) -> int:
+    """One optimizer step per iteration: iteration k rolls out with version k (frozen: 0)."""
+    return iteration if ctx.cfg.agent(agent).trainable else 0
+
+
+def run_stage(run_dir: str, op: Op) -> StageResult:
+    """Run `op`'s stage in this process, measured."""
+    fault_point(run_dir, op.name)
+    fn = STAGES[op.kind]
+    t0, c0 = time.time(), time.process_time()
+    res = fn(context(run_dir), op)
+    res.worker, res.t_start, res.t_end = worker_name(), t0, time.time()
+    res.cpu_s = time.process_time() - c0
+    return res

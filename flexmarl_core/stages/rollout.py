@@ -1,0 +1,50 @@
+"""Rollout: one agent's turn on one micro-batch, written to the MEG Store."""
+
+from __future__ import annotations
+
+from flexmarl_core.meg import NodeKey, sample_id
+from flexmarl_core.ops import Op, StageResult, agent_key
+from flexmarl_core.stages.registry import stage, stage_seed, weights_version
+from flexmarl_core.worker import WorkerContext
+
+
+@stage("rollout")
+def rollout(ctx: WorkerContext, op: Op) -> StageResult:
+    """Render each trajectory's prompt from its parents' responses (read from the store),
+    generate with the agent's weights of this iteration, write the samples."""
+    agent, it, mb, turn = op.agent, op.iteration, op.mb, op.turn
+    parents = ctx.meg.parents[NodeKey(agent, turn)]
+    inputs = ctx.inputs(it, mb)
+    parent_text: dict[str, str] = {}
+    for p in parents:
+        tbl = ctx.store.read_samples(p.agent, it, mb=mb, columns=["sample_id", "response_text"])
+        parent_text.update(zip(tbl.column("sample_id").to_pylist(), tbl.column("response_text").to_pylist(), strict=True))
+    prompts, meta = [], []
+    for inp in inputs:
+        for traj in range(ctx.cfg.batch.group_size):
+            outs = {}
+            for p in parents:
+                sid = sample_id(inp["input_id"], traj, p.agent, p.turn)
+                if sid not in parent_text:
+                    raise RuntimeError(f"{op.name}: parent sample {sid} missing")
+                outs[p.agent] = parent_text[sid]
+            prompts.append(ctx.meg.render_prompt(agent, inp["text"], outs))
+            meta.append((inp["input_id"], traj, [sample_id(inp["input_id"], traj, p.agent, p.turn) for p in parents]))
+    version = weights_version(ctx, agent, it)
+    with ctx.lock:
+        eng = ctx.engine(agent, version)
+        gens = eng.generate(prompts, ctx.cfg.agent(agent).sampling, seed=stage_seed(ctx.cfg.seed, it, agent, turn, mb))
+    rows = [
+        {
+            "sample_id": sample_id(input_id, traj, agent, turn),
+            "input_id": input_id, "traj": traj, "turn": turn, "mb": mb,
+            "policy_version": g.version, "parents": par,
+            "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "logprobs": g.logprobs,
+            "prompt_text": prompt, "response_text": g.text,
+        }
+        for (input_id, traj, par), prompt, g in zip(meta, prompts, gens, strict=True)
+    ]
+    ctx.store.write_samples(agent, it, rows)
+    tokens = sum(len(g.response_ids) for g in gens)
+    return StageResult(op, samples=len(rows), tokens=tokens, version=version,
+                       metrics={agent_key(agent, "response_tokens"): tokens / max(len(rows), 1)})

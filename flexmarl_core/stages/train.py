@@ -1,0 +1,107 @@
+"""Training: an agent's micro-batch backward (`train`) and its optimizer step (`step`).
+
+The loss of every micro-batch is scaled by one constant known from the config before any
+rollout (`loss_scale`), so early backward of a micro-batch is exact however the batch is split
+or ordered: the accumulated gradient equals the whole global batch's.
+"""
+
+from __future__ import annotations
+
+from flexmarl_core.algorithms import advantage_scope, compute_advantages
+from flexmarl_core.algorithms.losses import token_weight
+from flexmarl_core.ops import Op, StageResult, agent_key
+from flexmarl_core.stages.registry import ConsistencyError, stage
+from flexmarl_core.training import Sample
+from flexmarl_core.worker import WorkerContext, trainer_state_path
+
+
+def samples_per_step(ctx: WorkerContext, agent: str) -> int:
+    turns = sum(1 for n in ctx.meg.nodes if n.agent == agent)
+    return ctx.cfg.batch.inputs_per_iteration * ctx.cfg.batch.group_size * turns
+
+
+def loss_scale(ctx: WorkerContext, agent: str) -> float:
+    """1 / (samples per global batch x max new tokens): the loss is a token sum over a constant
+    (Dr. GRPO's normaliser) rather than GRPO's per-sequence mean or the global token count,
+    because either of those needs every rollout of the batch before the first backward. Each
+    sampled token weighs the same whatever its sequence's length; a batch of short answers
+    gets a proportionally smaller loss (and gradient) than one of long answers."""
+    return 1.0 / (samples_per_step(ctx, agent) * ctx.cfg.agent(agent).sampling.max_new_tokens)
+
+
+@stage("train")
+def train(ctx: WorkerContext, op: Op) -> StageResult:
+    """Forward + backward of one micro-batch into the agent's accumulated gradients."""
+    agent, it, mb = op.agent, op.iteration, op.mb
+    tr, swap = ctx.trainer(agent, it)
+    done = ctx.accumulated.setdefault(agent, set())
+    if tr.version != it or (it, mb) in done:
+        # A retry after the work was done (version moved on, or this micro-batch is in the grads).
+        return StageResult(op, skipped=True, swap=swap)
+    alg = ctx.cfg.agent(agent).algorithm
+    # Group-scoped estimators need only this micro-batch (whole groups); batch-scoped ones
+    # (REINFORCE++) normalise over the iteration, whose rewards the plan waits for.
+    whole = advantage_scope(alg.advantage) == "batch"
+    # Consumed-or-not does not matter here: the trainer is still at `it`, so no update has
+    # applied these samples yet; a `consumed_step` on them was written by an attempt whose
+    # gradients died with its process (the version check above keeps this exactly-once).
+    rows = ctx.store.ready(agent, it, need=("reward",), unconsumed=False, mb=None if whole else mb).to_pylist()
+    per_mb = samples_per_step(ctx, agent) // ctx.cfg.batch.num_micro_batches
+    expected = per_mb * (ctx.cfg.batch.num_micro_batches if whole else 1)
+    if len(rows) != expected:
+        raise RuntimeError(f"{op.name}: {len(rows)} samples ready, expected {expected}")
+    bad = [r["sample_id"] for r in rows if r["policy_version"] != tr.version]
+    if bad:
+        raise ConsistencyError(
+            f"agent {agent!r} update {tr.version}: samples {bad[:3]} were not produced by policy "
+            f"version {tr.version} (on-policy violated)"
+        )
+    rows.sort(key=lambda r: r["sample_id"])
+    adv = compute_advantages(
+        alg.advantage, [float(r["reward"]) for r in rows], [f"{r['input_id']}:{r['turn']}" for r in rows]
+    ).tolist()
+    mine = [(r, a) for r, a in zip(rows, adv, strict=True) if r["mb"] == mb]
+    batch = [
+        Sample(prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], logprobs=r["logprobs"], advantage=a)
+        for r, a in mine
+    ]
+    scale = loss_scale(ctx, agent)
+    with ctx.lock:
+        stats = tr.accumulate(batch, loss_scale=scale)
+        done.add((it, mb))
+    ctx.store.write_status(agent, it, [
+        {"sample_id": r["sample_id"], "policy_version": r["policy_version"], "mb": mb,
+         "advantage": a, "consumed_step": it}
+        for r, a in mine
+    ])
+    tokens = int(token_weight(batch))
+    # The trainer's figures are token sums times `scale`: report per-token means of this
+    # micro-batch (an iteration's figure is their token-weighted mean, metrics.py).
+    per_token = 1.0 / (scale * max(tokens, 1))
+    return StageResult(op, samples=len(batch), tokens=tokens, swap=swap,
+                       metrics={agent_key(agent, f"train/{k}"): float(v) * per_token for k, v in stats.items()})
+
+
+@stage("step")
+def step(ctx: WorkerContext, op: Op) -> StageResult:
+    """The agent's optimizer step once its global batch is in; checkpoints the new state."""
+    agent, it = op.agent, op.iteration
+    if trainer_state_path(ctx.run_dir, agent, it + 1).exists():
+        # An earlier attempt stepped and checkpointed (then died or was retried): take that state.
+        tr, _ = ctx.trainer(agent, it + 1)
+        return StageResult(op, version=tr.version, skipped=True)
+    tr, _ = ctx.trainer(agent, it)
+    done = ctx.accumulated.setdefault(agent, set())
+    missing = [j for j in range(ctx.cfg.batch.num_micro_batches) if (it, j) not in done]
+    # Micro-batches whose gradients died with another process (a killed worker, a trainer that
+    # moved) are accumulated again from the store: same samples, same gradients.
+    for j in missing:
+        train(ctx, Op(it, "train", agent, mb=j))
+    with ctx.lock:
+        res = tr.step()
+        done.clear()
+        swap = ctx.checkpoint_trainer(agent)
+    return StageResult(op, version=res.version, swap=swap, metrics={
+        agent_key(agent, "train/grad_norm"): res.grad_norm,
+        agent_key(agent, "recomputed_mbs"): float(len(missing)),
+    })
