@@ -229,13 +229,7 @@ def audit_store(
     A sample_id under several policy versions stays a warning.
     """
     store = MEGStore(uri, create=False, **fs_kwargs)
-    keys: set[tuple[str, int]] = set(expected or {})
-    for table in ("samples", "status"):
-        for adir in store._list(f"{store.root}/{table}", dirs=True):
-            if adir.startswith("agent=") and AGENT_NAME_RE.fullmatch(adir[6:]):
-                for idir in store._list(f"{store.root}/{table}/{adir}", dirs=True):
-                    if ITERATION_DIR.fullmatch(idir):
-                        keys.add((adir[6:], int(idir[10:])))
+    keys = set(expected or {}) | set(store.partitions("samples")) | set(store.partitions("status"))
     problems = []
     for agent, iteration in sorted(keys):
         want = (expected or {}).get((agent, iteration))

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
-from .schema import validate_agent
+from .schema import AGENT_NAME_RE, validate_agent
 
 __all__ = [
     "FORMAT_VERSION",
@@ -169,4 +169,21 @@ class StoreFiles:
         for n in self._list(base, dirs=True):
             if n.startswith("iteration=") and n[10:].isdigit():
                 out.append(int(n[10:]))
+        return sorted(out)
+
+    def partitions(self, kind: str = "samples") -> list[tuple[str, int]]:
+        """The (agent, iteration) partitions of the ``samples`` or ``status`` table.
+
+        Only directories named as the store names them count (a valid agent name, a plain
+        iteration number); ``check_store`` reports the others.
+        """
+        if kind not in ("samples", "status"):
+            raise ValueError(f"unknown partitioned table {kind!r}; expected 'samples' or 'status'")
+        base = f"{self.root}/{kind}"
+        out = []
+        for adir in self._list(base, dirs=True):
+            if adir.startswith("agent=") and AGENT_NAME_RE.fullmatch(adir[6:]):
+                for idir in self._list(f"{base}/{adir}", dirs=True):
+                    if ITERATION_DIR.fullmatch(idir):
+                        out.append((adir[6:], int(idir[10:])))
         return sorted(out)
