@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
+from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -74,25 +76,41 @@ class Committer(StoreFiles):
             "write_statistics": ["mb", "policy_version", "traj"],
             "row_group_size": 8192,
         }
-        data = None
         if self._commit_mode == "put" or table.nbytes <= _STREAM_BYTES:
             sink = pa.BufferOutputStream()
             pq.write_table(table, sink, **opts)
-            data = sink.getvalue()
-        if self._commit_mode == "put":
-            self._put_bytes(directory, name, data)
-            return path
+            self._put_bytes(directory, name, sink.getvalue(), self.fsync)
+        else:
+            self._stage_and_rename(
+                directory, name, lambda f: pq.write_table(table, f, **opts), self.fsync
+            )
+        return path
+
+    def _put_bytes(
+        self, directory: str, name: str, data: bytes | pa.Buffer, fsync: bool = False
+    ) -> None:
+        """Publish ``data`` as ``directory/name`` atomically (the marker, small fragments)."""
+        if self._commit_mode == "rename":
+            self._stage_and_rename(directory, name, lambda f: f.write(data), fsync)
+            return
+        # One write then close: the object appears only when close() completes the upload.
+        out = self.fs.open_output_stream(f"{directory}/{name}")
+        out.write(data)
+        out.close()
+
+    def _stage_and_rename(
+        self, directory: str, name: str, write: Callable[[BinaryIO], object], fsync: bool
+    ) -> None:
+        """Local disk: ``write`` a unique temp file under ``_staging/``, rename it into place."""
+        path = f"{directory}/{name}"
         staging = f"{self.root}/{STAGING}"
         self._ensure_dir(staging)
         self._ensure_dir(directory)
         tmp = f"{staging}/{uuid.uuid4().hex}.{name}.tmp"
         try:
             with open(tmp, "wb") as f:
-                if data is not None:
-                    f.write(data)
-                else:
-                    pq.write_table(table, f, **opts)
-            if self.fsync:
+                write(f)
+            if fsync:
                 _fsync_path(tmp)
             try:
                 os.replace(tmp, path)
@@ -101,7 +119,7 @@ class Committer(StoreFiles):
                 self._known_dirs.discard(directory)
                 self._ensure_dir(directory)
                 os.replace(tmp, path)
-            if self.fsync:
+            if fsync:
                 _fsync_path(directory)
         except BaseException:
             try:
@@ -109,30 +127,6 @@ class Committer(StoreFiles):
             except OSError:  # never created, or undeletable: keep the original error
                 pass
             raise
-        return path
-
-    def _put_bytes(self, directory: str, name: str, data: bytes | pa.Buffer) -> None:
-        path = f"{directory}/{name}"
-        if self._commit_mode == "rename":
-            self._ensure_dir(directory)
-            staging = f"{self.root}/{STAGING}"
-            self._ensure_dir(staging)
-            tmp = f"{staging}/{uuid.uuid4().hex}.{name}.tmp"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:  # never created: keep the original error
-                    pass
-                raise
-            return
-        # One write then close: the object appears only when close() completes the upload.
-        out = self.fs.open_output_stream(path)
-        out.write(data)
-        out.close()
 
     def clean_staging(self, older_than_s: float = 3600.0) -> list[str]:
         """Delete temp files of writers that died mid-write; returns what was deleted.
