@@ -21,7 +21,7 @@ Layout of a store at ``ROOT`` (a local directory, or ``s3://bucket/prefix``)::
   also deduplicate by (sample_id, policy_version), latest ``created_at`` (the writer's clock)
   wins.
 * A commit is atomic: staged + renamed on local disk, one whole-object PUT on S3/GCS
-  (see ``MEGStore._commit``). A killed writer leaves at most a ``_staging`` temp file.
+  (see :mod:`storage.commit`). A killed writer leaves at most a ``_staging`` temp file.
 * Rewards, advantages and "consumed by step k" arrive later as ``status`` appends; readers
   fold the latest non-null value of each field into the sample rows; ``compact`` folds a
   partition into one ``all-`` fragment.
@@ -36,7 +36,10 @@ not folded; pass the agent type, DuckDB infers ``agent=7`` as a number otherwise
              partitioning=storage.partitioning("samples"))
 
 API: :class:`MEGStore` (write_samples / write_status / mark_consumed / write_inputs,
-read_samples / ready / read_inputs, compact, audit, clean_staging), :func:`check_store`, :func:`audit_store`.
+read_samples / ready / read_inputs, compact, audit, clean_staging; agents / iterations /
+partitions, dataset, read_fragment for tools), :func:`check_store`, :func:`audit_store`.
+The class is assembled in ``storage/store.py`` from one module per concern (fs, commit,
+write, read and fold, compact, audit).
 """
 
 from .check import audit_store, check_store, main

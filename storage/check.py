@@ -21,19 +21,19 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from .errors import Problem, StoreError
+from .fs import ITERATION_DIR, MARKER, MB_NAME, STAGING, open_filesystem
 from .schema import (
     AGENT_NAME_RE,
     INPUT_FILE_SCHEMA,
     SAMPLE_FILE_SCHEMA,
     STATUS_FILE_SCHEMA,
 )
-from .store import _MB_NAME, MARKER, STAGING, MEGStore, open_filesystem
+from .store import MEGStore
 
 __all__ = ["EXACTLY_ONCE", "audit_store", "check_store", "main"]
 
 _SAMPLE_NAME = re.compile(r"(mb\d{6,}|all)-[0-9a-f]+\.parquet")
 _INPUT_NAME = re.compile(r"part-[0-9a-f]+\.parquet")
-_ITERATION = re.compile(r"iteration=(0|[1-9]\d*)")
 
 
 def check_store(
@@ -171,7 +171,7 @@ def check_store(
             if key:
                 partitions.add(key)
             try:
-                table = store._read_fragment(e.path, schema, None if deep else [])
+                table = store.read_fragment(e.path, schema, None if deep else [])
             except StoreError as err:
                 problems.append(Problem(err.reason, shown(e.path), str(err)))
                 if key:
@@ -182,7 +182,7 @@ def check_store(
                 if key:
                     bad_partitions.add(key)
                 continue
-            m = _MB_NAME.fullmatch(name)
+            m = MB_NAME.fullmatch(name)
             if deep and m and table.num_rows:
                 col = table.column("mb")
                 if (
@@ -229,13 +229,7 @@ def audit_store(
     A sample_id under several policy versions stays a warning.
     """
     store = MEGStore(uri, create=False, **fs_kwargs)
-    keys: set[tuple[str, int]] = set(expected or {})
-    for table in ("samples", "status"):
-        for adir in store._list(f"{store.root}/{table}", dirs=True):
-            if adir.startswith("agent=") and AGENT_NAME_RE.fullmatch(adir[6:]):
-                for idir in store._list(f"{store.root}/{table}/{adir}", dirs=True):
-                    if _ITERATION.fullmatch(idir):
-                        keys.add((adir[6:], int(idir[10:])))
+    keys = set(expected or {}) | set(store.partitions("samples")) | set(store.partitions("status"))
     problems = []
     for agent, iteration in sorted(keys):
         want = (expected or {}).get((agent, iteration))
@@ -251,7 +245,7 @@ def _check_dir_name(table: str, level: int, name: str) -> str | None:
     if level == 0:
         return None
     if table == "inputs":
-        if level == 1 and not _ITERATION.fullmatch(name):
+        if level == 1 and not ITERATION_DIR.fullmatch(name):
             return f"expected iteration=<int>, got {name!r}"
         if level > 1:
             return "unexpected directory inside a partition"
@@ -260,7 +254,7 @@ def _check_dir_name(table: str, level: int, name: str) -> str | None:
         if not name.startswith("agent=") or not AGENT_NAME_RE.fullmatch(name[6:]):
             return f"expected agent=<name> with a valid agent name, got {name!r}"
     elif level == 2:
-        if not _ITERATION.fullmatch(name):
+        if not ITERATION_DIR.fullmatch(name):
             return f"expected iteration=<int>, got {name!r}"
     else:
         return "unexpected directory inside a partition"

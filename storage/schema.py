@@ -17,6 +17,7 @@ import operator
 import re
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "SAMPLE_READ_SCHEMA",
     "STATUS_FIELDS",
     "STATUS_FILE_SCHEMA",
+    "derive_sample_ids",
     "partitioning",
     "validate_agent",
     "validate_iteration",
@@ -142,3 +144,14 @@ def validate_iteration(iteration: object) -> int:
     if isinstance(iteration, bool) or value < 0:
         raise ValueError(f"invalid iteration {iteration!r}: expected an int >= 0")
     return value
+
+
+def derive_sample_ids(table: pa.Table, agent: str) -> pa.Array:
+    """The sample_id each row of ``table`` must have: ``{input_id}:{traj}:{agent}:{turn}``."""
+    return pc.binary_join_element_wise(
+        table.column("input_id"),
+        pc.cast(table.column("traj"), pa.string()),
+        pa.scalar(agent),
+        pc.cast(table.column("turn"), pa.string()),
+        ":",
+    )

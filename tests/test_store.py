@@ -324,10 +324,10 @@ def test_streamed_fsynced_and_pickled_store(
 ) -> None:
     import pickle
 
-    import storage.store
+    import storage.commit
 
     # Big fragments stream into the staging file instead of going through memory.
-    monkeypatch.setattr(storage.store, "_STREAM_BYTES", 0)
+    monkeypatch.setattr(storage.commit, "_STREAM_BYTES", 0)
     store = MEGStore(f"file://{tmp_path}/s", fsync=True)
     store.write_samples("a", 0, make_rows(0) + make_rows(1))
     clone = pickle.loads(pickle.dumps(store))  # stores travel to Dask workers
