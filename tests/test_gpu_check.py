@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # ~20-50 s on 2 cores, most of it the team run
+
 REPO = Path(__file__).resolve().parents[1]
 
 CHECKS = [
