@@ -247,6 +247,9 @@ def scale_out_rows(presets: list[str], tok, reps: int) -> dict:
         out.setdefault("deepspeed", {})[preset] = row
         print(f"deepspeed {preset:<10} step {row['step_s']:.3f} s | state swap "
               f"{row['state_swap_s'] * 1e3:.0f} ms | offload+reload {row['offload_reload_s'] * 1e3:.0f} ms")
+        if torch.cuda.is_available() and torch.cuda.device_count() < 2:  # one GPU per rank
+            out["deepspeed_dp2"] = {"skipped": f"DP-2 needs 2 GPUs, {torch.cuda.device_count()} visible"}
+            continue
         row = bench_deepspeed_dp(model, train_batch(len(tok)), reps)
         out.setdefault("deepspeed_dp2", {})[preset] = row
         print(f"ds dp-2   {preset:<10} step {row['step_s']:.3f} s | rank start {row['start_s']:.1f} s")

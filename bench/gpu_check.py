@@ -54,7 +54,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.engines import gen_prompts, scale_out_rows, train_batch  # noqa: E402
+from bench.engines import TRAIN_LEN, gen_prompts, scale_out_rows, train_batch  # noqa: E402
 from bench.swap import assert_exact  # noqa: E402
 from flexmarl_core.algorithms import make_loss_fn, token_weight  # noqa: E402
 from flexmarl_core.config import AlgorithmConfig, ModelConfig, SamplingConfig  # noqa: E402
@@ -75,7 +75,7 @@ class Plan:
     check_presets: tuple[str, ...]  #: presets of the correctness checks
     gen_batches: tuple[int, ...]
     gen_new: int  #: new tokens per generate call
-    train_batches: tuple[int, ...]  #: sequences of 128 tokens (bench/engines.py's train batch)
+    train_batches: tuple[int, ...]  #: sequences of TRAIN_LEN tokens (bench/engines.py's train batch)
     cpu_max_batch: int  #: CPU figures only up to this batch size (larger ones take minutes there)
     reps: int  #: timed repetitions after one warm-up (CPU figures: 1)
     check_prompts: int
@@ -88,14 +88,15 @@ class Plan:
 PLANS = {
     "full": Plan(("tiny-1m", "tiny-10m", "tiny-50m"), ("tiny-1m", "tiny-10m", "tiny-50m"),
                  (8, 32, 128), 64, (4, 16, 64), 32, 3, 16, 32, 16, 1, 300.0),
-    "quick": Plan(("tiny-1m", "tiny-10m"), ("tiny-1m",), (8, 64), 32, (4, 32), 16, 2, 8, 16, 8, 1, 120.0),
-    "dry": Plan(("tiny-1m",), ("tiny-1m",), (2, 4), 8, (2, 4), 4, 1, 4, 8, 4, 1, 60.0),
+    "quick": Plan(("tiny-1m", "tiny-10m"), ("tiny-1m",), (8, 64), 32, (4, 32), 16, 2, 8, 16, 8, 1, 150.0),
+    "dry": Plan(("tiny-1m",), ("tiny-1m",), (2, 4), 8, (2, 4), 4, 1, 4, 8, 4, 1, 300.0),
 }
 
 
 # -- tolerances -----------------------------------------------------------------------------------
 def rel_tol(dtype: torch.dtype, model: torch.nn.Module, *, backward: bool) -> float:
-    """Bound on |a - b| / max|x| for a quantity two correct implementations compute in `dtype`.
+    """Bound on the relative difference (to max |x|, or in L2 for a vector) of a quantity that two
+    correct implementations compute in `dtype`.
 
     u = eps / 2 is the unit roundoff. A Qwen2 layer rounds about 8 results on the forward path
     (q, k, v, attention, o, gate, up, down), backward twice as many again: n = 8 L forward, 24 L
@@ -134,7 +135,7 @@ def clock(fn: Callable[[], Any], dev: torch.device) -> tuple[float, Any]:
 
 
 def samples_of(vocab: int, n: int) -> list[Sample]:
-    """`n` training samples of 128 tokens: bench/engines.py's train batch, repeated to length."""
+    """`n` training samples of TRAIN_LEN tokens: bench/engines.py's train batch, repeated to length."""
     base = train_batch(vocab)
     return (base * -(-n // len(base)))[:n]
 
@@ -328,7 +329,7 @@ def throughput(tok: Any, dev: torch.device, plan: Plan, deadline: float,
                         else:
                             t = step_s(model, d, b, reps)
                             row[side] = {"step_s": min(t), "step_s_median": statistics.median(t),
-                                         "tok_s": b * 128 / min(t)}
+                                         "tok_s": b * TRAIN_LEN / min(t)}
                     rows.append(row)
                     print(f"{preset:<9} {kind:<8} batch {b:>4}: " + "  ".join(
                         f"{s} {json.dumps({k: round(v, 4) for k, v in row[s].items()})}"
@@ -360,6 +361,7 @@ def team_run(plan: Plan, work: Path) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     log = run_dir / "metrics" / "iterations.jsonl"
     its = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    # workers_device: flexmarl's workers have no device setting; they build models on the CPU.
     out: dict[str, Any] = {"passed": proc.returncode == 0 and len(its) == plan.team_iterations,
                            "iterations": len(its), "wall_s": wall, "workers_device": "cpu"}
     if its:
@@ -369,16 +371,19 @@ def team_run(plan: Plan, work: Path) -> dict[str, Any]:
     return out
 
 
-def importable(names: tuple[str, ...]) -> list[str]:
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+    """The names in `names` that do not import here."""
     return [n for n in names if importlib.util.find_spec(n) is None]
 
 
 def scale_out(tok: Any, plan: Plan, dry: bool, skipped: dict[str, str]) -> dict[str, Any]:
     """vLLM / DeepSpeed rows where they import (bench/engines.py runs them); reasons otherwise."""
+    why = {"vllm": "a vLLM GPU wheel is far over the 64 MiB a device run carries",
+           "deepspeed": "deepspeed 0.19.8 is published as a source package only, no wheel to carry"}
     have = []
     for name in ("vllm", "deepspeed"):
-        if importable((name,)):
-            skipped[name] = f"{name} not importable (no wheel fits the 64 MiB carried with a device run)"
+        if missing_modules((name,)):
+            skipped[name] = f"{name} not importable ({why[name]})"
         elif dry:
             skipped[name] = f"--dry-run: {name} on CPU takes minutes; bench/engines.py measures it there"
         else:
@@ -457,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     del model
     result["throughput"] = throughput(tok, dev, plan, t_start + plan.budget_s, skipped)
     result["scale_out"] = scale_out(tok, plan, args.dry_run, skipped)
-    missing = importable(TEAM_RUN_PACKAGES)
+    missing = missing_modules(TEAM_RUN_PACKAGES)
     if args.no_team_run:
         skipped["team_run"] = "--no-team-run"
     elif missing:
