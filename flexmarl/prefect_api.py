@@ -1,7 +1,7 @@
 """One Prefect API for the whole run: the configured/ambient one, or a local server we start.
 
 Dask worker processes inherit `PREFECT_API_URL` from the environment, so every task run reports
-to the same API instead of each worker starting a temporary server of its own (FACTS.md).
+to the same API instead of each worker starting a temporary server of its own (~10 s each).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 from flexmarl_core.config import ClusterConfig
 from flexmarl_core.orchestrator import Op, Route
 
-# A task whose tag no worker has would otherwise wait forever (FACTS.md). The orchestrator
+# A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
+# task run (Dask's default; seen with distributed 2026.8). The orchestrator
 # checks tags before it submits; this is the backstop, and how a task pinned to a worker that
 # died comes back to the orchestrator to be routed again.
 NO_WORKERS_TIMEOUT = "15s"

@@ -26,11 +26,6 @@ from flexmarl_core.workloads.answers import answers_match, last_number
 from flexmarl_core.workloads.dataset import gsm8k_answer
 
 REPO = Path(__file__).resolve().parents[1]
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
-needs_gsm8k = pytest.mark.skipif(
-    not (GSM8K / "train.jsonl").is_file(),
-    reason=f"real GSM8K data not found at {GSM8K} (shared/data is not laid out here)",
-)
 
 TEAM = TeamConfig.model_validate(
     {
@@ -407,9 +402,8 @@ def test_gsm8k_bad_rows_and_missing_path(tmp_path: Path, monkeypatch: pytest.Mon
         make_workload(WorkloadConfig(kind="gsm8k"), TEAM)
 
 
-@needs_gsm8k
-def test_gsm8k_real_files(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FLEXMARL_DATA", str(GSM8K.parent))
+def test_gsm8k_real_files(gsm8k_dir: Path) -> None:
+    # kind: gsm8k without a path reads $FLEXMARL_DATA/gsm8k, the folder the fixture found
     wl = make_workload(WorkloadConfig(kind="gsm8k", credit="per_agent"), TEAM)
     pools = wl.pools()  # type: ignore[attr-defined]
     assert (len(pools["train"]), len(pools["heldout"])) == (7473, 1319)
@@ -428,9 +422,8 @@ def test_gsm8k_real_files(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-@needs_gsm8k
-def test_example_gsm8k_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FLEXMARL_DATA", str(GSM8K.parent))
+def test_example_gsm8k_config(gsm8k_dir: Path) -> None:
+    # kind: gsm8k without a path reads $FLEXMARL_DATA/gsm8k, the folder the fixture found
     cfg = load_config(REPO / "configs" / "example_gsm8k.yaml")
     wl = make_workload(cfg.workload, cfg.team)
     p = wl.problems("heldout", 1, cfg.seed)[0]
