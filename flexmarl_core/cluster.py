@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ import dask
 import distributed
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
-from flexmarl_core.config import ClusterConfig
+from flexmarl_core.config import ClusterConfig, ConfigError
 from flexmarl_core.orchestrator import Op, Route
 
 # A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
@@ -42,6 +43,35 @@ LOST_WORKER_ERRORS: tuple[type[BaseException], ...] = (
 
 def lost_worker(exc: BaseException) -> bool:
     return isinstance(exc, LOST_WORKER_ERRORS)
+
+
+#: seconds to wait for a TCP connection to `cluster.address` (Dask's own default is 30 s, then
+#: two tracebacks); a scheduler on a reachable host accepts in milliseconds
+CONNECT_TIMEOUT_S = 5.0
+
+
+def check_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise ConfigError, naming `cluster.address`, unless `address` parses as a scheduler
+    address and (tcp/tls) a TCP connection to it opens within `timeout` seconds."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    example = "e.g. tcp://10.0.0.5:8786, or remove cluster.address to start a local cluster"
+    try:
+        scheme, loc = parse_address(address)
+        host, port = parse_host_port(loc, default_port=8786) if scheme in ("tcp", "tls") else ("", 0)
+    except ValueError as exc:
+        raise ConfigError(f"cluster.address {address!r} is not a Dask scheduler address ({exc}); {example}") from None
+    if not host:
+        return  # inproc:// or ucx://: nothing to dial from here
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise ConfigError(
+            f"cluster.address {address!r}: no scheduler reachable at {host}:{port} ({why}, "
+            f"{timeout:g} s connect timeout); start the scheduler or fix the address, {example}"
+        ) from None
 
 
 def start_cluster(
@@ -67,6 +97,7 @@ def start_cluster(
     # Scheduler/nanny INFO lines (connections, retirements) drown the run's own output.
     logging.getLogger("distributed").setLevel(logging.WARNING)
     if cfg.address:
+        check_address(cfg.address)  # fail in seconds, by name, not after Dask's 30 s
         return None, Client(cfg.address)
     # Worker processes inherit the environment; pin BLAS/torch threads before they start so two
     # workers on two cores do not oversubscribe.
