@@ -83,8 +83,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentConfig
-    """Check what the config points at now: a broken dataset row or reward callable, a missing
-    warm-start checkpoint, an unreachable `cluster.address` or a resume that cannot be fail
+    """Check what the config points at, now: a broken dataset row or reward callable, a missing
+    warm-start checkpoint, an unreachable `cluster.address` or a resume that cannot work fails
     here, as a one-line error, before a Prefect server, a cluster or a half-made run folder
     exists."""
     from flexmarl_core.config import ConfigError

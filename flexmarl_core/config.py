@@ -297,18 +297,6 @@ class ClusterConfig(_Strict):
         description="Local worker processes and their resource tags.",
     )
 
-    @model_validator(mode="after")
-    def _workers(self) -> ClusterConfig:
-        names = [w.name for w in self.workers]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"duplicate worker name(s) {dupes} in cluster.workers; names must be unique")
-        if self.address is None and not self.workers:
-            raise ValueError(
-                "cluster.workers is empty: a local cluster needs at least one worker (or set "
-                "cluster.address to use an existing scheduler)"
-            )
-        return self
     torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each worker.")
     prefect_api_url: str | None = Field(
         None, description="Prefect API to report to; None uses PREFECT_API_URL or starts one."
@@ -319,6 +307,19 @@ class ClusterConfig(_Strict):
         "workers read Prefect settings from their own environment. auto: on for a cluster "
         "flexmarl starts, off for `address`; true: the remote workers' env has PREFECT_API_URL.",
     )
+
+    @model_validator(mode="after")
+    def _workers(self) -> ClusterConfig:
+        names = [w.name for w in self.workers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate worker name(s) {dupes} in workers; names must be unique")
+        if self.address is None and not self.workers:
+            raise ValueError(
+                "no workers: a local cluster needs at least one in cluster.workers (or set "
+                "cluster.address to use an existing scheduler)"
+            )
+        return self
 
 
 class StoreConfig(_Strict):

@@ -328,7 +328,7 @@ BAD_CONFIGS: list[tuple[str, list[Callable[[dict], None]], str]] = [
      "cluster.prefect_api_url is http://127.0.0.1:1/api, but no Prefect API answers there"),
     ("duplicate-worker", [_set("cluster.workers", [{"name": "w0"}, {"name": "w0"}])],
      "duplicate worker name(s) ['w0']"),
-    ("no-workers", [_set("cluster.workers", [])], "cluster.workers is empty"),
+    ("no-workers", [_set("cluster.workers", [])], "cluster: no workers: a local cluster needs"),
     ("missing-init-from", [_set("train.init_from", "sft-out")],
      "train.init_from 'sft-out': no <agent>/model.safetensors"),
 ]
