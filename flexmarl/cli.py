@@ -99,9 +99,10 @@ def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentCon
                 f"train.init_from {cfg.train.init_from!r}: no <agent>/model.safetensors for "
                 f"{missing} (resolved: {root.absolute()}); point it at the output of `flexmarl sft`"
             )
-    if cfg.cluster.address:
-        from flexmarl_core.cluster import check_address
+    from flexmarl_core.cluster import check_address, check_worker_tags
 
+    check_worker_tags(cfg)
+    if cfg.cluster.address:
         check_address(cfg.cluster.address)
     if resume:
         from flexmarl_core.run import ResumeError, check_resumable

@@ -23,8 +23,8 @@ import dask
 import distributed
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
-from flexmarl_core.config import ClusterConfig, ConfigError
-from flexmarl_core.orchestrator import Op, Route
+from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
+from flexmarl_core.orchestrator import ROLLOUT_TAG, TRAIN_TAG, Op, Route, rollout_tag
 
 # A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
 # task run (Dask's default; seen with distributed 2026.8). The orchestrator
@@ -72,6 +72,39 @@ def check_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
             f"cluster.address {address!r}: no scheduler reachable at {host}:{port} ({why}, "
             f"{timeout:g} s connect timeout); start the scheduler or fix the address, {example}"
         ) from None
+
+
+def check_worker_tags(cfg: ExperimentConfig) -> None:
+    """For a cluster flexmarl starts (`cluster.workers`): raise ConfigError when a `rollout:<agent>`
+    tag names no agent, or an op kind could never be placed (no rollout instance, no `train`
+    slot for trainable agents; without load balancing, which moves instances, an agent with
+    neither its own instance nor a shared `rollout` worker)."""
+    if cfg.cluster.address:
+        return  # the remote workers' tags are not in the config
+    agents = [a.name for a in cfg.team.agents]
+    have: set[str] = set()
+    for w in cfg.cluster.workers:
+        for tag, amount in w.resources.items():
+            name = tag.removeprefix(f"{ROLLOUT_TAG}:")
+            if name != tag and name not in agents:
+                raise ConfigError(
+                    f"cluster.workers[{w.name}].resources: tag {tag!r} names no agent; agents: {agents}"
+                )
+            if amount > 0:
+                have.add(tag)
+    hint = "add it to a worker's resources in cluster.workers"
+    if not any(t == ROLLOUT_TAG or t.startswith(f"{ROLLOUT_TAG}:") for t in have):
+        raise ConfigError(f"cluster.workers: no worker has a {ROLLOUT_TAG!r} or 'rollout:<agent>' tag, so no rollout can run; {hint}")
+    if any(a.trainable for a in cfg.team.agents) and TRAIN_TAG not in have:
+        raise ConfigError(f"cluster.workers: no worker has the {TRAIN_TAG!r} tag, so no agent can train; {hint}")
+    if not cfg.codesign.load_balancing and ROLLOUT_TAG not in have:
+        homeless = [a for a in agents if rollout_tag(a) not in have]
+        if homeless:
+            raise ConfigError(
+                f"cluster.workers: agent(s) {homeless} have no {rollout_tag('<agent>')!r} worker and "
+                f"none is tagged {ROLLOUT_TAG!r} (codesign.load_balancing is off, so no instance "
+                f"moves to them); {hint}"
+            )
 
 
 def start_cluster(

@@ -279,7 +279,7 @@ class CodesignConfig(_Strict):
 class WorkerConfig(_Strict):
     name: str = Field(description="Worker name (shows in the Dask dashboard and metrics).")
     resources: dict[str, float] = Field(
-        default_factory=dict, description="Dask resource tags, e.g. {'agent:solver': 1, 'train': 1}."
+        default_factory=dict, description="Dask resource tags, e.g. {'rollout:solver': 1, 'train': 1}."
     )
     nthreads: int = Field(1, ge=1, description="Threads per worker process.")
     memory_limit: str = Field("6GiB", description="Dask worker memory limit.")

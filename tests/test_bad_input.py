@@ -329,6 +329,15 @@ BAD_CONFIGS: list[tuple[str, list[Callable[[dict], None]], str]] = [
     ("duplicate-worker", [_set("cluster.workers", [{"name": "w0"}, {"name": "w0"}])],
      "duplicate worker name(s) ['w0']"),
     ("no-workers", [_set("cluster.workers", [])], "cluster: no workers: a local cluster needs"),
+    ("tag-names-no-agent", [_set("cluster.workers.0.resources", {"rollout:solvr": 1, "train": 1})],
+     "cluster.workers[w0].resources: tag 'rollout:solvr' names no agent"),
+    ("no-rollout-instance", [_set("cluster.workers", [{"name": "w0", "resources": {"train": 1}}])],
+     "no worker has a 'rollout' or 'rollout:<agent>' tag"),
+    ("no-train-slot", [_set("cluster.workers", [{"name": "w0", "resources": {"rollout": 1}}])],
+     "no worker has the 'train' tag"),
+    ("agent-without-instance", [_set("codesign.load_balancing", False), _set("cluster.workers", [
+        {"name": "w0", "resources": {"rollout:planner": 1, "rollout:solver": 1, "train": 1}}])],
+     "agent(s) ['verifier'] have no 'rollout:<agent>' worker"),
     ("missing-init-from", [_set("train.init_from", "sft-out")],
      "train.init_from 'sft-out': no <agent>/model.safetensors"),
 ]
