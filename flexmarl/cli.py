@@ -14,6 +14,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one `error:` line with exit 2, like every other user error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _config(args: argparse.Namespace):  # noqa: ANN202 - avoids importing pydantic models at parse time
@@ -24,8 +32,6 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - avoids importing pydant
 
 def _resume_config(args: argparse.Namespace) -> None:
     """`train --resume RUN`: the run's own saved config is the config."""
-    from pathlib import Path
-
     from flexmarl_core.config import ConfigError
     from flexmarl_core.worker import CONFIG_NAME
 
@@ -40,14 +46,14 @@ def _resume_config(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from flexmarl.console import console, summary_table
     from flexmarl.prefect_api import ensure_api, ui_url
+    from flexmarl_core.config import ConfigError
 
     if args.resume:
         _resume_config(args)
     elif args.config is None:
-        console.print("[red]train: give a CONFIG file, or --resume RUN to continue a run")
-        return 2
+        raise ConfigError("train: give a CONFIG file, or --resume RUN to continue a run")
     cfg = _config(args)  # validate before starting anything
-    _preflight(cfg)
+    _preflight(cfg, resume=bool(args.resume))
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
         console.print(f"started a local Prefect server at {ui_url(api)} (stop: flexmarl server stop)")
@@ -76,12 +82,35 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight(cfg) -> None:  # noqa: ANN001 - an ExperimentConfig
-    """Read the problems now: a broken dataset row or reward callable fails here, as a one-line
-    error, before a Prefect server, a cluster or a half-made run folder exists."""
+def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentConfig
+    """Check what the config points at, now: a broken dataset row or reward callable, a missing
+    warm-start checkpoint, an unreachable `cluster.address` or a resume that cannot work fails
+    here, as a one-line error, before a Prefect server, a cluster or a half-made run folder
+    exists."""
+    from flexmarl_core.config import ConfigError
     from flexmarl_core.workloads import make_workload
 
     make_workload(cfg.workload, cfg.team)
+    if cfg.train.init_from and not resume:
+        root = Path(cfg.train.init_from)
+        missing = [a.name for a in cfg.team.agents if not (root / a.name / "model.safetensors").is_file()]
+        if missing:
+            raise ConfigError(
+                f"train.init_from {cfg.train.init_from!r}: no <agent>/model.safetensors for "
+                f"{missing} (resolved: {root.absolute()}); point it at the output of `flexmarl sft`"
+            )
+    from flexmarl_core.cluster import check_address, check_worker_tags
+
+    check_worker_tags(cfg)
+    if cfg.cluster.address:
+        check_address(cfg.cluster.address)
+    if resume:
+        from flexmarl_core.run import ResumeError, check_resumable
+
+        try:
+            check_resumable(cfg, cfg.resolved_run_dir().resolve())
+        except ResumeError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -136,7 +165,7 @@ def cmd_server_stop(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flexmarl", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="flexmarl", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_config(sp: argparse.ArgumentParser) -> None:

@@ -35,7 +35,7 @@ def save_state_atomic(path: Path, state: dict[str, torch.Tensor]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     # Clone: tied embeddings share storage and safetensors refuses shared tensors; lm_head must
-    # travel with the rest (FACTS.md: a push without it keeps the old output layer).
+    # travel with the rest (a vLLM push without it silently keeps the old output layer).
     save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(tmp))
     os.replace(tmp, path)
     return path

@@ -299,7 +299,8 @@ class TorchTrainer(PolicyGradientSteps):
 
     def weights(self) -> dict[str, torch.Tensor]:
         sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        # Tied embeddings: inference engines must get lm_head too (FACTS.md, vLLM trap).
+        # Tied embeddings: engines must get lm_head too (state_dict() of a tied model may omit
+        # it, and a vLLM push without it silently keeps the old output layer).
         out_emb = self.model.get_output_embeddings()
         if "lm_head.weight" not in sd and out_emb is not None:
             sd["lm_head.weight"] = out_emb.weight.detach().clone()
