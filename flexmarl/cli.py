@@ -104,13 +104,15 @@ def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentCon
     check_worker_tags(cfg)
     if cfg.cluster.address:
         check_address(cfg.cluster.address)
-    if resume:
-        from flexmarl_core.run import ResumeError, check_resumable
+    from flexmarl_core.run import ResumeError, RunFolderError, check_resumable, check_run_folder
 
-        try:
+    try:
+        if resume:
             check_resumable(cfg, cfg.resolved_run_dir().resolve())
-        except ResumeError as exc:
-            raise ConfigError(str(exc)) from None
+        else:
+            check_run_folder(cfg.resolved_run_dir().resolve())
+    except (ResumeError, RunFolderError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def cmd_sft(args: argparse.Namespace) -> int:

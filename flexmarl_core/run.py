@@ -23,6 +23,25 @@ from flexmarl_core.plan import Plan
 from flexmarl_core.worker import CONFIG_NAME, publish_weights, weights_path
 
 
+class RunFolderError(ValueError):
+    """`run_dir` names a folder that is not a flexmarl run folder: it is never deleted."""
+
+
+def check_run_folder(run_dir: Path) -> None:
+    """A fresh run replaces `run_dir` only if it is empty or a flexmarl run folder (it has a
+    `config.yaml` or a `metrics/` folder of an earlier attempt): `--set run_dir=$HOME` must not
+    wipe a home folder."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise RunFolderError(f"run_dir {str(run_dir)!r} is a file, not a folder")
+    if any(run_dir.iterdir()) and not ((run_dir / CONFIG_NAME).exists() or (run_dir / "metrics").is_dir()):
+        raise RunFolderError(
+            f"run_dir {str(run_dir)!r} exists and is not a flexmarl run folder (no {CONFIG_NAME}); "
+            "a fresh run would replace it: choose an empty or new folder"
+        )
+
+
 def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
     """Create the run folder: config, initial weights, inputs for every iteration."""
     from flexmarl_core.models import load_agent_model
@@ -33,6 +52,7 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
     workload = make_workload(cfg.workload, cfg.team)  # bad data fails before the folder is touched
     run_dir = cfg.resolved_run_dir().resolve()
     if fresh and run_dir.exists():
+        check_run_folder(run_dir)
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 

@@ -68,6 +68,11 @@ def train(
         workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
     stage_cpu = sum(m["cpu_s"] for m in out["iterations"])
     summary = run_summary(out["iterations"], out["wall_s"])
+    if cfg.train.evaluate_initial or cfg.train.evaluate:
+        from flexmarl_core.workloads import make_workload
+
+        summary["heldout_set"] = make_workload(cfg.workload, cfg.team).heldout_description(
+            cfg.workload.heldout_size)
     if cfg.train.evaluate_initial:
         ev = report_tasks.evaluate(run_dir, 0)
         summary.update({f"initial_{k}": v for k, v in ev.items() if k.startswith("heldout")})

@@ -403,3 +403,15 @@ def test_unreachable_cluster_fails_in_seconds_by_name() -> None:
 
     with pytest.raises(ConfigError, match=r"cluster.address 'tcp://127.0.0.1:1': no scheduler"):
         start_cluster(ClusterConfig(address=DEAD))
+
+
+def test_fresh_run_never_replaces_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
+    """`run_dir` pointing at a folder of other files: refused by name, the files untouched."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    data = copy.deepcopy(TINY_DATA)
+    data["run_dir"] = "mine"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    line = _one_error_line(_train(tmp_path, "bad.yaml"), tmp_path)
+    assert "is not a flexmarl run folder" in line, line
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
