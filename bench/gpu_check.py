@@ -19,7 +19,7 @@ Checks (each a `checks` entry with `passed`; the run exits 1 when one fails):
   both trainers' next steps are too; swap GB/s next to plain device->host / host->device copies.
 * team_run: `flexmarl train configs/tiny.yaml` (Prefect flow, local Dask cluster) for one
   iteration, when prefect, prefect-dask and distributed import. Its workers build their models
-  on the CPU: flexmarl has no worker device setting yet, so this part does not put the GPU to work.
+  on the device (`cluster.device`: the workers' engines and trainers are built there).
 
 Throughput (`throughput`): generation tokens/s and train step seconds per preset (up to the
 largest that fits) and batch size, device next to CPU. vLLM / DeepSpeed rows (bench/engines.py's
@@ -345,13 +345,15 @@ def throughput(tok: Any, dev: torch.device, plan: Plan, deadline: float,
 
 
 # -- team run and scale-out -----------------------------------------------------------------------
-def team_run(plan: Plan, work: Path) -> dict[str, Any]:
-    """One short `flexmarl train` of configs/tiny.yaml (Prefect flow on a local Dask cluster)."""
+def team_run(plan: Plan, work: Path, dev: torch.device) -> dict[str, Any]:
+    """One short `flexmarl train` of configs/tiny.yaml (Prefect flow on a local Dask cluster)
+    whose workers build their engines and trainers on `dev` (`cluster.device`)."""
     run_dir = work / "team-run"
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"),
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "flexmarl.cli", "train", "configs/tiny.yaml", "--no-progress",
-           "--set", f"run_dir={run_dir}", "--set", f"train.iterations={plan.team_iterations}"]
+           "--set", f"run_dir={run_dir}", "--set", f"train.iterations={plan.team_iterations}",
+           "--set", f"cluster.device={dev}"]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -361,9 +363,8 @@ def team_run(plan: Plan, work: Path) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     log = run_dir / "metrics" / "iterations.jsonl"
     its = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    # workers_device: flexmarl's workers have no device setting; they build models on the CPU.
     out: dict[str, Any] = {"passed": proc.returncode == 0 and len(its) == plan.team_iterations,
-                           "iterations": len(its), "wall_s": wall, "workers_device": "cpu"}
+                           "iterations": len(its), "wall_s": wall, "workers_device": str(dev)}
     if its:
         out.update({k: its[-1][k] for k in ("e2e_s", "tokens", "tokens_per_s", "utilization")})
     if not out["passed"]:
@@ -470,10 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                                "(bash bench/gpu_check.sh --fetch-wheels team)")
     else:
         with tempfile.TemporaryDirectory(prefix="flexmarl-gpu-check-") as work:
-            run_check(checks, "team_run", lambda: team_run(plan, Path(work)))
-    if "team_run" in checks or dev.type == "cuda":
-        skipped["team_run_on_gpu"] = ("the team run's workers build their models on the CPU: flexmarl "
-                                      "has no worker device setting (flexmarl_core/worker.py)")
+            run_check(checks, "team_run", lambda: team_run(plan, Path(work), dev))
     result["passed"] = all(c["passed"] for c in checks.values())
     result["wall_s"] = time.perf_counter() - t_start
     out_path.write_text(json.dumps(result, indent=2, default=str))

@@ -193,6 +193,12 @@ def worker_resources(client: Client) -> dict[str, dict[str, float]]:
     return {addr: dict(w.get("resources", {})) for addr, w in info.items()}
 
 
+def worker_names(client: Client) -> dict[str, str]:
+    """Each worker's name (what its ops report, `w0`), by address (what routing uses)."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return {addr: str(w.get("name", addr)) for addr, w in info.items()}
+
+
 def worker_cpu_s(client: Client) -> float:
     """CPU seconds used so far by all worker processes (every thread): with the stages' own CPU
     subtracted, what remains is the bookkeeping of Dask and Prefect."""

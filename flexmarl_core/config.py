@@ -266,15 +266,6 @@ class CodesignConfig(_Strict):
         2.0, gt=1.0, description="Queued-work ratio hottest/coldest agent that triggers a move."
     )
 
-    @property
-    def all_off(self) -> bool:
-        return not (
-            self.dependency_parallel
-            or self.load_balancing
-            or self.async_pipeline
-            or self.on_demand_allocation
-        )
-
 
 class WorkerConfig(_Strict):
     name: str = Field(description="Worker name (shows in the Dask dashboard and metrics).")
@@ -298,6 +289,7 @@ class ClusterConfig(_Strict):
     )
 
     torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each worker.")
+    device: str = Field("cpu", description="torch device of the workers' engines and trainers: cpu, cuda, cuda:N.")
     prefect_api_url: str | None = Field(
         None, description="Prefect API to report to; None uses PREFECT_API_URL or starts one."
     )
@@ -353,6 +345,10 @@ class TrainConfig(_Strict):
     )
     init_from: str | None = Field(
         None, description="Folder of per-agent starting checkpoints (e.g. the output of `flexmarl sft`)."
+    )
+    warm_start: Literal["none", "sft"] = Field(
+        "none", description="sft: start RL from `flexmarl sft` checkpoints of this config, made on "
+        "first use and cached under $FLEXMARL_CACHE/warm-start (ignored when init_from is set).",
     )
 
 

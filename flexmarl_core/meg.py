@@ -244,10 +244,6 @@ class MEG:
     def agent_parents(self, agent: str) -> list[str]:
         return sorted({p.agent for n in self.nodes if n.agent == agent for p in self.parents[n]})
 
-    @property
-    def output_node(self) -> NodeKey:
-        return [n for n in self.nodes if n.agent == self.output][-1]
-
     # -- instantiation ------------------------------------------------------------------------
 
     def instantiate(self, input_ids: Iterable[str], group_size: int) -> list[SampleNode]:

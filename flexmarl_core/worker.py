@@ -106,9 +106,11 @@ class WorkerContext:
         return rows
 
     def _fresh_model(self, agent: str) -> tuple[Any, Any]:
+        """The agent's model on `cluster.device`: its engine and trainer follow the model."""
         from flexmarl_core.models import load_agent_model
 
-        return load_agent_model(self.cfg.agent(agent).model, seed=self.cfg.seed)
+        model, tok = load_agent_model(self.cfg.agent(agent).model, seed=self.cfg.seed)
+        return model.to(self.cfg.cluster.device), tok
 
     def engine(self, agent: str, version: int) -> Any:
         """This process's inference engine for `agent`, holding weights `version`."""

@@ -42,13 +42,14 @@ def test_dry_run(tmp_path: Path) -> None:
         assert 0 < res["checks"][name]["logprob_bound"] < 1e-3  # fp32-sized, from the dtype
     assert res["checks"]["train_step_bf16/tiny-1m"]["rel_tol"] > res["checks"]["train_step_fp32/tiny-1m"]["rel_tol"]
     assert res["checks"]["team_run"]["iterations"] == 1
+    assert res["checks"]["team_run"]["workers_device"] == "cpu"  # the dry run's device
     rows = {(r["kind"], r["batch"]): r for r in res["throughput"]}
     plan = res["plan"]
     assert set(rows) == {("generate", b) for b in plan["gen_batches"]} | {("train", b) for b in plan["train_batches"]}
     assert all(r["device"]["tok_s"] > 0 for r in rows.values())
     assert all(r["device"]["step_s"] > 0 for (kind, _), r in rows.items() if kind == "train")
     skipped = res["skipped"]
-    for part in ("cpu_figures", "vllm", "deepspeed", "team_run_on_gpu"):
+    for part in ("cpu_figures", "vllm", "deepspeed"):
         assert isinstance(skipped.get(part), str) and skipped[part], (part, skipped)
     for extra in ("vllm", "deepspeed"):  # the reason says which of the two cases it is
         want = "--dry-run" if importlib.util.find_spec(extra) else "not importable"
