@@ -5,6 +5,7 @@
     flexmarl sft CONFIG [--out DIR]         warm-start checkpoints from demonstrations
     flexmarl store check PATH               list problems in a MEG Store; non-zero exit if any
     flexmarl store audit RUN_OR_STORE       exactly-once audit; exit 1 on duplicates/missing
+    flexmarl report RUN [--compare RUN2]    draw timeline.png and curves.png of a run
     flexmarl server stop                    stop the Prefect server `train` started
 """
 
@@ -44,7 +45,12 @@ def _resume_config(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from flexmarl.console import console, summary_table
+    import os
+
+    # Prefect's INFO lines (flow and task run states) stay in its API and UI; the terminal shows
+    # the UI link, a line per iteration and the summary. Set before Prefect is imported.
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    from flexmarl.console import console, summary_lines, summary_table
     from flexmarl.prefect_api import ensure_api, ui_url
     from flexmarl_core.config import ConfigError
 
@@ -66,19 +72,27 @@ def cmd_train(args: argparse.Namespace) -> int:
         state = train(args.config, args.set, progress=not args.no_progress, resume=bool(args.resume),
                       return_state=True)
     flow_run_id = getattr(state, "state_details", None) and state.state_details.flow_run_id
-    if flow_run_id:
-        console.print(f"Prefect UI for this run: {ui_url(api)}/runs/flow-run/{flow_run_id}")
     if not state.is_completed():
+        if flow_run_id:
+            console.print(f"Prefect UI for this run: {ui_url(api)}/runs/flow-run/{flow_run_id}")
         console.print(f"[red]run failed: {state.message}")
         return 1
     out = state.result()
     console.print(summary_table(out["iterations"], out["summary"]))
-    s = out["summary"]
-    console.print(
-        f"E2E {s['e2e_s_per_iteration']:.2f} s/iteration, {s['tokens_per_s']:.0f} tokens/s, "
-        f"utilisation {s['utilization']:.2f}, Prefect+Dask bookkeeping "
-        f"{100 * s['prefect_overhead_frac']:.1f}% of CPU; metrics in {s['run_dir']}/metrics"
-    )
+    for line in summary_lines(out["summary"]):
+        console.print(line)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from flexmarl_core.config import ConfigError
+    from flexmarl_core.plots import report
+
+    for path in filter(None, [args.run, args.compare]):
+        if not (Path(path) / "metrics" / "ops.jsonl").is_file():
+            raise ConfigError(f"{path}: no metrics/ops.jsonl (not a finished or resumed flexmarl run folder)")
+    for kind, path in report(args.run, args.compare, args.out).items():
+        print(f"{kind}: {path}")
     return 0
 
 
@@ -204,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("path", help="run folder (also checks each completed iteration's "
                      "expected samples) or store path/URI")
     aud.set_defaults(fn=cmd_store_audit)
+
+    r = sub.add_parser("report", help="draw a run's timeline.png and curves.png")
+    r.add_argument("run", help="run folder (finished or resumed)")
+    r.add_argument("--compare", metavar="RUN2", default=None,
+                   help="another run to stack on the timeline (e.g. the synchronous baseline)")
+    r.add_argument("--out", default=None, help="folder for the PNGs (default: the run folder)")
+    r.set_defaults(fn=cmd_report)
 
     sv = sub.add_parser("server", help="the local Prefect server")
     sv_sub = sv.add_subparsers(dest="server_command", required=True)

@@ -17,11 +17,12 @@ import socket
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import dask
 import distributed
-from distributed import Client, Nanny, Scheduler, SpecCluster
+from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
 
 from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
@@ -127,7 +128,10 @@ def start_cluster(
                      # activation tensor over 128 KiB is a fresh mmap + page faults + munmap:
                      # rollouts ran 2.7x and training 1.9x slower than in a plain process
                      # (measured on the default team). None = leave glibc's default.
-                     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None})
+                     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                     # A worker's startup banner is logged while it imports distributed, before
+                     # the nanny's `env` applies: only the pre-spawn environment quiets it.
+                     "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "warning"})
     # Scheduler/nanny INFO lines (connections, retirements) drown the run's own output.
     logging.getLogger("distributed").setLevel(logging.WARNING)
     if cfg.address:
@@ -191,6 +195,45 @@ def worker_resources(client: Client) -> dict[str, dict[str, float]]:
     """Current resource tags of every worker, by address."""
     info = client.scheduler_info(n_workers=-1)["workers"]
     return {addr: dict(w.get("resources", {})) for addr, w in info.items()}
+
+
+def _log_to_file(path: Path) -> None:
+    """Dask's INFO and up go to `path`; its stream handlers (the terminal) keep WARNING and up."""
+    lg = logging.getLogger("distributed")
+    for h in list(lg.handlers):
+        if getattr(h, "flexmarl_log_file", False):
+            lg.removeHandler(h)
+            h.close()
+        elif isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            h.setLevel(logging.WARNING)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = logging.FileHandler(path)
+    fh.flexmarl_log_file = True  # type: ignore[attr-defined]
+    fh.setLevel(logging.INFO)
+    fh.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    lg.addHandler(fh)
+    lg.setLevel(logging.INFO)
+
+
+class LogFiles(WorkerPlugin):
+    """Each worker logs Dask's INFO lines to `<folder>/dask-<worker>.log` (WARNING and up
+    still reach the terminal). Named, so registering it again replaces it."""
+
+    name = "flexmarl-log-files"
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def setup(self, worker: Any) -> None:
+        _log_to_file(Path(self.folder) / f"dask-{worker.name}.log")
+
+
+def log_to_files(client: Client, folder: str | Path, *, workers: bool) -> None:
+    """Dask's logs of this process (scheduler, client) and, for a cluster whose workers see
+    `folder` (the local one), of every worker, into files under `folder`."""
+    _log_to_file(Path(folder) / "dask-scheduler.log")
+    if workers:
+        client.register_plugin(LogFiles(str(folder)))
 
 
 def worker_names(client: Client) -> dict[str, str]:

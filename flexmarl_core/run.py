@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,13 @@ def check_run_folder(run_dir: Path) -> None:
         )
 
 
-def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
-    """Create the run folder: config, initial weights, inputs for every iteration."""
+#: the warm start a run began from (`train.warm_start: sft`), in its run folder
+WARM_START_NAME = "warm_start.json"
+
+
+def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str], None] = print) -> Path:
+    """Create the run folder: config, initial weights (a warm start, if configured), inputs for
+    every iteration."""
     from flexmarl_core.models import load_agent_model
     from flexmarl_core.workloads import make_workload
     from storage import MEGStore
@@ -55,11 +61,20 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
         check_run_folder(run_dir)
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    init_from = cfg.train.init_from
+    if init_from is None and cfg.train.warm_start == "sft":
+        from flexmarl_core.models.tokenizer import default_cache_dir
+        from flexmarl_core.sft import warm_start
+
+        folder, info = warm_start(cfg, default_cache_dir(), log=log)
+        init_from = str(folder)
+        (run_dir / WARM_START_NAME).write_text(json.dumps(
+            {k: info[k] for k in ("out_dir", "accuracy", "steps", "reused", "target")}, indent=1))
 
     for agent in meg.agent_names:
         if weights_path(run_dir, agent, 0).exists():
             continue
-        init = _initial_weights(cfg, agent)
+        init = _initial_weights(init_from, agent)
         if init is None:
             source = cfg.agent(agent).share_model_with or agent
             model, _ = load_agent_model(cfg.agent(source).model, seed=cfg.seed)
@@ -90,13 +105,13 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
     return run_dir
 
 
-def _initial_weights(cfg: ExperimentConfig, agent: str) -> dict[str, Any] | None:
-    """Weights from `train.init_from/<agent>` (e.g. `flexmarl sft` output), if configured."""
-    if not cfg.train.init_from:
+def _initial_weights(init_from: str | None, agent: str) -> dict[str, Any] | None:
+    """Weights from `init_from/<agent>` (`train.init_from`, or the warm start), if any."""
+    if not init_from:
         return None
     from safetensors.torch import load_file
 
-    path = Path(cfg.train.init_from) / agent / "model.safetensors"
+    path = Path(init_from) / agent / "model.safetensors"
     if not path.exists():
         raise FileNotFoundError(f"train.init_from: no checkpoint for agent {agent!r} at {path}")
     return load_file(str(path))
