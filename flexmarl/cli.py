@@ -80,7 +80,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = state.result()
     console.print(summary_table(out["iterations"], out["summary"]))
     for line in summary_lines(out["summary"]):
-        console.print(line)
+        console.print(line, soft_wrap=True)  # a long path stays one line, not broken mid-word
     return 0
 
 

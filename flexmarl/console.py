@@ -65,19 +65,20 @@ def summary_table(per_it: list[dict[str, Any]], summary: dict[str, Any]) -> Tabl
 def summary_lines(s: dict[str, Any]) -> list[str]:
     """The closing lines: held-out accuracy before and after RL, speed, where things are."""
     lines = []
+    if "heldout_set" in s:
+        lines.append(f"held-out set: {s['heldout_set']}")
     if "heldout_accuracy" in s:
-        held = f" on {s['heldout_set']}" if "heldout_set" in s else ""
         if "initial_heldout_accuracy" in s:
-            lines.append(f"held-out team accuracy{held}: {s['initial_heldout_accuracy']:.3f} before RL -> "
+            lines.append(f"held-out team accuracy: {s['initial_heldout_accuracy']:.3f} before RL -> "
                          f"{s['heldout_accuracy']:.3f} after ({s['heldout_gain']:+.3f})")
         else:
-            lines.append(f"held-out team accuracy{held}: {s['heldout_accuracy']:.3f} after training")
+            lines.append(f"held-out team accuracy: {s['heldout_accuracy']:.3f} after training")
     if s.get("final_reward"):
         lines.append("final reward per agent: " + ", ".join(f"{a} {v:.3f}" for a, v in s["final_reward"].items()))
     lines.append(
         f"E2E {s['e2e_s_per_iteration']:.2f} s/iteration, {s['tokens_per_s']:.0f} tokens/s, "
         f"utilisation {s['utilization']:.2f}, Prefect+Dask bookkeeping {100 * s['prefect_overhead_frac']:.1f}% of CPU")
     pics = s.get("pictures", {})
-    lines.append(f"metrics, logs and pictures in {s['run_dir']} ({', '.join(Path(p).name for p in pics.values())}); "
-                 f"live scalars: tensorboard --logdir {s['run_dir']}/metrics/tensorboard")
+    lines.append(f"metrics, logs and pictures ({', '.join(Path(p).name for p in pics.values())}) in {s['run_dir']}")
+    lines.append(f"live scalars: tensorboard --logdir {s['run_dir']}/metrics/tensorboard")
     return lines

@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
-from flexmarl.console import IterationProgress, console
+from flexmarl.console import IterationProgress
 from flexmarl_core import cluster, run
 from flexmarl_core.config import load_config
 from flexmarl_core.control import MoveInstance, TrainSlot
@@ -43,7 +43,12 @@ def train(
     def say(line: str) -> None:  # the terminal's few lines (progress on), and the flow run's log
         log.info(line)
         if progress:
-            console.print(line)
+            # Imported here, not at module level: every task submission ships this flow in its
+            # context, and a flow function pickled by value takes its globals along (the
+            # console holds a lock that cannot be pickled).
+            from flexmarl.console import console
+
+            console.print(line, soft_wrap=True)
 
     ui = PREFECT_UI_URL.value()
     if ui:
@@ -57,7 +62,7 @@ def train(
     else:
         if cfg.train.warm_start == "sft" and not cfg.train.init_from:
             say("warm start: SFT checkpoints of this config (made once, then cached; a few minutes the first time)")
-        run_dir = report_tasks.prepare_run(cfg)
+        run_dir = report_tasks.prepare_run(cfg, echo=progress)
     warm = Path(run_dir) / run.WARM_START_NAME
     if warm.exists():
         w = json.loads(warm.read_text())

@@ -38,9 +38,19 @@ def artifact_key(name: str) -> str:
 
 
 @task(name="prepare-run", retries=1, cache_policy=NO_CACHE, persist_result=False)
-def prepare_run(cfg: ExperimentConfig) -> str:
-    """CPU/IO: run folder, initial weights per agent, every iteration's inputs in the store."""
-    run_dir = str(run.prepare_run(cfg, log=get_run_logger().info))
+def prepare_run(cfg: ExperimentConfig, echo: bool = False) -> str:
+    """CPU/IO: run folder, initial weights per agent (SFT first, for a warm start not yet
+    cached), every iteration's inputs in the store. `echo`: SFT progress on the terminal too."""
+    logger = get_run_logger()
+
+    def log(line: str) -> None:
+        logger.info(line)
+        if echo:
+            from flexmarl.console import console
+
+            console.print(f"  {line}")
+
+    run_dir = str(run.prepare_run(cfg, log=log))
     get_run_logger().info("prepared run folder %s (store %s)", run_dir, cfg.resolved_store_uri())
     return run_dir
 
