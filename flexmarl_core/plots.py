@@ -93,7 +93,7 @@ def timeline(traces: Sequence[RunTrace], path: str | Path, *, title: str = "") -
 
     agents = sorted({o["agent"] for t in traces for o in t.ops if o["agent"]})
     lanes = [(t, w) for t in traces for w in t.workers]
-    fig, ax = plt.subplots(figsize=(12, 0.9 + 0.55 * len(lanes)))
+    fig, ax = plt.subplots(figsize=(12, 1.9 + 0.5 * len(lanes)))
     for y, (t, w) in enumerate(lanes):
         ops = [o for o in t.ops if o["worker"] == w]
         ax.broken_barh([(o["start"], o["end"] - o["start"]) for o in ops], (y - 0.4, 0.8),
@@ -113,9 +113,9 @@ def timeline(traces: Sequence[RunTrace], path: str | Path, *, title: str = "") -
                for k in KIND_COLOURS]
     handles += [plt.Line2D([], [], marker="v", color="black", ls="", label="instance move"),
                 plt.Line2D([], [], marker="^", color="crimson", ls="", label="trainer swap")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 if len(lanes) > 2 else -0.3),
-              ncol=len(handles), fontsize=8, frameon=False)
-    ax.set_title(title or "ops per worker (shade: agent " + ", ".join(agents) + ")", fontsize=10)
+    ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles),
+              fontsize=8, frameon=False)
+    fig.suptitle(title or "ops per worker (shade: agent " + ", ".join(agents) + ")", fontsize=10)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
