@@ -22,7 +22,7 @@ from typing import Any
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.control import MoveInstance, TrainSlot
 from flexmarl_core.meg import MEG
-from flexmarl_core.metrics import IterationTracker, run_summary
+from flexmarl_core.metrics import IterationTracker, critical_path, run_summary
 from flexmarl_core.ops import OpRecord
 from flexmarl_core.orchestrator import Orchestrator
 from flexmarl_core.plan import Plan
@@ -107,6 +107,7 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
         train_slot_allocations=sum(1 for d in res.decisions if isinstance(d, TrainSlot)),
         control_place=_us(place_s), control_route=_us(route_s),
         balancer_decide=_us([(d.monitor_us + d.decide_us) / 1e6 for d in moves]),
+        critical_path=critical_path(res.records, plan.deps),
     )
     iterations = [{k: v for k, v in m.items() if not k.startswith("busy_s/") and k != "accuracy"} for m in rows]
     return SimResult(summary=summary, iterations=iterations, records=res.records, pools=pools)

@@ -14,12 +14,11 @@ simulator's JSON output.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flexmarl_core.config import ConfigError, ExperimentConfig, _set_path, parse_overrides
 from flexmarl_core.control import TRAIN_TAG, rollout_tag
@@ -62,6 +61,8 @@ class ModelSpec(_Strict):
 class PoolSpec(_Strict):
     nodes: int = Field(ge=1, description="Nodes in this pool.")
     group_devices: int = Field(ge=1, description="Devices per worker (instance or slot).")
+    tp: int | None = Field(None, ge=1, description="Inference: tensor-parallel devices per engine "
+                           "replica (default: the whole group); group_devices / tp replicas.")
 
 
 class Efficiency(_Strict):
@@ -106,7 +107,8 @@ class SimCluster(_Strict):
     #: where each figure comes from, echoed in the output
     sources: dict[str, str] = Field(default_factory=dict)
 
-    def model_post_init(self, _: Any) -> None:
+    @model_validator(mode="after")
+    def _fits(self) -> SimCluster:
         used = self.inference.nodes + self.training.nodes
         if used > self.nodes:
             raise ValueError(f"inference.nodes + training.nodes = {used} exceeds nodes = {self.nodes}")
@@ -115,6 +117,14 @@ class SimCluster(_Strict):
             if (getattr(self, pool).nodes * self.devices_per_node) % g:
                 raise ValueError(f"{pool}.group_devices={g} does not divide its {getattr(self, pool).nodes} "
                                  f"nodes x {self.devices_per_node} devices")
+        if self.inference.group_devices % self.tp:
+            raise ValueError(f"inference.tp={self.tp} does not divide inference.group_devices="
+                             f"{self.inference.group_devices}")
+        return self
+
+    @property
+    def tp(self) -> int:
+        return self.inference.tp or self.inference.group_devices
 
     @property
     def devices(self) -> int:
@@ -171,7 +181,8 @@ def _pick(table: dict[str, Any], agent: str, what: str, cluster: str) -> Any:
 def cost_model(cluster: SimCluster, cfg: ExperimentConfig) -> CostModel:
     """The roofline cost model of `cfg`'s agents on `cluster`."""
     dev, eff = cluster.device, cluster.efficiency
-    d_inf, d_tr = cluster.inference.group_devices, cluster.training.group_devices
+    d_inf, d_tr = cluster.tp, cluster.training.group_devices  # d_inf: devices of one replica
+    replicas = cluster.inference.group_devices // cluster.tp
     bw, flops = dev.hbm_gbps * 1e9 * eff.decode_bw, dev.bf16_tflops * 1e12
     tr_nodes = max(d_tr / cluster.devices_per_node, 1.0)
     agents: dict[str, AgentCost] = {}
@@ -196,6 +207,7 @@ def cost_model(cluster: SimCluster, cfg: ExperimentConfig) -> CostModel:
         agents[a.name] = AgentCost(
             prompt_tokens=prompt, lengths=LengthDist(ls.mean, ls.sigma, cap),
             weight_bytes=m.weight_bytes, state_bytes=m.state_bytes, batching="continuous",
+            replicas=replicas,
             max_concurrency=max(int(kv_room // per_seq), 1),
             prefill_token_s=2 * n / (d_inf * flops * eff.prefill_mfu),
             step_mem_s=m.weight_bytes / (d_inf * bw),
@@ -211,20 +223,9 @@ def cost_model(cluster: SimCluster, cfg: ExperimentConfig) -> CostModel:
     return CostModel(
         agents=agents, dispatch_s=lat.dispatch_s, gap_s=lat.gap_s, report_s=lat.report_s,
         store_s=lat.store_s, reward_sample_s=lat.reward_sample_s,
+        # Replicas load in parallel; a swap moves the state over every device's host link.
         load_gbps=d_inf * dev.host_link_gbps, swap_gbps=d_tr * dev.host_link_gbps,
         sync_gbps=tr_nodes * dev.net_gbps,
         states_per_slot=cluster.states_per_slot, engines_per_worker=cluster.engines_per_worker,
         sources=dict(cluster.sources),
     )
-
-
-def devices_of(cluster: SimCluster, pool: str) -> int:
-    return cluster.inference.group_devices if pool == "inference" else cluster.training.group_devices
-
-
-def fmt_bytes(b: float) -> str:
-    """1.2 GB style, for reports."""
-    if b <= 0:
-        return "0 B"
-    k = min(int(math.log(b, 1000)), 4)
-    return f"{b / 1000**k:.1f} {['B', 'kB', 'MB', 'GB', 'TB'][k]}"

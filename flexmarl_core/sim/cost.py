@@ -62,7 +62,10 @@ class AgentCost:
     weight_bytes: float
     state_bytes: float  #: trainer state (weights, master copy, optimizer) moved by a swap
     batching: Literal["continuous", "static"] = "continuous"
-    max_concurrency: int = 1 << 30
+    #: engine replicas in one worker (data parallel): a micro-batch's sequences are dealt
+    #: round-robin over them and the op ends with the slowest replica
+    replicas: int = 1
+    max_concurrency: int = 1 << 30  #: sequences one replica decodes at once (KV memory)
     prefill_token_s: float = 0.0
     step_mem_s: float = 0.0
     step_seq_s: float = 0.0
@@ -107,15 +110,8 @@ class CostModel:
 
     def rollout_s(self, agent: str, prompts: np.ndarray, lengths: np.ndarray) -> float:
         a = self.agent(agent)
-        prefill = a.prefill_token_s * float(prompts.sum())
-        if a.batching == "static":
-            steps = int(lengths.max(initial=0))
-            n = len(lengths)
-            ctx = float(prompts.sum()) * steps + n * steps * (steps - 1) / 2
-            decode = steps * (max(a.step_mem_s, n * a.step_seq_s) + a.step_over_s) + a.kv_token_s * ctx
-        else:
-            decode = continuous_decode_s(prompts, lengths, a)
-        return prefill + decode + self.store_s
+        r = max(min(a.replicas, len(lengths)), 1)
+        return max(_replica_s(prompts[i::r], lengths[i::r], a) for i in range(r)) + self.store_s
 
     def train_s(self, agent: str, prompt_tokens: float, response_tokens: float) -> float:
         a = self.agent(agent)
@@ -144,6 +140,16 @@ class CostModel:
         for a in d["agents"].values():
             a["lengths"] = dict(a["lengths"])
         return d
+
+
+def _replica_s(prompts: np.ndarray, lengths: np.ndarray, a: AgentCost) -> float:
+    prefill = a.prefill_token_s * float(prompts.sum())
+    if a.batching == "static":
+        steps = int(lengths.max(initial=0))
+        n = len(lengths)
+        ctx = float(prompts.sum()) * steps + n * steps * (steps - 1) / 2
+        return prefill + steps * (max(a.step_mem_s, n * a.step_seq_s) + a.step_over_s) + a.kv_token_s * ctx
+    return prefill + continuous_decode_s(prompts, lengths, a)
 
 
 def continuous_decode_s(prompts: np.ndarray, lengths: np.ndarray, a: AgentCost) -> float:
