@@ -6,6 +6,8 @@
     flexmarl store check PATH               list problems in a MEG Store; non-zero exit if any
     flexmarl store audit RUN_OR_STORE       exactly-once audit; exit 1 on duplicates/missing
     flexmarl server stop                    stop the Prefect server `train` started
+    flexmarl simulate CONFIG --cluster C    simulated cluster: Table 2/3 of the co-design (simulated)
+    flexmarl simulate --calibrate RUN       fit the cost model from a run's op log and replay it
 """
 
 from __future__ import annotations
@@ -135,6 +137,97 @@ def cmd_server_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Every figure printed or written here is simulated, and says so."""
+    import json
+
+    from flexmarl_core.config import ConfigError
+    from flexmarl_core.sim import report, study
+
+    if args.calibrate:
+        if args.config or args.cluster:
+            raise ConfigError("--calibrate RUN replays the run's own config on its own workers: "
+                              "give no CONFIG or --cluster with it")
+        out, sim = study.replay(args.calibrate, args.set)
+        s = out["simulated"]
+        title = f"replay of {args.calibrate} with its fitted cost model"
+        rows = {"simulated": s}
+        if "measured" in out:
+            m = out["measured"]
+            print(f"{title}\n{'':12s} {'E2E s/it':>10s} {'tokens/s':>10s}")
+            print(f"{'measured':12s} {m['e2e_s_per_iteration']:10.2f} {m['tokens_per_s']:10.0f}")
+            print(f"{'simulated':12s} {s['e2e_s_per_iteration']:10.2f} {s['tokens_per_s']:10.0f}")
+            print(f"E2E error of the simulated replay: {100 * out['e2e_error']:+.1f}%")
+        else:
+            print(report.mode_table(f"{title}, overrides {args.set}", rows))
+        records, pools, result = sim.records, sim.pools, out
+    elif args.config is None or args.cluster is None:
+        raise ConfigError("simulate: give CONFIG and --cluster CLUSTER.yaml, or --calibrate RUN")
+    elif args.sweep:
+        return _simulate_sweep(args)
+    else:
+        results, cluster = study.run_modes(args.config, args.cluster, args.set)
+        tables = study.tables(results)
+        t2 = {m: results[m].summary for m in (study.SYNC, study.CODESIGN)}
+        print(report.mode_table(f"Table 2: {args.config} on {cluster.name}", t2, baseline=study.SYNC))
+        t3 = {study.CODESIGN: results[study.CODESIGN].summary,
+              **{m: results[m].summary for m in tables.get("table3", {})}}
+        print(report.mode_table("Table 3: each switch off alone", t3, baseline=study.CODESIGN))
+        cod = results[study.CODESIGN].summary
+        print(f"simulator: {cod['sim_cpu_s_per_iteration']:.3f} CPU-s per simulated iteration, "
+              f"{cod['workers']} device groups, {cod['balance_moves']} instance moves, "
+              f"{cod['train_swaps']} trainer swaps (co-design, simulated)")
+        result = {**tables, "config": args.config, "cluster": cluster.model_dump(),
+                  "sources": cluster.sources, "runs": {m: r.summary for m, r in results.items()},
+                  "iterations": {m: r.iterations for m, r in results.items()}}
+        records, pools = results[study.CODESIGN].records, results[study.CODESIGN].pools
+        sync = results[study.SYNC]
+        if args.timeline:
+            from pathlib import Path
+
+            p = Path(args.timeline)
+            report.timeline_png(sync.records, p.with_name(f"{p.stem}-sync{p.suffix}"),
+                                f"{args.config}: synchronous baseline (simulated)", sync.pools)
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+        print(f"wrote {args.json} (simulated)")
+    if args.timeline:
+        what = args.calibrate or args.config
+        path = report.timeline_png(records, args.timeline, f"{what}: co-design (simulated)"
+                                   if not args.calibrate else f"{what}: replay (simulated)", pools)
+        print(f"wrote {path} (simulated timeline)")
+    return 0
+
+
+def _simulate_sweep(args: argparse.Namespace) -> int:
+    import json
+
+    from flexmarl.prefect_api import ensure_api
+    from flows.simulate import points, sweep
+
+    points(args.sweep)  # a malformed sweep fails before a server or cluster starts
+    api, _ = ensure_api()
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        out = sweep(args.config, args.cluster, args.sweep, args.set)
+    print(f"sweep {args.sweep} (simulated)")
+    print(f"{'point':36s} {'mode':24s} {'E2E s/it':>10s} {'tokens/s':>10s}")
+    for r in out["points"]:
+        print(f"{' '.join(r['overrides']) or '-':36s} {r['mode']:24s} {r['e2e_s_per_iteration']:10.1f} "
+              f"{r['tokens_per_s']:10.0f}")
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+        print(f"wrote {args.json} (simulated)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flexmarl", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -173,6 +266,20 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("path", help="run folder (also checks each completed iteration's "
                      "expected samples) or store path/URI")
     aud.set_defaults(fn=cmd_store_audit)
+
+    sim = sub.add_parser("simulate", help="simulate a cluster: the real orchestrator on a virtual clock")
+    sim.add_argument("config", nargs="?", default=None, help="experiment YAML (e.g. configs/sim/math-3x14b.yaml)")
+    sim.add_argument("--cluster", default=None, help="cluster description (e.g. configs/sim/paper-48x16.yaml)")
+    sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config field, or a cluster field with the sim. prefix")
+    sim.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
+    sim.add_argument("--timeline", default=None, metavar="PNG",
+                     help="write the co-design's timeline (and PNG-sync for the baseline)")
+    sim.add_argument("--calibrate", default=None, metavar="RUN",
+                     help="fit the cost model from a finished run's op log and replay its config")
+    sim.add_argument("--sweep", default=None, metavar="KEY=V1,V2|switches",
+                     help="what-if sweep as a Prefect flow, one point per task on Dask")
+    sim.set_defaults(fn=cmd_simulate)
 
     sv = sub.add_parser("server", help="the local Prefect server")
     sv_sub = sv.add_subparsers(dest="server_command", required=True)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl_core.config import ExperimentConfig, load_config
+from flexmarl_core.config import ConfigError, ExperimentConfig, load_config
 from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op
 from flexmarl_core.plan import Plan
@@ -37,7 +37,7 @@ from flexmarl_core.worker import CONFIG_NAME
 LENGTH_SIGMA = 0.3
 
 
-class CalibrationError(ValueError):
+class CalibrationError(ConfigError):
     """A run folder whose op log cannot be fitted; the message names the file and why."""
 
 

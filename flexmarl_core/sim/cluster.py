@@ -98,7 +98,7 @@ class SimCluster(_Strict):
     latency: Latency = Field(default_factory=Latency)
     #: model preset name (an agent's `model.preset`) -> its shape
     models: dict[str, ModelSpec]
-    #: agent name (or `default`) -> response-length distribution; the cap is max_new_tokens
+    #: agent name (digits stripped, or `default`) -> response lengths; the cap is max_new_tokens
     lengths: dict[str, LengthSpec]
     prompt_tokens: dict[str, int] = Field(default_factory=lambda: {"default": 256})
     #: one trainer state per slot at a time: a second agent's state swaps the first out
@@ -171,8 +171,11 @@ def workers(cluster: SimCluster, agents: list[str]) -> tuple[dict[str, dict[str,
 
 
 def _pick(table: dict[str, Any], agent: str, what: str, cluster: str) -> Any:
-    if agent in table:
-        return table[agent]
+    """An agent's entry: its name, else its name without trailing digits (`solver3` ->
+    `solver`), else `default`."""
+    for key in (agent, agent.rstrip("0123456789")):
+        if key in table:
+            return table[key]
     if "default" in table:
         return table["default"]
     raise ConfigError(f"cluster {cluster!r}: {what} has no entry for agent {agent!r} and no `default`")
