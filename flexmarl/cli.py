@@ -206,6 +206,7 @@ def _simulate_sweep(args: argparse.Namespace) -> int:
     import json
 
     from flexmarl.prefect_api import ensure_api
+    from flexmarl_core.sim.study import SYNC
     from flows.simulate import points, sweep
 
     points(args.sweep)  # a malformed sweep fails before a server or cluster starts
@@ -216,9 +217,12 @@ def _simulate_sweep(args: argparse.Namespace) -> int:
         out = sweep(args.config, args.cluster, args.sweep, args.set)
     print(f"sweep {args.sweep} (simulated)")
     print(f"{'point':36s} {'mode':24s} {'E2E s/it':>10s} {'tokens/s':>10s}")
+    e2e = {(tuple(r["overrides"]), r["mode"]): r["e2e_s_per_iteration"] for r in out["points"]}
     for r in out["points"]:
+        key = tuple(r["overrides"])
+        ratio = e2e.get((key, SYNC), 0.0) / r["e2e_s_per_iteration"] if (key, SYNC) in e2e else None
         print(f"{' '.join(r['overrides']) or '-':36s} {r['mode']:24s} {r['e2e_s_per_iteration']:10.1f} "
-              f"{r['tokens_per_s']:10.0f}")
+              f"{r['tokens_per_s']:10.0f}" + (f"   {ratio:.2f}x vs sync" if ratio else ""))
     if args.json:
         from pathlib import Path
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.control import MoveInstance, TrainSlot
+from flexmarl_core.control import Decision, MoveInstance, TrainSlot
 from flexmarl_core.meg import MEG
 from flexmarl_core.metrics import IterationTracker, critical_path, run_summary
 from flexmarl_core.ops import OpRecord
@@ -38,6 +38,7 @@ class SimResult:
     iterations: list[dict[str, Any]]
     records: list[OpRecord] = field(repr=False)
     pools: dict[str, str] = field(repr=False)
+    decisions: list[Decision] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": LABEL, "summary": self.summary, "iterations": self.iterations}
@@ -110,4 +111,5 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
         critical_path=critical_path(res.records, plan.deps),
     )
     iterations = [{k: v for k, v in m.items() if not k.startswith("busy_s/") and k != "accuracy"} for m in rows]
-    return SimResult(summary=summary, iterations=iterations, records=res.records, pools=pools)
+    return SimResult(summary=summary, iterations=iterations, records=res.records, pools=pools,
+                     decisions=res.decisions)
