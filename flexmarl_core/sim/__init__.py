@@ -103,6 +103,12 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
         sim_cpu_s_per_iteration=cpu / max(len(rows), 1),
         ops=len(res.records), workers=len(workers),
         utilization_per_pool={p: busy[p] / (span * size[p]) for p in sorted(size)},
+        # A perfect packing of this run's busy time in each pool (no dependencies, no idling):
+        # no schedule of the same work on the same workers ends sooner.
+        ideal_s_per_iteration=max(busy[p] / size[p] for p in size) / max(len(rows), 1),
+        # Inside a rollout op, a worker's engine replicas decode their share of the
+        # micro-batch; the op holds them all until the slowest ends.
+        rollout_replica_busy_frac=ex.rollout_replica_busy_s / ex.rollout_held_s if ex.rollout_held_s else 1.0,
         balance_moves=len(moves),
         train_swaps=sum(1 for d in res.decisions if isinstance(d, TrainSlot) and d.swap),
         train_slot_allocations=sum(1 for d in res.decisions if isinstance(d, TrainSlot)),

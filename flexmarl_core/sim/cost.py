@@ -108,10 +108,14 @@ class CostModel:
 
     # -- op costs --------------------------------------------------------------------------
 
-    def rollout_s(self, agent: str, prompts: np.ndarray, lengths: np.ndarray) -> float:
+    def rollout_s(self, agent: str, prompts: np.ndarray, lengths: np.ndarray) -> tuple[float, float]:
+        """(seconds the op holds its worker, mean busy share of the worker's replicas): the op
+        ends with its slowest replica; the others idle meanwhile."""
         a = self.agent(agent)
         r = max(min(a.replicas, len(lengths)), 1)
-        return max(_replica_s(prompts[i::r], lengths[i::r], a) for i in range(r)) + self.store_s
+        per = [_replica_s(prompts[i::r], lengths[i::r], a) for i in range(r)]
+        held = max(per) + self.store_s
+        return held, (sum(per) + r * self.store_s) / (a.replicas * held) if held > 0 else 1.0
 
     def train_s(self, agent: str, prompt_tokens: float, response_tokens: float) -> float:
         a = self.agent(agent)

@@ -58,6 +58,9 @@ class SimExecutor:
         self._lengths: dict[tuple[str, int, int, int], np.ndarray] = {}
         b = cfg.batch
         self._seqs = b.micro_batch_inputs * b.group_size
+        #: rollout seconds workers were held, and replica-seconds of actual decoding in them
+        self.rollout_held_s = 0.0
+        self.rollout_replica_busy_s = 0.0
 
     # -- Executor protocol ---------------------------------------------------------------
 
@@ -166,8 +169,11 @@ class SimExecutor:
     def _base_s(self, op: Op) -> float:
         c, it = self.cost, op.iteration
         if op.kind == "rollout":
-            return c.rollout_s(op.agent, self.prompts(op.agent, op.turn, it, op.mb),
-                               self.lengths(op.agent, op.turn, it, op.mb))
+            held, busy = c.rollout_s(op.agent, self.prompts(op.agent, op.turn, it, op.mb),
+                                     self.lengths(op.agent, op.turn, it, op.mb))
+            self.rollout_held_s += held
+            self.rollout_replica_busy_s += held * busy
+            return held
         if op.kind == "train":
             turns = self._turns(op.agent)
             p = sum(float(self.prompts(op.agent, t, it, op.mb).sum()) for t in turns)
