@@ -63,6 +63,14 @@ def _us(xs: list[float]) -> dict[str, float]:
             "p99_us": 1e6 * s[min(int(len(s) * 0.99), len(s) - 1)], "max_us": 1e6 * s[-1]}
 
 
+def _longest_path(plan: Plan, records: list[OpRecord]) -> float:
+    dur = {r.op: r.result.seconds for r in records}
+    done: dict[Any, float] = {}
+    for op, deps in plan.deps.items():  # inserted in dependency order
+        done[op] = dur.get(op, 0.0) + max((done[d] for d in deps), default=0.0)
+    return max(done.values(), default=0.0)
+
+
 def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str, float]],
              pools: dict[str, str] | None = None, *, seed: int | None = None) -> SimResult:
     """Run `cfg`'s plan on simulated `workers`; `pools` maps each worker to its device pool
@@ -106,6 +114,9 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
         # A perfect packing of this run's busy time in each pool (no dependencies, no idling):
         # no schedule of the same work on the same workers ends sooner.
         ideal_s_per_iteration=max(busy[p] / size[p] for p in size) / max(len(rows), 1),
+        # The plan's longest path weighted by these op durations (unlimited workers, no
+        # queueing): no schedule of this plan ends sooner either.
+        dag_bound_s_per_iteration=_longest_path(plan, res.records) / max(len(rows), 1),
         # Inside a rollout op, a worker's engine replicas decode their share of the
         # micro-batch; the op holds them all until the slowest ends.
         rollout_replica_busy_frac=ex.rollout_replica_busy_s / ex.rollout_held_s if ex.rollout_held_s else 1.0,
