@@ -16,23 +16,24 @@ from flexmarl_core.ops import OpRecord
 LABEL = "simulated"
 
 _KIND_COLOURS = {"reward": "#999999", "step": "#222222", "sync": "#d62728"}
-_AGENT_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
 
 
 def mode_table(title: str, rows: Mapping[str, Mapping[str, Any]], baseline: str | None = None) -> str:
-    """One line per mode: E2E per iteration, tokens/s, utilisation per pool, and the ratio
-    to `baseline` (its E2E over the row's); every figure is labelled simulated."""
+    """One line per mode: steady-state E2E per iteration and tokens/s (iterations after the
+    first), utilisation per pool over the run, and the ratio to `baseline` (its E2E over the
+    row's); every figure is labelled simulated."""
     pools = sorted({p for s in rows.values() for p in s.get("utilization_per_pool", {})})
     head = f"{'mode':30s} {'E2E s/it':>10s} {'tokens/s':>10s} " + " ".join(f"{'util ' + p:>16s}" for p in pools)
     if baseline:
         head += f" {'speedup vs ' + baseline:>20s}"
     lines = [f"{title} ({LABEL})", head]
     for mode, s in rows.items():
-        line = f"{mode:30s} {s['e2e_s_per_iteration']:10.1f} {s['tokens_per_s']:10.0f} "
+        line = f"{mode:30s} {s['e2e_s_steady']:10.1f} {s['tokens_per_s_steady']:10.0f} "
         line += " ".join(f"{s['utilization_per_pool'].get(p, 0.0):16.2f}" for p in pools)
         if baseline:
-            line += f" {rows[baseline]['e2e_s_per_iteration'] / s['e2e_s_per_iteration']:19.2f}x"
+            line += f" {rows[baseline]['e2e_s_steady'] / s['e2e_s_steady']:19.2f}x"
         lines.append(line)
+    lines.append("E2E and tokens/s: steady state, the iterations after the first (simulated)")
     return "\n".join(lines)
 
 
@@ -50,7 +51,8 @@ def timeline_png(records: Sequence[OpRecord], path: str | Path, title: str,
     workers = sorted({r.result.worker for r in records}, key=lambda w: (pools.get(w, ""), w))
     lane = {w: i for i, w in enumerate(workers)}
     agents = sorted({r.op.agent for r in records if r.op.agent})
-    colour = {a: _AGENT_COLOURS[i % len(_AGENT_COLOURS)] for i, a in enumerate(agents)}
+    cmap = matplotlib.colormaps["tab10" if len(agents) <= 10 else "tab20"]
+    colour = {a: matplotlib.colors.to_hex(cmap(i % cmap.N)) for i, a in enumerate(agents)}
     t0 = min((r.result.t_start for r in records), default=0.0)
     height = min(max(2.5, 0.18 * len(workers) + 1.5), 40)
     fig, ax = plt.subplots(figsize=(14, height))
