@@ -139,72 +139,88 @@ def cmd_server_stop(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Every figure printed or written here is simulated, and says so."""
-    import json
-
     from flexmarl_core.config import ConfigError
-    from flexmarl_core.sim import report, study
 
     if args.calibrate:
-        if args.config or args.cluster:
+        if args.config or args.cluster or args.sweep:
             raise ConfigError("--calibrate RUN replays the run's own config on its own workers: "
-                              "give no CONFIG or --cluster with it")
-        out, sim = study.replay(args.calibrate, args.set)
-        s = out["simulated"]
-        title = f"replay of {args.calibrate} with its fitted cost model"
-        rows = {"simulated": s}
-        if "measured" in out:
-            m = out["measured"]
-            print(f"{title}\n{'':12s} {'E2E s/it':>10s} {'tokens/s':>10s}")
-            print(f"{'measured':12s} {m['e2e_s_per_iteration']:10.2f} {m['tokens_per_s']:10.0f}")
-            print(f"{'simulated':12s} {s['e2e_s_per_iteration']:10.2f} {s['tokens_per_s']:10.0f}")
-            print(f"E2E error of the simulated replay: {100 * out['e2e_error']:+.1f}%")
-        else:
-            print(report.mode_table(f"{title}, overrides {args.set}", rows))
-        records, pools, result = sim.records, sim.pools, out
-    elif args.config is None or args.cluster is None:
+                              "give no CONFIG, --cluster or --sweep with it")
+        return _simulate_calibrate(args)
+    if args.config is None or args.cluster is None:
         raise ConfigError("simulate: give CONFIG and --cluster CLUSTER.yaml, or --calibrate RUN")
-    elif args.sweep:
+    if args.sweep:
         return _simulate_sweep(args)
-    else:
-        results, cluster = study.run_modes(args.config, args.cluster, args.set)
-        tables = study.tables(results)
-        t2 = {m: results[m].summary for m in (study.SYNC, study.CODESIGN)}
-        print(report.mode_table(f"Table 2: {args.config} on {cluster.name}", t2, baseline=study.SYNC))
-        t3 = {study.CODESIGN: results[study.CODESIGN].summary,
-              **{m: results[m].summary for m in tables.get("table3", {})}}
-        print(report.mode_table("Table 3: each switch off alone", t3, baseline=study.CODESIGN))
-        cod = results[study.CODESIGN].summary
-        print(f"simulator: {cod['sim_cpu_s_per_iteration']:.3f} CPU-s per simulated iteration, "
-              f"{cod['workers']} device groups, {cod['balance_moves']} instance moves, "
-              f"{cod['train_swaps']} trainer swaps (co-design, simulated)")
-        result = {**tables, "config": args.config, "cluster": cluster.model_dump(),
-                  "sources": cluster.sources, "runs": {m: r.summary for m, r in results.items()},
-                  "iterations": {m: r.iterations for m, r in results.items()}}
-        records, pools = results[study.CODESIGN].records, results[study.CODESIGN].pools
-        sync = results[study.SYNC]
-        if args.timeline:
-            from pathlib import Path
+    return _simulate_tables(args)
 
-            p = Path(args.timeline)
-            report.timeline_png(sync.records, p.with_name(f"{p.stem}-sync{p.suffix}"),
-                                f"{args.config}: synchronous baseline (simulated)", sync.pools)
-    if args.json:
-        from pathlib import Path
 
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-        print(f"wrote {args.json} (simulated)")
+def _write_json(path: str | None, data: dict) -> None:
+    import json
+
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2, default=str))
+        print(f"wrote {path} (simulated)")
+
+
+def _simulate_tables(args: argparse.Namespace) -> int:
+    """Table 2 (sync vs co-design) and Table 3 (each switch off) of CONFIG on the cluster."""
+    from flexmarl_core.sim import report, study
+
+    results, cluster = study.run_modes(args.config, args.cluster, args.set)
+    tables = study.tables(results)
+    cod, sync = results[study.CODESIGN], results[study.SYNC]
+    print(report.mode_table(f"Table 2: {args.config} on {cluster.name}",
+                            {study.SYNC: sync.summary, study.CODESIGN: cod.summary}, baseline=study.SYNC))
+    t3 = {study.CODESIGN: cod.summary, **{m: results[m].summary for m in tables.get("table3", {})}}
+    print(report.mode_table("Table 3: each switch off alone", t3, baseline=study.CODESIGN))
+    s = cod.summary
+    print(f"simulator: {s['sim_cpu_s_per_iteration']:.3f} CPU-s per simulated iteration, {s['workers']} "
+          f"device groups, {s['balance_moves']} instance moves, {s['train_swaps']} trainer swaps "
+          "(co-design, simulated)")
+    _write_json(args.json, {**tables, "config": args.config, "cluster": cluster.model_dump(),
+                            "sources": cluster.sources, "runs": {m: r.summary for m, r in results.items()},
+                            "iterations": {m: r.iterations for m, r in results.items()}})
     if args.timeline:
-        what = args.calibrate or args.config
-        path = report.timeline_png(records, args.timeline, f"{what}: co-design (simulated)"
-                                   if not args.calibrate else f"{what}: replay (simulated)", pools)
-        print(f"wrote {path} (simulated timeline)")
+        p = Path(args.timeline)
+        for res, path, mode in ((cod, p, study.CODESIGN), (sync, p.with_name(f"{p.stem}-sync{p.suffix}"), study.SYNC)):
+            report.timeline_png(res.records, path, f"{args.config}: {mode} (simulated)", res.pools)
+            print(f"wrote {path} (simulated timeline)")
+    return 0
+
+
+def _simulate_calibrate(args: argparse.Namespace) -> int:
+    """Fit RUN's cost model from its op log and replay its config (with --set: a what-if)."""
+    from flexmarl_core.ops import OpRecord, StageResult
+    from flexmarl_core.sim import report, study
+    from flexmarl_core.sim.calibrate import load_run
+
+    out, sim = study.replay(args.calibrate, args.set)
+    s = out["simulated"]
+    title = f"replay of {args.calibrate} with its fitted cost model"
+    if "measured" in out:
+        m = out["measured"]
+        print(f"{title}\n{'':12s} {'E2E s/it':>10s} {'tokens/s':>10s}")
+        print(f"{'measured':12s} {m['e2e_s_per_iteration']:10.2f} {m['tokens_per_s']:10.0f}")
+        print(f"{'simulated':12s} {s['e2e_s_per_iteration']:10.2f} {s['tokens_per_s']:10.0f}")
+        print(f"E2E error of the simulated replay: {100 * out['e2e_error']:+.1f}%")
+    else:
+        print(report.mode_table(f"{title}, overrides {args.set}", {"simulated": s}))
+    _write_json(args.json, out)
+    if args.timeline:
+        p = Path(args.timeline)
+        report.timeline_png(sim.records, p, f"{args.calibrate}: replay (simulated)", sim.pools)
+        print(f"wrote {p} (simulated timeline)")
+        # The measured run beside it, drawn the same way from its op log.
+        _, rows = load_run(args.calibrate)
+        results = [(StageResult.from_row(row), row) for row in rows]
+        real = [OpRecord(res.op, row["submitted"], row["finished"], res) for res, row in results]
+        measured = p.with_name(f"{p.stem}-measured{p.suffix}")
+        report.timeline_png(real, measured, f"{args.calibrate}: measured run", None)
+        print(f"wrote {measured} (measured timeline)")
     return 0
 
 
 def _simulate_sweep(args: argparse.Namespace) -> int:
-    import json
-
     from flexmarl.prefect_api import ensure_api
     from flexmarl_core.sim.study import SYNC
     from flows.simulate import points, sweep
@@ -224,12 +240,7 @@ def _simulate_sweep(args: argparse.Namespace) -> int:
         print(f"{' '.join(r['overrides']) or '-':36s} {r['mode']:24s} {r['e2e_s_steady']:10.1f} "
               f"{r['tokens_per_s_steady']:10.0f}" + (f"   {ratio:.2f}x vs sync" if ratio else ""))
     print("E2E and tokens/s: steady state, the iterations after the first (simulated)")
-    if args.json:
-        from pathlib import Path
-
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
-        print(f"wrote {args.json} (simulated)")
+    _write_json(args.json, out)
     return 0
 
 

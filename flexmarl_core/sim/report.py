@@ -72,10 +72,10 @@ def timeline_png(records: Sequence[OpRecord], path: str | Path, title: str,
     ax.set_title(title)
     handles = [Patch(color=colour[a], label=f"{a} (rollout; train hatched)") for a in agents]
     handles += [Patch(color=c, label=k) for k, c in _KIND_COLOURS.items()]
-    ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=min(len(handles), 4))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
