@@ -4,7 +4,8 @@ One form serves both sources of numbers: a device cluster (roofline figures of t
 the agent's model size, `sim.cluster`) and a calibration from a real run's op log
 (`sim.calibrate`). Per agent:
 
-    rollout  = prefill_token_s * prompt tokens + decode + store_s
+    rollout  = slowest of the worker's `replicas` (the micro-batch's sequences dealt
+               round-robin over them) of prefill_token_s * prompt tokens + decode; + store_s
       decode: one step per generated token; step(n active, ctx tokens) =
               max(step_mem_s, n * step_seq_s) + ctx * kv_token_s + step_over_s
               (memory-bound weight read vs compute per sequence, plus the KV-cache read).
