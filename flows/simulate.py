@@ -12,26 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow
 from prefect_dask import DaskTaskRunner
 
-from flexmarl_core.config import ConfigError, load_config
+from flexmarl_core.config import ConfigError
 from flexmarl_core.sim import LABEL
-from flexmarl_core.sim.cluster import load_cluster
-from flexmarl_core.sim.study import CODESIGN, SYNC, modes, run_cluster, split_overrides
-
-
-@task(name="simulate-point", cache_policy=NO_CACHE, persist_result=False)
-def simulate_point(config: str, cluster: str, overrides: list[str], mode: str) -> dict[str, Any]:
-    """CPU work: one simulated run (one mode at one point); returns its summary."""
-    cfg_over, sim_over = split_overrides(overrides)
-    cfg = load_config(config, [*cfg_over, *modes()[mode]])
-    summary = run_cluster(cfg, load_cluster(cluster, sim_over)).summary
-    return {"overrides": overrides, "mode": mode, **summary}
+from flexmarl_core.sim.study import CODESIGN, SYNC, modes
+from tasks.simulate import simulate_point
 
 
 def points(sweep: str) -> list[tuple[list[str], str]]:
+    """(extra overrides, mode) of every point of `sweep`."""
     if sweep == "switches":
         return [([], m) for m in modes()]
     key, _, values = sweep.partition("=")
@@ -43,6 +34,7 @@ def points(sweep: str) -> list[tuple[list[str], str]]:
 @flow(name="flexmarl-simulate-sweep",
       task_runner=DaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1}))
 def sweep(config: str, cluster: str, sweep: str, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Every point a `simulate-point` task on the flow's Dask cluster; their summaries."""
     futures = [simulate_point.submit(config, cluster, [*(overrides or []), *extra], mode)
                for extra, mode in points(sweep)]
     rows = [f.result() for f in futures]
