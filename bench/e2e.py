@@ -127,6 +127,7 @@ def main() -> int:
     from flows.train import train
 
     all_modes = modes(args.ablation, args.reference)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {m: [] for m in all_modes}
     out_dir = REPO / "runs" / "bench-e2e"
     t0 = time.time()
@@ -137,6 +138,7 @@ def main() -> int:
                 order.reverse()
             for mode in order:
                 overrides = [f"run_dir={out_dir}/{mode}-{rep}", f"train.iterations={iterations}",
+                             "train.warm_start=none", "train.evaluate_initial=false",
                              *all_modes[mode], *args.set]
                 srv0 = server_cpu_s()
                 state = train(args.config, overrides, progress=False, return_state=True)
@@ -155,6 +157,7 @@ def main() -> int:
         # Prefect's own bookkeeping; what both share (Dask's background ticks) is not.
         plain = [plain_dask_run(args.config, [f"run_dir={out_dir}/plain-dask-{rep}",
                                               f"train.iterations={iterations}",
+                                              "train.warm_start=none", "train.evaluate_initial=false",
                                               *modes(False)["codesign"], *args.set])
                  for rep in range(repeats)]
 
@@ -216,6 +219,11 @@ def main() -> int:
     res["ideal_s_codesign"] = statistics.median(m["ideal_s_per_it"] for m in mixes)
     res["speedup_bound"] = res["e2e_s_sync"] / res["ideal_s_codesign"]
     res["runs"] = runs
+    from flexmarl_core.plots import load_trace, timeline
+
+    res["timeline_png"] = str(timeline(
+        [load_trace(out_dir / "sync-0", "sync"), load_trace(out_dir / "codesign-0", "co-design")],
+        Path(args.json).with_suffix(".timeline.png"), title="synchronous baseline vs co-design, one time axis"))
 
     print(f"\n{'mode':32s} {'E2E s/it':>9s} {'tok/s':>8s} {'util':>6s}")
     for m in runs:
@@ -238,8 +246,8 @@ def main() -> int:
     if "prefect_overhead_frac_incl_server" in res:
         print(f"with the Prefect API server's CPU: {100 * res['prefect_overhead_frac_incl_server']:.1f}% "
               f"(server {res['prefect_server_cpu_s_per_task']:.3f} CPU-s per task run)")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    print(f"timeline of both modes: {res['timeline_png']}")
     return 0
 
 

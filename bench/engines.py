@@ -56,8 +56,13 @@ GEN_BATCH, GEN_NEW = 32, 64
 TRAIN_BATCH, TRAIN_PROMPT, TRAIN_LEN = 16, 32, 128
 
 
+def gen_prompts(n: int) -> list[str]:
+    """`n` short arithmetic prompts of mixed lengths (left padding gets exercised)."""
+    return [f"question: {i} + {3 * i} * 7 = ?\nplan:" + " step" * (i % 5) for i in range(n)]
+
+
 def bench_generate(model, tok, reps: int) -> tuple[float, float]:
-    prompts = [f"question: {i} + {3 * i} * 7 = ?\nplan:" + " step" * (i % 5) for i in range(GEN_BATCH)]
+    prompts = gen_prompts(GEN_BATCH)
     engine = HFInferenceEngine(model, tok)
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=GEN_NEW)
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
@@ -157,7 +162,7 @@ def bench_vllm(model, tok, reps: int) -> dict:
     """vLLM generate tokens/s on the engine benchmark's batch, start and weight-push times."""
     from flexmarl_core.inference.vllm_engine import VLLMInferenceEngine
 
-    prompts = [f"question: {i} + {3 * i} * 7 = ?\nplan:" + " step" * (i % 5) for i in range(GEN_BATCH)]
+    prompts = gen_prompts(GEN_BATCH)
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=GEN_NEW)
     t0 = time.perf_counter()
     engine = VLLMInferenceEngine.from_model(model, tok, max_model_len=512)
@@ -242,6 +247,9 @@ def scale_out_rows(presets: list[str], tok, reps: int) -> dict:
         out.setdefault("deepspeed", {})[preset] = row
         print(f"deepspeed {preset:<10} step {row['step_s']:.3f} s | state swap "
               f"{row['state_swap_s'] * 1e3:.0f} ms | offload+reload {row['offload_reload_s'] * 1e3:.0f} ms")
+        if torch.cuda.is_available() and torch.cuda.device_count() < 2:  # one GPU per rank
+            out["deepspeed_dp2"] = {"skipped": f"DP-2 needs 2 GPUs, {torch.cuda.device_count()} visible"}
+            continue
         row = bench_deepspeed_dp(model, train_batch(len(tok)), reps)
         out.setdefault("deepspeed_dp2", {})[preset] = row
         print(f"ds dp-2   {preset:<10} step {row['step_s']:.3f} s | rank start {row['start_s']:.1f} s")

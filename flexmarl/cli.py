@@ -5,6 +5,7 @@
     flexmarl sft CONFIG [--out DIR]         warm-start checkpoints from demonstrations
     flexmarl store check PATH               list problems in a MEG Store; non-zero exit if any
     flexmarl store audit RUN_OR_STORE       exactly-once audit; exit 1 on duplicates/missing
+    flexmarl report RUN [--compare RUN2]    draw timeline.png and curves.png of a run
     flexmarl server stop                    stop the Prefect server `train` started
     flexmarl simulate CONFIG --cluster C    simulated cluster: Table 2/3 of the co-design (simulated)
     flexmarl simulate --calibrate RUN       fit the cost model from a run's op log and replay it
@@ -16,6 +17,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one `error:` line with exit 2, like every other user error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _config(args: argparse.Namespace):  # noqa: ANN202 - avoids importing pydantic models at parse time
@@ -26,8 +35,6 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - avoids importing pydant
 
 def _resume_config(args: argparse.Namespace) -> None:
     """`train --resume RUN`: the run's own saved config is the config."""
-    from pathlib import Path
-
     from flexmarl_core.config import ConfigError
     from flexmarl_core.worker import CONFIG_NAME
 
@@ -40,16 +47,21 @@ def _resume_config(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from flexmarl.console import console, summary_table
+    import os
+
+    # Prefect's INFO lines (flow and task run states) stay in its API and UI; the terminal shows
+    # the UI link, a line per iteration and the summary. Set before Prefect is imported.
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    from flexmarl.console import console, summary_lines, summary_table
     from flexmarl.prefect_api import ensure_api, ui_url
+    from flexmarl_core.config import ConfigError
 
     if args.resume:
         _resume_config(args)
     elif args.config is None:
-        console.print("[red]train: give a CONFIG file, or --resume RUN to continue a run")
-        return 2
+        raise ConfigError("train: give a CONFIG file, or --resume RUN to continue a run")
     cfg = _config(args)  # validate before starting anything
-    _preflight(cfg)
+    _preflight(cfg, resume=bool(args.resume))
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
         console.print(f"started a local Prefect server at {ui_url(api)} (stop: flexmarl server stop)")
@@ -62,28 +74,61 @@ def cmd_train(args: argparse.Namespace) -> int:
         state = train(args.config, args.set, progress=not args.no_progress, resume=bool(args.resume),
                       return_state=True)
     flow_run_id = getattr(state, "state_details", None) and state.state_details.flow_run_id
-    if flow_run_id:
-        console.print(f"Prefect UI for this run: {ui_url(api)}/runs/flow-run/{flow_run_id}")
     if not state.is_completed():
+        if flow_run_id:
+            console.print(f"Prefect UI for this run: {ui_url(api)}/runs/flow-run/{flow_run_id}")
         console.print(f"[red]run failed: {state.message}")
         return 1
     out = state.result()
     console.print(summary_table(out["iterations"], out["summary"]))
-    s = out["summary"]
-    console.print(
-        f"E2E {s['e2e_s_per_iteration']:.2f} s/iteration, {s['tokens_per_s']:.0f} tokens/s, "
-        f"utilisation {s['utilization']:.2f}, Prefect+Dask bookkeeping "
-        f"{100 * s['prefect_overhead_frac']:.1f}% of CPU; metrics in {s['run_dir']}/metrics"
-    )
+    for line in summary_lines(out["summary"]):
+        console.print(line)
     return 0
 
 
-def _preflight(cfg) -> None:  # noqa: ANN001 - an ExperimentConfig
-    """Read the problems now: a broken dataset row or reward callable fails here, as a one-line
-    error, before a Prefect server, a cluster or a half-made run folder exists."""
+def cmd_report(args: argparse.Namespace) -> int:
+    from flexmarl_core.config import ConfigError
+    from flexmarl_core.plots import report
+
+    for path in filter(None, [args.run, args.compare]):
+        if not (Path(path) / "metrics" / "ops.jsonl").is_file():
+            raise ConfigError(f"{path}: no metrics/ops.jsonl (not a finished or resumed flexmarl run folder)")
+    for kind, path in report(args.run, args.compare, args.out).items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentConfig
+    """Check what the config points at, now: a broken dataset row or reward callable, a missing
+    warm-start checkpoint, an unreachable `cluster.address` or a resume that cannot work fails
+    here, as a one-line error, before a Prefect server, a cluster or a half-made run folder
+    exists."""
+    from flexmarl_core.config import ConfigError
     from flexmarl_core.workloads import make_workload
 
     make_workload(cfg.workload, cfg.team)
+    if cfg.train.init_from and not resume:
+        root = Path(cfg.train.init_from)
+        missing = [a.name for a in cfg.team.agents if not (root / a.name / "model.safetensors").is_file()]
+        if missing:
+            raise ConfigError(
+                f"train.init_from {cfg.train.init_from!r}: no <agent>/model.safetensors for "
+                f"{missing} (resolved: {root.absolute()}); point it at the output of `flexmarl sft`"
+            )
+    from flexmarl_core.cluster import check_address, check_worker_tags
+
+    check_worker_tags(cfg)
+    if cfg.cluster.address:
+        check_address(cfg.cluster.address)
+    from flexmarl_core.run import ResumeError, RunFolderError, check_resumable, check_run_folder
+
+    try:
+        if resume:
+            check_resumable(cfg, cfg.resolved_run_dir().resolve())
+        else:
+            check_run_folder(cfg.resolved_run_dir().resolve())
+    except (ResumeError, RunFolderError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -183,16 +228,15 @@ def _simulate_tables(args: argparse.Namespace) -> int:
     if args.timeline:
         p = Path(args.timeline)
         for res, path, mode in ((cod, p, study.CODESIGN), (sync, p.with_name(f"{p.stem}-sync{p.suffix}"), study.SYNC)):
-            report.timeline_png(res.records, path, f"{args.config}: {mode} (simulated)", res.pools)
+            report.timeline_png(res.records, res.decisions, path, f"{args.config}: {mode}")
             print(f"wrote {path} (simulated timeline)")
     return 0
 
 
 def _simulate_calibrate(args: argparse.Namespace) -> int:
     """Fit RUN's cost model from its op log and replay its config (with --set: a what-if)."""
-    from flexmarl_core.ops import OpRecord, StageResult
+    from flexmarl_core.plots import load_trace, timeline
     from flexmarl_core.sim import report, study
-    from flexmarl_core.sim.calibrate import load_run
 
     out, sim = study.replay(args.calibrate, args.set)
     s = out["simulated"]
@@ -208,15 +252,10 @@ def _simulate_calibrate(args: argparse.Namespace) -> int:
     _write_json(args.json, out)
     if args.timeline:
         p = Path(args.timeline)
-        report.timeline_png(sim.records, p, f"{args.calibrate}: replay (simulated)", sim.pools)
-        print(f"wrote {p} (simulated timeline)")
-        # The measured run beside it, drawn the same way from its op log.
-        _, rows = load_run(args.calibrate)
-        results = [(StageResult.from_row(row), row) for row in rows]
-        real = [OpRecord(res.op, row["submitted"], row["finished"], res) for res, row in results]
-        measured = p.with_name(f"{p.stem}-measured{p.suffix}")
-        report.timeline_png(real, measured, f"{args.calibrate}: measured run", None)
-        print(f"wrote {measured} (measured timeline)")
+        # The measured run above its replay, on one time axis, as `flexmarl report --compare`.
+        timeline([load_trace(args.calibrate, "measured"), report.trace(sim.records, sim.decisions, "simulated")],
+                 p, title=f"{args.calibrate}: measured run and its simulated replay")
+        print(f"wrote {p} (measured and simulated timelines)")
     return 0
 
 
@@ -245,7 +284,7 @@ def _simulate_sweep(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flexmarl", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="flexmarl", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_config(sp: argparse.ArgumentParser) -> None:
@@ -296,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sweep", default=None, metavar="KEY=V1,V2|switches",
                      help="what-if sweep as a Prefect flow, one point per task on Dask")
     sim.set_defaults(fn=cmd_simulate)
+
+    r = sub.add_parser("report", help="draw a run's timeline.png and curves.png")
+    r.add_argument("run", help="run folder (finished or resumed)")
+    r.add_argument("--compare", metavar="RUN2", default=None,
+                   help="another run to stack on the timeline (e.g. the synchronous baseline)")
+    r.add_argument("--out", default=None, help="folder for the PNGs (default: the run folder)")
+    r.set_defaults(fn=cmd_report)
 
     sv = sub.add_parser("server", help="the local Prefect server")
     sv_sub = sv.add_subparsers(dest="server_command", required=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -12,7 +14,9 @@ from flexmarl_core.metrics import metric_agents
 from flexmarl_core.ops import OpRecord, agent_key
 from flexmarl_core.plan import Plan
 
-console = Console()
+# At least 100 columns when the output is not a terminal (a log file, a pipe), where rich would
+# otherwise assume 80 and cut the table.
+console = Console(width=None if sys.stdout.isatty() else 100)
 
 
 class IterationProgress:
@@ -41,14 +45,39 @@ class IterationProgress:
 
 
 def summary_table(per_it: list[dict[str, Any]], summary: dict[str, Any]) -> Table:
+    """One row per iteration; under 100 columns for a team of a few agents (agent names are
+    column headers in full, values are 3 decimals)."""
     agents = metric_agents(per_it)
     t = Table(title=f"flexmarl run: {summary.get('iterations', 0)} iterations, "
-              f"{summary.get('wall_s', 0):.1f} s wall")
-    for col in ["it", "E2E s", "tokens/s", "util", "moves", "swaps", "acc", *[f"R {a}" for a in agents]]:
+              f"{summary.get('wall_s', 0):.1f} s wall", padding=(0, 1))
+    for col in ["it", "E2E s", "tok/s", "util", "moves", "swaps", "acc"]:
         t.add_column(col, justify="right")
+    for a in agents:
+        t.add_column(f"R {a}", justify="right", no_wrap=True, min_width=len(a) + 2)
     for m in per_it:
         t.add_row(str(m["iteration"]), f"{m['e2e_s']:.2f}", f"{m['tokens_per_s']:.0f}",
                   f"{m['utilization']:.2f}", str(m.get("balance_moves", 0)), str(m.get("train_swaps", 0)),
                   f"{m['accuracy']:.2f}",
                   *[f"{m.get(agent_key(a, 'reward'), float('nan')):.3f}" for a in agents])
     return t
+
+
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    """The closing lines: held-out accuracy before and after RL, speed, where things are."""
+    lines = []
+    if "heldout_accuracy" in s:
+        held = f" on {s['heldout_set']}" if "heldout_set" in s else ""
+        if "initial_heldout_accuracy" in s:
+            lines.append(f"held-out team accuracy{held}: {s['initial_heldout_accuracy']:.3f} before RL -> "
+                         f"{s['heldout_accuracy']:.3f} after ({s['heldout_gain']:+.3f})")
+        else:
+            lines.append(f"held-out team accuracy{held}: {s['heldout_accuracy']:.3f} after training")
+    if s.get("final_reward"):
+        lines.append("final reward per agent: " + ", ".join(f"{a} {v:.3f}" for a, v in s["final_reward"].items()))
+    lines.append(
+        f"E2E {s['e2e_s_per_iteration']:.2f} s/iteration, {s['tokens_per_s']:.0f} tokens/s, "
+        f"utilisation {s['utilization']:.2f}, Prefect+Dask bookkeeping {100 * s['prefect_overhead_frac']:.1f}% of CPU")
+    pics = s.get("pictures", {})
+    lines.append(f"metrics, logs and pictures in {s['run_dir']} ({', '.join(Path(p).name for p in pics.values())}); "
+                 f"live scalars: tensorboard --logdir {s['run_dir']}/metrics/tensorboard")
+    return lines

@@ -1,7 +1,7 @@
 """One Prefect API for the whole run: the configured/ambient one, or a local server we start.
 
 Dask worker processes inherit `PREFECT_API_URL` from the environment, so every task run reports
-to the same API instead of each worker starting a temporary server of its own (FACTS.md).
+to the same API instead of each worker starting a temporary server of its own (~10 s each).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +23,18 @@ def _healthy(api_url: str, timeout: float = 2.0) -> bool:
         with urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=timeout) as r:
             return r.status == 200
     except OSError:
+        return False
+
+
+def _answers(api_url: str, timeout: float = 2.0) -> bool:
+    """True when something answers HTTP at `api_url`/health (an auth error counts: Prefect
+    Cloud answers 401 without a key, and Prefect itself reports that one clearly)."""
+    try:
+        with urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=timeout):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):  # refused, unresolvable, timed out; ValueError: not a URL
         return False
 
 
@@ -55,6 +68,14 @@ def ensure_api(configured: str | None = None, *, home: Path | None = None) -> tu
     """
     url = configured or current_api_url()
     if url:
+        if not _answers(url):
+            from flexmarl_core.config import ConfigError
+
+            where = "cluster.prefect_api_url" if configured else "PREFECT_API_URL (environment or Prefect profile)"
+            raise ConfigError(
+                f"{where} is {url}, but no Prefect API answers there; start that server, fix "
+                "the URL, or unset it to let flexmarl start a local one"
+            )
         os.environ["PREFECT_API_URL"] = url
         return url, False
     port = DEFAULT_PORT

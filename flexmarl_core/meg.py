@@ -92,6 +92,12 @@ class MEG:
     def validate(self) -> None:
         if not self.agents:
             raise MEGError("the team has no agents")
+        for a in self.agents.values():
+            if a.share_model_with is not None and a.share_model_with not in self.agents:
+                raise MEGError(
+                    f"agent {a.name!r}: share_model_with {a.share_model_with!r} is not an agent; "
+                    f"agents: {sorted(self.agents)}"
+                )
         for e in self.edges:
             for end in (e.src, e.dst):
                 if end not in self.agents:
@@ -237,10 +243,6 @@ class MEG:
 
     def agent_parents(self, agent: str) -> list[str]:
         return sorted({p.agent for n in self.nodes if n.agent == agent for p in self.parents[n]})
-
-    @property
-    def output_node(self) -> NodeKey:
-        return [n for n in self.nodes if n.agent == self.output][-1]
 
     # -- instantiation ------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,32 @@ from flexmarl_core.plan import Plan
 from flexmarl_core.worker import CONFIG_NAME, publish_weights, weights_path
 
 
-def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
-    """Create the run folder: config, initial weights, inputs for every iteration."""
+class RunFolderError(ValueError):
+    """`run_dir` names a folder that is not a flexmarl run folder: it is never deleted."""
+
+
+def check_run_folder(run_dir: Path) -> None:
+    """A fresh run replaces `run_dir` only if it is empty or a flexmarl run folder (it has a
+    `config.yaml` or a `metrics/` folder of an earlier attempt): `--set run_dir=$HOME` must not
+    wipe a home folder."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise RunFolderError(f"run_dir {str(run_dir)!r} is a file, not a folder")
+    if any(run_dir.iterdir()) and not ((run_dir / CONFIG_NAME).exists() or (run_dir / "metrics").is_dir()):
+        raise RunFolderError(
+            f"run_dir {str(run_dir)!r} exists and is not a flexmarl run folder (no {CONFIG_NAME}); "
+            "a fresh run would replace it: choose an empty or new folder"
+        )
+
+
+#: the warm start a run began from (`train.warm_start: sft`), in its run folder
+WARM_START_NAME = "warm_start.json"
+
+
+def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str], None] = print) -> Path:
+    """Create the run folder: config, initial weights (a warm start, if configured), inputs for
+    every iteration."""
     from flexmarl_core.models import load_agent_model
     from flexmarl_core.workloads import make_workload
     from storage import MEGStore
@@ -33,13 +58,23 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
     workload = make_workload(cfg.workload, cfg.team)  # bad data fails before the folder is touched
     run_dir = cfg.resolved_run_dir().resolve()
     if fresh and run_dir.exists():
+        check_run_folder(run_dir)
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    init_from = cfg.train.init_from
+    if init_from is None and cfg.train.warm_start == "sft":
+        from flexmarl_core.models.tokenizer import default_cache_dir
+        from flexmarl_core.sft import warm_start
+
+        folder, info = warm_start(cfg, default_cache_dir(), log=log)
+        init_from = str(folder)
+        (run_dir / WARM_START_NAME).write_text(json.dumps(
+            {k: info[k] for k in ("out_dir", "accuracy", "steps", "reused", "target")}, indent=1))
 
     for agent in meg.agent_names:
         if weights_path(run_dir, agent, 0).exists():
             continue
-        init = _initial_weights(cfg, agent)
+        init = _initial_weights(init_from, agent)
         if init is None:
             source = cfg.agent(agent).share_model_with or agent
             model, _ = load_agent_model(cfg.agent(source).model, seed=cfg.seed)
@@ -70,13 +105,13 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True) -> Path:
     return run_dir
 
 
-def _initial_weights(cfg: ExperimentConfig, agent: str) -> dict[str, Any] | None:
-    """Weights from `train.init_from/<agent>` (e.g. `flexmarl sft` output), if configured."""
-    if not cfg.train.init_from:
+def _initial_weights(init_from: str | None, agent: str) -> dict[str, Any] | None:
+    """Weights from `init_from/<agent>` (`train.init_from`, or the warm start), if any."""
+    if not init_from:
         return None
     from safetensors.torch import load_file
 
-    path = Path(cfg.train.init_from) / agent / "model.safetensors"
+    path = Path(init_from) / agent / "model.safetensors"
     if not path.exists():
         raise FileNotFoundError(f"train.init_from: no checkpoint for agent {agent!r} at {path}")
     return load_file(str(path))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -131,3 +132,37 @@ def _save(path: Path, model: torch.nn.Module) -> None:
     from flexmarl_core.worker import save_state_atomic
 
     save_state_atomic(path / "model.safetensors", model.state_dict())
+
+
+def warm_start_key(cfg: ExperimentConfig) -> str:
+    """What SFT's result depends on: the team, the workload, the seed and the SFT settings (not
+    RL's batch, switches, cluster or iterations), so runs that differ only there share it."""
+    import hashlib
+
+    parts = {"team": cfg.team.model_dump(mode="json"), "workload": cfg.workload.model_dump(mode="json"),
+             "seed": cfg.seed, "sft": {k: v for k, v in cfg.train.model_dump(mode="json").items()
+                                       if k.startswith("sft_")}}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def warm_start(cfg: ExperimentConfig, cache_dir: str | Path, *, log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
+    """SFT checkpoints of `cfg`'s team: made on first use, then reused from `cache_dir`.
+
+    Returns the checkpoint folder (one `<agent>/model.safetensors` each, like `flexmarl sft`)
+    and its `sft.json` (held-out accuracy, steps, and `reused`). Made in a temporary folder and
+    renamed into place, so a crash never leaves a half-written cache entry."""
+    import shutil
+
+    final = Path(cache_dir) / "warm-start" / warm_start_key(cfg)
+    if (final / "sft.json").exists():
+        info = json.loads((final / "sft.json").read_text())
+        return final, {**info, "out_dir": str(final), "reused": True}
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    info = run_sft(cfg, out_dir=tmp, log=log)
+    try:
+        tmp.replace(final)
+    except OSError:  # another run made the same entry meanwhile: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    info = json.loads((final / "sft.json").read_text())
+    return final, {**info, "out_dir": str(final), "reused": False}

@@ -35,7 +35,7 @@ def save_state_atomic(path: Path, state: dict[str, torch.Tensor]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     # Clone: tied embeddings share storage and safetensors refuses shared tensors; lm_head must
-    # travel with the rest (FACTS.md: a push without it keeps the old output layer).
+    # travel with the rest (a vLLM push without it silently keeps the old output layer).
     save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(tmp))
     os.replace(tmp, path)
     return path
@@ -106,9 +106,11 @@ class WorkerContext:
         return rows
 
     def _fresh_model(self, agent: str) -> tuple[Any, Any]:
+        """The agent's model on `cluster.device`: its engine and trainer follow the model."""
         from flexmarl_core.models import load_agent_model
 
-        return load_agent_model(self.cfg.agent(agent).model, seed=self.cfg.seed)
+        model, tok = load_agent_model(self.cfg.agent(agent).model, seed=self.cfg.seed)
+        return model.to(self.cfg.cluster.device), tok
 
     def engine(self, agent: str, version: int) -> Any:
         """This process's inference engine for `agent`, holding weights `version`."""

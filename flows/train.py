@@ -8,6 +8,7 @@ cluster whose workers carry resource tags.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
-from flexmarl.console import IterationProgress
+from flexmarl.console import IterationProgress, console
 from flexmarl_core import cluster, run
 from flexmarl_core.config import load_config
 from flexmarl_core.control import MoveInstance, TrainSlot
@@ -38,9 +39,15 @@ def train(
     afresh. A Prefect retry of a failed flow run resumes too (its run folder is kept).
     """
     log = get_run_logger()
+
+    def say(line: str) -> None:  # the terminal's few lines (progress on), and the flow run's log
+        log.info(line)
+        if progress:
+            console.print(line)
+
     ui = PREFECT_UI_URL.value()
     if ui:
-        log.info("Prefect UI for this run: %s/runs/flow-run/%s", ui, flow_run.get_id())
+        say(f"Prefect UI for this run: {ui}/runs/flow-run/{flow_run.get_id()}")
     cfg = load_config(config, overrides or [])
     resume = resume or (flow_run.run_count > 1 and (cfg.resolved_run_dir() / run.CONFIG_NAME).exists())
     if resume:
@@ -48,7 +55,14 @@ def train(
         run.check_resumable(cfg, Path(run_dir))
         log.info("resuming the run in %s", run_dir)
     else:
+        if cfg.train.warm_start == "sft" and not cfg.train.init_from:
+            say("warm start: SFT checkpoints of this config (made once, then cached; a few minutes the first time)")
         run_dir = report_tasks.prepare_run(cfg)
+    warm = Path(run_dir) / run.WARM_START_NAME
+    if warm.exists():
+        w = json.loads(warm.read_text())
+        say(f"warm start: SFT {'reused' if w['reused'] else 'made'}, held-out accuracy {w['accuracy']:.3f} "
+            f"after {w['steps']} steps ({w['out_dir']})")
     log.info("run folder %s, store %s", run_dir, cfg.resolved_store_uri())
     api = PREFECT_API_URL.value()
     lean = bool(api) and (cfg.cluster.prefect_lean is True or (
@@ -59,6 +73,9 @@ def train(
         PrefectDaskExecutor(client.scheduler.address, run_dir, lean=lean) as ex,
     ):
         log.info("Dask dashboard: %s", client.dashboard_link)
+        # Dask's INFO lines go to <run>/logs, not the terminal (Prefect's stay in its API).
+        cluster.log_to_files(client, Path(run_dir) / "logs", workers=cfg.cluster.address is None)
+        names = cluster.worker_names(client)
         workers_cpu0, cpu0 = cluster.worker_cpu_s(client), time.process_time()
         plan = Plan.build(cfg, MEG.from_config(cfg.team))
         bar = IterationProgress(plan) if progress else None
@@ -66,8 +83,15 @@ def train(
             out = run.train(cfg, Path(run_dir), ex, on_op_done=bar, resume=resume, plan=plan)
         flow_cpu = time.process_time() - cpu0
         workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
+        names.update(cluster.worker_names(client))  # restarted workers have new addresses
+    (Path(run_dir) / "metrics" / "workers.json").write_text(json.dumps(names))
     stage_cpu = sum(m["cpu_s"] for m in out["iterations"])
     summary = run_summary(out["iterations"], out["wall_s"])
+    if cfg.train.evaluate_initial or cfg.train.evaluate:
+        from flexmarl_core.workloads import make_workload
+
+        summary["heldout_set"] = make_workload(cfg.workload, cfg.team).heldout_description(
+            cfg.workload.heldout_size)
     if cfg.train.evaluate_initial:
         ev = report_tasks.evaluate(run_dir, 0)
         summary.update({f"initial_{k}": v for k, v in ev.items() if k.startswith("heldout")})
@@ -85,7 +109,10 @@ def train(
         balance_moves=sum(1 for d in out["decisions"] if isinstance(d, MoveInstance)),
         train_swaps=sum(1 for d in out["decisions"] if isinstance(d, TrainSlot) and d.swap),
     )
+    if "initial_heldout_accuracy" in summary and "heldout_accuracy" in summary:
+        summary["heldout_gain"] = summary["heldout_accuracy"] - summary["initial_heldout_accuracy"]
     report_tasks.report(cfg.name, out["iterations"], summary, cfg.resolved_store_uri(),
                         [d.as_row() for d in out["decisions"]])
+    summary["pictures"] = report_tasks.pictures(cfg.name, run_dir)
     log.info("done: %s", {k: v for k, v in summary.items() if not isinstance(v, dict)})
     return {"summary": summary, "iterations": out["iterations"]}

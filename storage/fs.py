@@ -107,11 +107,15 @@ class StoreFiles:
         """A path as users know it (``s3://bucket/key`` for S3, the plain path on disk)."""
         return self._prefix + path
 
+    def partition_dir(self, kind: str, agent: str, iteration: int) -> str:
+        """The folder of one (agent, iteration) partition of the `samples` or `status` table."""
+        return f"{self.root}/{kind}/agent={agent}/iteration={iteration}"
+
     def _samples_dir(self, agent: str, iteration: int) -> str:
-        return f"{self.root}/samples/agent={agent}/iteration={iteration}"
+        return self.partition_dir("samples", agent, iteration)
 
     def _status_dir(self, agent: str, iteration: int) -> str:
-        return f"{self.root}/status/agent={agent}/iteration={iteration}"
+        return self.partition_dir("status", agent, iteration)
 
     def _inputs_dir(self, iteration: int) -> str:
         return f"{self.root}/inputs/iteration={iteration}"

@@ -40,7 +40,7 @@ def artifact_key(name: str) -> str:
 @task(name="prepare-run", retries=1, cache_policy=NO_CACHE, persist_result=False)
 def prepare_run(cfg: ExperimentConfig) -> str:
     """CPU/IO: run folder, initial weights per agent, every iteration's inputs in the store."""
-    run_dir = str(run.prepare_run(cfg))
+    run_dir = str(run.prepare_run(cfg, log=get_run_logger().info))
     get_run_logger().info("prepared run folder %s (store %s)", run_dir, cfg.resolved_store_uri())
     return run_dir
 
@@ -159,6 +159,31 @@ def report(
     get_run_logger().info("artifacts %s published for run folder %s (store %s, %d decisions)",
                           ", ".join(keys.values()), summary.get("run_dir", ""), store_uri, len(decisions or []))
     return keys
+
+
+#: pictures up to this size are embedded in the artifact; larger ones are linked by path
+EMBED_MAX_BYTES = 400_000
+
+
+@task(name="pictures", cache_policy=NO_CACHE, persist_result=False)
+def pictures(name: str, run_dir: str) -> dict[str, str]:
+    """CPU/IO: `timeline.png` and `curves.png` in the run folder, and a `-pictures` artifact
+    that shows them."""
+    import base64
+
+    from flexmarl_core.plots import report as draw
+
+    paths = draw(run_dir)
+    lines = [f"# {name}: pictures", "", f"Run folder `{run_dir}`.", ""]
+    for kind, path in paths.items():
+        data = path.read_bytes()
+        lines.append(f"## {kind}  (`{path}`)")
+        if len(data) <= EMBED_MAX_BYTES:
+            lines.append(f"![{kind}](data:image/png;base64,{base64.b64encode(data).decode()})")
+        lines.append("")
+    create_markdown_artifact(key=f"{artifact_key(name)}-pictures", markdown="\n".join(lines),
+                             description=f"{name}: timeline of ops per worker, and learning curves")
+    return {k: str(v) for k, v in paths.items()}
 
 
 @task(name="evaluation-report", cache_policy=NO_CACHE, persist_result=False)

@@ -1,8 +1,11 @@
 """Session-wide fixtures for the tests that need the real stack.
 
 One Prefect API (a `prefect_test_harness` server, started on first use) and one Dask cluster of
-two worker processes with resource tags serve every test that asks for them, as FACTS.md
-recommends (harness start 10-13 s; never one server per worker or per test).
+two worker processes with resource tags serve every test that asks for them: the harness takes
+10-13 s to start on 2 cores, so never one server per worker or per test.
+
+Tests that need the public datasets read them from the folder named by `FLEXMARL_DATA`
+(`$FLEXMARL_DATA/gsm8k/...`) and skip, naming the variable, when it is unset or lacks them.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+#: the environment variable naming the public datasets' folder (the one the gsm8k workload reads)
+DATA_ENV = "FLEXMARL_DATA"
 
 # Built tokenizers/models are cached across test sessions (the Makefile sets the same folder).
 os.environ.setdefault("FLEXMARL_CACHE", str(REPO / ".cache" / "flexmarl"))
@@ -29,7 +33,7 @@ def prefect_api() -> Iterator[str]:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    # Under load the default 20-30 s startup timeout is too short on 2 cores (FACTS.md).
+    # Under load on 2 cores the default 20-30 s startup timeout is too short (seen timing out).
     with prefect_test_harness(server_startup_timeout=120):
         url = PREFECT_API_URL.value()
         # Worker processes started after this read the API from their environment (lean mode).
@@ -65,8 +69,19 @@ def dask_cluster(prefect_api: str) -> Iterator[str]:
         cluster.close()
 
 
+def dataset_folder(name: str, *files: str) -> Path:
+    """`$FLEXMARL_DATA/<name>`, or skip the test saying what is missing and how to provide it."""
+    root = os.environ.get(DATA_ENV)
+    if not root:
+        pytest.skip(f"{DATA_ENV} is not set: point it at the folder holding {name}/ to run this")
+    folder = Path(root) / name
+    missing = [f for f in files if not (folder / f).is_file()]
+    if not folder.is_dir() or missing:
+        pytest.skip(f"{DATA_ENV}={root}: no {name}/ folder with {list(files)} there")
+    return folder
+
+
 @pytest.fixture
-def data_dir() -> Path:
-    if not SHARED_DATA.exists():
-        pytest.skip(f"real data folder {SHARED_DATA} is absent (it sits beside the repo in CI)")
-    return SHARED_DATA
+def gsm8k_dir() -> Path:
+    """The real GSM8K folder (train.jsonl, test.jsonl) under $FLEXMARL_DATA."""
+    return dataset_folder("gsm8k", "train.jsonl", "test.jsonl")

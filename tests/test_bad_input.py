@@ -4,6 +4,7 @@ is left behind (no run folder, no fragment visible to readers)."""
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import json
 import os
@@ -11,9 +12,12 @@ import resource
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from flexmarl_core.config import ConfigError, WorkloadConfig, load_config
 from flexmarl_core.workloads import WorkloadError, make_workload
@@ -268,3 +272,146 @@ def test_bad_dataset_stops_train_cli_naming_the_line(tmp_path: Path) -> None:
     assert f"{data}: line 2: not valid JSON" in res.stderr
     assert "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists()
+
+
+# -- (e) a corpus of bad configs and arguments through the command line ------------------------
+
+TINY_DATA = yaml.safe_load(TINY.read_text())
+DEAD = "tcp://127.0.0.1:1"  # a privileged port nothing listens on: connection refused
+
+
+def _set(dotted: str, value: Any) -> Callable[[dict], None]:
+    """A mutation of the tiny config: `team.agents.1.name` style paths, list items by index."""
+
+    def apply(data: dict) -> None:
+        *path, last = dotted.split(".")
+        node: Any = data
+        for key in path:
+            node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+        node[int(last) if isinstance(node, list) else last] = value
+
+    return apply
+
+
+#: (id, mutations of configs/tiny.yaml, what the one error line must say)
+BAD_CONFIGS: list[tuple[str, list[Callable[[dict], None]], str]] = [
+    ("duplicate-agent", [_set("team.agents.0.name", "solver")], "duplicate agent name(s): ['solver']"),
+    ("edge-to-unknown-agent", [_set("team.edges", ["planner -> ghost"])], "unknown agent 'ghost'"),
+    ("cycle", [_set("team.edges", ["planner -> solver", "solver -> verifier", "verifier -> planner"])],
+     "cycle in the team graph"),
+    ("placeholder-not-a-parent", [_set("team.agents.1.template", "{input} {verifier}")],
+     "template placeholder(s) ['verifier']"),
+    ("bad-template-braces", [_set("team.agents.1.template", "{input")], "bad prompt template"),
+    ("empty-team", [_set("team.agents", []), _set("team.edges", [])], "the team has no agents"),
+    ("output-not-an-agent", [_set("team.output", "ghost")], "team.output 'ghost' is not an agent"),
+    ("share-model-with-unknown", [_set("team.agents.1.share_model_with", "ghost")],
+     "share_model_with 'ghost' is not an agent"),
+    ("run-name-escapes-runs", [_set("name", "../../x")], "run name '../../x'"),
+    ("run-name-with-slash", [_set("name", "a/b")], "run name 'a/b'"),
+    ("empty-run-name", [_set("name", "")], "run name ''"),
+    ("run-dir-unknown-placeholder", [_set("run_dir", "runs/{nam}")], "unknown placeholder(s) ['nam']"),
+    ("store-uri-unbalanced", [_set("store.uri", "{run_dir}/{store")], "store.uri: '{run_dir}/{store'"),
+    ("unknown-preset", [_set("team.agents.0.model", {"preset": "tiny-9m"})],
+     "team.agents[planner].model.preset: unknown preset 'tiny-9m'"),
+    ("negative-group-size", [_set("batch.group_size", -4)], "batch.group_size"),
+    ("micro-batch-not-dividing", [_set("batch", {"inputs_per_iteration": 6, "micro_batch_inputs": 4})],
+     "micro_batch_inputs=4 must divide inputs_per_iteration=6"),
+    ("zero-iterations", [_set("train.iterations", 0)], "train.iterations"),
+    ("unknown-key", [_set("batch.size", 8)], "batch.size: Extra inputs are not permitted"),
+    ("unknown-workload", [_set("workload.kind", "chess")], "workload.kind"),
+    ("missing-dataset", [_set("workload", {"kind": "dataset", "path": "nope.jsonl"})], "nope.jsonl: no such file"),
+    ("unreachable-cluster", [_set("cluster.address", DEAD)],
+     f"cluster.address '{DEAD}': no scheduler reachable at 127.0.0.1:1"),
+    ("malformed-cluster-address", [_set("cluster.address", "host:port")],
+     "cluster.address 'host:port' is not a Dask scheduler address"),
+    ("unreachable-prefect-api", [_set("cluster.prefect_api_url", "http://127.0.0.1:1/api")],
+     "cluster.prefect_api_url is http://127.0.0.1:1/api, but no Prefect API answers there"),
+    ("duplicate-worker", [_set("cluster.workers", [{"name": "w0"}, {"name": "w0"}])],
+     "duplicate worker name(s) ['w0']"),
+    ("no-workers", [_set("cluster.workers", [])], "cluster: no workers: a local cluster needs"),
+    ("tag-names-no-agent", [_set("cluster.workers.0.resources", {"rollout:solvr": 1, "train": 1})],
+     "cluster.workers[w0].resources: tag 'rollout:solvr' names no agent"),
+    ("no-rollout-instance", [_set("cluster.workers", [{"name": "w0", "resources": {"train": 1}}])],
+     "no worker has a 'rollout' or 'rollout:<agent>' tag"),
+    ("no-train-slot", [_set("cluster.workers", [{"name": "w0", "resources": {"rollout": 1}}])],
+     "no worker has the 'train' tag"),
+    ("agent-without-instance", [_set("codesign.load_balancing", False), _set("cluster.workers", [
+        {"name": "w0", "resources": {"rollout:planner": 1, "rollout:solver": 1, "train": 1}}])],
+     "agent(s) ['verifier'] have no 'rollout:<agent>' worker"),
+    ("missing-init-from", [_set("train.init_from", "sft-out")],
+     "train.init_from 'sft-out': no <agent>/model.safetensors"),
+]
+
+
+def _one_error_line(res: subprocess.CompletedProcess, cwd: Path) -> str:
+    """Exit 2, one `error:` line and nothing else, no traceback, no run folder."""
+    out = (res.stdout + res.stderr).strip()
+    assert res.returncode == 2, out
+    assert "Traceback" not in out, out
+    lines = out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out
+    assert not (cwd / "runs").exists()  # runs/<name> would be made in the working directory
+    return lines[0]
+
+
+def _train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    # A Prefect API that does not answer: a config that got past every check would stop there
+    # (with an error line that is not the expected one) instead of starting a server and a run.
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:1/api"}
+    return subprocess.run([FLEXMARL, "train", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env=env)
+
+
+@pytest.mark.parametrize(("mutations", "says"), [c[1:] for c in BAD_CONFIGS],
+                         ids=[c[0] for c in BAD_CONFIGS])
+def test_bad_config_is_one_error_line_exit_2(tmp_path: Path, mutations: list, says: str) -> None:
+    data = copy.deepcopy(TINY_DATA)
+    for mutate in mutations:
+        mutate(data)
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump(data, sort_keys=False))
+    line = _one_error_line(_train(tmp_path, "bad.yaml"), tmp_path)
+    assert says in line, line
+
+
+BAD_ARGS: list[tuple[str, list[str], str]] = [
+    ("no-config", [], "give a CONFIG file, or --resume RUN"),
+    ("missing-config-file", ["absent.yaml"], "absent.yaml: cannot read config: No such file"),
+    ("set-without-equals", [str(TINY), "--set", "seed"], "override 'seed' must look like key.path=value"),
+    ("set-bad-yaml", [str(TINY), "--set", "seed=[1"], "the value is not valid YAML"),
+    ("set-no-key", [str(TINY), "--set", "=3"], "override '=3' has no key"),
+    ("set-index-past-end", [str(TINY), "--set", "team.agents.7.trainable=false"],
+     "index 7 is past the end of a list of 3"),
+    ("set-unknown-agent", [str(TINY), "--set", "team.agents.ghost.trainable=false"],
+     "no list item named 'ghost'"),
+    ("unknown-flag", [str(TINY), "--bogus"], "unrecognized arguments: --bogus"),
+    ("config-and-resume", [str(TINY), "--resume", "runs/x"], "give either CONFIG or --resume RUN"),
+    ("resume-not-a-run", ["--resume", "."], "no config.yaml there"),
+]
+
+
+@pytest.mark.parametrize(("args", "says"), [c[1:] for c in BAD_ARGS], ids=[c[0] for c in BAD_ARGS])
+def test_bad_arguments_are_one_error_line_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
+    line = _one_error_line(_train(tmp_path, *args), tmp_path)
+    assert says in line, line
+
+
+def test_unreachable_cluster_fails_in_seconds_by_name() -> None:
+    """The flow's own cluster start (deployments skip the CLI's checks) says the same."""
+    from flexmarl_core.cluster import start_cluster
+    from flexmarl_core.config import ClusterConfig
+
+    with pytest.raises(ConfigError, match=r"cluster.address 'tcp://127.0.0.1:1': no scheduler"):
+        start_cluster(ClusterConfig(address=DEAD))
+
+
+def test_fresh_run_never_replaces_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
+    """`run_dir` pointing at a folder of other files: refused by name, the files untouched."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    data = copy.deepcopy(TINY_DATA)
+    data["run_dir"] = "mine"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    line = _one_error_line(_train(tmp_path, "bad.yaml"), tmp_path)
+    assert "is not a flexmarl run folder" in line, line
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"

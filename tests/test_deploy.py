@@ -94,7 +94,7 @@ def prefect_server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
         start_new_session=True,
     )
     try:
-        deadline = time.time() + 120  # ~10 s idle (FACTS.md), much longer under load
+        deadline = time.time() + 120  # healthy after ~10 s on an idle box, much longer under load
         while True:
             try:
                 if httpx.get(f"{api}/health", timeout=2).status_code == 200:

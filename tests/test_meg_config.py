@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flexmarl_core.config import ConfigError, config_from_dict, load_config
+from flexmarl_core.config import ConfigError, TeamConfig, config_from_dict, load_config
 from flexmarl_core.meg import MEG, MEGError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -118,19 +118,26 @@ def test_render_prompt():
         (team([agent("a"), agent("b", "no input here")], []), r"\['b'\] are not reached by any input"),
         (team([agent("a"), agent("b", "{a} {zzz}")], ["a -> b"]), r"placeholder\(s\) \['zzz'\]"),
         (team([agent("a"), agent("b")], []), "set team.output"),
+        (team([agent("a"), agent("b", "{a}", share_model_with="c")], ["a -> b"]),
+         r"agent 'b': share_model_with 'c' is not an agent"),
+        (team([], []), "the team has no agents"),
     ],
 )
 def test_validation_errors(data, match):
+    # Loading the config validates the graph (so `flexmarl train` stops before anything starts)
+    # and names the file; the MEG validates a team built in Python on its own.
+    with pytest.raises(ConfigError, match=rf"^x\.yaml: team: .*{match}"):
+        config_from_dict(data, source="x.yaml")
     with pytest.raises(MEGError, match=match):
-        meg_of(data)
+        MEG.from_config(TeamConfig.model_validate(data["team"]))
 
 
 def test_three_cycle_is_named_in_order():
     data = team(
         [agent("a"), agent("b", "{a}"), agent("c", "{b}")], ["a -> b", "b -> c", "c -> a"]
     )
-    with pytest.raises(MEGError) as e:
-        meg_of(data)
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(data)
     msg = str(e.value)
     assert any(c in msg for c in ("a -> b -> c -> a", "b -> c -> a -> b", "c -> a -> b -> c"))
 

@@ -24,8 +24,9 @@ from flexmarl_core.sim.study import CODESIGN, SYNC, replay, run_cluster, run_mod
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = REPO / "tests" / "data" / "sim"
-MATH = REPO / "configs" / "sim" / "math-3x14b.yaml"
-PAPER = REPO / "configs" / "sim" / "paper-48x16.yaml"
+SIM = REPO / "configs" / "sim"
+MATH = SIM / "math-3x14b.yaml"
+PAPER = SIM / "paper-48x16.yaml"
 #: a small slice of the paper cluster: 4 inference nodes, 2 one-node training slots
 SMALL = ["nodes=6", "inference.nodes=4", "training.nodes=2", "training.group_devices=16"]
 ABLATION = ["off-dependency_parallel", "off-load_balancing", "off-async_pipeline", "off-on_demand_allocation"]
@@ -113,7 +114,7 @@ def test_hundred_agents_on_1024_devices_with_decisions_in_microseconds():
     for chain, k in itertools.product(range(10), range(10)):
         name, parent = f"a{chain}_{k}", f"a{chain}_{k - 1}" if k else None
         agents.append({"name": name, "template": "{input}" + (f" {{{parent}}}" if parent else ""),
-                       "model": {"preset": "qwen2.5-32b" if chain % 3 == 0 else "qwen2.5-14b"},
+                       "model": {"path": str(SIM / "models" / ("qwen2.5-32b" if chain % 3 == 0 else "qwen2.5-14b"))},
                        "sampling": {"max_new_tokens": 4096}})
         if parent:
             edges.append(f"{parent} -> {name}")
@@ -163,8 +164,8 @@ def test_cli_prints_tables_writes_json_and_timeline(tmp_path, capsys):
     (["simulate", str(MATH)], "--cluster"),
     (["simulate", "--calibrate", "/nonexistent/run"], "not a finished flexmarl run folder"),
     (["simulate", str(MATH), "--cluster", str(PAPER), "--set", "sim.inference.nodes=60"], "exceeds nodes"),
-    (["simulate", str(MATH), "--cluster", str(PAPER), "--set", "team.agents.planner.model.preset=gpt-9"],
-     "team.agents[planner].model.preset"),
+    (["simulate", str(MATH), "--cluster", str(PAPER), "--set", "team.agents.planner.model.path=null"],
+     "team.agents[planner].model.path"),
     (["simulate", str(MATH), "--cluster", str(PAPER), "--sweep", "nonsense"], "--sweep"),
 ])
 def test_cli_user_errors_are_one_line_and_exit_2(argv, needle, capsys):

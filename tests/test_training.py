@@ -38,8 +38,16 @@ def test_micro_batch_accumulation_equals_full_batch(split):
     scale = global_loss_scale(mbs, parts.loss_weight)  # fixed before any backward
     for mb in reversed(mbs):  # order does not matter either
         parts.accumulate(mb, scale)
+    # Splitting only reorders float32 sums: each gradient element sums one term per token of
+    # the batch, and T terms summed in another order differ by up to ~T * eps * (their
+    # magnitude), taken here as the tensor's largest element (near-cancelling elements, like
+    # k_proj.bias whose exact gradient is 0, have no tighter scale of their own). A wrong loss
+    # scale or a lost micro-batch is off by a fraction of max|g|, thousands of times more.
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    eps = torch.finfo(torch.float32).eps
     for name, g in grads(full).items():
-        torch.testing.assert_close(grads(parts)[name], g, rtol=1e-5, atol=1e-8, msg=name)
+        atol = tokens * eps * float(g.abs().max())
+        torch.testing.assert_close(grads(parts)[name], g, rtol=0, atol=atol, msg=name)
 
 
 def test_state_round_trip_is_bit_exact():
@@ -78,10 +86,9 @@ def test_state_round_trip_is_bit_exact():
     assert_same_tensors(a.weights(), c.weights())
 
 
-def test_state_is_a_few_flat_tensors_and_loads_the_old_per_parameter_format():
+def test_state_is_a_few_flat_tensors():
     """Weights, grads and Adam moments are one tensor each (a swap copies a handful of tensors,
-    not hundreds); a format-1 state (per-parameter tensors, torch optimizer state_dict) of
-    the same model still loads, so older checkpoints resume."""
+    not hundreds); a state of another format or another model is refused."""
     t = trainer(tiny_model(0))
     t.accumulate(random_samples(3, seed=3), 0.1)
     t.step()
@@ -92,27 +99,8 @@ def test_state_is_a_few_flat_tensors_and_loads_the_old_per_parameter_format():
     assert n_tensors == 6 and state["params"].numel() == sum(p.numel() for p in t.model.parameters())
     # Each parameter is a view of the flat buffer, so the optimizer's update is the model's.
     assert all(p.data_ptr() != 0 and p.grad is not None for p in t.model.parameters())
-    legacy = {
-        "format": 1, "version": 1, "pending": 1, "metrics": {}, "rng": torch.get_rng_state(),
-        "model": {k: v.clone() for k, v in t.model.state_dict().items()},
-        "grads": {n: p.grad.clone() for n, p in t.model.named_parameters()},
-        "optimizer": {"state": {i: {"step": state["adam"]["step"].clone(),
-                                    "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
-                                for i, (m, v) in enumerate(zip(
-                                    state["adam"]["exp_avg"].split([p.numel() for p in t._params]),
-                                    state["adam"]["exp_avg_sq"].split([p.numel() for p in t._params]),
-                                    strict=True))},
-                      "param_groups": []},
-    }
-    for i, p in enumerate(t._params):
-        legacy["optimizer"]["state"][i]["exp_avg"] = legacy["optimizer"]["state"][i]["exp_avg"].view_as(p)
-    b = trainer(tiny_model(5))
-    b.load_state(legacy)
-    got = b.state()
-    for k in ("params", "grads"):
-        assert torch.equal(got[k], state[k]), k
-    for k in ("step", "exp_avg", "exp_avg_sq"):
-        assert torch.equal(got["adam"][k], state["adam"][k]), k
+    with pytest.raises(ValueError, match="format 1"):
+        trainer(tiny_model(5)).load_state({**state, "format": 1})
     with pytest.raises(ValueError, match="different model"):
         trainer(build_other_shape()).load_state(state)
 
@@ -120,7 +108,7 @@ def test_state_is_a_few_flat_tensors_and_loads_the_old_per_parameter_format():
 def test_flat_buffers_survive_zero_grad_and_refuse_a_cast_model():
     """zero_grad() from either side keeps training working (grads zeroed, the flat buffer
     reattached); a model cast after the trainer was built fails loudly instead of silently
-    not training. A format-1 state whose parameter lacks Adam state loads with zero moments."""
+    not training."""
     t = trainer(tiny_model(0))
     t.accumulate(random_samples(3, seed=3), 0.1)
     t.optimizer.zero_grad()
@@ -134,30 +122,14 @@ def test_flat_buffers_survive_zero_grad_and_refuse_a_cast_model():
     u.accumulate(random_samples(3, seed=3), 0.1)  # so both took the same RNG/metrics path
     u.model.zero_grad()
     u.accumulate(random_samples(3, seed=4), 0.1)
-    assert u.step().grad_norm == pytest.approx(r.grad_norm, rel=1e-6)
+    # Same ops on the same data; a few float32 ulps of slack (the norm is returned as float32).
+    assert u.step().grad_norm == pytest.approx(r.grad_norm, rel=8 * torch.finfo(torch.float32).eps)
 
     cast = trainer(tiny_model(0))
     cast.model.to(torch.bfloat16)
     cast.accumulate(random_samples(2, seed=5), 0.1)
     with pytest.raises(RuntimeError, match="no longer lives in the trainer's flat buffer"):
         cast.step()
-
-    state = t.state()
-    sizes = [p.numel() for p in t._params]
-    m = state["adam"]["exp_avg"].split(sizes)
-    v = state["adam"]["exp_avg_sq"].split(sizes)
-    per_param = {i: {"step": state["adam"]["step"].clone(), "exp_avg": m[i].clone(), "exp_avg_sq": v[i].clone()}
-                 for i in range(len(sizes)) if i != 2}  # parameter 2 never had a gradient
-    legacy = {"format": 1, "version": 1, "pending": 0, "metrics": {}, "rng": torch.get_rng_state(),
-              "model": {k: x.clone() for k, x in t.model.state_dict().items()}, "grads": {},
-              "optimizer": {"state": per_param, "param_groups": []}}
-    b = trainer(tiny_model(5))
-    b.load_state(legacy)
-    got = b.state()["adam"]["exp_avg"].split(sizes)
-    assert torch.equal(got[2], torch.zeros(sizes[2])) and torch.equal(got[3], m[3])
-    per_param[0]["step"] = per_param[0]["step"] + 1
-    with pytest.raises(ValueError, match="different Adam steps"):
-        trainer(tiny_model(5)).load_state(legacy)
 
 
 def build_other_shape():
@@ -284,13 +256,12 @@ def test_handles_reject_unsupported_leaves(tmp_path):
         put({"opt": [object()]}, "memory")
 
 
-def test_handles_read_torch_save_files(tmp_path):
+def test_handles_refuse_files_of_another_format(tmp_path):
     from flexmarl_core.training import StateHandle
 
-    state = _mixed_state()
-    state.pop("tied"), state.pop("views")
-    torch.save(state, tmp_path / "old.pt")
-    _assert_same_state(get(StateHandle("file", str(tmp_path / "old.pt"), 0)), state)
+    torch.save({"w": torch.zeros(2)}, tmp_path / "old.pt")
+    with pytest.raises(ValueError, match="not a flexmarl trainer state file"):
+        get(StateHandle("file", str(tmp_path / "old.pt"), 0))
 
 
 def test_weights_include_lm_head_and_step_changes_version():

@@ -91,6 +91,10 @@ def test_splits_are_disjoint_across_seeds() -> None:
     held = {p.text for s in (0, 1) for p in wl.problems("heldout", 150, seed=s)}
     assert train and held and not train & held
     assert all(wl.split_of(t) == "heldout" for t in held)
+    assert wl.heldout_description(150) == (
+        "150 generated held-out expressions (3 operands of 1..9, ops '+-*'; the 20% of the "
+        "expression space whose text hash is held out)"
+    )
 
 
 def test_problem_values_stay_in_range_and_short() -> None:

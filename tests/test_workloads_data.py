@@ -26,11 +26,6 @@ from flexmarl_core.workloads.answers import answers_match, last_number
 from flexmarl_core.workloads.dataset import gsm8k_answer
 
 REPO = Path(__file__).resolve().parents[1]
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
-needs_gsm8k = pytest.mark.skipif(
-    not (GSM8K / "train.jsonl").is_file(),
-    reason=f"real GSM8K data not found at {GSM8K} (shared/data is not laid out here)",
-)
 
 TEAM = TeamConfig.model_validate(
     {
@@ -215,13 +210,70 @@ def test_heldout_file_and_pickle_reloads(tmp_path: Path) -> None:
         kind="dataset",
         path=str(train),
         fields={"input": "q", "answer": "a"},
-        params={"heldout_path": str(held), "heldout_fraction": 0.0},
+        params={"heldout_path": str(held)},
     )
     wl = make_workload(cfg, TEAM)
     assert {p.input_id for p in wl.problems("heldout", 9, 0)} == {"h0", "h1", "h2"}
     blob = pickle.dumps(wl)
     assert b"t4" not in blob  # the pool stays behind; workers reload from the path
     assert pickle.loads(blob).problems("train", 5, 0) == wl.problems("train", 5, 0)
+
+
+def test_heldout_file_makes_the_main_file_all_train(tmp_path: Path) -> None:
+    """With params.heldout_path no row of the main file is hash-split into held-out (200 rows:
+    a 20% hash split would take ~40 of them); held-out is exactly the other file."""
+    items = [{"q": f"question {i}", "a": i} for i in range(200)]
+    train = write_jsonl(tmp_path / "train.jsonl", items)
+    held = write_jsonl(tmp_path / "test.jsonl", [{"q": f"exam {i}", "a": i} for i in range(7)])
+    fields = {"input": "q", "answer": "a"}
+    plain = dataset(train, fields=fields)
+    assert 0 < len(plain.pools()["heldout"]) < 200  # without the file, the hash split applies
+    wl = dataset(train, fields=fields, params={"heldout_path": str(held)})
+    pools = wl.pools()
+    assert sorted(p.text for p in pools["train"]) == sorted(r["q"] for r in items)
+    assert [p.text for p in pools["heldout"]] == [f"exam {i}" for i in range(7)]
+    assert wl.hashed_heldout == 0
+    assert wl.heldout_description(128) == f"all 7 held-out problems from {held}"
+    assert wl.heldout_description(5) == f"5 of 7 held-out problems from {held}"
+    # Settings that would choose the held-out set some other way are refused, not ignored.
+    with pytest.raises(WorkloadError, match=r"heldout_fraction=0.2 has no effect with params.heldout_path"):
+        dataset(train, fields=fields, params={"heldout_path": str(held), "heldout_fraction": 0.2})
+    with pytest.raises(WorkloadError, match=r"fields.split \('s'\) and params.heldout_path"):
+        dataset(train, fields={**fields, "split": "s"}, params={"heldout_path": str(held)})
+
+
+def test_heldout_description_names_the_split(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", rows())
+    labelled = dataset(path)  # the 'part' column pins q8, q9 to held-out
+    assert labelled.heldout_description(128) == (
+        f"all 2 held-out problems from the rows of {path} whose 'part' column says held-out"
+    )
+    items = [{"question": f"question {i}", "answer": i} for i in range(300)]
+    big = write_jsonl(tmp_path / "big.jsonl", items)
+    hashed = make_workload(WorkloadConfig(kind="dataset", path=str(big)), TEAM)
+    n = len(hashed.pools()["heldout"])  # type: ignore[attr-defined]
+    assert hashed.heldout_description(10) == (
+        f"10 of {n} held-out problems, a hash split (20%) of dataset {big}"
+    )
+    overlap = write_jsonl(tmp_path / "o.jsonl", [
+        {"q": "same", "a": 1, "s": "train"}, {"q": "same", "a": 1, "s": "test"},
+        {"q": "other", "a": 2, "s": "train"}])
+    wl = dataset(overlap, fields={"input": "q", "answer": "a", "split": "s"})
+    assert wl.heldout_description(9) == (
+        f"1 held-out problem from the rows of {overlap} whose 's' column says held-out; "
+        "1 train problem(s) repeating one were dropped"
+    )
+
+
+def test_gsm8k_folder_heldout_is_its_test_file(tmp_path: Path) -> None:
+    def solved(i: int) -> dict[str, str]:
+        return {"question": f"q {i}?", "answer": f"{i} + 1 = <<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"}
+
+    write_jsonl(tmp_path / "train.jsonl", [solved(i) for i in range(20)])
+    write_jsonl(tmp_path / "test.jsonl", [solved(i) for i in range(100, 104)])
+    wl = make_workload(WorkloadConfig(kind="gsm8k", path=str(tmp_path)), TEAM)
+    assert wl.heldout_description(128) == f"all 4 held-out problems from {tmp_path / 'test.jsonl'}"
+    assert len(wl.pools()["train"]) == 20  # type: ignore[attr-defined]
 
 
 def test_answer_matching_modes(tmp_path: Path) -> None:
@@ -347,6 +399,9 @@ def bad_item():
     return [{"input": "ok", "answer": "1"}, 42]
 def no_answer():
     return [{"input": "ok"}]
+def mixed():
+    return [{"input": "pinned", "answer": "1", "split": "heldout"}] + [
+        {"input": f"free {i}", "answer": "1"} for i in range(60)]
 """
 
 
@@ -361,6 +416,16 @@ def test_problem_callable(tmp_path: Path) -> None:
     assert {p.input_id for p in train} == {"c1", "c2", "c3"} and train[0].answer == "y"
     assert wl.problems("heldout", 5, 0)[0].meta["extra"] == 0
     assert wl.demonstration(train[0], "planner", {}) == "think"
+    assert wl.heldout_description(128) == (
+        f"1 held-out problem from the problems of problem callable '{mod}:make' labelled "
+        "held-out"
+    )
+    mixed = make_workload(WorkloadConfig(kind="callable", callable=f"{mod}:mixed"), TEAM, base_dir=tmp_path)
+    n = len(mixed.problems("heldout", 99, 0))
+    assert 1 < n < 61 and mixed.heldout_description(99) == (
+        f"all {n} held-out problems: 1 from the problems of problem callable '{mod}:mixed' "
+        f"labelled held-out, {n - 1} from a hash split (20%) of problem callable '{mod}:mixed'"
+    )
     cfg = WorkloadConfig(kind="callable", callable=f"{mod}:objects")
     assert make_workload(cfg, TEAM, base_dir=tmp_path).problems("heldout", 5, 0)[0].input_id == "p2"
 
@@ -407,12 +472,12 @@ def test_gsm8k_bad_rows_and_missing_path(tmp_path: Path, monkeypatch: pytest.Mon
         make_workload(WorkloadConfig(kind="gsm8k"), TEAM)
 
 
-@needs_gsm8k
-def test_gsm8k_real_files(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FLEXMARL_DATA", str(GSM8K.parent))
+def test_gsm8k_real_files(gsm8k_dir: Path) -> None:
+    # kind: gsm8k without a path reads $FLEXMARL_DATA/gsm8k, the folder the fixture found
     wl = make_workload(WorkloadConfig(kind="gsm8k", credit="per_agent"), TEAM)
     pools = wl.pools()  # type: ignore[attr-defined]
     assert (len(pools["train"]), len(pools["heldout"])) == (7473, 1319)
+    assert wl.heldout_description(128) == f"128 of 1319 held-out problems from {gsm8k_dir / 'test.jsonl'}"
     first = pools["train"][0]
     assert first.text.startswith("Natalia sold clips") and first.answer == "72"
     assert all(last_number(p.answer) is not None for p in pools["train"] + pools["heldout"])
@@ -428,9 +493,8 @@ def test_gsm8k_real_files(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-@needs_gsm8k
-def test_example_gsm8k_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FLEXMARL_DATA", str(GSM8K.parent))
+def test_example_gsm8k_config(gsm8k_dir: Path) -> None:
+    # kind: gsm8k without a path reads $FLEXMARL_DATA/gsm8k, the folder the fixture found
     cfg = load_config(REPO / "configs" / "example_gsm8k.yaml")
     wl = make_workload(cfg.workload, cfg.team)
     p = wl.problems("heldout", 1, cfg.seed)[0]

@@ -11,10 +11,18 @@ Loss normalisation (fixed before any backward, so micro-batch accumulation is ex
 
     loss = sum_{b,t} mask[b,t] * l[b,t] / normalizer
 
-with `normalizer` the number of loss tokens in the WHOLE global batch. In the trainer path the
-function is called with normalizer=1 (a sum) and the trainer multiplies by
-loss_scale = 1 / global token count (`training/api.py`); tests call it with the normaliser.
-Metrics are normalised the same way, so after a global batch they are per-token means.
+In the trainer path the function is called with normalizer=1 (a token SUM) and the trainer
+multiplies by the caller's `loss_scale`, one constant for the whole global batch:
+
+- RL (`stages/train.loss_scale`): 1 / (samples per global batch x max_new_tokens), known from
+  the config before any rollout, so a micro-batch can train the moment its rewards are in.
+  This is Dr. GRPO's constant normaliser, not GRPO's: GRPO divides each sequence's token sum
+  by its own length and averages sequences, which weighs a token of a short answer more than
+  one of a long answer; here every sampled token weighs the same.
+- SFT (`flexmarl_core/sft.py`): 1 / (loss tokens of the global batch), from `token_weight`,
+  since the demonstrations are all known up front.
+
+Metrics come back scaled the same way; the RL train stage reports them as per-token means.
 """
 
 from __future__ import annotations
@@ -82,7 +90,8 @@ def clipped(
 
     Shapes: logprobs/old_logprobs/mask/ref_logprobs (B, R); advantages (B,) or (B, R).
     Metrics (same normalisation): pg_loss, kl, clip_frac (tokens where the clip is active),
-    ratio.
+    ratio, entropy (-logp of the sampled tokens: on-policy, its mean estimates the policy's
+    entropy per token without the full-vocabulary distribution).
     """
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     on = mask > 0
@@ -107,12 +116,14 @@ def clipped(
     metrics["pg_loss"] = (pg * mask).sum().detach() / normalizer
     metrics["clip_frac"] = ((pg2 > pg1).float() * mask).sum() / normalizer
     metrics["ratio"] = (ratio * mask).sum().detach() / normalizer
+    nll = torch.where(on, -logprobs.detach(), torch.zeros_like(logprobs))
+    metrics["entropy"] = (nll * mask).sum() / normalizer
     return loss, metrics
 
 
 def make_loss_fn(cfg: AlgorithmConfig) -> LossFn:
-    """The trainer `loss_fn` for `cfg.policy_loss`: a token SUM (normalizer 1); pair it with
-    `token_weight` so the trainer divides by the global batch's token count.
+    """The trainer `loss_fn` for `cfg.policy_loss`: a token SUM (normalizer 1); the caller's
+    `loss_scale` turns it into a mean (module docstring: which constant RL and SFT use).
 
     A `functools.partial` of a module-level function, so it pickles: a data-parallel trainer
     sends it to its rank processes (which look the loss up again in their own registry)."""

@@ -2,7 +2,7 @@
 
 Why Qwen2's exact pipeline: in transformers 5, `AutoTokenizer` on a `model_type=qwen2` folder
 rebuilds a `Qwen2Tokenizer` with its own NFC normalizer and regex pre-tokenizer and ignores the
-ones in `tokenizer.json` (shared/FACTS.md). We train with exactly those (the regex is imported
+ones in `tokenizer.json` (otherwise ids and round trips differ). We train with exactly those (the regex is imported
 from transformers, so it cannot drift), hence every loader - ours, `AutoTokenizer`, vLLM - maps
 text to the same ids. Byte-level with the full 256-byte alphabet: any string round-trips.
 

@@ -37,7 +37,6 @@ class SimResult:
     summary: dict[str, Any]
     iterations: list[dict[str, Any]]
     records: list[OpRecord] = field(repr=False)
-    pools: dict[str, str] = field(repr=False)
     decisions: list[Decision] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -134,5 +133,4 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
         critical_path=critical_path(res.records, plan.deps),
     )
     iterations = [{k: v for k, v in m.items() if not k.startswith("busy_s/") and k != "accuracy"} for m in rows]
-    return SimResult(summary=summary, iterations=iterations, records=res.records, pools=pools,
-                     decisions=res.decisions)
+    return SimResult(summary=summary, iterations=iterations, records=res.records, decisions=res.decisions)

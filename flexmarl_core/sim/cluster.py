@@ -14,6 +14,7 @@ simulator's JSON output.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -39,23 +40,50 @@ class DeviceSpec(_Strict):
 
 
 class ModelSpec(_Strict):
-    params_b: float = Field(gt=0, description="Parameters (billions).")
-    layers: int = Field(ge=1)
-    kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=1)
+    """A decoder-only transformer's dimensions, as in a Hugging Face `config.json`."""
+
+    model_config = ConfigDict(extra="ignore")
+    hidden_size: int = Field(ge=1)
+    intermediate_size: int = Field(ge=1)
+    num_hidden_layers: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_key_value_heads: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, where: str) -> ModelSpec:
+        path = Path(folder) / "config.json"
+        try:
+            return cls.model_validate(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError, ValidationError) as exc:
+            raise ConfigError(f"{where}: cannot read model dimensions from {path}: {exc}") from None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def params(self) -> float:
+        """Parameters of a Qwen2/Llama-style block stack (q/k/v biases, SwiGLU MLP, RMSNorms)."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        attn = 2 * h * h + 2 * h * kv + h + 2 * kv
+        block = attn + 3 * h * self.intermediate_size + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return float(self.num_hidden_layers * block + embed + h)
 
     @property
     def weight_bytes(self) -> float:  # bf16
-        return self.params_b * 1e9 * 2
+        return self.params * 2
 
     @property
     def state_bytes(self) -> float:
         # Mixed-precision Adam: bf16 weights + bf16 grads + fp32 master + two fp32 moments.
-        return self.params_b * 1e9 * 16
+        return self.params * 16
 
     @property
-    def kv_bytes_per_token(self) -> float:
-        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+    def kv_bytes_per_token(self) -> float:  # K and V, bf16, every layer
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 2
 
 
 class PoolSpec(_Strict):
@@ -96,8 +124,6 @@ class SimCluster(_Strict):
     training: PoolSpec
     efficiency: Efficiency = Field(default_factory=Efficiency)
     latency: Latency = Field(default_factory=Latency)
-    #: model preset name (an agent's `model.preset`) -> its shape
-    models: dict[str, ModelSpec]
     #: agent name (digits stripped, or `default`) -> response lengths; the cap is max_new_tokens
     lengths: dict[str, LengthSpec]
     prompt_tokens: dict[str, int] = Field(default_factory=lambda: {"default": 256})
@@ -190,19 +216,18 @@ def cost_model(cluster: SimCluster, cfg: ExperimentConfig) -> CostModel:
     tr_nodes = max(d_tr / cluster.devices_per_node, 1.0)
     agents: dict[str, AgentCost] = {}
     for a in cfg.team.agents:
-        preset = a.model.preset or ""
-        if preset not in cluster.models:
-            raise ConfigError(
-                f"team.agents[{a.name}].model.preset: {preset!r} is not in cluster {cluster.name!r} "
-                f"models {sorted(cluster.models)}")
-        m = cluster.models[preset]
+        where = f"team.agents[{a.name}].model.path"
+        if not a.model.path:
+            raise ConfigError(f"{where}: the simulator prices an agent by its model's dimensions: set "
+                              "model.path to a folder with a config.json (e.g. configs/sim/models/qwen2.5-14b)")
+        m = ModelSpec.from_folder(a.model.path, where)
+        n = m.params
         ls = _pick(cluster.lengths, a.name, "lengths", cluster.name)
         prompt = int(_pick(cluster.prompt_tokens, a.name, "prompt_tokens", cluster.name))
         cap = a.sampling.max_new_tokens
-        n = m.params_b * 1e9
         kv_room = d_inf * dev.memory_gb * 1e9 * eff.kv_memory_fraction - m.weight_bytes
         if kv_room <= 0:
-            raise ConfigError(f"agent {a.name!r}: {preset} ({m.weight_bytes / 1e9:.0f} GB of weights) does not "
+            raise ConfigError(f"agent {a.name!r}: {a.model.path} ({m.weight_bytes / 1e9:.0f} GB of weights) does not "
                               f"fit an inference group of {d_inf} x {dev.memory_gb:g} GB")
         # vLLM allocates KV pages as sequences grow: a sequence holds its prompt plus half the
         # cap on average over its life (assumption).

@@ -4,17 +4,23 @@ The trainer knows no RL (AReaL style): it turns a micro-batch into per-token log
 `loss_fn`, scales, backpropagates and steps. The algorithm lives in `loss_fn` and in the
 advantages already stored on each `Sample`.
 
-Loss normalisation is fixed before any backward, so early (per micro-batch) backward is exact:
+Loss normalisation is one constant fixed before any backward, so early (per micro-batch)
+backward is exact:
 
-    weights  = [trainer.loss_weight(mb) for mb in global_batch]     # e.g. loss-token counts
-    scale    = 1 / sum(weights)                                     # known before the first mb
+    scale = ...                                   # known before the first micro-batch
     for mb in global_batch (in any order, whenever its rewards are in):
-        trainer.accumulate(mb, loss_scale=scale)                    # backward(loss_fn(mb) * scale)
+        trainer.accumulate(mb, loss_scale=scale)  # backward(loss_fn(mb) * scale)
     trainer.step()
 
-`loss_fn` returns a *sum* over the units `loss_weight_fn` counts (tokens by default), so the
-accumulated gradient equals the gradient of the whole global batch's mean loss, however the
-batch is split.
+`loss_fn` returns a *sum* over loss tokens, so the accumulated gradient equals the gradient of
+the whole global batch's loss times `scale`, however the batch is split. Which constant:
+
+- RL: 1 / (samples per global batch x max_new_tokens), from the config alone
+  (`stages/train.loss_scale`; Dr. GRPO's normaliser, see `algorithms/losses.py` for how it
+  departs from GRPO's per-sequence mean). A token-count normaliser would need every rollout
+  of the batch before the first backward.
+- SFT: `global_loss_scale(batch, trainer.loss_weight)` = 1 / (loss tokens of the global batch),
+  the data being known up front.
 """
 
 from __future__ import annotations

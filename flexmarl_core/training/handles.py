@@ -22,8 +22,7 @@ Swapping is meant to run at memory-copy speed (bench/swap.py measures it against
 * The memory tier never pickles. Files hold a short header (magic, pickled slot table and
   skeleton) and then the raw tensor bytes, written straight from the tensors (no staging copy)
   and read back with `readinto` into a pooled buffer. Unpickling allows no globals at all: the
-  skeleton holds only builtin containers and scalars, tensors are persistent ids. Files written
-  by the earlier `torch.save` format are still read. Files are not fsynced: a swapped state
+  skeleton holds only builtin containers and scalars, tensors are persistent ids. Files are not fsynced: a swapped state
   lives as long as the run that wrote it.
 
 What a round trip keeps: dtype, shape and every byte of each tensor, and which entries were the
@@ -315,10 +314,9 @@ def _read(f: Any, device: torch.device | str, what: str) -> dict[str, Any]:
 
 
 def _load(f: Any, device: torch.device | str, what: str) -> dict[str, Any]:
-    if f.read(len(_MAGIC)) == _MAGIC:
-        return _read(f, device, what)
-    f.seek(0)  # written by the torch.save format of earlier versions
-    return torch.load(f, map_location=device, weights_only=True)
+    if f.read(len(_MAGIC)) != _MAGIC:
+        raise ValueError(f"{what} is not a flexmarl trainer state file (no {_MAGIC!r} header)")
+    return _read(f, device, what)
 
 
 def _is_uri(where: str) -> bool:

@@ -299,7 +299,8 @@ class TorchTrainer(PolicyGradientSteps):
 
     def weights(self) -> dict[str, torch.Tensor]:
         sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        # Tied embeddings: inference engines must get lm_head too (FACTS.md, vLLM trap).
+        # Tied embeddings: engines must get lm_head too (state_dict() of a tied model may omit
+        # it, and a vLLM push without it silently keeps the old output layer).
         out_emb = self.model.get_output_embeddings()
         if "lm_head.weight" not in sd and out_emb is not None:
             sd["lm_head.weight"] = out_emb.weight.detach().clone()
@@ -328,10 +329,10 @@ class TorchTrainer(PolicyGradientSteps):
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         fmt = state.get("format")
-        if fmt not in (STATE_FORMAT, 1):
+        if fmt != STATE_FORMAT:
             raise ValueError(
-                f"trainer state format {fmt!r}, expected {STATE_FORMAT}; "
-                "was it written by TorchTrainer.state()?"
+                f"trainer state format {fmt}, expected {STATE_FORMAT}; "
+                "was it written by TorchTrainer.state() of this version?"
             )
         if ("ref_model" in state) != (self.ref_model is not None):
             raise ValueError(
@@ -339,10 +340,7 @@ class TorchTrainer(PolicyGradientSteps):
                 "with the same algorithm.kl_coef (> 0 keeps a reference) as the saved one"
             )
         with torch.no_grad():
-            if fmt == 1:
-                self._load_legacy(state)
-            else:
-                self._load_flat(state)
+            self._load_flat(state)
             if self.ref_model is not None:
                 self.ref_model.load_state_dict(state["ref_model"])
         self._version = int(state["version"])
@@ -381,32 +379,3 @@ class TorchTrainer(PolicyGradientSteps):
             dev = self._flat.device
             self.optimizer.state[self._flat] = {
                 k: v.detach().to("cpu" if k == "step" else dev, copy=True) for k, v in adam.items()}
-
-    def _load_legacy(self, state: Mapping[str, Any]) -> None:
-        """A format-1 state (one tensor per parameter, torch optimizer state_dict) of the same
-        model: checkpoints of runs started before the flat buffers still resume."""
-        self.model.load_state_dict(state["model"])
-        self._adopt_grads()
-        self._flat_grad.zero_()
-        for n, view in zip(self._names, self._grad_views, strict=True):
-            if n in state["grads"]:
-                view.copy_(state["grads"][n])
-        per_param = state["optimizer"]["state"]
-        if not per_param:
-            self._set_adam(None)
-            return
-        steps = {float(st["step"]) for st in per_param.values()}
-        if len(steps) != 1:
-            # Parameters that skipped steps (no gradient) cannot share one flat step counter.
-            raise ValueError(f"format-1 trainer state has parameters at different Adam steps {sorted(steps)}; "
-                             "it cannot be loaded into a flat-buffer trainer")
-
-        def moment(key: str) -> torch.Tensor:
-            # A parameter without state (never had a gradient) starts from zero moments.
-            return torch.cat([per_param[i][key].reshape(-1).to(self._flat.device) if i in per_param
-                              else torch.zeros(p.numel(), device=self._flat.device)
-                              for i, p in enumerate(self._params)])
-
-        step = next(iter(per_param.values()))["step"]
-        self._set_adam({"step": step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step)),
-                        "exp_avg": moment("exp_avg"), "exp_avg_sq": moment("exp_avg_sq")})

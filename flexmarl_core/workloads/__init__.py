@@ -78,7 +78,9 @@ class _PoolParams(BaseModel):
 
 class _DatasetParams(_PoolParams):
     heldout_path: str | None = Field(
-        None, description="Optional second file whose rows are all held-out (same fields)."
+        None,
+        description="Optional second file whose rows are all held-out (same fields); every row "
+        "of workload.path is then train.",
     )
 
 
@@ -118,6 +120,12 @@ def _dataset(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> Rule
     if cfg.path is None:
         raise WorkloadError("kind=dataset needs workload.path (a .jsonl or .parquet file)")
     p = _params(_DatasetParams, cfg)
+    if p.heldout_path and "heldout_fraction" in cfg.params:
+        raise WorkloadError(
+            f"workload.params.heldout_fraction={p.heldout_fraction} has no effect with "
+            f"params.heldout_path ({p.heldout_path}): the held-out set is that file and "
+            "workload.path is all train; remove one of them"
+        )
     heldout = resolve_path(p.heldout_path, base_dir) if p.heldout_path else None
     return DatasetWorkload(
         path=resolve_path(cfg.path, base_dir),

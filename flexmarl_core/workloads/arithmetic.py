@@ -253,6 +253,14 @@ class ArithmeticWorkload(RuleWorkload):
 
     # -- problems -----------------------------------------------------------------------------
 
+    def heldout_description(self, n: int) -> str:
+        p = self.params
+        return (
+            f"{n} generated held-out expressions ({p.n_operands} operands of 1..{p.max_value}, "
+            f"ops {p.ops!r}; the {p.heldout_fraction:.0%} of the expression space whose text "
+            "hash is held out)"
+        )
+
     def split_of(self, text: str) -> Split:
         return (
             "heldout"

@@ -133,6 +133,12 @@ class RuleWorkload(ABC):
         self, problem: Problem, agent: str, parent_outputs: Mapping[str, str]
     ) -> str: ...
 
+    @abstractmethod
+    def heldout_description(self, n: int) -> str:
+        """One line naming the problems that held-out accuracy is measured on when `n` are
+        asked for (`workload.heldout_size`): where they come from and how many, for the run
+        summary, e.g. '128 of 1319 held-out problems from /data/gsm8k/test.jsonl'."""
+
     def agent_score(self, problem: Problem, agent: str, outputs: Mapping[str, str]) -> float | None:
         """Built-in 0..1 score of `agent`'s own contribution under `credit: per_agent`.
 
@@ -197,6 +203,8 @@ class PoolWorkload(RuleWorkload):
         self._pools: dict[Split, list[Problem]] | None = None
         #: train problems dropped because their text is also held-out (set on load)
         self.dropped_from_train = 0
+        #: held-out problems that the hash of their text put there, not a split label (on load)
+        self.hashed_heldout = 0
 
     @abstractmethod
     def load(self) -> list[Problem]:
@@ -207,10 +215,33 @@ class PoolWorkload(RuleWorkload):
         """Where the problems come from, for error messages."""
         return type(self).__name__
 
+    @property
+    def heldout_origin(self) -> str:
+        """Where the problems pinned to held-out (not hash-split) come from."""
+        return f"the problems of {self.source} labelled held-out"
+
+    def heldout_description(self, n: int) -> str:
+        held = len(self.pools()["heldout"])
+        used = min(n, held)
+        noun = "held-out problem" if held == 1 else "held-out problems"
+        head = f"{'all ' if held > 1 else ''}{held} {noun}" if used == held else f"{used} of {held} {noun}"
+        pinned, hashed = held - self.hashed_heldout, self.hashed_heldout
+        split = f"a hash split ({self.heldout_fraction:.0%}) of {self.source}"
+        if not hashed:
+            out = f"{head} from {self.heldout_origin}"
+        elif not pinned:
+            out = f"{head}, {split}"
+        else:
+            out = f"{head}: {pinned} from {self.heldout_origin}, {hashed} from {split}"
+        if self.dropped_from_train:
+            out += f"; {self.dropped_from_train} train problem(s) repeating one were dropped"
+        return out
+
     def pools(self) -> dict[Split, list[Problem]]:
         if self._pools is None:
             pools: dict[Split, list[Problem]] = {"train": [], "heldout": []}
             seen: dict[str, str] = {}
+            hashed = 0
             for i, p in enumerate(self.load()):
                 here = str(p.meta.get("where", f"problem {i}"))
                 if p.input_id in seen:
@@ -222,6 +253,7 @@ class PoolWorkload(RuleWorkload):
                 split = p.meta.get("split")
                 if split is None:
                     split = "heldout" if hash_fraction(p.text) < self.heldout_fraction else "train"
+                    hashed += split == "heldout"
                 else:
                     split = normalize_split(split, where=f"{self.source}: problem {p.input_id!r}")
                 pools[split].append(p)
@@ -230,6 +262,7 @@ class PoolWorkload(RuleWorkload):
             held = {p.text for p in pools["heldout"]}
             train = [p for p in pools["train"] if p.text not in held]
             self.dropped_from_train = len(pools["train"]) - len(train)
+            self.hashed_heldout = hashed
             pools["train"] = train
             self._pools = pools
         return self._pools

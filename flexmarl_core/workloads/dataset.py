@@ -6,7 +6,8 @@
 
 `input` and `answer` are required. `id` gives stable input ids (default: ``r{line}``);
 `split` pins rows to train / held-out (``test``, ``eval``, ``validation`` mean held-out;
-default: a hash of the input text, `params.heldout_fraction`); ``demo.<agent>`` columns are
+default: a hash of the input text, `params.heldout_fraction`); with `params.heldout_path`
+(a separate held-out file) every row of the main file is train; ``demo.<agent>`` columns are
 that agent's demonstrations (default: the answer). Every other column lands in
 `Problem.meta`. A row that cannot be used stops loading with the file and the line (JSONL)
 or row (Parquet) in the message.
@@ -128,6 +129,12 @@ class DatasetWorkload(AnswerPoolWorkload):
     ) -> None:
         super().__init__(agents, output_agent, **kwargs)
         check_fields(fields, agents)
+        if heldout_path is not None and "split" in fields:
+            raise WorkloadError(
+                f"workload.fields.split ({fields['split']!r}) and params.heldout_path "
+                f"({heldout_path}) both choose the held-out set; keep one: with heldout_path "
+                "every row of workload.path is train"
+            )
         self.path = path
         self.heldout_path = heldout_path
         self.fields = dict(fields)
@@ -136,12 +143,19 @@ class DatasetWorkload(AnswerPoolWorkload):
     def source(self) -> str:
         return f"dataset {self.path}"
 
+    @property
+    def heldout_origin(self) -> str:
+        pinned = [str(path) for path, split, _ in self._files() if split == "heldout"]
+        if pinned:
+            return " and ".join(pinned)
+        return f"the rows of {self.path} whose {self.fields.get('split')!r} column says held-out"
+
     def _files(self) -> list[tuple[Path, str | None, str]]:
         """(file, forced split, default id prefix) to read."""
-        files: list[tuple[Path, str | None, str]] = [(self.path, None, "r")]
-        if self.heldout_path is not None:
-            files.append((self.heldout_path, "heldout", "h"))
-        return files
+        if self.heldout_path is None:
+            return [(self.path, None, "r")]
+        # A held-out file of its own makes the main file all train: no hash split of it.
+        return [(self.path, "train", "r"), (self.heldout_path, "heldout", "h")]
 
     def load(self) -> list[Problem]:
         out = []
