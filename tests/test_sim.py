@@ -191,3 +191,12 @@ def test_sweep_runs_each_point_as_a_prefect_task_on_dask(prefect_api):
         "flow_runs": {"id": {"any_": [str(state.state_details.flow_run_id)]}}}).json()
     assert len(runs) == 4 and all(r["name"].startswith("simulate-point") for r in runs)
     assert all(r["state_type"] == "COMPLETED" for r in runs)
+
+
+def test_model_descriptions_give_the_published_sizes():
+    from flexmarl_core.sim.cluster import ModelSpec
+
+    m14 = ModelSpec.from_folder(SIM / "models" / "qwen2.5-14b", "14b")
+    m32 = ModelSpec.from_folder(SIM / "models" / "qwen2.5-32b", "32b")
+    assert 14.6e9 < m14.params < 14.9e9 and 32.4e9 < m32.params < 32.9e9  # Qwen2.5: 14.7B, 32.5B
+    assert m14.kv_bytes_per_token == 2 * 48 * 8 * 128 * 2 and m32.head_dim == 128
