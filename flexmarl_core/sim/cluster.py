@@ -2,14 +2,15 @@
 and workers they imply.
 
 A simulated worker is a device group, not one device: an inference instance of
-`inference.group_devices` devices (tensor-parallel) or a training slot of
-`training.group_devices` devices. Instances start statically partitioned between the agents
-(`rollout:<agent>` tags, round-robin), as a synchronous multi-agent trainer places them;
-training slots carry `train`. The roofline of each op follows from the device figures, the
-agent's model size and the group's devices (`cost.py` has the formulas).
+`inference.group_devices` devices (engine replicas of `inference.tp` devices each) or a
+training slot of `training.group_devices` devices. Instances start statically partitioned
+between the agents (`rollout:<agent>` tags, round-robin), as a synchronous multi-agent trainer
+places them; training slots carry `train`. The roofline of each op follows from the device
+figures, the agent's model dimensions (its `model.path` config.json) and the group's devices
+(`cost.py` has the formulas).
 
-Every figure carries its source in the YAML comments; `SOURCES` keys are echoed into the
-simulator's JSON output.
+Every figure carries its source in the YAML comments; the description's `sources` travel
+into the simulator's JSON output.
 """
 
 from __future__ import annotations
