@@ -95,9 +95,10 @@ class SimExecutor:
         return done
 
     def result(self, handle: int) -> StageResult:
-        res = self._jobs.pop(handle).result
-        assert res is not None  # set when the op started, before its completion is seen
-        return res
+        job = self._jobs.pop(handle)
+        if job.result is None:  # set when the op starts, always before its completion is seen
+            raise OrchestratorError(f"{job.op.name}: result asked for before the op started")
+        return job.result
 
     def now(self) -> float:
         return self.t
