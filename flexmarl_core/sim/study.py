@@ -1,0 +1,90 @@
+"""What `flexmarl simulate`, `bench/sim.py` and the sweep flow run: the synchronous baseline
+against the co-design (Table 2), each switch off alone (Table 3), and the replay of a real
+run with its fitted cost model (calibration).
+
+Overrides (`--set`) that start with `sim.` change the cluster description; the rest change
+the experiment config, as for `flexmarl train`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flexmarl_core.config import ExperimentConfig, config_from_dict, load_config
+from flexmarl_core.meg import MEG
+from flexmarl_core.sim import LABEL, SimResult, simulate
+from flexmarl_core.sim.calibrate import calibrate, measured_summary
+from flexmarl_core.sim.cluster import SimCluster, cost_model, load_cluster, workers
+
+SWITCHES = ("dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation")
+CODESIGN, SYNC = "co-design", "synchronous baseline"
+
+
+def modes(ablation: bool = True) -> dict[str, list[str]]:
+    """Mode name -> the switch overrides that make it."""
+    out = {SYNC: [f"codesign.{s}=false" for s in SWITCHES], CODESIGN: [f"codesign.{s}=true" for s in SWITCHES]}
+    if ablation:
+        for off in SWITCHES:
+            out[f"{off} off"] = [f"codesign.{s}={'false' if s == off else 'true'}" for s in SWITCHES]
+    return out
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(experiment overrides, cluster overrides without the `sim.` prefix)."""
+    sim = [o.removeprefix("sim.") for o in overrides if o.startswith("sim.")]
+    return [o for o in overrides if not o.startswith("sim.")], sim
+
+
+def run_cluster(cfg: ExperimentConfig, cluster: SimCluster) -> SimResult:
+    ws, pools = workers(cluster, MEG.from_config(cfg.team).agent_names)
+    return simulate(cfg, cost_model(cluster, cfg), ws, pools)
+
+
+def run_modes(config: str | Path, cluster_path: str | Path, overrides: list[str] | None = None,
+              ablation: bool = True) -> tuple[dict[str, SimResult], SimCluster]:
+    cfg_over, sim_over = split_overrides(overrides or [])
+    cluster = load_cluster(cluster_path, sim_over)
+    out = {m: run_cluster(load_config(config, [*cfg_over, *sw]), cluster) for m, sw in modes(ablation).items()}
+    return out, cluster
+
+
+def tables(results: dict[str, SimResult]) -> dict[str, Any]:
+    """Table 2 (sync vs co-design: E2E, tokens/s, speedup) and Table 3 (each switch off: its
+    E2E and slowdown against the co-design), from `run_modes` results. E2E and tokens/s are
+    the steady state (iterations after the first); `e2e_s_all_iterations` includes it."""
+    s = {m: r.summary for m, r in results.items()}
+
+    def row(m: str) -> dict[str, Any]:
+        return {"e2e_s_per_iteration": s[m]["e2e_s_steady"], "tokens_per_s": s[m]["tokens_per_s_steady"],
+                "e2e_s_all_iterations": s[m]["e2e_s_per_iteration"],
+                "utilization_per_pool": s[m]["utilization_per_pool"]}
+
+    cod, syn = s[CODESIGN]["e2e_s_steady"], s[SYNC]["e2e_s_steady"]
+    ratio = s[CODESIGN]["tokens_per_s_steady"] / s[SYNC]["tokens_per_s_steady"]
+    out: dict[str, Any] = {"label": LABEL, "window": "steady state: iterations after the first",
+                           "table2": {SYNC: row(SYNC), CODESIGN: row(CODESIGN), "speedup": syn / cod,
+                                      "tokens_per_s_ratio": ratio}}
+    t3 = {m: {**row(m), "slowdown_vs_codesign": s[m]["e2e_s_steady"] / cod}
+          for m in s if m.endswith(" off")}
+    if t3:
+        out["table3"] = dict(sorted(t3.items(), key=lambda kv: -kv[1]["e2e_s_per_iteration"]))
+    return out
+
+
+def replay(run: str | Path, overrides: list[str] | None = None) -> tuple[dict[str, Any], SimResult]:
+    """Fit the cost model from `run`'s op log and replay its config (with `overrides`, e.g.
+    switches: a what-if on the measured costs) on its own workers."""
+    cfg, model, rows = calibrate(run)
+    if overrides:
+        cfg = config_from_dict(cfg.model_dump(mode="json"), source=str(Path(run) / "config.yaml"),
+                               overrides=overrides)
+    ws = {w.name: dict(w.resources) for w in cfg.cluster.workers}
+    sim = simulate(cfg, model, ws)
+    out: dict[str, Any] = {"label": LABEL, "run": str(run), "simulated": sim.summary,
+                           "cost_model": model.as_dict()}
+    if not overrides:
+        meas = measured_summary(rows, cfg.train.iterations)
+        out["measured"] = meas
+        out["e2e_error"] = sim.summary["e2e_s_per_iteration"] / meas["e2e_s_per_iteration"] - 1
+    return out, sim

@@ -1,0 +1,202 @@
+"""The cluster simulator: calibration against recorded real runs, the real control-plane
+policies on a virtual clock, determinism, scale and speed, the CLI.
+
+The recorded runs in tests/data/sim are `flexmarl train configs/default.yaml` on this 2-worker
+bench (4 iterations each): the co-design, the synchronous baseline and each switch off alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flexmarl.cli import main
+from flexmarl_core.config import config_from_dict, load_config
+from flexmarl_core.control import MoveInstance, TrainSlot
+from flexmarl_core.meg import MEG
+from flexmarl_core.sim.cluster import load_cluster
+from flexmarl_core.sim.cost import AgentCost, LengthDist, _queued_decode_s, continuous_decode_s
+from flexmarl_core.sim.study import CODESIGN, SYNC, replay, run_cluster, run_modes, tables
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDED = REPO / "tests" / "data" / "sim"
+SIM = REPO / "configs" / "sim"
+MATH = SIM / "math-3x14b.yaml"
+PAPER = SIM / "paper-48x16.yaml"
+#: a small slice of the paper cluster: 4 inference nodes, 2 one-node training slots
+SMALL = ["nodes=6", "inference.nodes=4", "training.nodes=2", "training.group_devices=16"]
+ABLATION = ["off-dependency_parallel", "off-load_balancing", "off-async_pipeline", "off-on_demand_allocation"]
+
+
+@pytest.mark.parametrize("mode", ["codesign", "sync"])
+def test_calibrated_replay_is_within_10_percent_of_the_measured_run(mode):
+    out, sim = replay(RECORDED / mode)
+    assert abs(out["e2e_error"]) < 0.10, out["e2e_error"]
+    assert out["simulated"]["label"] == "simulated"
+    assert out["cost_model"]["sources"]["train.train_token_s"].startswith("measured")
+    # The balancer moved instances in the recorded co-design run (21 moves) and not in sync.
+    assert (out["simulated"]["balance_moves"] > 0) == (mode == "codesign")
+
+
+def test_calibrated_replays_order_the_ablation_rows_as_measured():
+    """Each row replayed with the costs fitted from its own log: every pair of rows the
+    measurement tells apart by more than the calibration tolerance (10%) comes out in the
+    same order (closer rows are a tie within what the model is held to)."""
+    rows = {}
+    for run in ["codesign", "sync", *ABLATION]:
+        out, _ = replay(RECORDED / run)
+        rows[run] = (out["measured"]["e2e_s_per_iteration"], out["simulated"]["e2e_s_per_iteration"])
+    compared = 0
+    for (a, (ma, sa)), (b, (mb, sb)) in itertools.combinations(rows.items(), 2):
+        if max(ma, mb) / min(ma, mb) > 1.10:
+            compared += 1
+            assert (ma < mb) == (sa < sb), (a, rows[a], b, rows[b])
+    assert compared >= 5
+
+
+def test_replay_with_switches_is_a_what_if_on_measured_costs():
+    out, _ = replay(RECORDED / "codesign", ["codesign.load_balancing=false"])
+    assert "measured" not in out and out["simulated"]["balance_moves"] == 0
+
+
+def _small(cfg_overrides=(), sim=SMALL):
+    cluster = load_cluster(PAPER, list(sim))
+    return run_cluster(load_config(MATH, ["train.iterations=2", *cfg_overrides]), cluster)
+
+
+def test_the_real_policies_run_on_the_virtual_clock():
+    """Skewed lengths (the solver writes ~3x the planner): the balancer moves instances, the
+    allocator takes a slot per agent and iteration; with both off, neither decides anything."""
+    on = _small()
+    moves = [d for d in on.decisions if isinstance(d, MoveInstance)]
+    assert moves and on.summary["balance_moves"] == len(moves)
+    assert {m.to_agent for m in moves} & {"solver", "verifier"}
+    assert sum(isinstance(d, TrainSlot) for d in on.decisions) == 2 * 3  # agents x iterations
+    off = _small(["codesign.load_balancing=false", "codesign.on_demand_allocation=false"])
+    assert not off.decisions
+    # One op at a time per worker (a 1-thread Dask worker).
+    for res in (on, off):
+        by_worker: dict[str, list[tuple[float, float]]] = {}
+        for r in res.records:
+            by_worker.setdefault(r.result.worker, []).append((r.result.t_start, r.result.t_end))
+        for spans in by_worker.values():
+            spans.sort()
+            assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:], strict=False))
+
+
+def test_same_seed_same_run_and_another_seed_another():
+    a, b = _small(), _small()
+    assert a.summary["e2e_s_per_iteration"] == b.summary["e2e_s_per_iteration"]
+    assert [(r.op, r.result.worker, r.result.t_end) for r in a.records] == \
+           [(r.op, r.result.worker, r.result.t_end) for r in b.records]
+    c = _small(["seed=1"])
+    assert c.summary["e2e_s_per_iteration"] != a.summary["e2e_s_per_iteration"]
+
+
+def test_paper_scale_tables_and_speed():
+    results, cluster = run_modes(MATH, PAPER)
+    assert cluster.devices == 48 * 16
+    t = tables(results)
+    assert t["label"] == "simulated" and t["table2"]["speedup"] > 1.0
+    assert set(t["table3"]) == {f"{s} off" for s in
+                                ("dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation")}
+    cod = results[CODESIGN].summary
+    assert cod["sim_cpu_s_per_iteration"] < 10.0
+    assert results[SYNC].summary["utilization_per_pool"]["inference"] < cod["utilization_per_pool"]["inference"]
+
+
+def test_hundred_agents_on_1024_devices_with_decisions_in_microseconds():
+    agents, edges = [], []
+    for chain, k in itertools.product(range(10), range(10)):
+        name, parent = f"a{chain}_{k}", f"a{chain}_{k - 1}" if k else None
+        agents.append({"name": name, "template": "{input}" + (f" {{{parent}}}" if parent else ""),
+                       "model": {"path": str(SIM / "models" / ("qwen2.5-32b" if chain % 3 == 0 else "qwen2.5-14b"))},
+                       "sampling": {"max_new_tokens": 4096}})
+        if parent:
+            edges.append(f"{parent} -> {name}")
+    cfg = config_from_dict({"team": {"agents": agents, "edges": edges, "output": "a0_9"},
+                            "batch": {"inputs_per_iteration": 8, "group_size": 4, "micro_batch_inputs": 2},
+                            "train": {"iterations": 2}})
+    cluster = load_cluster(PAPER, ["nodes=64", "inference.nodes=48", "inference.group_devices=4",
+                                   "training.nodes=16", "training.group_devices=16"])
+    assert cluster.devices == 1024
+    res = run_cluster(cfg, cluster)
+    s = res.summary
+    assert s["ops"] == len(MEG.from_config(cfg.team).agent_names) * 2 * (4 + 4 + 2) + 2 * 4
+    assert s["balance_moves"] > 0 and s["train_swaps"] > 0
+    assert s["control_route"]["p50_us"] < 1000 and s["balancer_decide"]["p50_us"] < 1000
+    assert s["sim_cpu_s"] < 60
+
+
+def test_vectorised_continuous_batching_matches_the_event_loop():
+    rng = np.random.default_rng(3)
+    a = AgentCost(prompt_tokens=100, lengths=LengthDist(500, 1.0, 4096), weight_bytes=1, state_bytes=1,
+                  step_mem_s=0.01, step_seq_s=0.0004, kv_token_s=1e-7, step_over_s=0.001, max_concurrency=64)
+    lengths = a.lengths.sample(rng, 40)
+    prompts = rng.integers(50, 400, 40)
+    free = continuous_decode_s(prompts, lengths, a)
+    assert free == pytest.approx(_queued_decode_s(prompts, lengths, a))
+    # Equal lengths, 8 places for 40 sequences: five memory-bound waves instead of one.
+    even, a.kv_token_s, a.step_seq_s = np.full(40, 100), 0.0, 0.0
+    one = continuous_decode_s(prompts, even, a)
+    a.max_concurrency = 8
+    assert continuous_decode_s(prompts, even, a) == pytest.approx(5 * one)
+    assert lengths.max() <= 4096 and lengths.min() >= 1
+
+
+def test_cli_prints_tables_writes_json_and_timeline(tmp_path, capsys):
+    out_json, png = tmp_path / "sim.json", tmp_path / "tl.png"
+    rc = main(["simulate", str(MATH), "--cluster", str(PAPER), *sum((["--set", f"sim.{o}"] for o in SMALL), []),
+               "--set", "train.iterations=1", "--json", str(out_json), "--timeline", str(png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Table 2" in text and "Table 3" in text and text.count("(simulated)") >= 3
+    data = json.loads(out_json.read_text())
+    assert data["label"] == "simulated" and "speedup" in data["table2"] and data["sources"]
+    assert png.stat().st_size > 1000 and (tmp_path / "tl-sync.png").exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["simulate", str(MATH)], "--cluster"),
+    (["simulate", "--calibrate", "/nonexistent/run"], "not a finished flexmarl run folder"),
+    (["simulate", str(MATH), "--cluster", str(PAPER), "--set", "sim.inference.nodes=60"], "exceeds nodes"),
+    (["simulate", str(MATH), "--cluster", str(PAPER), "--set", "team.agents.planner.model.path=null"],
+     "team.agents[planner].model.path"),
+    (["simulate", str(MATH), "--cluster", str(PAPER), "--sweep", "nonsense"], "--sweep"),
+])
+def test_cli_user_errors_are_one_line_and_exit_2(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and needle in err
+
+
+def test_sweep_runs_each_point_as_a_prefect_task_on_dask(prefect_api):
+    import httpx
+
+    from flows.simulate import sweep
+
+    state = sweep(str(MATH), str(PAPER), "sim.inference.nodes=3,4",
+                  [*(f"sim.{o}" for o in SMALL), "train.iterations=1"], return_state=True)
+    out = state.result()
+    assert out["label"] == "simulated"
+    assert [(p["overrides"][-1], p["mode"]) for p in out["points"]] == [
+        (f"sim.inference.nodes={n}", m) for n in (3, 4) for m in (SYNC, CODESIGN)]
+    by_nodes = {(p["overrides"][-1], p["mode"]): p["e2e_s_per_iteration"] for p in out["points"]}
+    assert by_nodes[("sim.inference.nodes=3", SYNC)] > by_nodes[("sim.inference.nodes=4", SYNC)]
+    runs = httpx.post(f"{prefect_api}/task_runs/filter", json={
+        "flow_runs": {"id": {"any_": [str(state.state_details.flow_run_id)]}}}).json()
+    assert len(runs) == 4 and all(r["name"].startswith("simulate-point") for r in runs)
+    assert all(r["state_type"] == "COMPLETED" for r in runs)
+
+
+def test_model_descriptions_give_the_published_sizes():
+    from flexmarl_core.sim.cluster import ModelSpec
+
+    m14 = ModelSpec.from_folder(SIM / "models" / "qwen2.5-14b", "14b")
+    m32 = ModelSpec.from_folder(SIM / "models" / "qwen2.5-32b", "32b")
+    assert 14.6e9 < m14.params < 14.9e9 and 32.4e9 < m32.params < 32.9e9  # Qwen2.5: 14.7B, 32.5B
+    assert m14.kv_bytes_per_token == 2 * 48 * 8 * 128 * 2 and m32.head_dim == 128
