@@ -27,7 +27,8 @@ DEFAULT = str(REPO / "configs" / "default.yaml")
 GOLDEN = REPO / "tests" / "golden" / "default.json"
 # The golden run predates the default config's warm start: it starts from random weights.
 RECORDED = ["train.iterations=2", "workload.reward=tests.reward_fns:varied", "workload.credit=team",
-            "train.warm_start=none", "train.evaluate_initial=false", "workload.heldout_size=128"]
+            "train.warm_start=none", "train.evaluate_initial=false", "workload.heldout_size=128",
+            "batch.inputs_per_iteration=64", "batch.micro_batch_inputs=32"]
 
 
 @pytest.fixture(scope="module")
