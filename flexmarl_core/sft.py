@@ -145,6 +145,11 @@ def warm_start_key(cfg: ExperimentConfig) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def warm_start_path(cfg: ExperimentConfig, cache_dir: str | Path) -> Path:
+    """Where `cfg`'s warm start is cached (complete once it holds `sft.json`)."""
+    return Path(cache_dir) / "warm-start" / warm_start_key(cfg)
+
+
 def warm_start(cfg: ExperimentConfig, cache_dir: str | Path, *, log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
     """SFT checkpoints of `cfg`'s team: made on first use, then reused from `cache_dir`.
 
@@ -153,7 +158,7 @@ def warm_start(cfg: ExperimentConfig, cache_dir: str | Path, *, log: Callable[[s
     renamed into place, so a crash never leaves a half-written cache entry."""
     import shutil
 
-    final = Path(cache_dir) / "warm-start" / warm_start_key(cfg)
+    final = warm_start_path(cfg, cache_dir)
     if (final / "sft.json").exists():
         info = json.loads((final / "sft.json").read_text())
         return final, {**info, "out_dir": str(final), "reused": True}

@@ -61,7 +61,11 @@ def train(
         log.info("resuming the run in %s", run_dir)
     else:
         if cfg.train.warm_start == "sft" and not cfg.train.init_from:
-            say("warm start: SFT checkpoints of this config (made once, then cached; a few minutes the first time)")
+            from flexmarl_core.models.tokenizer import default_cache_dir
+            from flexmarl_core.sft import warm_start_path
+
+            if not (warm_start_path(cfg, default_cache_dir()) / "sft.json").exists():
+                say("warm start: SFT of this config's team first (a few minutes, once: later runs reuse it)")
         run_dir = report_tasks.prepare_run(cfg, echo=progress)
     warm = Path(run_dir) / run.WARM_START_NAME
     if warm.exists():
