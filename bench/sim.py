@@ -25,11 +25,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from flexmarl_core.config import config_from_dict  # noqa: E402
 from flexmarl_core.sim import LABEL  # noqa: E402
 from flexmarl_core.sim.cluster import load_cluster  # noqa: E402
 from flexmarl_core.sim.report import mode_table, timeline_png  # noqa: E402
-from flexmarl_core.sim.study import CODESIGN, SYNC, modes, replay, run_cluster, run_modes, tables  # noqa: E402
+from flexmarl_core.sim.study import (  # noqa: E402
+    CODESIGN,
+    SYNC,
+    THOUSAND_DEVICES,
+    many_agents,
+    modes,
+    replay,
+    run_cluster,
+    run_modes,
+    tables,
+)
 
 SIM = REPO / "configs" / "sim"
 PAPER = SIM / "paper-48x16.yaml"
@@ -76,19 +85,8 @@ def shape(name: str, iterations: list[str], ablation: bool) -> tuple[dict, dict]
 
 
 def hundred_agents() -> dict:
-    agents, edges = [], []
-    for chain, k in itertools.product(range(10), range(10)):
-        name, parent = f"a{chain}_{k}", f"a{chain}_{k - 1}" if k else None
-        agents.append({"name": name, "template": "{input}" + (f" {{{parent}}}" if parent else ""),
-                       "model": {"path": str(SIM / "models" / ("qwen2.5-32b" if chain % 3 == 0 else "qwen2.5-14b"))},
-                       "sampling": {"max_new_tokens": 4096}})
-        if parent:
-            edges.append(f"{parent} -> {name}")
-    cfg = config_from_dict({"name": "sim-100-agents", "team": {"agents": agents, "edges": edges, "output": "a0_9"},
-                            "batch": {"inputs_per_iteration": 8, "group_size": 4, "micro_batch_inputs": 2},
-                            "train": {"iterations": 2}})
-    cluster = load_cluster(PAPER, ["nodes=64", "inference.nodes=48", "inference.group_devices=4",
-                                   "training.nodes=16", "training.group_devices=16"])
+    cfg = many_agents(SIM / "models")
+    cluster = load_cluster(PAPER, THOUSAND_DEVICES)
     s = run_cluster(cfg, cluster).summary
     keys = ("e2e_s_per_iteration", "sim_cpu_s", "sim_cpu_s_per_iteration", "ops", "workers", "balance_moves",
             "train_swaps", "control_place", "control_route", "balancer_decide")

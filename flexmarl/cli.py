@@ -93,7 +93,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     for path in filter(None, [args.run, args.compare]):
         if not (Path(path) / "metrics" / "ops.jsonl").is_file():
             raise ConfigError(f"{path}: no metrics/ops.jsonl (not a finished or resumed flexmarl run folder)")
-    for kind, path in report(args.run, args.compare, args.out).items():
+    try:
+        paths = report(args.run, args.compare, args.out)
+    except OSError as exc:
+        raise ConfigError(f"report: cannot write the pictures: {exc}") from None
+    for kind, path in paths.items():
         print(f"{kind}: {path}")
     return 0
 
@@ -118,6 +122,12 @@ def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentCon
     from flexmarl_core.cluster import check_address, check_worker_tags
 
     check_worker_tags(cfg)
+    if cfg.cluster.device != "cpu" and cfg.cluster.address is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"cluster.device {cfg.cluster.device!r}: torch sees no CUDA device on this "
+                              "machine (the local cluster's workers run here); use cpu")
     if cfg.cluster.address:
         check_address(cfg.cluster.address)
     from flexmarl_core.run import ResumeError, RunFolderError, check_resumable, check_run_folder
@@ -126,7 +136,7 @@ def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentCon
         if resume:
             check_resumable(cfg, cfg.resolved_run_dir().resolve())
         else:
-            check_run_folder(cfg.resolved_run_dir().resolve())
+            check_run_folder(cfg.resolved_run_dir().resolve(), cfg.train.init_from)
     except (ResumeError, RunFolderError) as exc:
         raise ConfigError(str(exc)) from None
 
@@ -303,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sft", help="SFT warm start from demonstrations")
     with_config(s)
-    s.add_argument("--out", default=None, help="output folder (default: <run_dir>/sft)")
+    s.add_argument("--out", default=None, help="output folder (default: <run_dir>-sft)")
     s.set_defaults(fn=cmd_sft)
 
     st = sub.add_parser("store", help="MEG Store tools")

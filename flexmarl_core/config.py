@@ -289,7 +289,8 @@ class ClusterConfig(_Strict):
     )
 
     torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each worker.")
-    device: str = Field("cpu", description="torch device of the workers' engines and trainers: cpu, cuda, cuda:N.")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
+                        description="torch device of the workers' engines and trainers: cpu, cuda, cuda:N.")
     prefect_api_url: str | None = Field(
         None, description="Prefect API to report to; None uses PREFECT_API_URL or starts one."
     )

@@ -55,10 +55,11 @@ def _train_stats(ops: list[OpRecord]) -> dict[str, float]:
 
 
 def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: int,
-                      prev_end: float) -> dict[str, Any]:
+                      prev_end: float, n_workers: int = 0) -> dict[str, Any]:
     """Iteration `it`'s figures. Its window runs from `prev_end` (the end of the previous
     iteration's last op, or the run's first op) to the end of its own last op; busy time of
-    every worker is the overlap of its ops, whatever iteration they belong to, with it."""
+    every worker is the overlap of its ops, whatever iteration they belong to, with it.
+    Utilisation divides by `n_workers`, or the workers seen in `records` if that is more."""
     workers = sorted({r.result.worker for r in records})
     ops = [r for r in records if r.op.iteration == it]
     end = max(r.result.t_end for r in ops)
@@ -74,7 +75,7 @@ def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: in
         "e2e_s": window,
         "tokens": tokens,
         "tokens_per_s": tokens / window,
-        "utilization": sum(busy.values()) / (window * max(len(workers), 1)),
+        "utilization": sum(busy.values()) / (window * max(len(workers), n_workers, 1)),
         "accuracy": sum(acc) / max(len(acc), 1),
         "cpu_s": sum(r.result.cpu_s for r in ops),
         "ops": len(ops),
@@ -94,33 +95,57 @@ def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: in
 class IterationTracker:
     """Emits each iteration's metrics as soon as they are final: the iteration's ops are all
     done and so is every op that was submitted before its last one ended (only those can
-    overlap its window). Feeds `emit` in iteration order, while the run goes on."""
+    overlap its window). Feeds `emit` in iteration order, while the run goes on.
 
-    def __init__(self, sizes: dict[int, int], emit: Callable[[dict[str, Any]], None]) -> None:
+    `n_workers()`: how many workers the run has now; utilisation divides by it (a worker with
+    no finished op yet is idle, not absent)."""
+
+    def __init__(self, sizes: dict[int, int], emit: Callable[[dict[str, Any]], None],
+                 n_workers: Callable[[], int] = lambda: 0) -> None:
         self.left = dict(sizes)
         self.emit = emit
+        self.n_workers = n_workers
         self.records: list[OpRecord] = []
         self.decisions: list[Decision] = []
         self.rows: list[dict[str, Any]] = []
         self._next = min(sizes, default=0)
         self._prev_end: float | None = None
+        self._by_it: dict[int, list[OpRecord]] = defaultdict(list)
+
+    def resume(self, earlier: list[OpRecord], emitted: list[dict[str, Any]]) -> None:
+        """An interrupted attempt's records, and the rows it already wrote (not written again).
+        Iterations it completed but did not report are emitted now: nothing of this attempt
+        can overlap their windows, as nothing of it has started."""
+        for rec in earlier:
+            self._take(rec)
+        for row in emitted:
+            if row.get("iteration") != self._next or self.left.get(self._next) != 0:
+                break
+            self.rows.append(row)
+            self._prev_end = max(r.result.t_end for r in self._by_it[self._next])
+            self._next += 1
+        self.flush(None)
 
     def add(self, rec: OpRecord, in_flight_since: float | None, decisions: list[Decision]) -> None:
         """`in_flight_since`: the earliest submit time of the ops still running, if any."""
-        self.records.append(rec)
+        self._take(rec)
         self.decisions = decisions
-        self.left[rec.op.iteration] -= 1
         self.flush(in_flight_since)
+
+    def _take(self, rec: OpRecord) -> None:
+        self.records.append(rec)
+        self._by_it[rec.op.iteration].append(rec)
+        self.left[rec.op.iteration] -= 1
 
     def flush(self, in_flight_since: float | None = None, *, final: bool = False) -> None:
         while self._next in self.left and self.left[self._next] == 0:
-            ops = [r for r in self.records if r.op.iteration == self._next]
-            end = max(r.result.t_end for r in ops)
+            end = max(r.result.t_end for r in self._by_it[self._next])
             if not final and in_flight_since is not None and in_flight_since < end:
                 return  # a running op may still overlap this iteration's window
             if self._prev_end is None:
                 self._prev_end = min(r.result.t_start for r in self.records)
-            row = iteration_metrics(self.records, self.decisions, self._next, self._prev_end)
+            row = iteration_metrics(self.records, self.decisions, self._next, self._prev_end,
+                                    n_workers=self.n_workers())
             self.rows.append(row)
             self.emit(row)
             self._prev_end = end

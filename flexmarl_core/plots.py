@@ -139,7 +139,7 @@ def curves(per_it: list[dict[str, Any]], path: str | Path, *, title: str = "") -
     series = []
     for a in agents:
         axes[0].plot(its, [m.get(f"agent/{a}/reward", float("nan")) for m in per_it], marker="o", label=f"reward {a}")
-        series.append(f"reward/{a}")
+        series.append(f"agent/{a}/reward")
     axes[0].plot(its, [m["accuracy"] for m in per_it], marker="s", color="black", label="team accuracy")
     series.append("accuracy")
     axes[0].set_title("reward and accuracy (training batches)", fontsize=10)

@@ -28,17 +28,37 @@ class RunFolderError(ValueError):
     """`run_dir` names a folder that is not a flexmarl run folder: it is never deleted."""
 
 
-def check_run_folder(run_dir: Path) -> None:
-    """A fresh run replaces `run_dir` only if it is empty or a flexmarl run folder (it has a
-    `config.yaml` or a `metrics/` folder of an earlier attempt): `--set run_dir=$HOME` must not
-    wipe a home folder."""
+#: written first into every run folder: what `check_run_folder` trusts before replacing one
+RUN_MARKER = ".flexmarl-run"
+
+
+def _is_run_folder(run_dir: Path) -> bool:
+    if (run_dir / RUN_MARKER).exists():
+        return True
+    try:  # a run folder of an earlier version: its config names this very folder
+        saved = yaml.safe_load((run_dir / CONFIG_NAME).read_text())
+        return Path(saved["run_dir"]).resolve() == run_dir.resolve()
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return False
+
+
+def check_run_folder(run_dir: Path, init_from: str | None = None) -> None:
+    """A fresh run replaces `run_dir` only if it is empty or a flexmarl run folder (it carries
+    `RUN_MARKER`): `--set run_dir=$HOME` must not wipe a home folder, nor a project folder
+    that happens to hold a `config.yaml`. `init_from` must not lie inside it (the run would
+    delete its own starting checkpoints)."""
+    if init_from and Path(init_from).resolve().is_relative_to(run_dir.resolve()):
+        raise RunFolderError(
+            f"train.init_from {init_from!r} lies inside run_dir {str(run_dir)!r}, which a fresh run "
+            "replaces: move the checkpoints elsewhere (flexmarl sft writes <run_dir>-sft by default)"
+        )
     if not run_dir.exists():
         return
     if not run_dir.is_dir():
         raise RunFolderError(f"run_dir {str(run_dir)!r} is a file, not a folder")
-    if any(run_dir.iterdir()) and not ((run_dir / CONFIG_NAME).exists() or (run_dir / "metrics").is_dir()):
+    if any(run_dir.iterdir()) and not _is_run_folder(run_dir):
         raise RunFolderError(
-            f"run_dir {str(run_dir)!r} exists and is not a flexmarl run folder (no {CONFIG_NAME}); "
+            f"run_dir {str(run_dir)!r} exists and is not a flexmarl run folder (no {RUN_MARKER}); "
             "a fresh run would replace it: choose an empty or new folder"
         )
 
@@ -57,10 +77,12 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
     meg = MEG.from_config(cfg.team)
     workload = make_workload(cfg.workload, cfg.team)  # bad data fails before the folder is touched
     run_dir = cfg.resolved_run_dir().resolve()
-    if fresh and run_dir.exists():
-        check_run_folder(run_dir)
-        shutil.rmtree(run_dir)
+    if fresh:
+        check_run_folder(run_dir, cfg.train.init_from)
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_MARKER).touch()
     init_from = cfg.train.init_from
     if init_from is None and cfg.train.warm_start == "sft":
         from flexmarl_core.models.tokenizer import default_cache_dir
@@ -151,6 +173,18 @@ def completed_records(run_dir: Path) -> list[OpRecord]:
     return [r for r in recs.values() if r.op.kind != "train" or (r.op.agent, r.op.iteration) in stepped]
 
 
+def _reported_iterations(run_dir: Path) -> list[dict[str, Any]]:
+    """The iteration rows an earlier attempt wrote (a torn last line is ignored)."""
+    path = Path(run_dir) / "metrics" / "iterations.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
 def train(
     cfg: ExperimentConfig,
     run_dir: Path,
@@ -172,9 +206,9 @@ def train(
     writer = MetricsWriter(run_dir)
     plan = plan or Plan.build(cfg, MEG.from_config(cfg.team))
     orch = Orchestrator(plan, cfg, executor, skip=[r.op for r in earlier])
-    tracker = IterationTracker(plan.sizes(), writer.iteration)
-    for rec in earlier:
-        tracker.add(rec, None, [])
+    tracker = IterationTracker(plan.sizes(), writer.iteration, lambda: len(executor.worker_resources()))
+    if resume:
+        tracker.resume(earlier, _reported_iterations(run_dir))
 
     def done(rec: OpRecord) -> None:
         writer.op(rec)

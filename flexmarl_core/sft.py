@@ -6,8 +6,8 @@ sometimes a plausible mistake upstream so downstream agents see real errors) giv
 It stops as soon as the team's greedy held-out accuracy reaches `train.sft_target_accuracy`,
 which is the paper's "SFT-only" starting point; RL must then add to it.
 
-    flexmarl sft configs/default.yaml        # writes <run_dir>/sft/<agent>/model.safetensors
-    flexmarl train configs/default.yaml --set train.init_from=runs/arith-team/sft
+    flexmarl sft configs/default.yaml        # writes <run_dir>-sft/<agent>/model.safetensors
+    flexmarl train configs/default.yaml --set train.init_from=runs/arith-team-sft
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def run_sft(
     torch.manual_seed(cfg.seed)
     meg = MEG.from_config(cfg.team)
     workload = make_workload(cfg.workload, cfg.team)
-    out = Path(out_dir) if out_dir else cfg.resolved_run_dir() / "sft"
+    # Beside the run folder, not in it: a fresh run replaces its run folder.
+    out = Path(out_dir) if out_dir else Path(f"{cfg.resolved_run_dir()}-sft")
     tc = cfg.train
     models, engines, trainers, toks = {}, {}, {}, {}
     refresh: list[str] = []  # agents whose engine holds a copy of the trained weights
@@ -134,15 +135,38 @@ def _save(path: Path, model: torch.nn.Module) -> None:
     save_state_atomic(path / "model.safetensors", model.state_dict())
 
 
+#: bump when SFT itself changes what it produces for the same config
+WARM_START_VERSION = 1
+
+
+def _file_stamp(path: str | None) -> list[Any] | None:
+    """Size and modification time of a file or folder's files the config points at (a model
+    folder, a dataset): an edited file must not reuse checkpoints made from the old one."""
+    if not path:
+        return None
+    p = Path(os.path.expanduser(path))
+    files = sorted(p.rglob("*")) if p.is_dir() else [p]
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+
+
 def warm_start_key(cfg: ExperimentConfig) -> str:
-    """What SFT's result depends on: the team, the workload, the seed and the SFT settings (not
-    RL's batch, switches, cluster or iterations), so runs that differ only there share it."""
+    """What SFT's result depends on: the team, the workload (and the files both point at), the
+    tokenizer recipe, the seed and the SFT settings; not RL's batch, switches, cluster or
+    iterations, so runs that differ only there share a warm start."""
     import hashlib
 
-    parts = {"team": cfg.team.model_dump(mode="json"), "workload": cfg.workload.model_dump(mode="json"),
-             "seed": cfg.seed, "sft": {k: v for k, v in cfg.train.model_dump(mode="json").items()
-                                       if k.startswith("sft_")}}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    from flexmarl_core.models.tokenizer import tokenizer_key
+
+    wl = cfg.workload
+    parts = {
+        "version": WARM_START_VERSION, "tokenizer": tokenizer_key(),
+        "team": cfg.team.model_dump(mode="json"), "workload": wl.model_dump(mode="json"),
+        "files": [_file_stamp(a.model.path) for a in cfg.team.agents]
+        + [_file_stamp(wl.path), _file_stamp(wl.params.get("heldout_path"))],
+        "seed": cfg.seed,
+        "sft": {k: v for k, v in cfg.train.model_dump(mode="json").items() if k.startswith("sft_")},
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def warm_start_path(cfg: ExperimentConfig, cache_dir: str | Path) -> Path:
@@ -167,7 +191,10 @@ def warm_start(cfg: ExperimentConfig, cache_dir: str | Path, *, log: Callable[[s
     info = run_sft(cfg, out_dir=tmp, log=log)
     try:
         tmp.replace(final)
-    except OSError:  # another run made the same entry meanwhile: keep theirs
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (final / "sft.json").exists():
+            raise
+        # another run made the same entry meanwhile: keep theirs
     info = json.loads((final / "sft.json").read_text())
     return final, {**info, "out_dir": str(final), "reused": False}

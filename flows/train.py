@@ -122,6 +122,10 @@ def train(
         summary["heldout_gain"] = summary["heldout_accuracy"] - summary["initial_heldout_accuracy"]
     report_tasks.report(cfg.name, out["iterations"], summary, cfg.resolved_store_uri(),
                         [d.as_row() for d in out["decisions"]])
-    summary["pictures"] = report_tasks.pictures(cfg.name, run_dir)
+    try:
+        summary["pictures"] = report_tasks.pictures(cfg.name, run_dir)
+    except Exception as exc:  # a picture that cannot be drawn must not fail a finished run
+        log.warning("pictures of %s not drawn: %s: %s", run_dir, type(exc).__name__, exc)
+        summary["pictures"] = {}
     log.info("done: %s", {k: v for k, v in summary.items() if not isinstance(v, dict)})
     return {"summary": summary, "iterations": out["iterations"]}

@@ -1,10 +1,11 @@
 """Run bookkeeping tasks: prepare the run folder, publish the run's artifacts.
 
-A training run publishes three artifacts (keys from the run's name, e.g. `arith-tiny-...`):
-`-iterations` (table: E2E time, tokens/s, utilisation, reward/accuracy per agent, balancing
-and swap figures per iteration), `-decisions` (table: every control-plane decision) and
-`-summary` (markdown: store, run folder, text charts of reward and throughput, run figures).
-Charts are Unicode text in a code block: the Prefect UI renders markdown but no images.
+A training run publishes four artifacts (keys from the run's name, e.g. `arith-tiny-...`):
+`-iterations` (table: E2E time, tokens/s, utilisation, reward/accuracy and training
+statistics per agent, balancing and swap figures per iteration), `-decisions` (table: every
+control-plane decision), `-summary` (markdown: store, run folder, text charts of reward and
+throughput, run figures) and `-pictures` (markdown: the run's timeline and learning curves as
+embedded PNGs, data URIs, which the Prefect UI's markdown shows inline).
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def report(
     name: str, per_it: list[dict[str, Any]], summary: dict[str, Any], store_uri: str,
     decisions: list[dict[str, Any]] | None = None,
 ) -> dict[str, str]:
-    """IO: the run's three artifacts (module docstring); returns their keys by kind."""
+    """IO: the run's table and summary artifacts (module docstring); returns their keys by kind."""
     key = artifact_key(name)
     keys = {k: f"{key}-{k}" for k in ("iterations", "decisions", "summary")}
     create_table_artifact(key=keys["iterations"], table=iteration_rows(per_it),

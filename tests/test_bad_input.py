@@ -415,3 +415,32 @@ def test_fresh_run_never_replaces_a_folder_that_is_not_a_run(tmp_path: Path) -> 
     line = _one_error_line(_train(tmp_path, "bad.yaml"), tmp_path)
     assert "is not a flexmarl run folder" in line, line
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_project_folder_with_a_config_file_is_not_a_run_folder(tmp_path: Path) -> None:
+    """A `config.yaml` alone (a project's, not a run's) does not make a folder replaceable."""
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "config.yaml").write_text("name: something else\n")
+    (tmp_path / "proj" / "main.py").write_text("print('mine')\n")
+    data = copy.deepcopy(TINY_DATA)
+    data["run_dir"] = "proj"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    line = _one_error_line(_train(tmp_path, "bad.yaml"), tmp_path)
+    assert "is not a flexmarl run folder" in line, line
+    assert (tmp_path / "proj" / "main.py").exists()
+
+
+def test_init_from_inside_the_run_folder_is_refused(tmp_path: Path) -> None:
+    """A fresh run replaces its run folder: starting checkpoints kept inside it would go too."""
+    ckpt = tmp_path / "run" / "sft"
+    for agent in ("planner", "solver", "verifier"):
+        (ckpt / agent).mkdir(parents=True)
+        (ckpt / agent / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "run" / ".flexmarl-run").touch()
+    data = copy.deepcopy(TINY_DATA)
+    data["run_dir"] = "run"
+    data["train"] = {**data.get("train", {}), "init_from": str(ckpt)}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    out = _train(tmp_path, "bad.yaml")
+    assert out.returncode == 2 and "lies inside run_dir" in out.stderr, out.stderr
+    assert (ckpt / "solver" / "model.safetensors").exists()

@@ -127,7 +127,7 @@ def test_worker_killed_mid_stage_run_completes_exactly_once(baseline, dask_clust
     if victim.startswith("train"):
         # mb=0's gradients died with the worker: the step accumulated them again from the store.
         step = next(o for o in ops if o["op"] == "step[solver] it=1")
-        assert step["recomputed_mbs"] >= 1 or step.get("skipped"), step
+        assert step["agent/solver/recomputed_mbs"] >= 1 or step.get("skipped"), step
 
 
 def test_stage_raising_once_is_retried_by_prefect(baseline, dask_cluster, tmp_path):

@@ -15,12 +15,21 @@ import numpy as np
 import pytest
 
 from flexmarl.cli import main
-from flexmarl_core.config import config_from_dict, load_config
+from flexmarl_core.config import load_config
 from flexmarl_core.control import MoveInstance, TrainSlot
 from flexmarl_core.meg import MEG
 from flexmarl_core.sim.cluster import load_cluster
 from flexmarl_core.sim.cost import AgentCost, LengthDist, _queued_decode_s, continuous_decode_s
-from flexmarl_core.sim.study import CODESIGN, SYNC, replay, run_cluster, run_modes, tables
+from flexmarl_core.sim.study import (
+    CODESIGN,
+    SYNC,
+    THOUSAND_DEVICES,
+    many_agents,
+    replay,
+    run_cluster,
+    run_modes,
+    tables,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = REPO / "tests" / "data" / "sim"
@@ -110,19 +119,8 @@ def test_paper_scale_tables_and_speed():
 
 
 def test_hundred_agents_on_1024_devices_with_decisions_in_microseconds():
-    agents, edges = [], []
-    for chain, k in itertools.product(range(10), range(10)):
-        name, parent = f"a{chain}_{k}", f"a{chain}_{k - 1}" if k else None
-        agents.append({"name": name, "template": "{input}" + (f" {{{parent}}}" if parent else ""),
-                       "model": {"path": str(SIM / "models" / ("qwen2.5-32b" if chain % 3 == 0 else "qwen2.5-14b"))},
-                       "sampling": {"max_new_tokens": 4096}})
-        if parent:
-            edges.append(f"{parent} -> {name}")
-    cfg = config_from_dict({"team": {"agents": agents, "edges": edges, "output": "a0_9"},
-                            "batch": {"inputs_per_iteration": 8, "group_size": 4, "micro_batch_inputs": 2},
-                            "train": {"iterations": 2}})
-    cluster = load_cluster(PAPER, ["nodes=64", "inference.nodes=48", "inference.group_devices=4",
-                                   "training.nodes=16", "training.group_devices=16"])
+    cfg = many_agents(SIM / "models")
+    cluster = load_cluster(PAPER, THOUSAND_DEVICES)
     assert cluster.devices == 1024
     res = run_cluster(cfg, cluster)
     s = res.summary

@@ -59,6 +59,10 @@ def load_run(run: str | Path) -> tuple[ExperimentConfig, list[dict[str, Any]]]:
     missing = {k for k in ("kind", "t_start", "t_end", "submitted", "finished", "worker") if k not in rows[0]}
     if missing:
         raise CalibrationError(f"{log}: op rows lack {sorted(missing)}")
+    old = next((i for i, r in enumerate(rows, 1) if r["kind"] in ("rollout", "train") and "tokens" not in r), None)
+    if old is not None:
+        raise CalibrationError(f"{log}:{old}: a {rows[old - 1]['kind']} row without `tokens` (an op log of an "
+                               "earlier flexmarl version): record the run again to calibrate from it")
     return cfg, rows
 
 

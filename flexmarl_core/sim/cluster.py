@@ -175,7 +175,7 @@ def load_cluster(path: str | Path, overrides: list[str] | None = None) -> SimClu
         return SimCluster.model_validate(data)
     except ValidationError as exc:
         lines = [f"{p}: {'.'.join(str(x) for x in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()]
-        raise ConfigError("invalid cluster description\n  " + "\n  ".join(lines)) from None
+        raise ConfigError("invalid cluster description: " + "; ".join(lines)) from None
 
 
 def workers(cluster: SimCluster, agents: list[str]) -> tuple[dict[str, dict[str, float]], dict[str, str]]:

@@ -88,3 +88,29 @@ def replay(run: str | Path, overrides: list[str] | None = None) -> tuple[dict[st
         out["measured"] = meas
         out["e2e_error"] = sim.summary["e2e_s_per_iteration"] / meas["e2e_s_per_iteration"] - 1
     return out, sim
+
+
+def many_agents(models: Path, chains: int = 10, depth: int = 10) -> ExperimentConfig:
+    """`chains` independent chains of `depth` agents each (every third chain of 32B models,
+    the rest 14B; `models` holds their `config.json` folders): the scale test of the control
+    plane, 100 agents by default."""
+    import itertools
+
+    agents, edges = [], []
+    for chain, k in itertools.product(range(chains), range(depth)):
+        name, parent = f"a{chain}_{k}", f"a{chain}_{k - 1}" if k else None
+        agents.append({"name": name, "template": "{input}" + (f" {{{parent}}}" if parent else ""),
+                       "model": {"path": str(models / ("qwen2.5-32b" if chain % 3 == 0 else "qwen2.5-14b"))},
+                       "sampling": {"max_new_tokens": 4096}})
+        if parent:
+            edges.append(f"{parent} -> {name}")
+    return config_from_dict({"name": f"sim-{chains * depth}-agents",
+                             "team": {"agents": agents, "edges": edges, "output": f"a0_{depth - 1}"},
+                             "batch": {"inputs_per_iteration": 8, "group_size": 4, "micro_batch_inputs": 2},
+                             "train": {"iterations": 2}})
+
+
+#: 64 nodes x 16 devices: 48 inference nodes in 4-device instances, 16 training nodes
+THOUSAND_DEVICES = ["nodes=64", "inference.nodes=48", "inference.group_devices=4",
+                    "training.nodes=16", "training.group_devices=16"]
+

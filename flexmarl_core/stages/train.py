@@ -91,6 +91,11 @@ def step(ctx: WorkerContext, op: Op) -> StageResult:
         tr, _ = ctx.trainer(agent, it + 1)
         return StageResult(op, version=tr.version, skipped=True)
     tr, _ = ctx.trainer(agent, it)
+    if tr.version == it + 1:
+        # An earlier attempt stepped but failed to checkpoint: checkpoint, never step twice.
+        with ctx.lock:
+            swap = ctx.checkpoint_trainer(agent)
+        return StageResult(op, version=tr.version, skipped=True, swap=swap)
     done = ctx.accumulated.setdefault(agent, set())
     missing = [j for j in range(ctx.cfg.batch.num_micro_batches) if (it, j) not in done]
     # Micro-batches whose gradients died with another process (a killed worker, a trainer that
