@@ -271,10 +271,16 @@ def _simulate_calibrate(args: argparse.Namespace) -> int:
 
 def _simulate_sweep(args: argparse.Namespace) -> int:
     from flexmarl.prefect_api import ensure_api
-    from flexmarl_core.sim.study import SYNC
+    from flexmarl_core.config import load_config
+    from flexmarl_core.sim.cluster import load_cluster
+    from flexmarl_core.sim.study import SYNC, split_overrides
     from flows.simulate import points, sweep
 
-    points(args.sweep)  # a malformed sweep fails before a server or cluster starts
+    # A malformed sweep, config, cluster file or override fails before a server or cluster starts.
+    for extra, _mode in points(args.sweep):
+        cfg_over, sim_over = split_overrides([*args.set, *extra])
+        load_config(args.config, cfg_over)
+        load_cluster(args.cluster, sim_over)
     api, _ = ensure_api()
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
