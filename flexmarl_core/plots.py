@@ -115,7 +115,8 @@ def timeline(traces: Sequence[RunTrace], path: str | Path, *, title: str = "") -
                 plt.Line2D([], [], marker="^", color="crimson", ls="", label="trainer swap")]
     ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles),
               fontsize=8, frameon=False)
-    fig.suptitle(title or "ops per worker (shade: agent " + ", ".join(agents) + ")", fontsize=10)
+    # The title sits above the legend row (pad: the legend's height in points).
+    ax.set_title(title or "ops per worker (shade: agent " + ", ".join(agents) + ")", fontsize=10, pad=22)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
