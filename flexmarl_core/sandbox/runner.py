@@ -203,7 +203,7 @@ def run_tests(
 ) -> Verdict:
     """Run `code` in a sandbox and each of `tests` here against its function `entry`.
 
-    A test is Python source run with `candidate` bound to that function (its arguments and
+    A test is Python source run with `candidate` (and `entry`) bound to that function (its arguments and
     return values cross the pipe, so they must be builtin values: numbers, str, bytes, lists,
     tuples, sets, dicts); it passes when it raises nothing. `prelude` is trusted source run
     first in the tests' namespace (a HumanEval prompt's helpers).
@@ -232,6 +232,7 @@ def run_tests(
             proxy = _Proxy(ch, entry)
             for i, test in enumerate(tests):
                 ns = dict(base, candidate=proxy)
+                ns[entry] = proxy  # a HumanEval check may call the function by its own name
                 try:
                     exec(compile(test, f"<test {i}>", "exec"), ns)
                     results[i] = True
