@@ -76,11 +76,16 @@ class _Child:
                        "processes": limits.processes, "files": limits.open_files,
                        "output": limits.output_bytes},
         }
-        self.proc = subprocess.Popen(
-            [_PYTHON, "-I", "-S", "-B", "-c", _SOURCE, "boot", json.dumps(cfg)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            pass_fds=(self.req_r, self.resp_w), start_new_session=True, env={},
-        )
+        try:
+            self.proc = subprocess.Popen(
+                [_PYTHON, "-I", "-S", "-B", "-c", _SOURCE, "boot", json.dumps(cfg)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                pass_fds=(self.req_r, self.resp_w), start_new_session=True, env={},
+            )
+        except OSError:
+            for fd in (self.req_r, self.req_w, self.resp_r, self.resp_w):
+                os.close(fd)
+            raise
         os.close(self.req_r)
         os.close(self.resp_w)
         self.boot: dict[str, Any] = {}
@@ -218,7 +223,11 @@ def run_tests(
         exec(compile(prelude, "<prelude>", "exec"), base)
     with _slots:
         start = time.monotonic()
-        ch = _Child(limits, start + limits.wall_s)
+        try:
+            ch = _Child(limits, start + limits.wall_s)
+        except OSError as exc:  # no process could be started (EAGAIN, ENOMEM): score 0, go on
+            return Verdict(0, len(tests), "crashed", f"the sandbox did not start: {exc}",
+                           results=(False,) * len(tests))
         reason: Reason = "passed"
         detail = ""
         try:
@@ -242,8 +251,9 @@ def run_tests(
             ch.kill("passed")  # done: the session goes, whatever it left running
         except _Ended as end:
             reason, detail = end.reason, end.detail
+        finally:  # also on an error in the caller's thread: never leave a program running
             ch.kill(None)
-        status, usage = ch.reap()
+            status, usage = ch.reap()
     wall = time.monotonic() - start
     cpu = usage.ru_utime + usage.ru_stime
     if reason == "exited" and ch.killed_for is None:
