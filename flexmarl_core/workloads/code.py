@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import random
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -250,7 +251,9 @@ class CodeWorkload(RuleWorkload):
             # Well-formed: an expression that ran to the end of its tests. A program the
             # sandbox had to stop (forbidden, limits, exit) earns nothing at all.
             try:
-                ast.parse(text.strip()[:MAX_BODY_CHARS], mode="eval")
+                with warnings.catch_warnings():  # "1x" warns before failing: keep logs clean
+                    warnings.simplefilter("ignore", SyntaxWarning)
+                    ast.parse(text.strip()[:MAX_BODY_CHARS], mode="eval")
             except (SyntaxError, ValueError, MemoryError, RecursionError):
                 return 0.0
             return 1.0 if text.strip() and self._judge(problem, outputs)[0].reason not in FATAL else 0.0
