@@ -131,6 +131,20 @@ def test_benign_program_passes(name):
     assert v.wall_s < 2 and v.memory_mb < 200
 
 
+def test_a_program_that_stops_reading_cannot_stall_the_parent():
+    """After one call it never reads again: the parent's next, bigger-than-a-pipe request
+    must still end at the wall limit, not block the worker."""
+    code = ("import sys, time\nh = sys.modules['__main__']\n"
+            "def f(x):\n    h.read_frame = lambda fd: time.sleep(60)\n    return len(x)\n")
+    t0 = time.monotonic()
+    v = run_tests(code, ["assert candidate([1]) == 1", "assert candidate(list(range(50000))) == 50000"],
+                  FAST, entry="f")
+    assert (v.reason, v.passed) == ("timeout", 0) and time.monotonic() - t0 < FAST.wall_s + 2
+    big = run_tests(RIGHT.replace("3 * x + 1", "len(x)"), ["assert candidate(list(range(50000))) == 50000"],
+                    FAST, entry="f")
+    assert big.reason == "passed", big
+
+
 def test_partial_credit_and_per_test_results():
     v = run_tests("def f(x):\n    return 3 * x + 1 if x > 0 else 0\n", TESTS, FAST, entry="f")
     assert (v.reason, v.passed, v.results) == ("failed", 2, (True, True, False))

@@ -52,7 +52,8 @@ class Limits:
 @dataclass(frozen=True)
 class Verdict:
     """What happened to one program, decided by the parent. `results[i]` is test i; after a
-    fatal reason every test counts as failed, so `reward` is 0."""
+    fatal reason every test counts as failed, so `reward` is 0. `memory_mb` is the program's
+    peak resident memory (0 when it was gone before it could be read)."""
 
     passed: int
     total: int

@@ -117,6 +117,18 @@ MS_MOVE, MS_REC, MS_PRIVATE = 8192, 16384, 1 << 18
 _SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 
 
+def _others_can_run(python: str, prefix: str) -> bool:
+    """Whether a uid with no rights of its own can exec `python` and read its `prefix`."""
+    dirs = set()
+    for p in (python, prefix):
+        d = os.path.dirname(p)
+        while d not in ("", "/"):
+            dirs.add(d)
+            d = os.path.dirname(d)
+    return (all(os.stat(d).st_mode & 0o001 for d in dirs)
+            and all(os.stat(p).st_mode & 0o005 == 0o005 for p in (python, prefix)))
+
+
 def _boot(cfg: dict[str, Any]) -> None:
     import ctypes
     import resource
@@ -176,12 +188,15 @@ def _boot(cfg: dict[str, Any]) -> None:
         hard = value + 1 if name == "RLIMIT_CPU" else value
         resource.setrlimit(getattr(resource, name), (value, hard))
     try:
+        if not mounts and not _others_can_run(cfg["python"], prefix):
+            raise PermissionError(0, f"{prefix} is not readable by other users and the mount "
+                                     "namespace that would bind it is off")
         os.setgroups([])
         os.setgid(cfg["uid"])
         os.setuid(cfg["uid"])
         on["user"] = f"on: uid {cfg['uid']} (fresh for this program)"
     except PermissionError as exc:
-        on["user"] = f"off: {exc.strerror} (not root; runs as uid {os.getuid()})"
+        on["user"] = f"off: {exc.strerror} (runs as uid {os.getuid()})"
     if os.getuid() != 0 and lim["processes"] <= 1:
         on["processes"] = "on: RLIMIT_NPROC=1, no fork"
     elif os.getuid() == 0:

@@ -66,6 +66,8 @@ class _Child:
         self.resp_r, self.resp_w = os.pipe()
         self.buf = b""
         self.killed_for: Reason | None = None
+        #: the program's own peak RSS (its image after exec), read just before the kill
+        self.peak_mb: float | None = None
         uid = 1_000_000 + secrets.randbelow(2**30)
         hide = sorted({str(Path.cwd()), str(Path.home()), "/root", "/home", *limits.hide})
         cfg = {
@@ -88,13 +90,25 @@ class _Child:
             raise
         os.close(self.req_r)
         os.close(self.resp_w)
+        os.set_blocking(self.req_w, False)
         self.boot: dict[str, Any] = {}
 
     def send(self, obj: Any) -> None:
-        try:
-            child.write_frame(self.req_w, obj)
-        except BrokenPipeError:
-            raise _Ended("exited", "the process closed its request pipe") from None
+        """Write one frame, never blocking past the deadline (a program that stops reading
+        must not stall the worker on a full pipe)."""
+        data = json.dumps(obj).encode()
+        data = len(data).to_bytes(4, "big") + data
+        while data:
+            left = self.deadline - time.monotonic()
+            if left <= 0 or not select.select([], [self.req_w], [], left)[1]:
+                self.kill("timeout")
+                raise _Ended("timeout", f"wall time {self.limits.wall_s:g}s ran out")
+            try:
+                data = data[os.write(self.req_w, data):]
+            except BlockingIOError:
+                continue
+            except BrokenPipeError:
+                raise _Ended("exited", "the process closed its request pipe") from None
 
     def recv(self) -> dict[str, Any]:
         while True:
@@ -127,6 +141,8 @@ class _Child:
     def kill(self, why: Reason | None) -> None:
         """End the whole session; `why` records that the parent (not the program) ended it."""
         self.killed_for = self.killed_for or why
+        if self.peak_mb is None:
+            self.peak_mb = _peak_rss_mb(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -144,6 +160,19 @@ class _Child:
         if self.boot and not self.boot.get("private") and self.boot.get("work"):
             shutil.rmtree(self.boot["work"], ignore_errors=True)
         return status, usage
+
+
+def _peak_rss_mb(pid: int) -> float | None:
+    """VmHWM of a live process. Not rusage: a forked child's ru_maxrss keeps the parent's
+    footprint (a worker with torch loaded would read as a 400 MB program)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 class _Proxy:
@@ -215,8 +244,10 @@ def run_tests(
     """
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
-    limits = limits or Limits()
     tests = list(tests)
+    if not all(isinstance(t, str) for t in tests):
+        raise TypeError("every test must be a str of Python source")
+    limits = limits or Limits()
     results = [False] * len(tests)
     base: dict[str, Any] = {"__builtins__": builtins}
     if prelude:
@@ -266,7 +297,7 @@ def run_tests(
         reason = "failed"
     return Verdict(
         passed=sum(results), total=len(tests), reason=reason, detail=detail, wall_s=wall,
-        cpu_s=cpu, memory_mb=usage.ru_maxrss / 1024, results=tuple(results),
+        cpu_s=cpu, memory_mb=ch.peak_mb or 0.0, results=tuple(results),
     )
 
 
