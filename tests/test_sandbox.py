@@ -8,7 +8,11 @@ pass, and a benign program after the hostile ones still passes (the sandbox carr
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -177,7 +181,29 @@ def test_the_os_layer_holds_without_the_audit_hook(monkeypatch):
 def test_protections_name_every_layer_on_or_off():
     report = protections()
     for key in ("network", "filesystem", "user", "processes", "limits", "verdict", "audit hook"):
-        assert report[key].split(":")[0] in ("on", "off"), report
+        assert report[key].split(":")[0] in ("on", "off", "partial"), report
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare command here")
+def test_without_namespaces_or_uids_the_sandbox_says_what_is_off_and_still_judges():
+    """In a user namespace with no uid map nothing can be unshared or chowned: the report
+    says so, and the verdicts (decided in the parent) and the audit hook still hold."""
+    script = (
+        "import json\nfrom flexmarl_core.sandbox import Limits, protections, run_tests\n"
+        f"print(json.dumps([protections()] + [run_tests(c, {TESTS!r}, Limits(cpu_s=1), entry='f').reason "
+        f"for c in ({RIGHT!r}, 'import os\\nos.fork()', 'def f(x):\\n    while 1: pass', "
+        "'import os\\ndef f(x):\\n    os._exit(0)')]))\n"
+    )
+    out = subprocess.run(["unshare", "-U", sys.executable, "-c", script], capture_output=True,
+                         text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    if out.returncode and "unshare failed" in out.stderr:
+        pytest.skip(f"user namespaces are not allowed here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    report, *reasons = json.loads(out.stdout)
+    assert reasons == ["passed", "forbidden", "cpu_limit", "exited"]
+    off = {k for k, v in report.items() if v.startswith("off")}
+    assert {"network", "filesystem", "user"} <= off, report
+    assert all(len(report[k]) > len("off: ") for k in off)
 
 
 def test_bad_limits_are_one_line_errors():

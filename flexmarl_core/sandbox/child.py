@@ -172,11 +172,19 @@ def _boot(cfg: dict[str, Any]) -> None:
         mounts = mounts and sys_ok(mount(None, prefix, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None), "filesystem")
         if mounts:
             on["filesystem"] = f"on: private tmpfs on {', '.join(_SHARED_TMP)}; hidden: {', '.join(hidden)}"
-    work = os.path.join("/tmp", f"sandbox-{cfg['uid']}")
+    uid = cfg["uid"]
+    work = os.path.join("/tmp", f"sandbox-{uid}")
     os.mkdir(work, 0o700)
-    os.chown(work, cfg["uid"], cfg["uid"])
     out = os.open(os.path.join(work, "output"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchown(out, cfg["uid"], cfg["uid"])
+    why_not = None
+    if not mounts and not _others_can_run(cfg["python"], prefix):
+        why_not = f"{prefix} is not readable by other users and the mount namespace is off"
+    else:
+        try:  # an unmapped uid (a user namespace) or no CAP_CHOWN: the switch is off
+            os.chown(work, uid, uid)
+            os.fchown(out, uid, uid)
+        except OSError as exc:
+            why_not = exc.strerror
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
@@ -185,24 +193,30 @@ def _boot(cfg: dict[str, Any]) -> None:
     for name, value in (("RLIMIT_CPU", lim["cpu"]), ("RLIMIT_AS", lim["memory"]),
                         ("RLIMIT_NPROC", lim["processes"]), ("RLIMIT_NOFILE", lim["files"]),
                         ("RLIMIT_FSIZE", lim["output"]), ("RLIMIT_CORE", 0)):
+        res = getattr(resource, name)
         hard = value + 1 if name == "RLIMIT_CPU" else value
-        resource.setrlimit(getattr(resource, name), (value, hard))
-    try:
-        if not mounts and not _others_can_run(cfg["python"], prefix):
-            raise PermissionError(0, f"{prefix} is not readable by other users and the mount "
-                                     "namespace that would bind it is off")
-        os.setgroups([])
-        os.setgid(cfg["uid"])
-        os.setuid(cfg["uid"])
-        on["user"] = f"on: uid {cfg['uid']} (fresh for this program)"
-    except PermissionError as exc:
-        on["user"] = f"off: {exc.strerror} (runs as uid {os.getuid()})"
-    if os.getuid() != 0 and lim["processes"] <= 1:
-        on["processes"] = "on: RLIMIT_NPROC=1, no fork"
-    elif os.getuid() == 0:
-        on["processes"] = "off: RLIMIT_NPROC does not bind root"
+        cap = resource.getrlimit(res)[1]
+        if cap != resource.RLIM_INFINITY:  # without root a limit can only go down
+            value, hard = min(value, cap), min(hard, cap)
+        resource.setrlimit(res, (value, hard))
+    if why_not is None:
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        except OSError as exc:
+            why_not = exc.strerror
+    if why_not is None:
+        on["user"] = f"on: uid {uid} (fresh for this program)"
     else:
-        on["processes"] = f"on: RLIMIT_NPROC={lim['processes']}"
+        on["user"] = f"off: {why_not} (runs as uid {os.getuid()})"
+    if why_not is None:
+        on["processes"] = f"on: RLIMIT_NPROC={lim['processes']} for its own uid"
+    elif os.getuid() == 0:
+        on["processes"] = "off: RLIMIT_NPROC does not bind root (the audit hook still stops fork)"
+    else:
+        on["processes"] = (f"partial: RLIMIT_NPROC={lim['processes']} counts every process of "
+                           f"uid {os.getuid()}, and none for root outside a user namespace")
     write_frame(cfg["resp"], {"boot": on, "work": work, "private": mounts})
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "TMPDIR": work}
     os.execve(cfg["python"], [cfg["python"], "-I", "-S", "-B", "-c", cfg["source"], "harness",
