@@ -155,23 +155,28 @@ def _boot(cfg: dict[str, Any]) -> None:
     if mounts:
         opts = f"size={cfg['disk_bytes']},mode=1777"
         for d in _SHARED_TMP:
-            if os.path.isdir(d) and mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, opts):
-                sys_ok(-1, "filesystem")
+            flags = MS_NOSUID | MS_NODEV
+            mounts = mounts and (not os.path.isdir(d) or sys_ok(mount("tmpfs", d, "tmpfs", flags, opts), "filesystem"))
+    if mounts:
         # Stash the interpreter, hide the folders, put the interpreter back read-only.
         stash = "/tmp/.interp"
         os.mkdir(stash)
         mounts = sys_ok(mount(prefix, stash, None, MS_BIND | MS_REC, None), "filesystem")
-        hidden = []
+        hidden, unhidden = [], []
         for d in cfg["hide"] if mounts else ():
-            tmpfs = "size=64k,mode=755"
-            if os.path.isdir(d) and mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, tmpfs) == 0:
+            if d == "/" or not os.path.isdir(d):
+                continue  # "/" would hide the system the interpreter needs
+            if mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755") == 0:
                 hidden.append(d)
+            else:
+                unhidden.append(f"{d} ({os.strerror(ctypes.get_errno())})")
         if mounts and not os.path.isdir(prefix):
             os.makedirs(prefix)
         mounts = mounts and sys_ok(mount(stash, prefix, None, MS_MOVE, None), "filesystem")
         mounts = mounts and sys_ok(mount(None, prefix, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None), "filesystem")
         if mounts:
-            on["filesystem"] = f"on: private tmpfs on {', '.join(_SHARED_TMP)}; hidden: {', '.join(hidden)}"
+            on["filesystem"] = (f"on: private tmpfs on {', '.join(_SHARED_TMP)}; hidden: "
+                                f"{', '.join(hidden)}" + (f"; NOT hidden: {', '.join(unhidden)}" if unhidden else ""))
     uid = cfg["uid"]
     work = os.path.join("/tmp", f"sandbox-{uid}")
     os.mkdir(work, 0o700)
