@@ -57,6 +57,17 @@ class _Ended(BaseException):
         self.reason, self.detail = reason, detail
 
 
+def _ready(fd: int, event: int, deadline: float) -> bool:
+    """Wait for `fd` until `deadline` (poll, not select: a busy worker may hold >1024 fds).
+    A closed peer (POLLHUP/POLLERR) counts as ready: the read or write then says so."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, event)
+    return bool(poller.poll(left * 1000))
+
+
 class _Child:
     """One sandboxed process and its two pipes (requests in, replies out)."""
 
@@ -99,8 +110,7 @@ class _Child:
         data = json.dumps(obj).encode()
         data = len(data).to_bytes(4, "big") + data
         while data:
-            left = self.deadline - time.monotonic()
-            if left <= 0 or not select.select([], [self.req_w], [], left)[1]:
+            if not _ready(self.req_w, select.POLLOUT, self.deadline):
                 self.kill("timeout")
                 raise _Ended("timeout", f"wall time {self.limits.wall_s:g}s ran out")
             try:
@@ -121,7 +131,7 @@ class _Child:
                     raw, self.buf = self.buf[4:4 + n], self.buf[4 + n:]
                     try:
                         msg = json.loads(raw)
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         msg = None
                     if not isinstance(msg, dict):
                         self.kill("bad_reply")
@@ -129,8 +139,7 @@ class _Child:
                     if "forbidden" in msg:
                         raise _Ended("forbidden", str(msg["forbidden"])[:300])
                     return msg
-            left = self.deadline - time.monotonic()
-            if left <= 0 or not select.select([self.resp_r], [], [], left)[0]:
+            if not _ready(self.resp_r, select.POLLIN, self.deadline):
                 self.kill("timeout")
                 raise _Ended("timeout", f"wall time {self.limits.wall_s:g}s ran out")
             chunk = os.read(self.resp_r, 1 << 16)
