@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import warnings
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,9 @@ def test_tester_is_paid_for_tests_that_separate_right_from_wrong(wl):
 def test_parse_tests_takes_literals_only():
     assert parse_tests("f(3)==10;f([1,2])==3;f(__import__('os'))==1;f(1)==x") == [(3, 10), ([1, 2], 3)]
     assert len(parse_tests(";".join(f"f({i})=={i}" for i in range(9)))) == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a malformed literal is skipped without a SyntaxWarning
+        assert parse_tests("f(1x)==3;f(0b1)==1") == [(1, 1)]
 
 
 def test_sft_demonstrations_and_perturbations_follow_the_meg(cfg, wl):

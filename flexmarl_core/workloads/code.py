@@ -80,6 +80,13 @@ def _evaluate(body: str, arg: Any) -> Any:
     return eval(body, {"__builtins__": {"sum": sum, "max": max, "len": len}}, {"x": arg})
 
 
+def _parse(text: str) -> ast.Expression:
+    """An expression's tree, without the SyntaxWarning that text like "1x" prints first."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        return ast.parse(text, mode="eval")
+
+
 def _passes(body: str, tests: list[tuple[Any, int]]) -> list[bool]:
     """Each test on a trusted body; a test the body cannot even run on (max of []) fails."""
     out = []
@@ -96,7 +103,7 @@ def parse_tests(text: str) -> list[tuple[Any, int]]:
     out = []
     for m in _TEST_RE.finditer(text[:400]):
         try:
-            arg = ast.literal_eval(m.group(1))
+            arg = ast.literal_eval(_parse(m.group(1)))
         except (ValueError, SyntaxError, MemoryError, RecursionError):
             continue
         if type(arg) is int or (type(arg) is list and all(type(v) is int for v in arg)):
@@ -253,9 +260,7 @@ class CodeWorkload(RuleWorkload):
             # Well-formed: an expression that ran to the end of its tests. A program the
             # sandbox had to stop (forbidden, limits, exit) earns nothing at all.
             try:
-                with warnings.catch_warnings():  # "1x" warns before failing: keep logs clean
-                    warnings.simplefilter("ignore", SyntaxWarning)
-                    ast.parse(text.strip()[:MAX_BODY_CHARS], mode="eval")
+                _parse(text.strip()[:MAX_BODY_CHARS])
             except (SyntaxError, ValueError, MemoryError, RecursionError):
                 return 0.0
             return 1.0 if text.strip() and self._judge(problem, outputs)[0].reason not in FATAL else 0.0
