@@ -4,6 +4,7 @@ programs judged by the sandbox inside the workers' reward stage."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,36 @@ def test_code_team_trains_with_sandboxed_rewards(prefect_api, dask_cluster, tmp_
             assert workload.reward(problem, outs) == pytest.approx(stored[(input_id, traj)])
     summary = state.result()["summary"]
     assert 0.0 <= summary["heldout_accuracy"] <= 1.0
+
+
+HOSTILE_CODERS = [
+    "__import__('os').fork()",
+    "__import__('time').sleep(60)",
+    "[bytearray(1 << 26) for _ in range(100)]",
+    "__import__('os').kill(__import__('os').getppid(), 9)",  # the parent is the Dask worker
+    "__import__('os')._exit(0)",
+    "[0 for _ in iter(int, 1)]",
+]
+
+
+@pytest.mark.slow
+def test_hostile_programs_in_the_workers_score_zero_and_the_workers_live(dask_cluster):
+    """The reward stage's sandbox inside real Dask workers: every hostile program scores 0
+    within its limits, no worker dies, and the same workers then judge a right program."""
+    import distributed
+
+    cfg = load_config(CODE, [])
+    workload = make_workload(cfg.workload, cfg.team)
+    problem = workload.problems("train", 1, seed=0)[0]
+
+    def reward(code: str) -> dict[str, float]:
+        return workload.reward(problem, {"coder": code, "tester": ""})
+
+    with distributed.Client(dask_cluster) as client:
+        before = set(client.scheduler_info(n_workers=-1)["workers"])
+        t0 = time.monotonic()
+        results = client.gather(client.map(reward, HOSTILE_CODERS, pure=False))
+        assert time.monotonic() - t0 < 30
+        assert [r["coder"] for r in results] == [0.0] * len(HOSTILE_CODERS)
+        assert set(client.scheduler_info(n_workers=-1)["workers"]) == before
+        assert client.submit(reward, problem.answer, pure=False).result()["coder"] == 1.0
