@@ -9,6 +9,8 @@
     flexmarl server stop                    stop the Prefect server `train` started
     flexmarl simulate CONFIG --cluster C    simulated cluster: Table 2/3 of the co-design (simulated)
     flexmarl simulate --calibrate RUN       fit the cost model from a run's op log and replay it
+    flexmarl humaneval [FILE] --completions JSONL | --canonical | --empty
+                                            grade completions in the sandbox
 """
 
 from __future__ import annotations
@@ -185,6 +187,32 @@ def cmd_store_audit(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+def cmd_humaneval(args: argparse.Namespace) -> int:
+    """Grade a model's completions (or the canonical / empty bodies) on a HumanEval file."""
+    import json
+    from dataclasses import asdict
+
+    from flexmarl_core.humaneval import HumanEvalError, grade_humaneval, humaneval_path
+
+    try:
+        source = args.completions or ("canonical" if args.canonical else "empty")
+        path = humaneval_path(args.file)
+        report = grade_humaneval(path, source, workers=args.workers)
+    except HumanEvalError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for task_id, v in report.verdicts.items():
+        if v.reason != "passed" and args.verbose:
+            print(f"{task_id}: {v.reason}: {v.detail}")
+    print(f"{path}: {report.passed}/{report.total} passed ({report.passed / report.total:.1%}); "
+          f"reasons: {report.reasons()}")
+    if args.json:
+        out = {"file": str(path), "completions": source, "passed": report.passed,
+               "total": report.total, "tasks": {k: asdict(v) for k, v in report.verdicts.items()}}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
 def cmd_server_stop(args: argparse.Namespace) -> int:
     from flexmarl.prefect_api import stop_server
 
@@ -358,6 +386,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="another run to stack on the timeline (e.g. the synchronous baseline)")
     r.add_argument("--out", default=None, help="folder for the PNGs (default: the run folder)")
     r.set_defaults(fn=cmd_report)
+
+    he = sub.add_parser("humaneval", help="grade completions on a HumanEval file in the sandbox")
+    he.add_argument("file", nargs="?", default=None,
+                    help="HumanEval-format JSONL(.gz) or its folder (default: "
+                    "$FLEXMARL_DATA/humaneval/HumanEval.jsonl.gz)")
+    which = he.add_mutually_exclusive_group(required=True)
+    which.add_argument("--completions", metavar="JSONL",
+                       help='{"task_id", "completion"} rows, e.g. from your own model')
+    which.add_argument("--canonical", action="store_true", help="the file's canonical solutions")
+    which.add_argument("--empty", action="store_true", help="empty bodies (the prompt alone)")
+    he.add_argument("--workers", type=int, default=None, help="programs at once (default: cores)")
+    he.add_argument("--json", metavar="OUT", default=None, help="write every task's verdict")
+    he.add_argument("-v", "--verbose", action="store_true", help="a line per failed task")
+    he.set_defaults(fn=cmd_humaneval)
 
     sv = sub.add_parser("server", help="the local Prefect server")
     sv_sub = sv.add_subparsers(dest="server_command", required=True)

@@ -7,7 +7,8 @@
 
 Kinds (`workload.kind`): ``arithmetic`` (synthetic, for tiny CPU models; the default),
 ``dataset`` (JSONL / Parquet + field mapping), ``callable`` (a user function yields
-problems), ``gsm8k``. Any kind takes user reward callables (`workload.reward`,
+problems), ``gsm8k``, ``code`` (a coder -> tester team rewarded by running the code in the
+sandbox). Any kind takes user reward callables (`workload.reward`,
 `workload.agent_rewards`). Contracts are in `api`; reward shape in `api`'s docstring.
 """
 
@@ -38,6 +39,7 @@ from flexmarl_core.workloads.callables import (
     RewardCallable,
     load_callable,
 )
+from flexmarl_core.workloads.code import CodeWorkload
 from flexmarl_core.workloads.dataset import DatasetWorkload, GSM8KWorkload, gsm8k_path, resolve_path
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "ArithmeticWorkload",
     "CallableRef",
     "CallableWorkload",
+    "CodeWorkload",
     "DatasetWorkload",
     "GSM8KWorkload",
     "PoolWorkload",
@@ -115,6 +118,11 @@ def _arithmetic(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> R
     return ArithmeticWorkload(params=cfg.params, **common)
 
 
+def _code(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> RuleWorkload:
+    _unused(cfg, "path", "callable", "fields")
+    return CodeWorkload(params=cfg.params, **common)
+
+
 def _dataset(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> RuleWorkload:
     _unused(cfg, "callable")
     if cfg.path is None:
@@ -170,6 +178,7 @@ _BUILDERS: dict[str, Callable[[WorkloadConfig, dict[str, Any], Any], RuleWorkloa
     "dataset": _dataset,
     "gsm8k": _gsm8k,
     "callable": _callable,
+    "code": _code,
 }
 
 
