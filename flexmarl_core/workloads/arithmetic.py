@@ -57,11 +57,17 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flexmarl_core.workloads.answers import parse_int
 from flexmarl_core.workloads.api import Problem, Split, WorkloadError
-from flexmarl_core.workloads.base import RuleWorkload, check_count, check_split, hash_fraction
+from flexmarl_core.workloads.base import (
+    RuleWorkload,
+    check_count,
+    check_split,
+    hash_fraction,
+    parse_params,
+)
 
 Role = Literal["plan", "answer"]
 
@@ -232,11 +238,7 @@ class ArithmeticWorkload(RuleWorkload):
         self, agents: list[str], output_agent: str, params: Mapping[str, Any], **kwargs: Any
     ):
         super().__init__(agents, output_agent, **kwargs)
-        try:
-            self.params = ArithmeticParams.model_validate(dict(params))
-        except ValidationError as exc:
-            msgs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            raise WorkloadError(f"workload.params for kind=arithmetic: {msgs}") from None
+        self.params = parse_params(ArithmeticParams, params, "arithmetic")
         unknown = sorted(set(self.params.roles) - set(agents))
         if unknown:
             raise WorkloadError(

@@ -72,6 +72,17 @@ def normalize_split(value: Any, *, where: str) -> Split:
     return split
 
 
+def parse_params(model: Any, params: Mapping[str, Any], kind: str) -> Any:
+    """`workload.params` validated by a pydantic `model`; one WorkloadError naming each field."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(dict(params))
+    except ValidationError as exc:
+        msgs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise WorkloadError(f"workload.params for kind={kind}: {msgs}") from None
+
+
 class RuleWorkload(ABC):
     """A workload whose reward is a rule over 0..1 scores.
 

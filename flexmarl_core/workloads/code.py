@@ -33,11 +33,17 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from flexmarl_core.sandbox import FATAL, Limits, Verdict, run_tests, set_concurrency
 from flexmarl_core.workloads.api import Problem, Split, WorkloadError
-from flexmarl_core.workloads.base import RuleWorkload, check_count, check_split, hash_fraction
+from flexmarl_core.workloads.base import (
+    RuleWorkload,
+    check_count,
+    check_split,
+    hash_fraction,
+    parse_params,
+)
 
 #: family -> (docstring, body, takes a list); {a} in 2..max_const, {b} in 1..max_const
 FAMILIES: dict[str, tuple[str, str, bool]] = {
@@ -128,11 +134,7 @@ class CodeWorkload(RuleWorkload):
 
     def __init__(self, agents: list[str], output_agent: str, params: Mapping[str, Any], **kwargs: Any):
         super().__init__(agents, output_agent, **kwargs)
-        try:
-            self.params = CodeParams.model_validate(dict(params))
-        except ValidationError as exc:
-            msgs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            raise WorkloadError(f"workload.params for kind=code: {msgs}") from None
+        self.params = parse_params(CodeParams, params, "code")
         p = self.params
         bad = sorted(set(p.families) - set(FAMILIES))
         if bad or not p.families:
