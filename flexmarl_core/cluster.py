@@ -307,3 +307,54 @@ class DaskExecutor:
 
     def lost(self, exc: BaseException) -> bool:
         return lost_worker(exc)
+
+
+# -- weight pushes -------------------------------------------------------------------------------
+#: per (run, agent), the future of the last weights this worker broadcast: holding it keeps the
+#: copies alive on the receivers until the next version replaces it
+_PUSHED: dict[tuple[str, str], distributed.Future] = {}
+
+
+def push_key(run_uri: str, agent: str, version: int) -> str:
+    import hashlib  # str hashes differ between processes: the key must not
+
+    return f"flexmarl-weights-{hashlib.sha1(run_uri.encode()).hexdigest()[:12]}-{agent}-v{version}"
+
+
+def _holds_engine(run_uri: str, agent: str) -> bool:
+    from flexmarl_core.worker import holds_engine
+
+    return holds_engine(run_uri, agent)
+
+
+def push_weights(run_uri: str, agent: str, version: int, blob: bytes) -> dict[str, float]:
+    """From inside a Dask task (the sync stage): broadcast the published weights to the other
+    workers that hold an engine of `agent`, peer to peer (`scatter(broadcast=True)` puts them
+    in this worker's memory and Dask replicates them along a tree), so N instances need not
+    each read the same object from storage. Each receiver takes them from its memory when its
+    next rollout asks for that version (`pushed_weights`); a worker that misses them reads the
+    file as before. Returns what it measured (nothing outside a Dask worker)."""
+    try:
+        worker = distributed.get_worker()
+    except ValueError:
+        return {}
+    client = distributed.get_client()
+    t0 = time.perf_counter()
+    holders = [a for a, yes in client.run(_holds_engine, run_uri, agent).items()
+               if yes and a != worker.address]
+    if not holders:
+        return {"push_targets": 0.0}
+    key = push_key(run_uri, agent, version)
+    fut = client.scatter({key: blob}, workers=holders, broadcast=True, hash=False)[key]
+    _PUSHED[(run_uri, agent)] = fut  # the previous version's copies are released
+    return {"push_targets": float(len(holders)), "push_s": time.perf_counter() - t0}
+
+
+def pushed_weights(run_uri: str, agent: str, version: int) -> bytes | None:
+    """The weights a sync broadcast to this worker, if it holds them (see `push_weights`)."""
+    try:
+        worker = distributed.get_worker()
+    except ValueError:
+        return None
+    blob = worker.data.get(push_key(run_uri, agent, version))
+    return blob if isinstance(blob, bytes) else None

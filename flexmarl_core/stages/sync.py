@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from flexmarl_core.ops import Op, StageResult
 from flexmarl_core.stages.registry import ConsistencyError, stage
 from flexmarl_core.worker import WorkerContext, publish_weights
@@ -9,14 +11,21 @@ from flexmarl_core.worker import WorkerContext, publish_weights
 
 @stage("sync")
 def sync(ctx: WorkerContext, op: Op) -> StageResult:
+    """Publish the new version at the run's location (what a restarted or new worker reads),
+    hand it to an engine of this process in memory, and, on a Dask cluster, broadcast it to
+    the other workers' engines of the agent (`cluster.push_weights`)."""
     agent, it = op.agent, op.iteration
     tr, _ = ctx.trainer(agent, it + 1)
     if tr.version != it + 1:
         raise ConsistencyError(f"{op.name}: trainer is at version {tr.version}, expected {it + 1}")
     with ctx.lock:
         state = tr.weights()
-        path = publish_weights(ctx.run_dir, agent, tr.version, state)
+        blob = publish_weights(ctx.loc, agent, tr.version, state)
         eng = ctx.engines.get(agent)
         if eng is not None:  # an instance in this process takes the weights from memory
             eng.update_weights(state, tr.version)
-    return StageResult(op, version=tr.version, bytes=path.stat().st_size)
+    if "distributed" in sys.modules:  # imported only in a Dask worker (the core stays Dask-free)
+        from flexmarl_core.cluster import push_weights
+
+        push_weights(ctx.loc.uri, agent, tr.version, blob)
+    return StageResult(op, version=tr.version, bytes=len(blob))
