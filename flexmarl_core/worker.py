@@ -78,7 +78,15 @@ def load_weights(run_dir: str | os.PathLike[str] | RunLocation, agent: str, vers
         raise FileNotFoundError(
             f"agent {agent!r}: weights version {version} not published at "
             f"{loc.display(weights_key(agent, version))}") from None
-    return load_safetensors(blob)
+    return _from_safetensors(blob, loc.display(weights_key(agent, version)))
+
+
+def _from_safetensors(blob: bytes, what: str) -> dict[str, torch.Tensor]:
+    """Tensors from safetensors bytes (plain data: a JSON header and raw bytes, never code)."""
+    try:
+        return load_safetensors(blob)
+    except Exception as e:  # safetensors raises its own error type for every malformed file
+        raise ValueError(f"{what} is not a safetensors weights file ({type(e).__name__}: {e})") from None
 
 
 @dataclass
@@ -158,7 +166,7 @@ class WorkerContext:
             blob = pushed_weights(self.loc.uri, agent, version)
             if blob is not None:
                 self.pushed_loads += 1
-                return load_safetensors(blob)
+                return _from_safetensors(blob, f"weights {agent} v{version} pushed by a sync")
         return load_weights(self.loc, agent, version)
 
     def trainer(self, agent: str, version: int) -> tuple[Any, dict[str, float]]:
