@@ -358,3 +358,44 @@ def pushed_weights(run_uri: str, agent: str, version: int) -> bytes | None:
         return None
     blob = worker.data.get(push_key(run_uri, agent, version))
     return blob if isinstance(blob, bytes) else None
+
+
+# -- code for the workers ------------------------------------------------------------------------
+#: folders never shipped with `cluster.upload` (environments, caches, run outputs, tests)
+SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".cache", ".prefect", "runs", "tests", "node_modules"}
+
+
+def zip_code(folder: Path, out: Path) -> Path:
+    """The .py files under `folder` in a zip, named relative to `folder`: its packages and
+    modules are importable from the zip's root (`examples/custom_team/reward.py` ->
+    `examples.custom_team.reward`)."""
+    import zipfile
+
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for path in sorted(folder.rglob("*.py")):
+            rel = path.relative_to(folder)
+            if not SKIP_DIRS.intersection(rel.parts[:-1]):
+                z.write(path, rel.as_posix())
+    return out
+
+
+def upload_code(client: Client, paths: Sequence[str]) -> list[str]:
+    """Ship `cluster.upload` to every worker through Dask (`Client.upload_file`, registered as a
+    plugin, so a worker that joins or restarts later gets it too): a folder goes as a zip of its
+    .py files, put first on the worker's `sys.path`; a .py or .zip file as it is. Returns what
+    was sent, by name. Call before any task: a worker unpickles a task by importing its code."""
+    import hashlib
+    import tempfile
+
+    sent = []
+    with tempfile.TemporaryDirectory(prefix="flexmarl-upload-") as tmp:
+        for entry in paths:
+            src = Path(entry).expanduser().resolve()
+            if src.is_dir():
+                tag = hashlib.sha1(str(src).encode()).hexdigest()[:8]
+                src = zip_code(src, Path(tmp) / f"flexmarl-code-{src.name or 'root'}-{tag}.zip")
+            elif not (src.is_file() and src.suffix in (".py", ".zip", ".egg")):
+                raise ConfigError(f"cluster.upload: {entry!r} is neither a folder nor a .py/.zip/.egg file")
+            client.upload_file(str(src))  # load: a zip goes on sys.path, its packages imported
+            sent.append(src.name)
+    return sent

@@ -294,6 +294,12 @@ class ClusterConfig(_Strict):
     prefect_api_url: str | None = Field(
         None, description="Prefect API to report to; None uses PREFECT_API_URL or starts one."
     )
+    upload: list[str] = Field(
+        default_factory=list,
+        description="Local folders (their .py files, zipped) or .py/.zip files shipped to every Dask "
+        "worker before the run, joining workers too (Dask's upload_file): code the workers lack, e.g. "
+        "your reward module's folder, or the project root where flexmarl is not installed.",
+    )
     prefect_lean: bool | Literal["auto"] = Field(
         "auto",
         description="Lean Prefect task submission (~5x less bookkeeping per task run, tasks/lean.py): "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from flexmarl_core.ops import Op, StageResult
+from flexmarl_core.ops import Op, StageResult, agent_key
 from flexmarl_core.stages.registry import ConsistencyError, stage
 from flexmarl_core.worker import WorkerContext, publish_weights
 
@@ -24,8 +24,10 @@ def sync(ctx: WorkerContext, op: Op) -> StageResult:
         eng = ctx.engines.get(agent)
         if eng is not None:  # an instance in this process takes the weights from memory
             eng.update_weights(state, tr.version)
+    push: dict[str, float] = {}
     if "distributed" in sys.modules:  # imported only in a Dask worker (the core stays Dask-free)
         from flexmarl_core.cluster import push_weights
 
-        push_weights(ctx.loc.uri, agent, tr.version, blob)
-    return StageResult(op, version=tr.version, bytes=len(blob))
+        push = push_weights(ctx.loc.uri, agent, tr.version, blob)
+    return StageResult(op, version=tr.version, bytes=len(blob),
+                       metrics={agent_key(agent, f"sync/{k}"): v for k, v in push.items()})
