@@ -3,8 +3,10 @@ own command lines (`dask scheduler`, `dask worker --resources ...`), each proces
 empty working directory, HOME, TMPDIR and flexmarl cache, the session's Prefect API, and moto's
 S3 server on loopback holding the run folder and the MEG Store.
 
-The code reaches every process through PYTHONPATH (this checkout), as it would through an
-installed package; nothing else is shared. `flexmarl train` with `cluster.address` and an
+The workers get flexmarl's code from the flow through Dask (`cluster.upload` of this checkout:
+they have no PYTHONPATH to it), the scheduler and the flow process through PYTHONPATH; the
+third-party packages come from the same venv, as they would from an image. Nothing else is
+shared. `flexmarl train` with `cluster.address` and an
 `s3://` run_dir runs two iterations while a fault marker on S3 makes a worker SIGKILL itself
 mid-rollout (its nanny restarts it) and another fails a step for good (the flow run fails);
 `--resume` then continues from a fresh flow process with an empty HOME, i.e. from object
@@ -74,13 +76,13 @@ class Machine:
     """One process's own world: empty cwd, HOME, TMPDIR and flexmarl cache, and an environment
     built from scratch (only PATH and the code's PYTHONPATH carry over from this process)."""
 
-    def __init__(self, root: Path, name: str, s3: str, prefect_api: str) -> None:
+    def __init__(self, root: Path, name: str, s3: str, prefect_api: str, *, code: bool = True) -> None:
         self.cwd, self.home, self.tmp = (root / name / d for d in ("cwd", "home", "tmp"))
         for d in (self.cwd, self.home, self.tmp):
             d.mkdir(parents=True)
         (self.home / "dask.yaml").write_text(DASK_YAML)
         self.env = {
-            "PATH": os.environ["PATH"], "LANG": "C.UTF-8", "PYTHONPATH": str(REPO),
+            "PATH": os.environ["PATH"], "LANG": "C.UTF-8", **({"PYTHONPATH": str(REPO)} if code else {}),
             "HOME": str(self.home), "TMPDIR": str(self.tmp),
             "FLEXMARL_CACHE": str(self.home / ".cache" / "flexmarl"),
             "PREFECT_HOME": str(self.home / ".prefect"), "PREFECT_API_URL": prefect_api,
@@ -118,7 +120,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def cluster(tmp_path_factory, s3_endpoint: str, prefect_api: str) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("machines")
     sched = Machine(root, "scheduler", s3_endpoint, prefect_api)
-    workers = [Machine(root, f"w{i}", s3_endpoint, prefect_api) for i in range(2)]
+    workers = [Machine(root, f"w{i}", s3_endpoint, prefect_api, code=False) for i in range(2)]
     info = sched.home / "scheduler.json"
     procs = [sched.popen(str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
                          "--no-dashboard", "--scheduler-file", str(info), log="scheduler.log")]
@@ -147,6 +149,19 @@ def _worker_pids(address: str) -> set[int]:
         return set(c.run(os.getpid).values())
 
 
+def _code_origin(address: str) -> set[str]:
+    """Where each worker imported flexmarl_core from."""
+    from distributed import Client
+
+    def origin() -> str:
+        import flexmarl_core
+
+        return flexmarl_core.__file__
+
+    with Client(address, timeout=30) as c:
+        return set(c.run(origin).values())
+
+
 def _s3(endpoint: str) -> pafs.S3FileSystem:
     return pafs.S3FileSystem(endpoint_override=endpoint.split("://")[1], scheme="http", access_key="testing",
                              secret_key="testing", region="us-east-1")
@@ -163,7 +178,7 @@ def test_train_on_dask_cli_cluster_with_the_run_on_s3(cluster, s3_endpoint, pref
 
     flow = Machine(tmp_path, "flow", s3_endpoint, prefect_api)
     sets = [f"run_dir={RUN}", f"cluster.address={cluster['address']}", "cluster.prefect_lean=true",
-            "train.evaluate=false"]
+            "train.evaluate=false", f"cluster.upload=[{REPO}]"]
     args = [x for s in sets for x in ("--set", s)]
     first = flow.run(sys.executable, "-m", "flexmarl.cli", "train", TINY, *args, "--no-progress", timeout=600)
     out = first.stdout + first.stderr
@@ -176,6 +191,9 @@ def test_train_on_dask_cli_cluster_with_the_run_on_s3(cluster, s3_endpoint, pref
     assert _worker_pids(cluster["address"]) != before
     ops = [json.loads(x) for x in fs.open_input_stream(f"{BUCKET}/runs/tiny/metrics/ops.jsonl").read().decode().splitlines()]
     assert KILL_OP in {o["op"] for o in ops}
+    # The workers run the shipped code: a zip in their own Dask folder, not this checkout.
+    origins = _code_origin(cluster["address"])
+    assert origins and all(".zip" in o and str(REPO) not in o for o in origins), origins
     assert all(f"sync[{a}] it=0" in {o["op"] for o in ops} for a in AGENTS)
     fs.delete_file(f"{faults}/fail@{FAIL_OP}")
 
@@ -195,6 +213,11 @@ def test_train_on_dask_cli_cluster_with_the_run_on_s3(cluster, s3_endpoint, pref
              fs.open_input_stream(f"{BUCKET}/runs/tiny/metrics/ops.jsonl").read().decode().splitlines()]
     repeated = {n for n in names if names.count(n) > 1}
     assert all(n.startswith("train[") and " it=1 " in n + " " for n in repeated), repeated
+    # Weight pushes: syncs broadcast to the other workers' engines, and rollouts took them.
+    rows = [json.loads(x) for x in
+            fs.open_input_stream(f"{BUCKET}/runs/tiny/metrics/ops.jsonl").read().decode().splitlines()]
+    assert any(v >= 1 for r in rows for k, v in r.items() if k.endswith("/sync/push_targets")), rows
+    assert any(k.endswith("/rollout/pushed_weights") for r in rows for k in r), rows
 
     audit = again.run(sys.executable, "-m", "flexmarl.cli", "store", "audit", RUN, timeout=300)
     assert audit.returncode == 0, audit.stdout + audit.stderr
