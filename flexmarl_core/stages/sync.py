@@ -12,8 +12,9 @@ from flexmarl_core.worker import WorkerContext, publish_weights
 @stage("sync")
 def sync(ctx: WorkerContext, op: Op) -> StageResult:
     """Publish the new version at the run's location (what a restarted or new worker reads),
-    hand it to an engine of this process in memory, and, on a Dask cluster, broadcast it to
-    the other workers' engines of the agent (`cluster.push_weights`)."""
+    hand it to an engine of this process in memory, and, for a run on object storage and a
+    Dask cluster, broadcast it to the other workers' engines of the agent
+    (`cluster.push_weights`) instead of each of them reading the object."""
     agent, it = op.agent, op.iteration
     tr, _ = ctx.trainer(agent, it + 1)
     if tr.version != it + 1:
@@ -25,7 +26,9 @@ def sync(ctx: WorkerContext, op: Op) -> StageResult:
         if eng is not None:  # an instance in this process takes the weights from memory
             eng.update_weights(state, tr.version)
     push: dict[str, float] = {}
-    if "distributed" in sys.modules:  # imported only in a Dask worker (the core stays Dask-free)
+    # Only for a remote location: a file on local disk (page cache) reads in milliseconds, less
+    # than a broadcast costs the sync; the Dask module is loaded only in a Dask worker.
+    if not ctx.loc.local and "distributed" in sys.modules:
         from flexmarl_core.cluster import push_weights
 
         push = push_weights(ctx.loc.uri, agent, tr.version, blob)
