@@ -12,6 +12,7 @@ agent (`cluster.push_weights`), so N instances do not read one object N times.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -34,7 +35,15 @@ __all__ = ["CONFIG_NAME", "WorkerContext", "context", "load_weights", "publish_w
 
 
 def as_location(run_dir: str | os.PathLike[str] | RunLocation) -> RunLocation:
-    return run_dir if isinstance(run_dir, RunLocation) else RunLocation(run_dir)
+    if isinstance(run_dir, RunLocation):
+        return run_dir
+    return _location(os.fspath(run_dir))
+
+
+@functools.lru_cache(maxsize=16)
+def _location(run_dir: str) -> RunLocation:
+    # Every op names its run by string: one filesystem client per run and process, not per op.
+    return RunLocation(run_dir)
 
 
 def weights_path(run_dir: str | Path, agent: str, version: int) -> Path:
