@@ -11,12 +11,24 @@ from storage import MEGStore, Problem, audit_store
 
 
 def completed_iterations(run_dir: Path, iterations: int, trainable: list[str]) -> list[int]:
-    """Iterations whose update every trainable agent published (weights v<k+1>): all their
-    samples were produced, rewarded and trained on."""
+    """Iterations whose update every trainable agent published (weights v<k+1>, or between
+    checkpoints its sync in the op log): all their samples were produced, rewarded and
+    trained on."""
+    import json
+
     from flexmarl_core.worker import weights_path  # torch: only for run folders
 
-    return [k for k in range(iterations)
-            if trainable and all(weights_path(run_dir, a, k + 1).is_file() for a in trainable)]
+    synced: set[str] = set()
+    log = Path(run_dir) / "metrics" / "ops.jsonl"
+    for line in log.read_text().splitlines() if log.is_file() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line
+        if row.get("kind") == "sync":
+            synced.add(row["op"])
+    return [k for k in range(iterations) if trainable and all(
+        weights_path(run_dir, a, k + 1).is_file() or f"sync[{a}] it={k}" in synced for a in trainable)]
 
 
 def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:

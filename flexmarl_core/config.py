@@ -328,6 +328,12 @@ class StoreConfig(_Strict):
 
 class TrainConfig(_Strict):
     iterations: int = Field(4, ge=1, description="Training iterations.")
+    checkpoint_every: int = Field(
+        10, ge=1, description="Optimizer steps between full checkpoints (trainer state and weight "
+        "file; the last step always). A resumed run replays the steps since the last one from the "
+        "samples in the MEG Store. On a cluster of more than one worker these files are also how "
+        "weights and trainer states move between processes, so they are written every step there.",
+    )
     evaluate: bool = Field(True, description="Measure greedy held-out team accuracy after training.")
     evaluate_initial: bool = Field(
         False, description="Also measure it before training (the starting point, e.g. SFT-only)."

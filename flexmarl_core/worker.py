@@ -72,7 +72,8 @@ class WorkerContext:
     _inputs: dict[int, dict[int, list[dict[str, Any]]]] = field(default_factory=dict)
     _store: Any = None
     _workload: Any = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: re-entrant: a rollout holding it may replay its trainer (`trainer`), which takes it too
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
     def store(self) -> Any:
@@ -112,6 +113,32 @@ class WorkerContext:
         model, tok = load_agent_model(self.cfg.agent(agent).model, seed=self.cfg.seed)
         return model.to(self.cfg.cluster.device), tok
 
+    @property
+    def one_process(self) -> bool:
+        """Every op of the run runs in this one process (a local cluster of one worker): no
+        other process needs a weight file or trainer state between checkpoints."""
+        return self.cfg.cluster.address is None and len(self.cfg.cluster.workers) == 1
+
+    def checkpoint_due(self, version: int) -> bool:
+        """Whether the state after `version` steps is written out: every `train.checkpoint_every`
+        steps and the last one; every step when other processes read it (weights for their
+        rollouts, trainer states for on-demand allocation and lost workers)."""
+        every = self.cfg.train.checkpoint_every
+        return not self.one_process or version % every == 0 or version >= self.cfg.train.iterations
+
+    def weights(self, agent: str, version: int) -> dict[str, torch.Tensor]:
+        """Weights `version` of `agent`: the published file, or (between checkpoints) this
+        process's trainer at that version, replayed from the last checkpoint if need be."""
+        if weights_path(self.run_dir, agent, version).exists() or version == 0:
+            return load_weights(self.run_dir, agent, version)
+        tr, _ = self.trainer(agent, version)
+        if tr.version != version:
+            raise RuntimeError(
+                f"agent {agent!r}: weights version {version} not published at "
+                f"{weights_path(self.run_dir, agent, version)} and the trainer is at {tr.version}"
+            )
+        return tr.weights()
+
     def engine(self, agent: str, version: int) -> Any:
         """This process's inference engine for `agent`, holding weights `version`."""
         eng = self.engines.get(agent)
@@ -120,10 +147,10 @@ class WorkerContext:
 
             model, tok = self._fresh_model(agent)
             eng = make_inference_engine(self.cfg.agent(agent), model, tok)
-            eng.update_weights(load_weights(self.run_dir, agent, version), version)
+            eng.update_weights(self.weights(agent, version), version)
             self.engines[agent] = eng
         elif eng.version != version:
-            eng.update_weights(load_weights(self.run_dir, agent, version), version)
+            eng.update_weights(self.weights(agent, version), version)
         return eng
 
     def trainer(self, agent: str, version: int) -> tuple[Any, dict[str, float]]:
@@ -132,6 +159,8 @@ class WorkerContext:
 
         A trainer this process holds at an older version was moved to another worker since
         (on-demand allocation): its state is swapped in from the checkpoint of `version`.
+        Between scheduled checkpoints (`checkpoint_due`) there is none: the state is that of
+        the last checkpoint with the steps since replayed from the store's samples.
         """
         tr = self.trainers.get(agent)
         if tr is not None and tr.version >= version:
@@ -148,29 +177,50 @@ class WorkerContext:
             self.trainers[agent] = tr
             return tr, {}
         path = trainer_state_path(self.run_dir, agent, version)
-        if not path.exists():
+        if path.exists():
+            tr.load_state(get(StateHandle("file", str(path), 0)))
+            self.trainers[agent] = tr
+            self.accumulated[agent] = set()  # gradients of the stale copy are not this state's
+            return tr, {"swap_in_s": time.perf_counter() - t0, "swap_in_bytes": float(path.stat().st_size)}
+        if self.checkpoint_due(version):
             raise RuntimeError(
                 f"agent {agent!r}: trainer state version {version} is neither in this worker's "
                 f"memory nor checkpointed at {path}"
             )
-        tr.load_state(get(StateHandle("file", str(path), 0)))
+        # Between checkpoints, in the run's one process: replay from the newest state at hand
+        # (this process's trainer, or the last checkpoint after a restart).
+        base = max((v for v in checkpointed_versions(self.run_dir, agent) if v < version), default=0)
+        swap: dict[str, float] = {}
+        if base > tr.version:
+            path = trainer_state_path(self.run_dir, agent, base)
+            tr.load_state(get(StateHandle("file", str(path), 0)))
+            swap = {"swap_in_bytes": float(path.stat().st_size)}
+            self.accumulated[agent] = set()
         self.trainers[agent] = tr
-        self.accumulated[agent] = set()  # gradients of the stale copy are not this state's
-        return tr, {"swap_in_s": time.perf_counter() - t0, "swap_in_bytes": float(path.stat().st_size)}
+        from flexmarl_core.stages.train import replay
+
+        with self.lock:
+            replay(self, agent, tr, version)
+        return tr, {**swap, "swap_in_s": time.perf_counter() - t0}
 
     def checkpoint_trainer(self, agent: str) -> dict[str, float]:
         """Swap the trainer state out to the shared tier after a step (atomic file), keeping
-        the previous version (a resumed run may need it) and deleting older ones."""
+        the previous checkpoint (a resumed run may need it) and deleting older ones."""
         from flexmarl_core.training.handles import put
 
         tr = self.trainers[agent]
         t0 = time.perf_counter()
         path = trainer_state_path(self.run_dir, agent, tr.version)
         h = put(tr.state(), str(path))
-        for old in path.parent.glob("v*.pt"):
-            if int(old.stem[1:]) < tr.version - 1:
-                old.unlink(missing_ok=True)
+        for old in checkpointed_versions(self.run_dir, agent)[:-2]:
+            trainer_state_path(self.run_dir, agent, old).unlink(missing_ok=True)
         return {"swap_out_s": time.perf_counter() - t0, "swap_out_bytes": float(h.nbytes)}
+
+
+def checkpointed_versions(run_dir: str | Path, agent: str) -> list[int]:
+    """Versions of `agent`'s trainer state on disk, oldest first."""
+    folder = trainer_state_path(run_dir, agent, 0).parent
+    return sorted(int(p.stem[1:]) for p in folder.glob("v*.pt") if p.stem[1:].isdigit())
 
 
 _CONTEXTS: dict[str, WorkerContext] = {}

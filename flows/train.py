@@ -77,10 +77,10 @@ def train(
     lean = bool(api) and (cfg.cluster.prefect_lean is True or (
         cfg.cluster.prefect_lean == "auto" and cfg.cluster.address is None))
     env = lean_tasks.worker_env(api) if lean else {}
-    with (
-        cluster.cluster_for(cfg.cluster, env=env) as client,
-        PrefectDaskExecutor(client.scheduler.address, run_dir, lean=lean) as ex,
-    ):
+    with cluster.cluster_for(cfg.cluster, env=env) as client:
+        if lean:  # code in workers that does talk to Prefect (a custom reward) reports cheaply
+            lean_tasks.refresh_worker_settings(client)
+        ex = PrefectDaskExecutor(client, run_dir, flow_run.get_id(), flow_run.run_count, log=log)
         log.info("Dask dashboard: %s", client.dashboard_link)
         # Dask's INFO lines go to <run>/logs, not the terminal (Prefect's stay in its API).
         cluster.log_to_files(client, Path(run_dir) / "logs", workers=cfg.cluster.address is None)

@@ -23,13 +23,10 @@ prefect-dask 0.3.7 internals, which pyproject.toml pins.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import prefect.context as _pctx
-import prefect_dask.client as _pdc
 from distributed import Client, WorkerPlugin
 
 
@@ -80,26 +77,3 @@ class FreshPrefectSettings(WorkerPlugin):
 
 def refresh_worker_settings(client: Client) -> None:
     client.register_plugin(FreshPrefectSettings())
-
-
-@contextmanager
-def lean_submission() -> Iterator[None]:
-    """While active, task submissions from this process carry no settings context."""
-    original = _pdc.serialize_context
-    settings_serialize = _pctx.SettingsContext.serialize
-
-    def serialize_without_settings(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        # Skip dumping the settings model (the dominant flow-side cost) for this call only.
-        _pctx.SettingsContext.serialize = lambda self, include_secrets=True: {}  # type: ignore[method-assign]
-        try:
-            ctx = original(*args, **kwargs)
-        finally:
-            _pctx.SettingsContext.serialize = settings_serialize  # type: ignore[method-assign]
-        ctx["settings_context"] = {}
-        return ctx
-
-    _pdc.serialize_context = serialize_without_settings
-    try:
-        yield
-    finally:
-        _pdc.serialize_context = original
