@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,8 +32,20 @@ CONFIG = str(REPO / "configs" / "overhead.yaml")
 
 
 def reference_run(overrides: list[str]) -> dict:
-    """The plan's ops in dependency order, each `run_stage` called here: no orchestrator, no
-    cluster, no store commit beyond what the stages do themselves."""
+    """The reference in a fresh process with the worker's thread settings (a process that has
+    imported Prefect and run a cluster is not a plain training loop): see `_reference`."""
+    from flexmarl_core.config import load_config
+
+    threads = str(load_config(CONFIG, overrides).cluster.torch_threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "FLEXMARL_TORCH_THREADS": threads}
+    args = [sys.executable, __file__, "--reference-only", json.dumps(overrides), "--json", "-"]
+    out = subprocess.run(args, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _reference(overrides: list[str]) -> dict:
+    """The plan's ops in dependency order, each `run_stage` called in this process: no
+    orchestrator, no cluster, no store commit beyond what the stages do themselves."""
     from flexmarl_core import run
     from flexmarl_core.config import load_config
     from flexmarl_core.meg import MEG
@@ -40,7 +53,6 @@ def reference_run(overrides: list[str]) -> dict:
     from flexmarl_core.stages import run_stage
 
     cfg = load_config(CONFIG, overrides)
-    os.environ["FLEXMARL_TORCH_THREADS"] = str(cfg.cluster.torch_threads)  # as the worker has it
     run_dir = run.prepare_run(cfg, log=lambda _: None)
     plan = Plan.build(cfg, MEG.from_config(cfg.team))
     done: set = set()
@@ -88,7 +100,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="60 steps instead of 500")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
+    ap.add_argument("--reference-only", default=None, help=argparse.SUPPRESS)  # JSON overrides
     args = ap.parse_args()
+    if args.reference_only is not None:
+        print(json.dumps(_reference(json.loads(args.reference_only))))
+        return 0
     steps = args.steps or (60 if args.quick else 500)
     out_dir = REPO / "runs" / "bench-overhead"
 
@@ -105,6 +121,7 @@ def main() -> int:
 
     common = [f"train.iterations={steps}", *args.set]
     flex = [f"run_dir={out_dir}/flexmarl", *common]
+    ref = reference_run([f"run_dir={out_dir}/reference", *common])
     srv0 = server_cpu_s()
     with temporary_settings(updates={PREFECT_API_URL: api}):
         state = train(CONFIG, flex, progress=False, return_state=True)
@@ -113,7 +130,6 @@ def main() -> int:
         print(f"flexmarl run failed: {state.message}", file=sys.stderr)
         return 1
     s = state.result()["summary"]
-    ref = reference_run([f"run_dir={out_dir}/reference", *common])
 
     cfg = load_config(CONFIG, flex)
     plan = Plan.build(cfg, MEG.from_config(cfg.team))

@@ -296,8 +296,8 @@ class ClusterConfig(_Strict):
     )
     prefect_lean: bool | Literal["auto"] = Field(
         "auto",
-        description="Lean Prefect task submission (~5x less bookkeeping per task run, tasks/lean.py): "
-        "workers read Prefect settings from their own environment. auto: on for a cluster "
+        description="Workers read cheap Prefect settings from their own environment (tasks/lean.py), "
+        "for code in them that talks to Prefect (stage ops do not). auto: on for a cluster "
         "flexmarl starts, off for `address`; true: the remote workers' env has PREFECT_API_URL.",
     )
 
