@@ -5,8 +5,8 @@
   scheduler address.
 - `worker_resources` / `set_worker_resources` read and re-tag workers at run time; that is how
   the load balancer moves an inference instance from one agent to another.
-- `DaskExecutor` runs the orchestrator's ops as plain Dask tasks (no Prefect); the Prefect
-  executor in `tasks/` reuses the same cluster helpers.
+- `DaskExecutor` runs the orchestrator's ops as plain Dask tasks; the Prefect executor in
+  `tasks/` is this one plus the task runs it reports to Prefect.
 """
 
 from __future__ import annotations
@@ -271,18 +271,23 @@ def set_worker_resources(client: Client, worker: str, resources: dict[str, float
 
 
 class DaskExecutor:
-    """Runs ops as plain Dask tasks (no Prefect): `stages.run_stage(run_dir, op)` on the worker
-    the route names. The reference the Prefect executor's bookkeeping is measured against."""
+    """Runs ops as plain Dask tasks: `stages.run_stage_retrying(run_dir, op, ...)` on the worker
+    the route names, each op tried up to `1 + retries[op.kind]` times there. The real run's
+    executor (`tasks/executor.py`) adds the Prefect task runs on top."""
 
-    def __init__(self, client: Client, run_dir: str) -> None:
+    def __init__(self, client: Client, run_dir: str, *, retries: dict[str, int] | None = None,
+                 retry_delay_s: float = 1.0) -> None:
         self.client = client
         self.run_dir = str(run_dir)
+        self.retries = dict(retries or {})
+        self.retry_delay_s = retry_delay_s
+        self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
 
     def submit(self, op: Op, route: Route, deps: Sequence[Op] = ()) -> distributed.Future:
-        from flexmarl_core.stages import run_stage
+        from flexmarl_core.stages import run_stage_retrying
 
         return self.client.submit(
-            run_stage, self.run_dir, op,
+            run_stage_retrying, self.run_dir, op, self.retries.get(op.kind, 0), self.retry_delay_s,
             key=f"{op.name}-{os.urandom(4).hex()}",
             resources=route.resources or None,
             workers=[route.worker] if route.worker else None,
@@ -300,13 +305,25 @@ class DaskExecutor:
         return time.time()
 
     def worker_resources(self) -> dict[str, dict[str, float]]:
-        return worker_resources(self.client)
+        # Tags change only when we re-tag (which invalidates) or a worker joins/leaves: a
+        # short-lived cache saves a scheduler round trip per submission wave.
+        now = time.monotonic()
+        if self._tags is None or now - self._tags[0] > 1.0:
+            tags = worker_resources(self.client)
+            if not tags:  # a transient empty view (worker restarting) must not be cached
+                return tags
+            self._tags = (now, tags)
+        return self._tags[1]
 
     def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None:
         set_worker_resources(self.client, worker, resources)
+        self._tags = None
 
     def lost(self, exc: BaseException) -> bool:
-        return lost_worker(exc)
+        if lost_worker(exc):
+            self._tags = None  # the worker set changed: route the resubmission on fresh tags
+            return True
+        return False
 
 
 # -- weight pushes -------------------------------------------------------------------------------

@@ -302,8 +302,8 @@ class ClusterConfig(_Strict):
     )
     prefect_lean: bool | Literal["auto"] = Field(
         "auto",
-        description="Lean Prefect task submission (~5x less bookkeeping per task run, tasks/lean.py): "
-        "workers read Prefect settings from their own environment. auto: on for a cluster "
+        description="Workers read cheap Prefect settings from their own environment (tasks/lean.py), "
+        "for code in them that talks to Prefect (stage ops do not). auto: on for a cluster "
         "flexmarl starts, off for `address`; true: the remote workers' env has PREFECT_API_URL.",
     )
 
@@ -334,6 +334,12 @@ class StoreConfig(_Strict):
 
 class TrainConfig(_Strict):
     iterations: int = Field(4, ge=1, description="Training iterations.")
+    checkpoint_every: int = Field(
+        10, ge=1, description="Optimizer steps between full checkpoints (trainer state and weight "
+        "file; the last step always). A resumed run replays the steps since the last one from the "
+        "samples in the MEG Store. On a cluster of more than one worker these files are also how "
+        "weights and trainer states move between processes, so they are written every step there.",
+    )
     evaluate: bool = Field(True, description="Measure greedy held-out team accuracy after training.")
     evaluate_initial: bool = Field(
         False, description="Also measure it before training (the starting point, e.g. SFT-only)."

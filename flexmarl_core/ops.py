@@ -73,6 +73,8 @@ class StageResult:
     t_start: float = 0.0
     t_end: float = 0.0
     cpu_s: float = 0.0
+    #: attempts that failed before this one: `[t_start, t_end, "Error: message"]` each
+    retries: list[list[Any]] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:

@@ -12,6 +12,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 from flexmarl_core.ops import OP_KINDS, Op, OpKind, StageResult
 from flexmarl_core.stages.faults import fault_point
@@ -52,6 +53,26 @@ def stage_seed(*parts: object) -> int:
 def weights_version(ctx: WorkerContext, agent: str, iteration: int) -> int:
     """One optimizer step per iteration: iteration k rolls out with version k (frozen: 0)."""
     return iteration if ctx.cfg.agent(agent).trainable else 0
+
+
+def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 1.0) -> StageResult:
+    """`run_stage`, tried up to `1 + retries` times in this worker. The result lists the failed
+    attempts (`StageResult.retries`); when every attempt fails, the last error is raised with
+    all attempts as its `flexmarl_attempts`, so the flow can report each one."""
+    failed: list[list[Any]] = []
+    while True:
+        t0 = time.time()
+        try:
+            res = run_stage(run_dir, op)
+        except Exception as exc:
+            failed.append([t0, time.time(), f"{type(exc).__name__}: {exc}"])
+            if len(failed) > retries:
+                exc.flexmarl_attempts = failed  # type: ignore[attr-defined]
+                raise
+            time.sleep(delay_s)
+            continue
+        res.retries = failed
+        return res
 
 
 def run_stage(run_dir: str, op: Op) -> StageResult:
