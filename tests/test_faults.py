@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from flexmarl_core.config import load_config
 from flexmarl_core.meg import MEG
 from flexmarl_core.stages import faults_dir
-from flexmarl_core.worker import weights_path
+from flexmarl_core.location import RunLocation
+from flexmarl_core.worker import trainer_state_path, weights_path
 from storage import MEGStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -314,7 +315,7 @@ def test_kill_9_between_checkpoints_then_resume_replays(prefect_api, dask_cluste
     stepped = [a for a in agents if f"step[{a}] it=2" in done_before]
     assert stepped, "killed too early: no agent had stepped iteration 2"
     for a in stepped:  # its state v3 lived only in the killed worker
-        assert (run_dir / "trainers" / a / "v2.pt").exists() and not (run_dir / "trainers" / a / "v3.pt").exists()
+        assert trainer_state_path(run_dir, a, 2).exists() and not trainer_state_path(run_dir, a, 3).exists()
         assert not weights_path(run_dir, a, 3).exists()
     resumed = _cli("train", "--resume", str(run_dir), "--no-progress", env=env)
     out, _ = resumed.communicate(timeout=900)
@@ -328,7 +329,7 @@ def test_kill_9_between_checkpoints_then_resume_replays(prefect_api, dask_cluste
         # order give the same sums up to reassociation, far inside 1e-4.
         for k in wa:
             torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6, msg=f"{a}.{k}")
-        assert sorted(p.name for p in (run_dir / "trainers" / a).glob("v*.pt")) == ["v4.pt", "v5.pt"]
+        assert RunLocation(run_dir).versions(f"trainers/{a}") == [4, 5]
     names = [json.loads(x)["op"] for x in log.read_text().splitlines() if x.strip()]
     repeated = {n for n in names if names.count(n) > 1}
     assert all(n.startswith("train[") and " it=3 " in n + " " for n in repeated), repeated
