@@ -20,7 +20,7 @@ from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from flexmarl_core import cluster
-from flexmarl_core.ops import Op, Route, StageResult
+from flexmarl_core.ops import MemoryRestart, Op, Route, StageResult
 from tasks.lean import lean_submission, refresh_worker_settings
 from tasks.stages import BY_KIND
 
@@ -93,6 +93,9 @@ class PrefectDaskExecutor:
     def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None:
         cluster.set_worker_resources(self.client, worker, resources)
         self._tags = None
+
+    def memory_restarts(self, since: float) -> list[MemoryRestart]:
+        return cluster.memory_restarts(self.client, since)
 
     def lost(self, exc: BaseException) -> bool:
         if cluster.lost_worker(exc):

@@ -20,7 +20,10 @@ def faults_dir(run_dir: str | os.PathLike[str]) -> str:
     - `fail@<op>`: the stage raises `InjectedFault` N times, N the file's integer content
       (empty: 1), one per attempt; N above the task's retries fails the op, hence the flow run.
 
-    Each marker is consumed (removed, or decremented) before it fires, so the rerun goes through."""
+    - `hog@<op>`: the stage allocates memory until the worker is restarted for it, on every
+      attempt (an op that can never fit, like an oversized micro-batch); not consumed.
+
+    Other markers are consumed (removed, or decremented) before it fires, so the rerun goes through."""
     return os.fspath(run_dir).rstrip("/") + ".faults"
 
 
@@ -32,6 +35,8 @@ def fault_point(run_dir: str, op_name: str) -> None:
     if os.path.exists(kill):
         os.remove(kill)
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.path.exists(os.path.join(folder, f"hog@{op_name}")):
+        _hog()
     once = os.path.join(folder, f"raise@{op_name}")
     if os.path.exists(once):
         os.remove(once)
@@ -50,3 +55,13 @@ def fault_point(run_dir: str, op_name: str) -> None:
             os.replace(tmp, counted)
         if left >= 1:
             raise InjectedFault(f"injected fault (fail@, {left} left) in {op_name}")
+
+
+def _hog() -> None:
+    """Touch 64 MiB blocks until the Nanny's memory monitor restarts this process."""
+    import time
+
+    blocks = []
+    while True:
+        blocks.append(bytearray(b"x" * (64 << 20)))
+        time.sleep(0.02)

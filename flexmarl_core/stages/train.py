@@ -65,21 +65,38 @@ def train(ctx: WorkerContext, op: Op) -> StageResult:
         Sample(prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], logprobs=r["logprobs"], advantage=a)
         for r, a in mine
     ]
+    trained, skipped = skip_zero_advantage(batch) if alg.skip_zero_advantage else (batch, [])
     scale = loss_scale(ctx, agent)
     with ctx.lock:
-        stats = tr.accumulate(batch, loss_scale=scale)
+        stats = tr.accumulate(trained, loss_scale=scale)
         done.add((it, mb))
     ctx.store.write_status(agent, it, [
         {"sample_id": r["sample_id"], "policy_version": r["policy_version"], "mb": mb,
          "advantage": a, "consumed_step": it}
         for r, a in mine
     ])
-    tokens = int(token_weight(batch))
+    tokens = int(token_weight(trained))
     # The trainer's figures are token sums times `scale`: report per-token means of this
     # micro-batch (an iteration's figure is their token-weighted mean, metrics.py).
     per_token = 1.0 / (scale * max(tokens, 1))
-    return StageResult(op, samples=len(batch), tokens=tokens, swap=swap,
-                       metrics={agent_key(agent, f"train/{k}"): float(v) * per_token for k, v in stats.items()})
+    metrics = {agent_key(agent, f"train/{k}"): float(v) * per_token for k, v in stats.items()}
+    if alg.skip_zero_advantage:
+        metrics[agent_key(agent, "train/skipped_samples")] = float(len(skipped))
+        metrics[agent_key(agent, "train/skipped_tokens")] = float(sum(
+            len(s.prompt_ids) + len(s.response_ids) for s in skipped))
+    return StageResult(op, samples=len(trained), tokens=tokens, swap=swap, metrics=metrics)
+
+
+def skip_zero_advantage(batch: list[Sample]) -> tuple[list[Sample], list[Sample]]:
+    """(samples to train, samples skipped): a sample whose advantage is exactly 0 (a GRPO group
+    with all-equal rewards) adds exactly 0 to the gradient when kl_coef is 0 (the config
+    enforces it), so its forward and backward are skipped. One sample is always kept, so every
+    micro-batch still counts as accumulated (its gradient is then exactly 0)."""
+    trained = [s for s in batch if s.advantage != 0.0]
+    if not trained:
+        trained = batch[:1]
+    kept = {id(s) for s in trained}
+    return trained, [s for s in batch if id(s) not in kept]
 
 
 @stage("step")
