@@ -90,3 +90,33 @@ def test_make_trainer_takes_the_budget_from_the_config_and_checks_the_backend():
     team["agents"][0]["algorithm"] = {"skip_zero_advantage": True, "kl_coef": 0.1}
     with pytest.raises(ConfigError, match="skip_zero_advantage needs kl_coef=0"):
         config_from_dict({"team": team})
+
+
+def test_skipping_zero_advantage_samples_leaves_the_gradient_unchanged():
+    from flexmarl_core.stages.train import skip_zero_advantage
+
+    samples = random_samples(8, seed=5)
+    for s in samples[::2]:
+        s.advantage = 0.0  # a group with all-equal rewards
+    trained, skipped = skip_zero_advantage(samples)
+    assert len(trained) == 4 and len(skipped) == 4 and all(s.advantage == 0.0 for s in skipped)
+    base = tiny_model(0)
+    full, lean = trainer(copy.deepcopy(base)), trainer(copy.deepcopy(base))
+    scale = global_loss_scale([samples], full.loss_weight)  # the same constant for both
+    full.accumulate(samples, scale)
+    lean.accumulate(trained, scale)
+    # A zero-advantage token's loss is -0 * ratio: its gradient is exactly 0, so only the
+    # batch layout (padding width) differs; float32 regrouping bound as above.
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    eps = torch.finfo(torch.float32).eps
+    for name, g in _grads(full).items():
+        atol = tokens * eps * float(g.abs().max())
+        torch.testing.assert_close(_grads(lean)[name], g, rtol=0, atol=atol, msg=name)
+    # All zero: one sample is kept so the micro-batch still counts, and its gradient is 0.
+    for s in samples:
+        s.advantage = 0.0
+    trained, skipped = skip_zero_advantage(samples)
+    assert len(trained) == 1 and len(skipped) == 7
+    zero = trainer(copy.deepcopy(base))
+    zero.accumulate(trained, scale)
+    assert all(float(g.abs().max()) == 0.0 for g in _grads(zero).values())
