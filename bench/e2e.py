@@ -122,6 +122,14 @@ def peak_rss_gib(run_dir: Path) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
+def idle_per_worker(run_dir: Path) -> dict[str, float]:
+    """Each worker's idle share of the run's iteration windows (1 - busy / E2E)."""
+    its = [json.loads(line) for line in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
+    span = sum(m["e2e_s"] for m in its)
+    workers = sorted({k.split("/", 1)[1] for m in its for k in m if k.startswith("busy_s/")})
+    return {w: 1.0 - sum(m.get(f"busy_s/{w}", 0.0) for m in its) / span for w in workers}
+
+
 def idle_work(run_dir: Path) -> dict[str, dict[str, float]]:
     """Per agent, work that never reaches a gradient: decode slots of rows that had finished
     (of all decode slots) and tokens of skipped zero-advantage samples (of all train tokens)."""
@@ -297,6 +305,7 @@ def main() -> int:
     res["rollout_share"] = statistics.median(m["rollout_share"] for m in mixes)
     res["ideal_s_codesign"] = statistics.median(m["ideal_s_per_it"] for m in mixes)
     res["speedup_bound"] = res["e2e_s_sync"] / res["ideal_s_codesign"]
+    res["idle_frac_per_worker"] = {m: idle_per_worker(out_dir / f"{m}-0") for m in ("codesign", "sync")}
     res["lengths"] = lengths(out_dir / "codesign-0")
     res["peak_rss_gib"] = {m: peak_rss_gib(out_dir / f"{m}-0") for m in ("codesign", "sync")}
     work_cd, work_sync = idle_work(out_dir / "codesign-0"), idle_work(out_dir / "sync-0")
@@ -327,6 +336,8 @@ def main() -> int:
         print(f"{a:10s} response tokens p50 {st['p50']:.0f} p90 {st['p90']:.0f} max {st['max']:.0f}; "
               f"decode slots wasted on finished rows {100 * w.get('wasted_decode_frac', 0):.0f}%, "
               f"zero-advantage samples skipped {w.get('skipped_samples', 0):.0f}")
+    print("idle share per worker: " + "; ".join(
+        f"{m} " + ", ".join(f"{k} {v:.2f}" for k, v in d.items()) for m, d in res["idle_frac_per_worker"].items()))
     print("peak RSS per worker (GiB): " + "; ".join(
         f"{m} " + ", ".join(f"{k} {v:.2f}" for k, v in d.items()) for m, d in res["peak_rss_gib"].items()))
     print(f"same work in both modes: {res['same_work']}")
