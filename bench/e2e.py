@@ -200,6 +200,8 @@ def main() -> int:
     ap.add_argument("--reference", action="store_true",
                     help="also the sync schedule on a shared worker pool (no static instances)")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
+    ap.add_argument("--no-prefect-cost", action="store_true",
+                    help="skip the plain-Dask runs that price Prefect's bookkeeping (no prefect_* keys)")
     args = ap.parse_args()
     if args.workload and args.config:
         ap.error("give --workload or --config, not both")
@@ -243,10 +245,10 @@ def main() -> int:
 
         # The same co-design work on plain Dask (no Prefect): the difference in total CPU is
         # Prefect's own bookkeeping; what both share (Dask's background ticks) is not.
-        plain = [plain_dask_run(args.config, [f"run_dir={out_dir}/plain-dask-{rep}",
-                                              f"train.iterations={iterations}",
-                                              *work, *modes(False)["codesign"], *args.set])
-                 for rep in range(repeats)]
+        plain = [] if args.no_prefect_cost else [
+            plain_dask_run(args.config, [f"run_dir={out_dir}/plain-dask-{rep}", f"train.iterations={iterations}",
+                                         *work, *modes(False)["codesign"], *args.set])
+            for rep in range(repeats)]
 
     def med(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[mode])
@@ -266,13 +268,14 @@ def main() -> int:
     # Prefect runs minus that of the same work on plain Dask. Differences of *total* CPU are
     # useless here: stage CPU alone moves +-7% between identical runs on this box.
     bk_prefect = statistics.median(r["bookkeeping_cpu_s"] for r in runs["codesign"])
-    bk_plain = statistics.median(p["total_cpu_s"] - p["stage_cpu_s"] for p in plain)
+    bk_plain = statistics.median(p["total_cpu_s"] - p["stage_cpu_s"] for p in plain) if plain else bk_prefect
     total_prefect = statistics.median(r["stage_cpu_s"] + r["bookkeeping_cpu_s"] for r in runs["codesign"])
     prefect_cpu = max(bk_prefect - bk_plain, 0.0)
-    res["prefect_overhead_frac"] = prefect_cpu / total_prefect
-    res["prefect_overhead_cpu_s_per_task"] = prefect_cpu / runs["codesign"][0]["ops"]
+    if plain:
+        res["prefect_overhead_frac"] = prefect_cpu / total_prefect
+        res["prefect_overhead_cpu_s_per_task"] = prefect_cpu / runs["codesign"][0]["ops"]
     srv = [r["server_cpu_s"] for r in runs["codesign"] if r.get("server_cpu_s") is not None]
-    if srv:
+    if srv and plain:
         # The API server's share too: Prefect's whole bookkeeping, not only its client side.
         server = statistics.median(srv)
         res["prefect_server_cpu_s_per_task"] = server / runs["codesign"][0]["ops"]
@@ -343,10 +346,12 @@ def main() -> int:
     print(f"same work in both modes: {res['same_work']}")
     print(f"co-design: {res['balance_moves_per_run_codesign']:.0f} instance moves, "
           f"{res['train_swaps_per_run_codesign']:.0f} trainer swaps per run")
-    print(f"speedup (sync / codesign E2E): {res['speedup']:.2f}x; Prefect bookkeeping "
-          f"{100 * res['prefect_overhead_frac']:.1f}% of CPU "
-          f"({res['prefect_overhead_cpu_s_per_task']:.3f} CPU-s per task run; with Dask's own "
-          f"background {100 * res['bookkeeping_frac_incl_dask']:.1f}%)")
+    print(f"speedup (sync / codesign E2E): {res['speedup']:.2f}x, {res['speedup'] / res['speedup_bound']:.2f} "
+          f"of the bound; util co-design {res['util_codesign']:.2f}, sync {res['util_sync']:.2f}")
+    if plain:
+        print(f"Prefect bookkeeping {100 * res['prefect_overhead_frac']:.1f}% of CPU "
+              f"({res['prefect_overhead_cpu_s_per_task']:.3f} CPU-s per task run; with Dask's own "
+              f"background {100 * res['bookkeeping_frac_incl_dask']:.1f}%)")
     if "prefect_overhead_frac_incl_server" in res:
         print(f"with the Prefect API server's CPU: {100 * res['prefect_overhead_frac_incl_server']:.1f}% "
               f"(server {res['prefect_server_cpu_s_per_task']:.3f} CPU-s per task run)")
