@@ -26,7 +26,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
 
 from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
-from flexmarl_core.ops import Op, Route, StageResult
+from flexmarl_core.ops import MEMORY_ENV, MemoryRestart, Op, Route, StageResult
 
 # A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
 # task run (Dask's default; seen with distributed 2026.8). The orchestrator
@@ -45,6 +45,31 @@ LOST_WORKER_ERRORS: tuple[type[BaseException], ...] = (
 
 def lost_worker(exc: BaseException) -> bool:
     return isinstance(exc, LOST_WORKER_ERRORS)
+
+
+#: The topic under which a Nanny logs a worker it restarted for crossing its memory limit
+#: (distributed's NannyMemoryManager: at `distributed.worker.memory.terminate`, 95%).
+MEMORY_RESTART_TOPIC = "worker-restart-memory"
+#: Name and memory limit of every worker address seen (a restarted worker comes back at a new
+#: address, so the dead one's name must be remembered to report it).
+_SEEN: dict[str, tuple[str, int]] = {}
+
+
+def _note_workers(info: dict[str, Any]) -> None:
+    for addr, w in info.items():
+        _SEEN[addr] = (str(w.get("name", addr)), int(w.get("memory_limit") or 0))
+
+
+def memory_restarts(client: Client, since: float = 0.0) -> list[MemoryRestart]:
+    """Workers the Nanny restarted for memory at or after `since` (scheduler clock, seconds)."""
+    _note_workers(client.scheduler_info(n_workers=-1)["workers"])
+    out = []
+    for t, msg in client.get_events(MEMORY_RESTART_TOPIC):
+        if t >= since and isinstance(msg, dict):
+            addr = str(msg.get("worker", ""))
+            name, limit = _SEEN.get(addr, (addr, 0))
+            out.append(MemoryRestart(worker=name, rss=int(msg.get("rss", 0)), limit=limit, t=float(t)))
+    return out
 
 
 #: seconds to wait for a TCP connection to `cluster.address` (Dask's own default is 30 s, then
@@ -150,7 +175,9 @@ def start_cluster(
                 "resources": dict(w.resources),
                 "memory_limit": w.memory_limit,
                 "name": w.name,
-                "env": {**env, "FLEXMARL_WORKER_NAME": w.name},
+                "env": {**env, "FLEXMARL_WORKER_NAME": w.name,
+                        # the trainer sizes its chunks from it (training/memory.py)
+                        MEMORY_ENV: str(dask.utils.parse_bytes(w.memory_limit))},
             },
         }
         for w in cfg.workers
@@ -194,6 +221,7 @@ def warm_up(client: Client) -> None:
 def worker_resources(client: Client) -> dict[str, dict[str, float]]:
     """Current resource tags of every worker, by address."""
     info = client.scheduler_info(n_workers=-1)["workers"]
+    _note_workers(info)
     return {addr: dict(w.get("resources", {})) for addr, w in info.items()}
 
 
@@ -324,6 +352,9 @@ class DaskExecutor:
             self._tags = None  # the worker set changed: route the resubmission on fresh tags
             return True
         return False
+
+    def memory_restarts(self, since: float) -> list[MemoryRestart]:
+        return memory_restarts(self.client, since)
 
 
 # -- weight pushes -------------------------------------------------------------------------------

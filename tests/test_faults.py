@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file
 
 from flexmarl_core.config import load_config
+from flexmarl_core.location import RunLocation
 from flexmarl_core.meg import MEG
 from flexmarl_core.stages import faults_dir
-from flexmarl_core.location import RunLocation
 from flexmarl_core.worker import trainer_state_path, weights_path
 from storage import MEGStore
 

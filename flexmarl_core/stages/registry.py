@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import socket
 import time
 from collections.abc import Callable
@@ -83,4 +84,6 @@ def run_stage(run_dir: str, op: Op) -> StageResult:
     res = fn(context(run_dir), op)
     res.worker, res.t_start, res.t_end = worker_name(), t0, time.time()
     res.cpu_s = time.process_time() - c0
+    # Linux reports ru_maxrss in KiB: the process's peak, what Dask's memory monitor watches.
+    res.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return res

@@ -48,6 +48,12 @@ def rollout(ctx: WorkerContext, op: Op) -> StageResult:
     ]
     ctx.store.write_samples(agent, it, rows)
     tokens = sum(len(g.response_ids) for g in gens)
-    return StageResult(op, samples=len(rows), tokens=tokens, version=version,
-                       metrics={agent_key(agent, "response_tokens"): tokens / max(len(rows), 1),
-                                **({agent_key(agent, "rollout/pushed_weights"): 1.0} if pushed else {})})
+    # One batch decodes until its longest row ends: rows that finished early still take a
+    # decode step each (the long tail's cost), counted here against the tokens kept.
+    steps = max((len(g.response_ids) for g in gens), default=0)
+    return StageResult(op, samples=len(rows), tokens=tokens, version=version, metrics={
+        agent_key(agent, "response_tokens"): tokens / max(len(rows), 1),
+        agent_key(agent, "rollout/decode_slots"): float(steps * len(gens)),
+        agent_key(agent, "rollout/wasted_decode_slots"): float(steps * len(gens) - tokens),
+        **({agent_key(agent, "rollout/pushed_weights"): 1.0} if pushed else {}),
+    })

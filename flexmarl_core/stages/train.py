@@ -44,16 +44,29 @@ def train(ctx: WorkerContext, op: Op) -> StageResult:
     rows, batch = _micro_batch(ctx, tr, op)
     scale = loss_scale(ctx, agent)
     with ctx.lock:
-        stats = tr.accumulate(batch, loss_scale=scale)
+        stats, trained, skipped = _accumulate(ctx, tr, agent, batch)
         done.add((it, mb))
     _mark_consumed(ctx, agent, it, mb, rows)
-    tokens = int(token_weight(batch))
+    tokens = int(token_weight(trained))
     # The trainer's figures are token sums times `scale`: report per-token means of this
     # micro-batch (an iteration's figure is their token-weighted mean, metrics.py).
     per_token = 1.0 / (scale * max(tokens, 1))
-    return StageResult(op, samples=len(batch), tokens=tokens, swap=swap,
-                       metrics={agent_key(agent, f"train/{k}"): float(v) * per_token for k, v in stats.items()})
+    metrics = {agent_key(agent, f"train/{k}"): float(v) * per_token for k, v in stats.items()}
+    if ctx.cfg.agent(agent).algorithm.skip_zero_advantage:
+        metrics[agent_key(agent, "train/skipped_samples")] = float(len(skipped))
+        metrics[agent_key(agent, "train/skipped_tokens")] = float(sum(
+            len(s.prompt_ids) + len(s.response_ids) for s in skipped))
+    return StageResult(op, samples=len(trained), tokens=tokens, swap=swap, metrics=metrics)
 
+
+def _accumulate(ctx: WorkerContext, tr: Any, agent: str,
+                batch: list[Sample]) -> tuple[dict[str, float], list[Sample], list[Sample]]:
+    """Forward + backward of `batch` into `tr` (zero-advantage samples skipped where the agent
+    asks for it), the same way in a train op and in a step's or a replay's recomputation, so a
+    replay reproduces the run's gradients exactly. Call with `ctx.lock` held."""
+    skip = ctx.cfg.agent(agent).algorithm.skip_zero_advantage
+    trained, skipped = skip_zero_advantage(batch) if skip else (batch, [])
+    return tr.accumulate(trained, loss_scale=loss_scale(ctx, agent)), trained, skipped
 
 def _micro_batch(ctx: WorkerContext, tr: Any, op: Op) -> tuple[list[tuple[dict[str, Any], float]], list[Sample]]:
     """The (row, advantage) pairs and training samples of `op`'s micro-batch, from the store."""
@@ -97,6 +110,18 @@ def _mark_consumed(ctx: WorkerContext, agent: str, it: int, mb: int,
     ])
 
 
+def skip_zero_advantage(batch: list[Sample]) -> tuple[list[Sample], list[Sample]]:
+    """(samples to train, samples skipped): a sample whose advantage is exactly 0 (a GRPO group
+    with all-equal rewards) adds exactly 0 to the gradient when kl_coef is 0 (the config
+    enforces it), so its forward and backward are skipped. One sample is always kept, so every
+    micro-batch still counts as accumulated (its gradient is then exactly 0)."""
+    trained = [s for s in batch if s.advantage != 0.0]
+    if not trained:
+        trained = batch[:1]
+    kept = {id(s) for s in trained}
+    return trained, [s for s in batch if id(s) not in kept]
+
+
 @stage("step")
 def step(ctx: WorkerContext, op: Op) -> StageResult:
     """The agent's optimizer step once its global batch is in; checkpoints the new state when
@@ -129,7 +154,7 @@ def _step(ctx: WorkerContext, agent: str, tr: Any, it: int, *, replaying: bool =
     missing = [j for j in range(ctx.cfg.batch.num_micro_batches) if (it, j) not in done]
     for j in missing:
         rows, batch = _micro_batch(ctx, tr, Op(it, "train", agent, mb=j))
-        tr.accumulate(batch, loss_scale=loss_scale(ctx, agent))
+        _accumulate(ctx, tr, agent, batch)
         if not replaying:
             _mark_consumed(ctx, agent, it, j, rows)
     res = tr.step()

@@ -40,6 +40,9 @@ def make_trainer(
         ref_model = copy.deepcopy(model)
     cls: Any = TorchTrainer
     extra: dict[str, Any] = {}
+    if backend == "torch":
+        extra = {"chunk_tokens": agent.backend.train_chunk_tokens,
+                 "activation_checkpointing": agent.backend.activation_checkpointing}
     if backend == "deepspeed" and agent.backend.training_dp > 1:
         from flexmarl_core.training.dp_trainer import DataParallelDeepSpeedTrainer
 

@@ -6,7 +6,8 @@
     rewards = wl.reward(batch[0], {"planner": "7*2", "solver": "14", "verifier": "14"})
 
 Kinds (`workload.kind`): ``arithmetic`` (synthetic, for tiny CPU models; the default),
-``dataset`` (JSONL / Parquet + field mapping), ``callable`` (a user function yields
+``longtail`` (running sums whose
+written working grows with the problem, a long-tail length distribution), ``dataset`` (JSONL / Parquet + field mapping), ``callable`` (a user function yields
 problems), ``gsm8k``, ``code`` (a coder -> tester team rewarded by running the code in the
 sandbox). Any kind takes user reward callables (`workload.reward`,
 `workload.agent_rewards`). Contracts are in `api`; reward shape in `api`'s docstring.
@@ -41,6 +42,7 @@ from flexmarl_core.workloads.callables import (
 )
 from flexmarl_core.workloads.code import CodeWorkload
 from flexmarl_core.workloads.dataset import DatasetWorkload, GSM8KWorkload, gsm8k_path, resolve_path
+from flexmarl_core.workloads.longtail import LongTailWorkload
 
 __all__ = [
     "SPLITS",
@@ -51,6 +53,7 @@ __all__ = [
     "CodeWorkload",
     "DatasetWorkload",
     "GSM8KWorkload",
+    "LongTailWorkload",
     "PoolWorkload",
     "Problem",
     "RewardCallable",
@@ -118,6 +121,11 @@ def _arithmetic(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> R
     return ArithmeticWorkload(params=cfg.params, **common)
 
 
+def _longtail(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> RuleWorkload:
+    _unused(cfg, "path", "callable", "fields")
+    return LongTailWorkload(params=cfg.params, **common)
+
+
 def _code(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> RuleWorkload:
     _unused(cfg, "path", "callable", "fields")
     return CodeWorkload(params=cfg.params, **common)
@@ -179,6 +187,7 @@ _BUILDERS: dict[str, Callable[[WorkloadConfig, dict[str, Any], Any], RuleWorkloa
     "gsm8k": _gsm8k,
     "callable": _callable,
     "code": _code,
+    "longtail": _longtail,
 }
 
 
