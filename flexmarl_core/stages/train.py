@@ -62,7 +62,8 @@ def train(ctx: WorkerContext, op: Op) -> StageResult:
     ).tolist()
     mine = [(r, a) for r, a in zip(rows, adv, strict=True) if r["mb"] == mb]
     batch = [
-        Sample(prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], logprobs=r["logprobs"], advantage=a)
+        Sample(prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], logprobs=r["logprobs"],
+               advantage=a, loss_mask=r.get("loss_mask"))
         for r, a in mine
     ]
     scale = loss_scale(ctx, agent)
