@@ -40,11 +40,12 @@ def test_calculator_workload_rounds_and_demonstrations():
     demos = demonstrations(meg, wl, held[:20], random.Random(0), 0.0)
     for i, p in enumerate(held[:20]):
         steps = p.meta["steps"]
-        # Round 0 then round 1 per problem (MEG order); the last solver step is the answer.
-        assert [t for _, t in demos["planner"][2 * i : 2 * i + 2]] == [s[0] for s in steps]
-        last = demos["solver"][2 * i + 1][1]
+        # The planner names round 0's operation; the solver's last round holds the answer.
+        assert demos["planner"][i][1] == steps[0][0]
+        first, last = (t for _, t in demos["solver"][2 * i : 2 * i + 2])
+        assert first == f"[{steps[0][0]}]={steps[0][1]};{steps[0][2]}"
         assert last == f"[{steps[1][0]}]={steps[1][1]};{p.answer}"
-        outs = {"planner": steps[1][0], "solver": last}
+        outs = {"planner": steps[0][0], "solver": last}
         assert wl.reward(p, outs) == {"planner": 1.0, "solver": 1.0} and wl.is_correct(p, outs)
         assert not wl.is_correct(p, {**outs, "solver": last + "1"})
     # A demonstration is split where the calculator writes: its output is never "sampled".

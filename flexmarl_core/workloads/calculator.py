@@ -5,17 +5,18 @@ A problem is a flat expression of `n_operands` two-digit numbers (``47*23+19``),
 a tiny model to multiply in its head. Each MEG round does one reduction (``*`` before
 ``+``/``-``, then left to right); `team.rounds` is therefore `n_operands - 1`:
 
-* **planner** writes the next operation: ``47*23`` (round 0), ``1081+19`` (round 1);
-* **solver** calls the calculator on it and rewrites the expression with the result::
+* **planner** (round 0) writes the operation that precedence says comes first: ``47*23``;
+* **solver** calls the calculator on the round's operation and rewrites the expression with
+  the result::
 
       [47*23]=1081;1081+19        round 0   (``=1081`` is the calculator's, inserted)
       [1081+19]=1100;1100         round 1   (the team answer: after the last ``;``)
 
 The solver's ``]`` ends a call (`inference/tools.py` generates to it, runs `Calculator`,
-inserts ``=<value>`` as unsampled, masked tokens, and lets the solver go on). Both agents read
-the solver's previous round through a recurrent edge, so round r works on round r-1's
-expression. Rewards (see `api`): the team score is 1 when the final expression is the answer;
-under ``credit: per_agent`` the planner is paid for naming the last round's correct operation.
+inserts ``=<value>`` as unsampled, masked tokens, and lets the solver go on). The solver reads
+its previous round through a recurrent edge, so round r works on round r-1's expression.
+Rewards (see `api`): the team score is 1 when the final expression is the answer; under
+``credit: per_agent`` the planner is paid for naming the operation that comes first.
 Format: the solver's text has the call-result-expression shape, the planner's is one operation.
 
 Splits: by a hash of the expression text (`heldout_fraction` held out), so held-out accuracy
@@ -75,7 +76,7 @@ class CalculatorParams(BaseModel):
     max_result: int = Field(9999, ge=1, description="Every intermediate value and the answer lie in 0..max_result.")
     heldout_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Share of expressions held out.")
     max_calls: int = Field(2, ge=1, le=8, description="Calculator calls per solver response.")
-    planner: str | None = Field("planner", description="The agent naming each round's operation (or null).")
+    planner: str | None = Field("planner", description="The agent naming the first operation (or null).")
     solver: str = Field("solver", description="The agent that calls the calculator (the team output).")
 
 
@@ -186,9 +187,7 @@ class CalculatorWorkload(RuleWorkload):
     def agent_score(self, problem: Problem, agent: str, outputs: Mapping[str, str]) -> float | None:
         if agent != self.params.planner:
             return None
-        # Only final-turn outputs reach the reward: the planner's last operation is the one the
-        # last round needs (it is right only when the rounds before it were).
-        return 1.0 if outputs.get(agent, "").strip() == problem.meta["steps"][-1][0] else 0.0
+        return 1.0 if outputs.get(agent, "").strip() == problem.meta["steps"][0][0] else 0.0
 
     def format_score(self, problem: Problem, agent: str, outputs: Mapping[str, str]) -> float:
         text = outputs.get(agent, "").strip()
@@ -211,7 +210,7 @@ class CalculatorWorkload(RuleWorkload):
         r = self._round(problem, agent, parent_outputs)
         op, v, rest = steps[r]
         if agent == self.params.planner:
-            return op
+            return steps[0][0]
         if agent == self.params.solver:
             return f"[{op}]={v};{rest}"
         raise WorkloadError(f"unknown agent {agent!r}; agents: {self.agents}")
