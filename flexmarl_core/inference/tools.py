@@ -69,6 +69,9 @@ def generate_with_tool(
     from flexmarl_core.inference.hf import _first_stop as first_stop
     from flexmarl_core.inference.hf import encode_prompts
 
+    if not (hasattr(engine, "tokenizer") and hasattr(engine, "eos_ids")):
+        raise TypeError(f"{type(engine).__name__} cannot run a tool loop: it needs an engine that "
+                        "continues from token ids and exposes `tokenizer` and `eos_ids` (the hf engine)")
     if tool.close in sampling.stop:
         raise ValueError(f"the tool's close marker {tool.close!r} is also a stop string {sampling.stop}")
     tok = engine.tokenizer
