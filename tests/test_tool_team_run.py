@@ -86,11 +86,11 @@ def test_tool_team_runs_the_calculator_in_the_workers_and_codesign_equals_sync(
                     assert tok.decode(ids[start:end]) == calc(before[before.rfind("[") + 1 : -1])
                     assert r["logprobs"][start:end] == [0.0] * (end - start)
                     inserted += end - start
-            for r in a:
-                input_id, traj, _, turn = r["sample_id"].split(":")
-                if int(turn) == cfg.team.rounds - 1:
-                    finals.setdefault((input_id, int(traj)), {})[agent] = r["response_text"]
-                    rewards.setdefault((input_id, int(traj)), {})[agent] = r["reward"]
+            # Each agent's last turn is what the reward scores (the planner runs in round 0 only).
+            for r in sorted(a, key=lambda r: int(r["sample_id"].rsplit(":", 1)[1])):
+                input_id, traj, _, _ = r["sample_id"].split(":")
+                finals.setdefault((input_id, int(traj)), {})[agent] = r["response_text"]
+                rewards.setdefault((input_id, int(traj)), {})[agent] = r["reward"]
         # The workers' rewards are what the workload gives here for the final round's outputs.
         for (input_id, traj), outs in finals.items():
             inp = inputs[input_id]
