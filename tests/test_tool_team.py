@@ -55,6 +55,25 @@ def test_calculator_workload_rounds_and_demonstrations():
         split_demonstration("[47*23]=1080;1080+19", calc)
 
 
+def test_turn_credit_pays_the_solver_round_for_its_own_reduction():
+    cfg, wl, _ = _team()
+    assert wl.params.turn_credit and cfg.workload.format_weight == 0.1
+    p = next(p for p in wl.problems("train", 50, seed=0) if "*" in p.text)
+    (op, v, rest), (op2, v2, _) = p.meta["steps"]
+    right, last = f"[{op}]={v};{rest}", f"[{op2}]={v2};{p.answer}"
+    # The seen error: the call is right, the rewrite after it is not (one digit changed).
+    wrong = f"[{op}]={v};{rest[:-1]}{(int(rest[-1]) + 1) % 10}"
+    final = wl.reward(p, {"planner": op, "solver": last})["solver"]
+    # Round 0: 0.9 * (exact reduction) + 0.1 * (format); the last round keeps the team reward.
+    assert wl.turn_rewards(p, "solver", [right, last], final) == [1.0, final]
+    assert wl.turn_rewards(p, "solver", [wrong, last], 0.1) == [pytest.approx(0.1), 0.1]
+    assert wl.turn_rewards(p, "solver", ["no call", last], final) == [0.0, final]
+    assert wl.turn_rewards(p, "planner", [op], 0.3) == [0.3]
+    # Off: every turn gets the last turn's reward (the default for every workload).
+    off = make_workload(load_config(TOOL, ["workload.params.turn_credit=false"]).workload, cfg.team)
+    assert off.turn_rewards(p, "solver", [right, last], 0.1) == [0.1, 0.1]
+
+
 def test_bad_tool_team_configs_name_the_field():
     cfg = load_config(TOOL, [])
     with pytest.raises(WorkloadError, match="team.rounds=1.*team.rounds=2"):

@@ -59,7 +59,7 @@ def test_tool_team_runs_the_calculator_in_the_workers_and_codesign_equals_sync(
     for it in range(ITERATIONS):
         inputs = {r["input_id"]: r for r in stores["sync"].read_inputs(it).to_pylist()}
         finals: dict[tuple[str, int], dict[str, str]] = {}
-        rewards: dict[tuple[str, int], dict[str, float]] = {}
+        turns: dict[tuple[str, int, str], list[tuple[str, float]]] = {}
         for agent in meg.agent_names:
             a, b = (stores[m].read_samples(agent, it).select(cols).sort_by("sample_id").to_pylist()
                     for m in ("sync", "codesign"))
@@ -90,13 +90,21 @@ def test_tool_team_runs_the_calculator_in_the_workers_and_codesign_equals_sync(
             for r in sorted(a, key=lambda r: int(r["sample_id"].rsplit(":", 1)[1])):
                 input_id, traj, _, _ = r["sample_id"].split(":")
                 finals.setdefault((input_id, int(traj)), {})[agent] = r["response_text"]
-                rewards.setdefault((input_id, int(traj)), {})[agent] = r["reward"]
-        # The workers' rewards are what the workload gives here for the final round's outputs.
+                turns.setdefault((input_id, int(traj), agent), []).append(
+                    (r["response_text"], r["reward"]))
+        # The workers' rewards are what the workload gives here: the final round's outputs for
+        # the last turn, and under turn_credit the solver's round 0 for its own reduction.
         for (input_id, traj), outs in finals.items():
             inp = inputs[input_id]
             meta = inp["meta"] if isinstance(inp["meta"], dict) else json.loads(inp["meta"])
             problem = Problem(input_id, inp["text"], inp["answer"], meta)
-            assert workload.reward(problem, outs) == pytest.approx(rewards[(input_id, traj)])
+            final = workload.reward(problem, outs)
+            for agent in meg.agent_names:
+                texts, got = zip(*turns[(input_id, traj, agent)], strict=True)
+                want = workload.turn_rewards(problem, agent, list(texts), final[agent])
+                assert list(got) == pytest.approx(want)
+                assert got[-1] == pytest.approx(final[agent])
+    assert workload.params.turn_credit  # the config under test pays round 0 for its own turn
     assert inserted > 0
     for agent in meg.trainable_agents:
         wa, wb = (load_file(str(weights_path(Path(c.resolved_run_dir()), agent, ITERATIONS)))

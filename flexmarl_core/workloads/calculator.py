@@ -17,7 +17,9 @@ inserts ``=<value>`` as unsampled, masked tokens, and lets the solver go on). Th
 its previous round through a recurrent edge, so round r works on round r-1's expression.
 Rewards (see `api`): the team score is 1 when the final expression is the answer; under
 ``credit: per_agent`` the planner is paid for naming the operation that comes first.
-Format: the solver's text has the call-result-expression shape, the planner's is one operation.
+Under ``params.turn_credit`` each solver round but the last is paid for its own reduction
+(`turn_rewards`). Format: the solver's text has the call-result-expression shape, the
+planner's is one operation.
 
 Splits: by a hash of the expression text (`heldout_fraction` held out), so held-out accuracy
 measures expressions never trained on; problem k of a split comes from its own seeded RNG.
@@ -78,6 +80,9 @@ class CalculatorParams(BaseModel):
     max_calls: int = Field(2, ge=1, le=8, description="Calculator calls per solver response.")
     planner: str | None = Field("planner", description="The agent naming the first operation (or null).")
     solver: str = Field("solver", description="The agent that calls the calculator (the team output).")
+    turn_credit: bool = Field(False, description=(
+        "Pay each solver round but the last for its own reduction (the call and the rewritten "
+        "expression are exactly checkable) instead of the team's final answer."))
 
 
 def apply(op: str, a: int, b: int) -> int:
@@ -193,6 +198,23 @@ class CalculatorWorkload(RuleWorkload):
         text = outputs.get(agent, "").strip()
         pattern = _SOLVER if agent == self.params.solver else _OP
         return 1.0 if pattern.fullmatch(text) else 0.0
+
+    def turn_rewards(self, problem: Problem, agent: str, turns: list[str], final: float) -> list[float]:
+        """Under `turn_credit`, solver round r < last scores 1 when it wrote exactly round r's
+        reduction of the true chain (``[op]=v;rest``; the ``=v`` is the calculator's, so this
+        pays the call and the rewrite); the last round keeps `final` (the team answer).
+        Round r is judged against the true chain: after a wrong round r-1 no later round can
+        be right, as with the team score."""
+        if not (self.params.turn_credit and agent == self.params.solver):
+            return super().turn_rewards(problem, agent, turns, final)
+        steps, w = problem.meta["steps"], self.format_weight
+        out = []
+        for r, text in enumerate(turns[:-1]):
+            op, v, rest = steps[min(r, len(steps) - 1)]
+            right = text.strip() == f"[{op}]={v};{rest}"
+            fmt = 1.0 if _SOLVER.fullmatch(text.strip()) else 0.0
+            out.append((1.0 - w) * float(right) + w * fmt)
+        return [*out, final]
 
     # -- demonstrations -----------------------------------------------------------------------
 
