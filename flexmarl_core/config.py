@@ -237,7 +237,7 @@ class TeamConfig(_Strict):
 
 
 class WorkloadConfig(_Strict):
-    kind: Literal["arithmetic", "gsm8k", "dataset", "callable", "code", "longtail"] = Field(
+    kind: Literal["arithmetic", "gsm8k", "dataset", "callable", "code", "longtail", "calculator"] = Field(
         "arithmetic", description="Problem source."
     )
     path: str | None = Field(None, description="JSONL/Parquet file for kind=dataset or gsm8k.")

@@ -95,7 +95,8 @@ def _micro_batch(ctx: WorkerContext, tr: Any, op: Op) -> tuple[list[tuple[dict[s
     ).tolist()
     mine = [(r, a) for r, a in zip(rows, adv, strict=True) if r["mb"] == mb]
     batch = [
-        Sample(prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], logprobs=r["logprobs"], advantage=a)
+        Sample(prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], logprobs=r["logprobs"],
+               advantage=a, loss_mask=r.get("loss_mask"))
         for r, a in mine
     ]
     return mine, batch
