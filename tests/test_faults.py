@@ -126,9 +126,12 @@ def test_worker_killed_mid_stage_run_completes_exactly_once(baseline, dask_clust
     assert_same_weights(baseline, cfg)
     ops = [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines()]
     if victim.startswith("train"):
-        # mb=0's gradients died with the worker: the step accumulated them again from the store.
+        # mb=0's gradients died with the worker. Either the step accumulated them again from the
+        # store, or Dask reran mb=0 itself (its result was held on the dead worker, and ops are
+        # plain Dask tasks now); the same weights above show they reached the update once.
         step = next(o for o in ops if o["op"] == "step[solver] it=1")
-        assert step["agent/solver/recomputed_mbs"] >= 1 or step.get("skipped"), step
+        assert step["agent/solver/recomputed_mbs"] in (0.0, 1.0) or step.get("skipped"), step
+        assert sum(o["op"] == "step[solver] it=1" for o in ops) == 1, "the step ran twice"
 
 
 def test_stage_raising_once_is_retried_by_prefect(baseline, dask_cluster, tmp_path):
