@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
-import socket
 import statistics
 import sys
 import time
@@ -24,12 +21,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 BUCKET = "bench-runs"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stage_s(run_dir: str) -> dict[str, float]:
@@ -50,22 +41,13 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=2)
     args = ap.parse_args()
 
-    from moto.server import ThreadedMotoServer
+    from _s3 import start_s3  # bench/ is this script's sys.path[0]
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    # Set before the cluster starts: its worker processes inherit them.
-    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="testing",
-                      AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    import pyarrow.fs as pafs
+    server = start_s3(BUCKET)
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flexmarl.prefect_api import ensure_api
 
-    pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1",
-                      allow_bucket_creation=True).create_dir(BUCKET)
     api, _ = ensure_api()
     from flows.train import train
 

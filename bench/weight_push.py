@@ -16,18 +16,11 @@ import argparse
 import json
 import logging
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
 
 BUCKET = "bench-push"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _read_s3(key: str) -> int:
@@ -62,21 +55,13 @@ def main() -> None:
     sizes_mb = [4, 40] if args.quick else [4, 40, 160]
     reps = 2 if args.quick else args.reps
 
-    from moto.server import ThreadedMotoServer
+    from _s3 import start_s3  # bench/ is this script's sys.path[0]
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="testing",
-                      AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    import pyarrow.fs as pafs
+    server = start_s3(BUCKET)
     from distributed import Client, LocalCluster
 
     from flexmarl_core.location import RunLocation
 
-    pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", allow_bucket_creation=True,
-                      region="us-east-1").create_dir(BUCKET)
     loc = RunLocation(f"s3://{BUCKET}")
     rows = []
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None,
