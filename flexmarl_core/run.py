@@ -93,8 +93,12 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
         (run_dir / WARM_START_NAME).write_text(json.dumps(
             {k: info[k] for k in ("out_dir", "accuracy", "steps", "reused", "target")}, indent=1))
 
+    _publish_bases(cfg, run_dir, init_from)
     for agent in meg.agent_names:
         if weights_path(run_dir, agent, 0).exists():
+            continue
+        if cfg.agent(agent).model.lora is not None:
+            publish_weights(run_dir, agent, 0, _initial_adapter(cfg, run_dir, agent))
             continue
         init = _initial_weights(init_from, agent)
         if init is None:
@@ -137,6 +141,39 @@ def _initial_weights(init_from: str | None, agent: str) -> dict[str, Any] | None
     if not path.exists():
         raise FileNotFoundError(f"train.init_from: no checkpoint for agent {agent!r} at {path}")
     return load_file(str(path))
+
+
+def _publish_bases(cfg: ExperimentConfig, run_dir: Path, init_from: str | None) -> None:
+    """One base file per distinct LoRA base: from `init_from/<agent>` (a warm start saves the
+    base it trained under each agent on it) of the base's first agent, else the preset/folder."""
+    from flexmarl_core.models import load_agent_model
+    from flexmarl_core.models.lora import base_key
+    from flexmarl_core.worker import base_weights_path, save_state_atomic
+
+    for a in cfg.team.agents:
+        if a.model.lora is None:
+            continue
+        path = base_weights_path(run_dir, base_key(a.model, cfg.seed))
+        if path.exists():
+            continue
+        init = _initial_weights(init_from, a.name)
+        if init is None:
+            init = load_agent_model(a.model, seed=cfg.seed)[0].state_dict()
+        save_state_atomic(path, init)
+
+
+def _initial_adapter(cfg: ExperimentConfig, run_dir: Path, agent: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    from flexmarl_core.models import load_agent_model
+    from flexmarl_core.models.lora import base_key, initial_adapter_state
+    from flexmarl_core.worker import base_weights_path
+
+    mcfg = cfg.agent(agent).model
+    assert mcfg.lora is not None
+    model, _ = load_agent_model(mcfg, seed=cfg.seed)
+    model.load_state_dict(load_file(str(base_weights_path(run_dir, base_key(mcfg, cfg.seed)))))
+    return initial_adapter_state(model, mcfg.lora, seed=cfg.seed, agent=agent)
 
 
 class ResumeError(RuntimeError):
