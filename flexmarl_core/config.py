@@ -193,7 +193,9 @@ class AgentConfig(_Strict):
         if self.model.lora is None:
             return self
         what = None
-        if self.backend.training != "torch":
+        if self.backend.inference != "hf":
+            what = f"backend.inference={self.backend.inference!r} yet (LoRA serves on the hf engine)"
+        elif self.backend.training != "torch":
             what = f"backend.training={self.backend.training!r} (LoRA trains with the torch trainer)"
         elif self.algorithm.kl_coef > 0:
             what = f"algorithm.kl_coef={self.algorithm.kl_coef} (no KL reference for adapters yet)"
