@@ -153,3 +153,27 @@ def test_lora_config_errors_name_the_agent():
     with pytest.raises(ConfigError, match="does not exist"):
         config_from_dict({"team": {"agents": [{"name": "s", "template": "{input}",
                                                "model": {"base": "/nonexistent/base", "lora": {}}}]}})
+
+
+def test_a_worker_holds_one_engine_and_one_training_base_per_base(tmp_path):
+    """In one worker process, LoRA agents on one base share the rollout engine and the fp32
+    training copy; the run folder holds the base once and adapter-only weights."""
+    from flexmarl_core.config import load_config
+    from flexmarl_core.run import prepare_run
+    from flexmarl_core.worker import context
+
+    lora = "{base: tiny-1m, lora: {rank: 4}}"
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"),
+                      [f"run_dir={tmp_path / 'run'}", "train.iterations=1",
+                       *[f"team.agents.{a}.model={lora}" for a in ("planner", "solver", "verifier")]])
+    run_dir = prepare_run(cfg, log=lambda _: None)
+    assert len(list((run_dir / "bases").iterdir())) == 1
+    ctx = context(run_dir)
+    engines = [ctx.engine(a, 0) for a in ("planner", "solver", "verifier")]
+    assert len(ctx.shared_engines) == 1 and len({id(e.shared) for e in engines}) == 1
+    trainers = [ctx.trainer(a, 0)[0] for a in ("planner", "solver", "verifier")]
+    assert len(ctx.shared_train_bases) == 1 and len({id(t.shared) for t in trainers}) == 1
+    # The fresh adapters are no-ops (lora_B = 0): every agent scores like the base.
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=4)
+    outs = [e.generate(["Q:1+1\nP:"], greedy, seed=0)[0].response_ids for e in engines]
+    assert outs[0] == outs[1] == outs[2]
