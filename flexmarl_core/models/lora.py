@@ -18,10 +18,8 @@ they are) runs in a forked RNG, never touching the caller's.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -144,12 +142,3 @@ def initial_adapter_state(base: torch.nn.Module, spec: LoraSpec, *, seed: int, a
     shared = SharedBase(copy.deepcopy(base))
     shared.add(agent, spec, seed=seed)
     return shared.adapter_state(agent)
-
-
-def adapter_bytes(state: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def base_meta(path: Path) -> dict[str, Any]:
-    """The `bases/<key>.json` next to a published base: which agents run on it."""
-    return json.loads(path.with_suffix(".json").read_text())
