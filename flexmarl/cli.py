@@ -38,14 +38,21 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - avoids importing pydant
 def _resume_config(args: argparse.Namespace) -> None:
     """`train --resume RUN`: the run's own saved config is the config."""
     from flexmarl_core.config import ConfigError
-    from flexmarl_core.worker import CONFIG_NAME
+    from flexmarl_core.location import CONFIG_NAME, RunLocation, is_uri
 
     if args.config is not None:
         raise ConfigError("give either CONFIG or --resume RUN, not both (a resumed run keeps its config)")
-    saved = Path(args.resume) / CONFIG_NAME
-    if not saved.exists():
+    loc = RunLocation(args.resume)
+    if not loc.is_file(CONFIG_NAME):
         raise ConfigError(f"--resume {args.resume}: no {CONFIG_NAME} there (not a flexmarl run folder)")
-    args.config = str(saved)
+    if not is_uri(args.resume):
+        args.config = str(Path(loc.root) / CONFIG_NAME)
+        return
+    # A run on object storage: its saved config, copied to this machine (the flow reads a file).
+    local = loc.scratch_dir() / CONFIG_NAME
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.write_bytes(loc.read_bytes(CONFIG_NAME))
+    args.config = str(local)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -136,9 +143,9 @@ def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentCon
 
     try:
         if resume:
-            check_resumable(cfg, cfg.resolved_run_dir().resolve())
+            check_resumable(cfg, cfg.run_location())
         else:
-            check_run_folder(cfg.resolved_run_dir().resolve(), cfg.train.init_from)
+            check_run_folder(cfg.run_location(), cfg.train.init_from)
     except (ResumeError, RunFolderError) as exc:
         raise ConfigError(str(exc)) from None
 
@@ -170,8 +177,13 @@ def cmd_store_audit(args: argparse.Namespace) -> int:
     path = args.path
     try:
         # A local folder that is not itself a store is taken for a run folder (its config
-        # says where the store is and which samples each iteration must hold).
-        if "://" not in path and Path(path).is_dir() and not (Path(path) / MARKER).exists():
+        # says where the store is and which samples each iteration must hold); so is a URI
+        # that holds a run's config.
+        from flexmarl_core.location import CONFIG_NAME, RunLocation
+
+        loc = RunLocation(path)
+        run_like = Path(path).is_dir() if loc.local else loc.is_file(CONFIG_NAME)
+        if run_like and not loc.exists(MARKER):
             from flexmarl_core.audit import audit_run
 
             uri, problems = audit_run(path)

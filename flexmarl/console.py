@@ -79,6 +79,9 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         f"E2E {s['e2e_s_per_iteration']:.2f} s/iteration, {s['tokens_per_s']:.0f} tokens/s, "
         f"utilisation {s['utilization']:.2f}, Prefect+Dask bookkeeping {100 * s['prefect_overhead_frac']:.1f}% of CPU")
     pics = s.get("pictures", {})
-    lines.append(f"metrics, logs and pictures ({', '.join(Path(p).name for p in pics.values())}) in {s['run_dir']}")
-    lines.append(f"live scalars: tensorboard --logdir {s['run_dir']}/metrics/tensorboard")
+    local = s.get("scratch_dir", s["run_dir"])  # a run on object storage keeps these locally
+    if local != s["run_dir"]:
+        lines.append(f"run files (config, weights, checkpoints, op log) in {s['run_dir']}")
+    lines.append(f"metrics, logs and pictures ({', '.join(Path(p).name for p in pics.values())}) in {local}")
+    lines.append(f"live scalars: tensorboard --logdir {local}/metrics/tensorboard")
     return lines

@@ -5,35 +5,33 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flexmarl_core.config import ConfigError, load_config
+from flexmarl_core.config import ConfigError, config_from_text
+from flexmarl_core.location import CONFIG_NAME, RunLocation, weights_key
 from flexmarl_core.meg import MEG
 from storage import MEGStore, Problem, audit_store
 
 
-def completed_iterations(run_dir: Path, iterations: int, trainable: list[str]) -> list[int]:
+def completed_iterations(run_dir: str | Path | RunLocation, iterations: int, trainable: list[str]) -> list[int]:
     """Iterations whose update every trainable agent published (weights v<k+1>): all their
     samples were produced, rewarded and trained on."""
-    from flexmarl_core.worker import weights_path  # torch: only for run folders
-
+    loc = run_dir if isinstance(run_dir, RunLocation) else RunLocation(run_dir)
     return [k for k in range(iterations)
-            if trainable and all(weights_path(run_dir, a, k + 1).is_file() for a in trainable)]
+            if trainable and all(loc.is_file(weights_key(a, k + 1)) for a in trainable)]
 
 
 def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
     """(store URI, problems) of a run folder: `audit_store` with the sample_ids each completed
     iteration must hold (from its inputs and the team graph), and, for trainable agents,
     samples of a completed iteration that no update consumed."""
-    from flexmarl_core.worker import CONFIG_NAME
-
-    run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_NAME).is_file():
-        raise ConfigError(f"{run_dir}: neither a MEG store nor a run folder (no {CONFIG_NAME})")
-    cfg = load_config(run_dir / CONFIG_NAME)
+    loc = RunLocation(run_dir)
+    if not loc.is_file(CONFIG_NAME):
+        raise ConfigError(f"{loc.uri}: neither a MEG store nor a run folder (no {CONFIG_NAME})")
+    cfg = config_from_text(loc.read_text(CONFIG_NAME), source=loc.display(CONFIG_NAME))
     meg = MEG.from_config(cfg.team)
     uri = cfg.resolved_store_uri()
     store = MEGStore(uri, create=False)
     expected: dict[tuple[str, int], list[str]] = {}
-    done = completed_iterations(run_dir, cfg.train.iterations, list(meg.trainable_agents))
+    done = completed_iterations(loc, cfg.train.iterations, list(meg.trainable_agents))
     for it in done:
         ids = store.read_inputs(it).column("input_id").to_pylist()
         for node in meg.instantiate(ids, cfg.batch.group_size):

@@ -307,3 +307,95 @@ class DaskExecutor:
 
     def lost(self, exc: BaseException) -> bool:
         return lost_worker(exc)
+
+
+# -- weight pushes -------------------------------------------------------------------------------
+#: per (run, agent), the future of the last weights this worker broadcast: holding it keeps the
+#: copies alive on the receivers until the next version replaces it
+_PUSHED: dict[tuple[str, str], distributed.Future] = {}
+
+
+def push_key(run_uri: str, agent: str, version: int) -> str:
+    import hashlib  # str hashes differ between processes: the key must not
+
+    return f"flexmarl-weights-{hashlib.sha1(run_uri.encode()).hexdigest()[:12]}-{agent}-v{version}"
+
+
+def _holds_engine(run_uri: str, agent: str) -> bool:
+    from flexmarl_core.worker import holds_engine
+
+    return holds_engine(run_uri, agent)
+
+
+def push_weights(run_uri: str, agent: str, version: int, blob: bytes) -> dict[str, float]:
+    """From inside a Dask task (the sync stage): broadcast the published weights to the other
+    workers that hold an engine of `agent`, peer to peer (`scatter(broadcast=True)` puts them
+    in this worker's memory and Dask replicates them along a tree), so N instances need not
+    each read the same object from storage. Each receiver takes them from its memory when its
+    next rollout asks for that version (`pushed_weights`); a worker that misses them reads the
+    file as before. Returns what it measured (nothing outside a Dask worker)."""
+    try:
+        worker = distributed.get_worker()
+    except ValueError:
+        return {}
+    client = distributed.get_client()
+    t0 = time.perf_counter()
+    holders = [a for a, yes in client.run(_holds_engine, run_uri, agent).items()
+               if yes and a != worker.address]
+    if not holders:
+        return {"push_targets": 0.0}
+    key = push_key(run_uri, agent, version)
+    fut = client.scatter({key: blob}, workers=holders, broadcast=True, hash=False)[key]
+    _PUSHED[(run_uri, agent)] = fut  # the previous version's copies are released
+    return {"push_targets": float(len(holders)), "push_s": time.perf_counter() - t0}
+
+
+def pushed_weights(run_uri: str, agent: str, version: int) -> bytes | None:
+    """The weights a sync broadcast to this worker, if it holds them (see `push_weights`)."""
+    try:
+        worker = distributed.get_worker()
+    except ValueError:
+        return None
+    blob = worker.data.get(push_key(run_uri, agent, version))
+    return blob if isinstance(blob, bytes) else None
+
+
+# -- code for the workers ------------------------------------------------------------------------
+#: folders never shipped with `cluster.upload` (environments, caches, run outputs, tests)
+SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".cache", ".prefect", "runs", "tests", "node_modules"}
+
+
+def zip_code(folder: Path, out: Path) -> Path:
+    """The .py files under `folder` in a zip, named relative to `folder`: its packages and
+    modules are importable from the zip's root (`examples/custom_team/reward.py` ->
+    `examples.custom_team.reward`)."""
+    import zipfile
+
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for path in sorted(folder.rglob("*.py")):
+            rel = path.relative_to(folder)
+            if not SKIP_DIRS.intersection(rel.parts[:-1]):
+                z.write(path, rel.as_posix())
+    return out
+
+
+def upload_code(client: Client, paths: Sequence[str]) -> list[str]:
+    """Ship `cluster.upload` to every worker through Dask (`Client.upload_file`, registered as a
+    plugin, so a worker that joins or restarts later gets it too): a folder goes as a zip of its
+    .py files, put first on the worker's `sys.path`; a .py or .zip file as it is. Returns what
+    was sent, by name. Call before any task: a worker unpickles a task by importing its code."""
+    import hashlib
+    import tempfile
+
+    sent = []
+    with tempfile.TemporaryDirectory(prefix="flexmarl-upload-") as tmp:
+        for entry in paths:
+            src = Path(entry).expanduser().resolve()
+            if src.is_dir():
+                tag = hashlib.sha1(str(src).encode()).hexdigest()[:8]
+                src = zip_code(src, Path(tmp) / f"flexmarl-code-{src.name or 'root'}-{tag}.zip")
+            elif not (src.is_file() and src.suffix in (".py", ".zip", ".egg")):
+                raise ConfigError(f"cluster.upload: {entry!r} is neither a folder nor a .py/.zip/.egg file")
+            client.upload_file(str(src))  # load: a zip goes on sys.path, its packages imported
+            sent.append(src.name)
+    return sent

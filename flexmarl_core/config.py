@@ -355,6 +355,12 @@ class ClusterConfig(_Strict):
     prefect_api_url: str | None = Field(
         None, description="Prefect API to report to; None uses PREFECT_API_URL or starts one."
     )
+    upload: list[str] = Field(
+        default_factory=list,
+        description="Local folders (their .py files, zipped) or .py/.zip files shipped to every Dask "
+        "worker before the run, joining workers too (Dask's upload_file): code the workers lack, e.g. "
+        "your reward module's folder, or the project root where flexmarl is not installed.",
+    )
     prefect_lean: bool | Literal["auto"] = Field(
         "auto",
         description="Lean Prefect task submission (~5x less bookkeeping per task run, tasks/lean.py): "
@@ -417,7 +423,11 @@ class TrainConfig(_Strict):
 class ExperimentConfig(_Strict):
     name: str = Field("flexmarl", description="Experiment name (run folders and Prefect names).")
     seed: int = Field(0, description="Seed for problems, models, sampling and training.")
-    run_dir: str = Field("runs/{name}", description="Run folder: metrics, checkpoints, default store.")
+    run_dir: str = Field(
+        "runs/{name}",
+        description="Run folder: metrics, checkpoints, default store. A local path, or a pyarrow.fs URI "
+        "(s3://bucket/runs/{name}) that every machine of the run reaches: nothing is then shared by path.",
+    )
     team: TeamConfig = Field(description="The multi-agent team (MEG).")
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig, description="Problems and rewards.")
     batch: BatchConfig = Field(default_factory=BatchConfig, description="Batch sizes.")
@@ -454,10 +464,23 @@ class ExperimentConfig(_Strict):
         return check_template(v, ("name",))
 
     def resolved_run_dir(self) -> Path:
-        return Path(self.run_dir.format(name=self.name))
+        """The run folder on local disk (a URI `run_dir` has none: use `run_location`)."""
+        text = self.run_dir.format(name=self.name)
+        if "://" in text and not text.startswith("file://"):
+            raise ValueError(f"run_dir {text!r} is a URI, not a local folder: use run_location()")
+        return Path(text.removeprefix("file://"))
+
+    def run_location(self) -> Any:
+        """Where the run's files live (`location.RunLocation`): a local folder or a URI."""
+        from flexmarl_core.location import RunLocation
+
+        return RunLocation(self.run_dir.format(name=self.name))
 
     def resolved_store_uri(self) -> str:
-        return self.store.uri.format(run_dir=self.resolved_run_dir(), name=self.name)
+        run_dir = self.run_dir.format(name=self.name)
+        local = "://" not in run_dir or run_dir.startswith("file://")
+        return self.store.uri.format(run_dir=self.resolved_run_dir() if local else run_dir.rstrip("/"),
+                                     name=self.name)
 
     def agent(self, name: str) -> AgentConfig:
         for a in self.team.agents:
@@ -571,6 +594,13 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
         raise ConfigError(f"{p}: cannot read config: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{p}: cannot read config: not UTF-8 text (byte {exc.start})") from None
+    return config_from_text(text, source=str(p), overrides=overrides)
+
+
+def config_from_text(text: str, *, source: str, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Parse (YAML, safe loader: plain data only), override and validate one experiment;
+    `source` names it in errors (a path or URI)."""
+    p = source
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -581,4 +611,4 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
         raise ConfigError(f"{p}: not valid YAML{where}: {what}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
-    return config_from_dict(data, source=str(p), overrides=overrides)
+    return config_from_dict(data, source=p, overrides=overrides)

@@ -50,26 +50,24 @@ def evaluation_iteration(run_dir: str | Path, iteration: int | None = None) -> t
     Raises FileNotFoundError naming the run folder or the missing weights file, with the
     versions that do exist (e.g. a run stopped early: evaluate one of those instead).
     """
-    from flexmarl_core.config import load_config
-    from flexmarl_core.worker import CONFIG_NAME, weights_path
+    from flexmarl_core.config import config_from_text
+    from flexmarl_core.location import CONFIG_NAME, RunLocation, weights_key
 
-    run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{run_dir}: not a flexmarl run folder (no {CONFIG_NAME})")
-    cfg = load_config(run_dir / CONFIG_NAME)
+    loc = RunLocation(run_dir)
+    if not loc.is_file(CONFIG_NAME):
+        raise FileNotFoundError(f"{loc.uri}: not a flexmarl run folder (no {CONFIG_NAME})")
+    cfg = config_from_text(loc.read_text(CONFIG_NAME), source=loc.display(CONFIG_NAME))
     it = cfg.train.iterations if iteration is None else iteration
     if it < 0:
         raise ValueError(f"iteration must be >= 0, got {it}")
     for agent in cfg.team.agents:
         # Frozen agents keep version 0 (the same rule the rollout stage applies).
         version = it if agent.trainable else 0
-        path = weights_path(run_dir, agent.name, version)
-        if not path.is_file():
-            have = sorted(
-                int(p.stem[1:]) for p in path.parent.glob("v*.safetensors") if p.stem[1:].isdigit()
-            )
+        key = weights_key(agent.name, version)
+        if not loc.is_file(key):
+            have = loc.versions(f"weights/{agent.name}")
             raise FileNotFoundError(
-                f"agent {agent.name!r}: no weights for iteration {it} at {path}; "
+                f"agent {agent.name!r}: no weights for iteration {it} at {loc.display(key)}; "
                 f"published versions: {have or 'none'}"
             )
     return cfg, it

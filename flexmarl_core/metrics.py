@@ -8,6 +8,7 @@ overlap of its ops (whatever iteration they belong to) with that window.
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -195,28 +196,55 @@ def run_summary(per_it: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
 class MetricsWriter:
     """Appends op records, iteration metrics and decisions under `run_dir/metrics/`, and writes
     each iteration's scalars to TensorBoard as it is emitted (live: open `tensorboard --logdir
-    RUN/metrics/tensorboard` while the run goes on)."""
+    RUN/metrics/tensorboard` while the run goes on).
 
-    def __init__(self, run_dir: Path) -> None:
+    `mirror`: the run's remote location (`location.RunLocation`). `run_dir` is then the flow
+    process's scratch folder: the JSONL files start as the location's copies (a resume goes on
+    from them), and each is uploaded whole as it grows (an object store has no append; the op
+    log at most every `MIRROR_EVERY_S`, which only makes a resume rerun an op or two: stages are
+    idempotent) and when the writer closes.
+    """
+
+    MIRROR_EVERY_S = 2.0
+    FILES = ("ops.jsonl", "iterations.jsonl", "decisions.jsonl")
+
+    def __init__(self, run_dir: Path, mirror: Any = None) -> None:
         self.dir = Path(run_dir) / "metrics"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.mirror = mirror
+        if mirror is not None:
+            for name in self.FILES:
+                try:
+                    (self.dir / name).write_bytes(mirror.read_bytes(f"metrics/{name}"))
+                except FileNotFoundError:
+                    (self.dir / name).unlink(missing_ok=True)
         self._ops = open(self.dir / "ops.jsonl", "a")  # noqa: SIM115 - closed in close()
         self._tb: Any = None
+        self._mirrored = 0.0
+
+    def _upload(self, name: str) -> None:
+        if self.mirror is not None:
+            self.mirror.upload(self.dir / name, f"metrics/{name}")
 
     def op(self, rec: OpRecord) -> None:
         row = {**rec.result.to_row(), "submitted": rec.submitted, "finished": rec.finished}
         self._ops.write(json.dumps(row, default=str) + "\n")
         self._ops.flush()
+        if self.mirror is not None and time.monotonic() - self._mirrored >= self.MIRROR_EVERY_S:
+            self._upload("ops.jsonl")
+            self._mirrored = time.monotonic()
 
     def decisions(self, decisions: list[Decision]) -> None:
         """Every control-plane decision (instance moves, training slots) as JSONL."""
         with open(self.dir / "decisions.jsonl", "a") as f:
             for d in decisions:
                 f.write(json.dumps(d.as_row(), default=str) + "\n")
+        self._upload("decisions.jsonl")
 
     def iteration(self, m: dict[str, Any]) -> None:
         with open(self.dir / "iterations.jsonl", "a") as f:
             f.write(json.dumps(m) + "\n")
+        self._upload("iterations.jsonl")
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -228,5 +256,6 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._ops.close()
+        self._upload("ops.jsonl")
         if self._tb is not None:
             self._tb.close()

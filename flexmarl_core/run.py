@@ -16,73 +16,87 @@ from typing import Any
 import yaml
 
 from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.location import (
+    CONFIG_NAME,
+    RUN_MARKER,
+    WARM_START_NAME,
+    RunLocation,
+    weights_key,
+)
 from flexmarl_core.meg import MEG
 from flexmarl_core.metrics import IterationTracker, MetricsWriter, critical_path
 from flexmarl_core.ops import OpRecord, StageResult
 from flexmarl_core.orchestrator import Executor, Orchestrator
 from flexmarl_core.plan import Plan
-from flexmarl_core.worker import CONFIG_NAME, publish_weights, weights_path
+from flexmarl_core.worker import as_location, publish_weights
+
+__all__ = ["CONFIG_NAME", "RUN_MARKER", "WARM_START_NAME", "check_resumable", "check_run_folder",
+           "completed_records", "prepare_run", "train"]
+
+#: A run folder: a local path, a URI, or an opened location.
+RunDir = str | Path | RunLocation
 
 
 class RunFolderError(ValueError):
     """`run_dir` names a folder that is not a flexmarl run folder: it is never deleted."""
 
 
-#: written first into every run folder: what `check_run_folder` trusts before replacing one
-RUN_MARKER = ".flexmarl-run"
-
-
-def _is_run_folder(run_dir: Path) -> bool:
-    if (run_dir / RUN_MARKER).exists():
+def _is_run_folder(loc: RunLocation) -> bool:
+    if loc.exists(RUN_MARKER):
         return True
     try:  # a run folder of an earlier version: its config names this very folder
-        saved = yaml.safe_load((run_dir / CONFIG_NAME).read_text())
-        return Path(saved["run_dir"]).resolve() == run_dir.resolve()
+        saved = yaml.safe_load(loc.read_text(CONFIG_NAME))
+        return RunLocation(saved["run_dir"]) == loc
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         return False
 
 
-def check_run_folder(run_dir: Path, init_from: str | None = None) -> None:
+def check_run_folder(run_dir: RunDir, init_from: str | None = None) -> None:
     """A fresh run replaces `run_dir` only if it is empty or a flexmarl run folder (it carries
     `RUN_MARKER`): `--set run_dir=$HOME` must not wipe a home folder, nor a project folder
     that happens to hold a `config.yaml`. `init_from` must not lie inside it (the run would
     delete its own starting checkpoints)."""
-    if init_from and Path(init_from).resolve().is_relative_to(run_dir.resolve()):
+    loc = as_location(run_dir)
+    if init_from and loc.local and Path(init_from).resolve().is_relative_to(Path(loc.root)):
         raise RunFolderError(
-            f"train.init_from {init_from!r} lies inside run_dir {str(run_dir)!r}, which a fresh run "
+            f"train.init_from {init_from!r} lies inside run_dir {loc.uri!r}, which a fresh run "
             "replaces: move the checkpoints elsewhere (flexmarl sft writes <run_dir>-sft by default)"
         )
-    if not run_dir.exists():
+    if loc.local:
+        root = Path(loc.root)
+        if not root.exists():
+            return
+        if not root.is_dir():
+            raise RunFolderError(f"run_dir {loc.uri!r} is a file, not a folder")
+        if not any(root.iterdir()):
+            return
+    elif loc.is_empty():
         return
-    if not run_dir.is_dir():
-        raise RunFolderError(f"run_dir {str(run_dir)!r} is a file, not a folder")
-    if any(run_dir.iterdir()) and not _is_run_folder(run_dir):
+    if not _is_run_folder(loc):
         raise RunFolderError(
-            f"run_dir {str(run_dir)!r} exists and is not a flexmarl run folder (no {RUN_MARKER}); "
+            f"run_dir {loc.uri!r} exists and is not a flexmarl run folder (no {RUN_MARKER}); "
             "a fresh run would replace it: choose an empty or new folder"
         )
 
 
-#: the warm start a run began from (`train.warm_start: sft`), in its run folder
-WARM_START_NAME = "warm_start.json"
-
-
-def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str], None] = print) -> Path:
+def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str], None] = print) -> Path | str:
     """Create the run folder: config, initial weights (a warm start, if configured), inputs for
-    every iteration."""
+    every iteration. Returns its local path, or its URI for a run on an object store."""
     from flexmarl_core.models import load_agent_model
     from flexmarl_core.workloads import make_workload
     from storage import MEGStore
 
     meg = MEG.from_config(cfg.team)
     workload = make_workload(cfg.workload, cfg.team)  # bad data fails before the folder is touched
-    run_dir = cfg.resolved_run_dir().resolve()
+    loc = cfg.run_location()
     if fresh:
-        check_run_folder(run_dir, cfg.train.init_from)
-        if run_dir.exists():
-            shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / RUN_MARKER).touch()
+        check_run_folder(loc, cfg.train.init_from)
+        loc.delete_all()
+        if not loc.local:  # metrics and logs of an earlier run at this URI
+            shutil.rmtree(loc.scratch_dir(), ignore_errors=True)
+    if loc.local:
+        Path(loc.root).mkdir(parents=True, exist_ok=True)
+    loc.write_bytes(RUN_MARKER, b"")
     init_from = cfg.train.init_from
     if init_from is None and cfg.train.warm_start == "sft":
         from flexmarl_core.models.tokenizer import default_cache_dir
@@ -90,22 +104,22 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
 
         folder, info = warm_start(cfg, default_cache_dir(), log=log)
         init_from = str(folder)
-        (run_dir / WARM_START_NAME).write_text(json.dumps(
+        loc.write_text(WARM_START_NAME, json.dumps(
             {k: info[k] for k in ("out_dir", "accuracy", "steps", "reused", "target")}, indent=1))
 
-    _publish_bases(cfg, run_dir, init_from)
+    _publish_bases(cfg, loc, init_from)
     for agent in meg.agent_names:
-        if weights_path(run_dir, agent, 0).exists():
+        if loc.exists(weights_key(agent, 0)):
             continue
         if cfg.agent(agent).model.lora is not None:
-            publish_weights(run_dir, agent, 0, _initial_adapter(cfg, run_dir, agent))
+            publish_weights(loc, agent, 0, _initial_adapter(cfg, loc, agent))
             continue
         init = _initial_weights(init_from, agent)
         if init is None:
             source = cfg.agent(agent).share_model_with or agent
             model, _ = load_agent_model(cfg.agent(source).model, seed=cfg.seed)
             init = model.state_dict()
-        publish_weights(run_dir, agent, 0, init)
+        publish_weights(loc, agent, 0, init)
 
     store = MEGStore(cfg.resolved_store_uri())
     n, per_mb = cfg.batch.inputs_per_iteration, cfg.batch.micro_batch_inputs
@@ -123,12 +137,14 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
         )
     # The config goes in last, atomically: a folder with one is fully prepared, which is what
     # a Prefect retry of the flow run checks before resuming instead of preparing again.
+    loc.write_text(CONFIG_NAME, yaml.safe_dump(_saved_config(cfg, loc), sort_keys=False))
+    return Path(loc.root) if loc.local else loc.uri
+
+
+def _saved_config(cfg: ExperimentConfig, loc: RunLocation) -> dict[str, Any]:
     data = cfg.model_dump(mode="json")
-    data["run_dir"] = str(run_dir)
-    tmp = run_dir / f".{CONFIG_NAME}.tmp"
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(run_dir / CONFIG_NAME)
-    return run_dir
+    data["run_dir"] = loc.uri
+    return data
 
 
 def _initial_weights(init_from: str | None, agent: str) -> dict[str, Any] | None:
@@ -143,36 +159,34 @@ def _initial_weights(init_from: str | None, agent: str) -> dict[str, Any] | None
     return load_file(str(path))
 
 
-def _publish_bases(cfg: ExperimentConfig, run_dir: Path, init_from: str | None) -> None:
+def _publish_bases(cfg: ExperimentConfig, loc: RunLocation, init_from: str | None) -> None:
     """One base file per distinct LoRA base: from `init_from/<agent>` (a warm start saves the
     base it trained under each agent on it) of the base's first agent, else the preset/folder."""
     from flexmarl_core.models import load_agent_model
     from flexmarl_core.models.lora import base_key
-    from flexmarl_core.worker import base_weights_path, save_state_atomic
+    from flexmarl_core.worker import base_weights_key, publish_base
 
     for a in cfg.team.agents:
         if a.model.lora is None:
             continue
-        path = base_weights_path(run_dir, base_key(a.model, cfg.seed))
-        if path.exists():
+        key = base_key(a.model, cfg.seed)
+        if loc.exists(base_weights_key(key)):
             continue
         init = _initial_weights(init_from, a.name)
         if init is None:
             init = load_agent_model(a.model, seed=cfg.seed)[0].state_dict()
-        save_state_atomic(path, init)
+        publish_base(loc, key, init)
 
 
-def _initial_adapter(cfg: ExperimentConfig, run_dir: Path, agent: str) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
+def _initial_adapter(cfg: ExperimentConfig, loc: RunLocation, agent: str) -> dict[str, Any]:
     from flexmarl_core.models import load_agent_model
     from flexmarl_core.models.lora import base_key, initial_adapter_state
-    from flexmarl_core.worker import base_weights_path
+    from flexmarl_core.worker import load_base
 
     mcfg = cfg.agent(agent).model
     assert mcfg.lora is not None
     model, _ = load_agent_model(mcfg, seed=cfg.seed)
-    model.load_state_dict(load_file(str(base_weights_path(run_dir, base_key(mcfg, cfg.seed)))))
+    model.load_state_dict(load_base(loc, base_key(mcfg, cfg.seed)))
     return initial_adapter_state(model, mcfg.lora, seed=cfg.seed, agent=agent)
 
 
@@ -180,26 +194,31 @@ class ResumeError(RuntimeError):
     """A run folder that cannot be resumed; the message names the folder and why."""
 
 
-def check_resumable(cfg: ExperimentConfig, run_dir: Path) -> None:
+def check_resumable(cfg: ExperimentConfig, run_dir: RunDir) -> None:
     """`--resume` continues the run in `run_dir` only with the config it was started with."""
-    saved = run_dir / CONFIG_NAME
-    if not saved.exists():
-        raise ResumeError(f"cannot resume {run_dir}: no {CONFIG_NAME} (not a flexmarl run folder)")
-    data = cfg.model_dump(mode="json")
-    data["run_dir"] = str(run_dir)
-    if yaml.safe_load(saved.read_text()) != data:
-        raise ResumeError(f"cannot resume {run_dir}: the config differs from the run's own {saved}")
+    loc = as_location(run_dir)
+    try:
+        saved = yaml.safe_load(loc.read_text(CONFIG_NAME))
+    except FileNotFoundError:
+        raise ResumeError(f"cannot resume {loc.uri}: no {CONFIG_NAME} (not a flexmarl run folder)") from None
+    if saved != _saved_config(cfg, loc):
+        raise ResumeError(f"cannot resume {loc.uri}: the config differs from the run's own "
+                          f"{loc.display(CONFIG_NAME)}")
 
 
-def completed_records(run_dir: Path) -> list[OpRecord]:
+def _jsonl_lines(loc: RunLocation, key: str) -> list[str]:
+    try:
+        return loc.read_text(key).splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def completed_records(run_dir: RunDir) -> list[OpRecord]:
     """Ops an earlier attempt of this run finished, from its op log, as far as they still hold:
     a micro-batch's training counts only once its agent's step is done (accumulated gradients
     live in worker memory and died with the attempt); a torn last line is ignored."""
-    path = Path(run_dir) / "metrics" / "ops.jsonl"
-    if not path.exists():
-        return []
     recs: dict[object, OpRecord] = {}
-    for line in path.read_text().splitlines():
+    for line in _jsonl_lines(as_location(run_dir), "metrics/ops.jsonl"):
         try:
             row = json.loads(line)
             res = StageResult.from_row(row)
@@ -210,11 +229,10 @@ def completed_records(run_dir: Path) -> list[OpRecord]:
     return [r for r in recs.values() if r.op.kind != "train" or (r.op.agent, r.op.iteration) in stepped]
 
 
-def _reported_iterations(run_dir: Path) -> list[dict[str, Any]]:
+def _reported_iterations(run_dir: RunDir) -> list[dict[str, Any]]:
     """The iteration rows an earlier attempt wrote (a torn last line is ignored)."""
-    path = Path(run_dir) / "metrics" / "iterations.jsonl"
     rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in _jsonl_lines(as_location(run_dir), "metrics/iterations.jsonl"):
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
@@ -224,7 +242,7 @@ def _reported_iterations(run_dir: Path) -> list[dict[str, Any]]:
 
 def train(
     cfg: ExperimentConfig,
-    run_dir: Path,
+    run_dir: RunDir,
     executor: Executor,
     *,
     on_op_done: Any = None,
@@ -237,15 +255,18 @@ def train(
     `resume`: continue an interrupted run in `run_dir` (same config): ops its op log records
     as finished are not run again; every stage is idempotent, so an op that finished but was
     not logged runs again without duplicating samples, and trainers restart from their last
-    checkpoint (`worker.trainer_state_path`). `plan`: the run's plan, if the caller built it.
+    checkpoint (`location.trainer_key`). `plan`: the run's plan, if the caller built it.
+    Metrics are written in the flow process's scratch folder and, for a remote run, copied to
+    its location as they grow (`MetricsWriter`), so a resume needs nothing but the location.
     """
-    earlier = completed_records(run_dir) if resume else []
-    writer = MetricsWriter(run_dir)
+    loc = as_location(run_dir)
+    earlier = completed_records(loc) if resume else []
+    writer = MetricsWriter(loc.scratch_dir(), mirror=None if loc.local else loc)
     plan = plan or Plan.build(cfg, MEG.from_config(cfg.team))
     orch = Orchestrator(plan, cfg, executor, skip=[r.op for r in earlier])
     tracker = IterationTracker(plan.sizes(), writer.iteration, lambda: len(executor.worker_resources()))
     if resume:
-        tracker.resume(earlier, _reported_iterations(run_dir))
+        tracker.resume(earlier, _reported_iterations(loc))
 
     def done(rec: OpRecord) -> None:
         writer.op(rec)
@@ -262,5 +283,5 @@ def train(
         writer.close()
     records = [*earlier, *result.records]
     return {"iterations": tracker.rows, "wall_s": result.wall_s, "ops": len(records),
-            "run_dir": str(run_dir), "decisions": result.decisions, "records": records,
+            "run_dir": loc.uri if not loc.local else str(run_dir), "decisions": result.decisions, "records": records,
             "critical_path": critical_path(records, orch.plan.deps)}

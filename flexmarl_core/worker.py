@@ -1,16 +1,21 @@
 """What lives in a worker process between tasks: the run's config, store handle, workload and
 the agents' inference engines and trainers, loaded once and kept in memory.
 
-Tasks carry only `run_dir`; `context(run_dir)` returns this process's state for that run,
-building it on first use. Weights move between processes as versioned files in
-`run_dir/weights/<agent>/v<k>.safetensors` (written atomically by the trainer's sync), so a
-restarted worker rebuilds any engine from the latest published version.
+Tasks carry only the run's location (`run_dir`: a local path or a URI, see `location.py`);
+`context(run_dir)` returns this process's state for that run, building it on first use from
+the files there, so a worker needs no folder shared with the flow process. Weights move
+between processes as versioned files `weights/<agent>/v<k>.safetensors` (written atomically by
+the trainer's sync), so a restarted worker rebuilds any engine from the latest published
+version; a sync also broadcasts the new weights to the other workers holding an engine of the
+agent (`cluster.push_weights`), so N instances do not read one object N times.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,55 +23,98 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from safetensors.torch import save_file
 
-from flexmarl_core.config import ExperimentConfig, load_config
+from flexmarl_core.config import ExperimentConfig, config_from_text
+from flexmarl_core.location import CONFIG_NAME, RunLocation, trainer_key, weights_key
 from flexmarl_core.meg import MEG
 
-CONFIG_NAME = "config.yaml"
+__all__ = ["CONFIG_NAME", "WorkerContext", "context", "load_weights", "publish_weights", "weights_path"]
+
+
+def as_location(run_dir: str | os.PathLike[str] | RunLocation) -> RunLocation:
+    if isinstance(run_dir, RunLocation):
+        return run_dir
+    return _location(os.fspath(run_dir))
+
+
+@functools.lru_cache(maxsize=16)
+def _location(run_dir: str) -> RunLocation:
+    # Every op names its run by string: one filesystem client per run and process, not per op.
+    return RunLocation(run_dir)
 
 
 def weights_path(run_dir: str | Path, agent: str, version: int) -> Path:
-    return Path(run_dir) / "weights" / agent / f"v{version}.safetensors"
+    """A weights version's file in a run folder on local disk (`location.weights_key` in any)."""
+    return Path(run_dir) / weights_key(agent, version)
+
+
+def trainer_state_path(run_dir: str | Path, agent: str, version: int) -> Path:
+    """A trainer state's file in a run folder on local disk (`location.trainer_key` in any)."""
+    return Path(run_dir) / trainer_key(agent, version)
+
+
+def base_weights_key(key: str) -> str:
+    """Where the shared base of LoRA agents (`models.lora.base_key`) is published, once per run."""
+    return f"bases/{key}.safetensors"
+
+
+def publish_base(run_dir: str | os.PathLike[str] | RunLocation, key: str, state: dict[str, torch.Tensor]) -> None:
+    as_location(run_dir).write_bytes(base_weights_key(key), save_safetensors(_cpu_copy(state)))
+
+
+def load_base(run_dir: str | os.PathLike[str] | RunLocation, key: str) -> dict[str, torch.Tensor]:
+    loc = as_location(run_dir)
+    return _from_safetensors(loc.read_bytes(base_weights_key(key)), loc.display(base_weights_key(key)))
+
+
+def _cpu_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # Clone: tied embeddings share storage and safetensors refuses shared tensors; lm_head must
+    # travel with the rest (a vLLM push without it silently keeps the old output layer).
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
 
 
 def save_state_atomic(path: Path, state: dict[str, torch.Tensor]) -> Path:
     """Write a state dict as safetensors atomically (temp + rename): readers never see half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    # Clone: tied embeddings share storage and safetensors refuses shared tensors; lm_head must
-    # travel with the rest (a vLLM push without it silently keeps the old output layer).
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(tmp))
+    save_file(_cpu_copy(state), str(tmp))
     os.replace(tmp, path)
     return path
 
 
-def publish_weights(run_dir: str | Path, agent: str, version: int, state: dict[str, torch.Tensor]) -> Path:
-    """Publish one weights version; a retry rewrites the same bytes."""
-    return save_state_atomic(weights_path(run_dir, agent, version), state)
+def publish_weights(run_dir: str | os.PathLike[str] | RunLocation, agent: str, version: int,
+                    state: dict[str, torch.Tensor]) -> bytes:
+    """Publish one weights version (a retry rewrites the same bytes); its safetensors bytes."""
+    blob = save_safetensors(_cpu_copy(state))
+    as_location(run_dir).write_bytes(weights_key(agent, version), blob)
+    return blob
 
 
-def trainer_state_path(run_dir: str | Path, agent: str, version: int) -> Path:
-    """Where the trainer state after `version` steps lives: the swap tier every worker can
-    read (on-demand allocation swaps in from here) and the checkpoint `--resume` starts from."""
-    return Path(run_dir) / "trainers" / agent / f"v{version}.pt"
+def load_weights(run_dir: str | os.PathLike[str] | RunLocation, agent: str, version: int) -> dict[str, torch.Tensor]:
+    loc = as_location(run_dir)
+    try:
+        blob = loc.read_bytes(weights_key(agent, version))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"agent {agent!r}: weights version {version} not published at "
+            f"{loc.display(weights_key(agent, version))}") from None
+    return _from_safetensors(blob, loc.display(weights_key(agent, version)))
 
 
-def base_weights_path(run_dir: str | Path, key: str) -> Path:
-    """The shared base of LoRA agents (`models.lora.base_key`), published once per run."""
-    return Path(run_dir) / "bases" / f"{key}.safetensors"
-
-
-def load_weights(run_dir: str | Path, agent: str, version: int) -> dict[str, torch.Tensor]:
-    path = weights_path(run_dir, agent, version)
-    if not path.exists():
-        raise FileNotFoundError(f"agent {agent!r}: weights version {version} not published at {path}")
-    return load_file(str(path))
+def _from_safetensors(blob: bytes, what: str) -> dict[str, torch.Tensor]:
+    """Tensors from safetensors bytes (plain data: a JSON header and raw bytes, never code)."""
+    try:
+        return load_safetensors(blob)
+    except Exception as e:  # safetensors raises its own error type for every malformed file
+        raise ValueError(f"{what} is not a safetensors weights file ({type(e).__name__}: {e})") from None
 
 
 @dataclass
 class WorkerContext:
-    run_dir: Path
+    loc: RunLocation
     cfg: ExperimentConfig
     meg: MEG
     engines: dict[str, Any] = field(default_factory=dict)
@@ -81,6 +129,8 @@ class WorkerContext:
     _store: Any = None
     _workload: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: weights versions this process took from a sync's push instead of reading the file
+    pushed_loads: int = 0
 
     @property
     def store(self) -> Any:
@@ -122,7 +172,7 @@ class WorkerContext:
         if mcfg.lora is not None:  # the base the run published (a warm start's, or the preset's)
             from flexmarl_core.models.lora import base_key
 
-            model.load_state_dict(load_file(str(base_weights_path(self.run_dir, base_key(mcfg, self.cfg.seed)))))
+            model.load_state_dict(load_base(self.loc, base_key(mcfg, self.cfg.seed)))
         return model.to(self.cfg.cluster.device), tok
 
     def _adapter_engine(self, agent: str, version: int) -> Any:
@@ -139,7 +189,7 @@ class WorkerContext:
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[acfg.model.dtype]
             shared = self.shared_engines[key] = SharedBaseEngine(model.to(dtype), tok)
         assert acfg.model.lora is not None
-        shared.add(agent, acfg.model.lora, load_weights(self.run_dir, agent, version), version)
+        shared.add(agent, acfg.model.lora, self._weights(agent, version), version)
         return shared.view(agent)
 
     def _new_trainer(self, agent: str) -> Any:
@@ -149,7 +199,7 @@ class WorkerContext:
         acfg = self.cfg.agent(agent)
         if acfg.model.lora is None:
             model, _ = self._fresh_model(agent)
-            model.load_state_dict(load_weights(self.run_dir, agent, 0))
+            model.load_state_dict(load_weights(self.loc, agent, 0))
             return make_trainer(acfg, model)
         from flexmarl_core.models.lora import SharedBase, base_key
         from flexmarl_core.training.factory import make_lora_trainer
@@ -160,7 +210,7 @@ class WorkerContext:
             model, _ = self._fresh_model(agent)
             shared = self.shared_train_bases[key] = SharedBase(model)
         shared.add(agent, acfg.model.lora)
-        shared.load_adapter_state(agent, load_weights(self.run_dir, agent, 0))
+        shared.load_adapter_state(agent, load_weights(self.loc, agent, 0))
         return make_lora_trainer(acfg, shared)
 
     def engine(self, agent: str, version: int) -> Any:
@@ -173,11 +223,22 @@ class WorkerContext:
 
             model, tok = self._fresh_model(agent)
             eng = make_inference_engine(self.cfg.agent(agent), model, tok)
-            eng.update_weights(load_weights(self.run_dir, agent, version), version)
+            eng.update_weights(self._weights(agent, version), version)
             self.engines[agent] = eng
         elif eng.version != version:
-            eng.update_weights(load_weights(self.run_dir, agent, version), version)
+            eng.update_weights(self._weights(agent, version), version)
         return eng
+
+    def _weights(self, agent: str, version: int) -> dict[str, torch.Tensor]:
+        """Weights `version` of `agent`: the copy a sync pushed to this process, else the file."""
+        if "distributed" in sys.modules:  # in a Dask worker: a sync may have pushed them here
+            from flexmarl_core.cluster import pushed_weights
+
+            blob = pushed_weights(self.loc.uri, agent, version)
+            if blob is not None:
+                self.pushed_loads += 1
+                return _from_safetensors(blob, f"weights {agent} v{version} pushed by a sync")
+        return load_weights(self.loc, agent, version)
 
     def trainer(self, agent: str, version: int) -> tuple[Any, dict[str, float]]:
         """This process's trainer for `agent` at `version` (or later: a retried op finds its
@@ -189,7 +250,7 @@ class WorkerContext:
         tr = self.trainers.get(agent)
         if tr is not None and tr.version >= version:
             return tr, {}
-        from flexmarl_core.training.handles import StateHandle, get
+        from flexmarl_core.training.handles import load as load_state
 
         t0 = time.perf_counter()
         if tr is None:
@@ -197,45 +258,61 @@ class WorkerContext:
         if version == 0:
             self.trainers[agent] = tr
             return tr, {}
-        path = trainer_state_path(self.run_dir, agent, version)
-        if not path.exists():
+        key = trainer_key(agent, version)
+        try:
+            f = self.loc.open_input(key)
+        except FileNotFoundError:
             raise RuntimeError(
                 f"agent {agent!r}: trainer state version {version} is neither in this worker's "
-                f"memory nor checkpointed at {path}"
-            )
-        tr.load_state(get(StateHandle("file", str(path), 0)))
+                f"memory nor checkpointed at {self.loc.display(key)}"
+            ) from None
+        with f:
+            tr.load_state(load_state(f, what=self.loc.display(key)))
+            nbytes = f.tell()
         self.trainers[agent] = tr
         self.accumulated[agent] = set()  # gradients of the stale copy are not this state's
-        return tr, {"swap_in_s": time.perf_counter() - t0, "swap_in_bytes": float(path.stat().st_size)}
+        return tr, {"swap_in_s": time.perf_counter() - t0, "swap_in_bytes": float(nbytes)}
 
     def checkpoint_trainer(self, agent: str) -> dict[str, float]:
         """Swap the trainer state out to the shared tier after a step (atomic file), keeping
         the previous version (a resumed run may need it) and deleting older ones."""
-        from flexmarl_core.training.handles import put
+        from flexmarl_core.training.handles import dump
 
         tr = self.trainers[agent]
         t0 = time.perf_counter()
-        path = trainer_state_path(self.run_dir, agent, tr.version)
-        h = put(tr.state(), str(path))
-        for old in path.parent.glob("v*.pt"):
-            if int(old.stem[1:]) < tr.version - 1:
-                old.unlink(missing_ok=True)
-        return {"swap_out_s": time.perf_counter() - t0, "swap_out_bytes": float(h.nbytes)}
+        with self.loc.open_output(trainer_key(agent, tr.version)) as f:
+            nbytes = dump(tr.state(), f)
+        for old in self.loc.versions(f"trainers/{agent}"):
+            if old < tr.version - 1:
+                self.loc.delete(trainer_key(agent, old))
+        return {"swap_out_s": time.perf_counter() - t0, "swap_out_bytes": float(nbytes)}
 
 
 _CONTEXTS: dict[str, WorkerContext] = {}
 _LOCK = threading.Lock()
-
-
-def context(run_dir: str | Path) -> WorkerContext:
-    key = str(Path(run_dir).resolve())
+def holds_engine(run_uri: str, agent: str) -> bool:
+    """Whether this process serves the run at `run_uri` with an engine of `agent` (a sync
+    pushes new weights only to such processes)."""
     with _LOCK:
-        ctx = _CONTEXTS.get(key)
+        ctx = _CONTEXTS.get(run_uri)
+    return ctx is not None and agent in ctx.engines
+
+
+def context(run_dir: str | os.PathLike[str] | RunLocation) -> WorkerContext:
+    loc = as_location(run_dir)
+    with _LOCK:
+        ctx = _CONTEXTS.get(loc.uri)
         if ctx is None:
             threads = os.environ.get("FLEXMARL_TORCH_THREADS")
             if threads:
                 torch.set_num_threads(int(threads))
-            cfg = load_config(Path(key) / CONFIG_NAME)
-            ctx = WorkerContext(run_dir=Path(key), cfg=cfg, meg=MEG.from_config(cfg.team))
-            _CONTEXTS[key] = ctx
+            try:
+                text = loc.read_text(CONFIG_NAME)
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"{loc.display(CONFIG_NAME)}: no run config there (is run_dir the same "
+                    "location on this worker as in the flow process?)") from None
+            cfg = config_from_text(text, source=loc.display(CONFIG_NAME))
+            ctx = WorkerContext(loc=loc, cfg=cfg, meg=MEG.from_config(cfg.team))
+            _CONTEXTS[loc.uri] = ctx
         return ctx

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -54,10 +53,11 @@ def train(
     if ui:
         say(f"Prefect UI for this run: {ui}/runs/flow-run/{flow_run.get_id()}")
     cfg = load_config(config, overrides or [])
-    resume = resume or (flow_run.run_count > 1 and (cfg.resolved_run_dir() / run.CONFIG_NAME).exists())
+    loc = cfg.run_location()  # a local folder or a URI: what the workers are told
+    resume = resume or (flow_run.run_count > 1 and loc.exists(run.CONFIG_NAME))
     if resume:
-        run_dir = str(cfg.resolved_run_dir().resolve())
-        run.check_resumable(cfg, Path(run_dir))
+        run_dir = loc.uri
+        run.check_resumable(cfg, loc)
         log.info("resuming the run in %s", run_dir)
     else:
         if cfg.train.warm_start == "sft" and not cfg.train.init_from:
@@ -67,33 +67,36 @@ def train(
             if not (warm_start_path(cfg, default_cache_dir()) / "sft.json").exists():
                 say("warm start: SFT of this config's team first (a few minutes, once: later runs reuse it)")
         run_dir = report_tasks.prepare_run(cfg, echo=progress)
-    warm = Path(run_dir) / run.WARM_START_NAME
-    if warm.exists():
-        w = json.loads(warm.read_text())
+    scratch = loc.scratch_dir()  # this process's own files: logs, TensorBoard, pictures
+    if loc.exists(run.WARM_START_NAME):
+        w = json.loads(loc.read_text(run.WARM_START_NAME))
         say(f"warm start: SFT {'reused' if w['reused'] else 'made'}, held-out accuracy {w['accuracy']:.3f} "
             f"after {w['steps']} steps ({w['out_dir']})")
-    log.info("run folder %s, store %s", run_dir, cfg.resolved_store_uri())
+    log.info("run folder %s, store %s%s", run_dir, cfg.resolved_store_uri(),
+             "" if loc.local else f", local scratch {scratch}")
     api = PREFECT_API_URL.value()
     lean = bool(api) and (cfg.cluster.prefect_lean is True or (
         cfg.cluster.prefect_lean == "auto" and cfg.cluster.address is None))
     env = lean_tasks.worker_env(api) if lean else {}
-    with (
-        cluster.cluster_for(cfg.cluster, env=env) as client,
-        PrefectDaskExecutor(client.scheduler.address, run_dir, lean=lean) as ex,
-    ):
-        log.info("Dask dashboard: %s", client.dashboard_link)
-        # Dask's INFO lines go to <run>/logs, not the terminal (Prefect's stay in its API).
-        cluster.log_to_files(client, Path(run_dir) / "logs", workers=cfg.cluster.address is None)
-        names = cluster.worker_names(client)
-        workers_cpu0, cpu0 = cluster.worker_cpu_s(client), time.process_time()
-        plan = Plan.build(cfg, MEG.from_config(cfg.team))
-        bar = IterationProgress(plan) if progress else None
-        with bar or contextlib.nullcontext():
-            out = run.train(cfg, Path(run_dir), ex, on_op_done=bar, resume=resume, plan=plan)
-        flow_cpu = time.process_time() - cpu0
-        workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
-        names.update(cluster.worker_names(client))  # restarted workers have new addresses
-    (Path(run_dir) / "metrics" / "workers.json").write_text(json.dumps(names))
+    with cluster.cluster_for(cfg.cluster, env=env) as client:
+        if cfg.cluster.upload:  # before any task or plugin: the workers unpickle them with this code
+            log.info("shipped to the workers: %s", cluster.upload_code(client, cfg.cluster.upload))
+        with PrefectDaskExecutor(client.scheduler.address, run_dir, lean=lean) as ex:
+            log.info("Dask dashboard: %s", client.dashboard_link)
+            # Dask's INFO lines go to <run>/logs, not the terminal (Prefect's stay in its API).
+            cluster.log_to_files(client, scratch / "logs", workers=cfg.cluster.address is None)
+            names = cluster.worker_names(client)
+            workers_cpu0, cpu0 = cluster.worker_cpu_s(client), time.process_time()
+            plan = Plan.build(cfg, MEG.from_config(cfg.team))
+            bar = IterationProgress(plan) if progress else None
+            with bar or contextlib.nullcontext():
+                out = run.train(cfg, loc, ex, on_op_done=bar, resume=resume, plan=plan)
+            flow_cpu = time.process_time() - cpu0
+            workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
+            names.update(cluster.worker_names(client))  # restarted workers have new addresses
+    (scratch / "metrics" / "workers.json").write_text(json.dumps(names))
+    if not loc.local:
+        loc.upload(scratch / "metrics" / "workers.json", "metrics/workers.json")
     stage_cpu = sum(m["cpu_s"] for m in out["iterations"])
     summary = run_summary(out["iterations"], out["wall_s"])
     if cfg.train.evaluate_initial or cfg.train.evaluate:
@@ -111,7 +114,7 @@ def train(
     # own work (Prefect task engine, API calls, Dask). The API server's CPU is not included.
     overhead = max(workers_cpu - stage_cpu, 0.0) + flow_cpu
     summary.update(
-        run_dir=str(run_dir), ops=out["ops"], stage_cpu_s=stage_cpu, bookkeeping_cpu_s=overhead,
+        run_dir=str(run_dir), scratch_dir=str(scratch), ops=out["ops"], stage_cpu_s=stage_cpu, bookkeeping_cpu_s=overhead,
         flow_cpu_s=flow_cpu, worker_bookkeeping_cpu_s=max(workers_cpu - stage_cpu, 0.0),
         prefect_overhead_frac=overhead / max(overhead + stage_cpu, 1e-9),
         critical_path=out["critical_path"],
@@ -123,7 +126,7 @@ def train(
     report_tasks.report(cfg.name, out["iterations"], summary, cfg.resolved_store_uri(),
                         [d.as_row() for d in out["decisions"]])
     try:
-        summary["pictures"] = report_tasks.pictures(cfg.name, run_dir)
+        summary["pictures"] = report_tasks.pictures(cfg.name, str(scratch))
     except Exception as exc:  # a picture that cannot be drawn must not fail a finished run
         log.warning("pictures of %s not drawn: %s: %s", run_dir, type(exc).__name__, exc)
         summary["pictures"] = {}

@@ -25,6 +25,7 @@ __all__ = [
     "commit_mode",
     "open_filesystem",
     "os_reason",
+    "s3_endpoint_from_env",
 ]
 
 MARKER = "_meg_store.json"
@@ -50,7 +51,8 @@ def open_filesystem(
     ``uri`` is a local path, ``file:///abs/path``, or ``s3://bucket/prefix`` (``gs://`` too).
     For S3, ``fs_kwargs`` go to ``pyarrow.fs.S3FileSystem`` (``endpoint_override``,
     ``scheme``, ``access_key``, ``secret_key``, ``region``...); without them pyarrow reads
-    the URI query (``?endpoint_override=host:port&scheme=http``) and the ``AWS_*`` env vars.
+    the URI query (``?endpoint_override=host:port&scheme=http``), ``AWS_ENDPOINT_URL`` (see
+    `s3_endpoint_from_env`) and the other ``AWS_*`` env vars (keys, region).
     """
     if filesystem is not None:
         if fs_kwargs:
@@ -66,9 +68,32 @@ def open_filesystem(
         return pafs.S3FileSystem(**fs_kwargs), path, "s3://"
     if fs_kwargs:
         raise ValueError(f"filesystem keyword arguments are only supported for s3://, got {uri!r}")
+    if scheme == "s3" and "endpoint_override" not in uri:
+        endpoint = s3_endpoint_from_env()
+        if endpoint:
+            path = uri.split("://", 1)[1].split("?", 1)[0].strip("/")
+            return pafs.S3FileSystem(**endpoint), path, "s3://"
     fs, path = pafs.FileSystem.from_uri(uri)
     prefix = "" if isinstance(fs, pafs.LocalFileSystem) else f"{scheme}://"
     return fs, path.rstrip("/"), prefix
+
+
+#: The AWS SDKs' own variables for an S3-compatible endpoint (MinIO, Ceph, moto): pyarrow does
+#: not read them, so every machine of a run would otherwise need the endpoint in each URI.
+ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def s3_endpoint_from_env() -> dict[str, str] | None:
+    """``S3FileSystem`` keyword arguments from ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
+    (``http://host:port``), or None when neither is set."""
+    for name in ENDPOINT_ENV:
+        url = os.environ.get(name, "").strip()
+        if url:
+            scheme, _, hostport = url.rpartition("://")
+            if scheme not in ("http", "https") or not hostport.strip("/"):
+                raise ValueError(f"{name}={url!r}: expected http://host:port or https://host:port")
+            return {"endpoint_override": hostport.strip("/"), "scheme": scheme}
+    return None
 
 
 def commit_mode(fs: pafs.FileSystem, uri: str) -> CommitMode:

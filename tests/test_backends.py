@@ -388,3 +388,35 @@ def test_team_with_a_dp2_deepspeed_agent_trains_through_the_flow(prefect_api, da
     assert path.exists(), sorted(p.name for p in path.parent.iterdir())
     solver = get(StateHandle("file", str(path), 0))  # checkpointed by the worker after step 2
     assert (solver["version"], solver["dp_world"]) == (2, 2)
+
+
+class _Touch:
+    """Unpickling this creates `path` (stands for any code a pickle can run)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+@needs_ds
+def test_deepspeed_state_with_a_crafted_checkpoint_file_is_refused(tmp_path):
+    """DeepSpeed's load_checkpoint unpickles with weights_only=False: a trainer state whose
+    checkpoint bytes were crafted must be refused before DeepSpeed sees them."""
+    import io
+
+    a = _ds_trainer(tiny_model())
+    _train_step(a, [random_samples(3, seed=4), random_samples(3, seed=5)])
+    state = a.state()
+    marker = tmp_path / "pwned"
+    evil = io.BytesIO()
+    torch.save({"optimizer_state_dict": _Touch(marker)}, evil)
+    name = next(k for k in state["checkpoint"] if k.endswith("optim_states.pt"))
+    crafted = dict(state, checkpoint={**state["checkpoint"], name: evil.getvalue()})
+    b = _ds_trainer(tiny_model(seed=1))
+    with pytest.raises(ValueError, match="not plain tensors"):
+        b.load_state(crafted)
+    assert not marker.exists()
+    b.load_state(state)  # the genuine one still loads
+    assert b.version == 1

@@ -137,8 +137,8 @@ def test_train_flow_end_to_end(runs, mode):
         assert any(d["to_agent"] == "planner" for d in moves), decisions
         # Every step checkpointed the trainer state (the swap tier); older ones are pruned.
         for agent in meg.trainable_agents:
-            kept = sorted(p.name for p in (run_dir / "trainers" / agent).glob("v*.pt"))
-            assert kept == [f"v{cfg.train.iterations - 1}.pt", f"v{cfg.train.iterations}.pt"]
+            kept = sorted(p.name for p in (run_dir / "trainers" / agent).glob("v*.state"))
+            assert kept == [f"v{cfg.train.iterations - 1}.state", f"v{cfg.train.iterations}.state"]
     assert all(m["swap_out_bytes"] > 0 for m in out["iterations"])
 
 

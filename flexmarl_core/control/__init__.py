@@ -35,15 +35,16 @@ def _move_costs(cfg: ExperimentConfig, agents: list[str]) -> dict[str, dict]:
     lora = [a for a in agents if cfg.agent(a).model.lora is not None]
     if not lora:
         return {}
+    from flexmarl_core.location import weights_key
     from flexmarl_core.models.lora import base_key
-    from flexmarl_core.worker import base_weights_path, weights_path
+    from flexmarl_core.worker import base_weights_key
 
-    run_dir = cfg.resolved_run_dir()
+    loc = cfg.run_location()
     base_of = {a: base_key(cfg.agent(a).model, cfg.seed) for a in lora}
-    size = lambda p: p.stat().st_size if p.exists() else 0  # noqa: E731
+    size = lambda key: loc.size(key) if loc.exists(key) else 0  # noqa: E731
     return {"base_of": base_of,
-            "weight_bytes": {a: size(weights_path(run_dir, a, 0)) for a in agents},
-            "base_bytes": {k: size(base_weights_path(run_dir, k)) for k in set(base_of.values())}}
+            "weight_bytes": {a: size(weights_key(a, 0)) for a in agents},
+            "base_bytes": {k: size(base_weights_key(k)) for k in set(base_of.values())}}
 
 
 class ControlPlane:

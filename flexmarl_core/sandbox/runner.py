@@ -29,7 +29,9 @@ from typing import Any
 from flexmarl_core.sandbox import child
 from flexmarl_core.sandbox.api import FATAL, Limits, Reason, Verdict
 
-_SOURCE = Path(child.__file__).read_text()
+# From the module's loader, not its __file__: flexmarl may be imported from a zip that
+# `cluster.upload` shipped to a Dask worker.
+_SOURCE = child.__loader__.get_source(child.__name__) or Path(child.__file__).read_text()
 _PYTHON = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 _slots = threading.BoundedSemaphore(os.cpu_count() or 1)
 _slots_lock = threading.Lock()

@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from flexmarl_core.config import ConfigError, ExperimentConfig, load_config
+from flexmarl_core.location import CONFIG_NAME
 from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op
 from flexmarl_core.plan import Plan
 from flexmarl_core.sim.cost import AgentCost, CostModel, LengthDist
-from flexmarl_core.worker import CONFIG_NAME
 
 #: log-sigma of response lengths (the op log has per-op means only)
 LENGTH_SIGMA = 0.3

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+from functools import lru_cache
+
+from flexmarl_core.location import FAULTS_SUFFIX, RunLocation, is_uri
 
 
 class InjectedFault(RuntimeError):
@@ -20,12 +23,21 @@ def faults_dir(run_dir: str | os.PathLike[str]) -> str:
     - `fail@<op>`: the stage raises `InjectedFault` N times, N the file's integer content
       (empty: 1), one per attempt; N above the task's retries fails the op, hence the flow run.
 
-    Each marker is consumed (removed, or decremented) before it fires, so the rerun goes through."""
-    return os.fspath(run_dir).rstrip("/") + ".faults"
+    Each marker is consumed (removed, or decremented) before it fires, so the rerun goes through.
+    For a run on an object store the folder is the prefix `<run uri>.faults/`."""
+    return os.fspath(run_dir).rstrip("/") + FAULTS_SUFFIX
+
+
+@lru_cache(maxsize=8)
+def _remote(folder: str) -> RunLocation:
+    return RunLocation(folder)  # one filesystem client per process, not one per op
 
 
 def fault_point(run_dir: str, op_name: str) -> None:
     folder = faults_dir(run_dir)
+    if is_uri(folder):
+        _remote_fault_point(_remote(folder), op_name)
+        return
     if not os.path.isdir(folder):  # the common case: one stat, no fault injection
         return
     kill = os.path.join(folder, f"kill@{op_name}")
@@ -48,5 +60,28 @@ def fault_point(run_dir: str, op_name: str) -> None:
             with open(tmp, "w") as f:
                 f.write(str(left - 1))
             os.replace(tmp, counted)
+        if left >= 1:
+            raise InjectedFault(f"injected fault (fail@, {left} left) in {op_name}")
+
+
+def _remote_fault_point(loc: RunLocation, op_name: str) -> None:
+    """`fault_point` on an object store: one listing per op, the same three markers."""
+    names = set(loc.list())
+    if not names:
+        return
+    if f"kill@{op_name}" in names:
+        loc.delete(f"kill@{op_name}")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if f"raise@{op_name}" in names:
+        loc.delete(f"raise@{op_name}")
+        raise InjectedFault(f"injected fault (raise@) in {op_name}")
+    counted = f"fail@{op_name}"
+    if counted in names:
+        text = loc.read_text(counted).strip()
+        left = int(text) if text else 1
+        if left <= 1:
+            loc.delete(counted)
+        else:  # one PUT replaces the object whole
+            loc.write_text(counted, str(left - 1))
         if left >= 1:
             raise InjectedFault(f"injected fault (fail@, {left} left) in {op_name}")

@@ -13,9 +13,10 @@ import socket
 import time
 from collections.abc import Callable
 
+from flexmarl_core.location import weights_key
 from flexmarl_core.ops import OP_KINDS, Op, OpKind, StageResult
 from flexmarl_core.stages.faults import fault_point
-from flexmarl_core.worker import WorkerContext, context, weights_path
+from flexmarl_core.worker import WorkerContext, context
 
 StageFn = Callable[[WorkerContext, Op], StageResult]
 STAGES: dict[OpKind, StageFn] = {}
@@ -60,7 +61,7 @@ def weights_version(ctx: WorkerContext, agent: str, iteration: int) -> int:
     k = ctx.cfg.codesign.max_staleness
     oldest = max(iteration - k, 0)
     for v in range(iteration, oldest, -1):
-        if weights_path(ctx.run_dir, agent, v).exists():
+        if ctx.loc.exists(weights_key(agent, v)):
             return v
     return oldest
 

@@ -32,7 +32,9 @@ def rollout(ctx: WorkerContext, op: Op) -> StageResult:
             meta.append((inp["input_id"], traj, [sample_id(inp["input_id"], traj, p.agent, p.turn) for p in parents]))
     version = weights_version(ctx, agent, it)
     with ctx.lock:
+        pushed = ctx.pushed_loads
         eng = ctx.engine(agent, version)
+        pushed = ctx.pushed_loads - pushed  # 1: the weights came from a sync's broadcast
         gens = eng.generate(prompts, ctx.cfg.agent(agent).sampling, seed=stage_seed(ctx.cfg.seed, it, agent, turn, mb))
     rows = [
         {
@@ -47,4 +49,5 @@ def rollout(ctx: WorkerContext, op: Op) -> StageResult:
     ctx.store.write_samples(agent, it, rows)
     tokens = sum(len(g.response_ids) for g in gens)
     return StageResult(op, samples=len(rows), tokens=tokens, version=version,
-                       metrics={agent_key(agent, "response_tokens"): tokens / max(len(rows), 1)})
+                       metrics={agent_key(agent, "response_tokens"): tokens / max(len(rows), 1),
+                                **({agent_key(agent, "rollout/pushed_weights"): 1.0} if pushed else {})})

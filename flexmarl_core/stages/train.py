@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from flexmarl_core.algorithms import advantage_scope, compute_advantages
 from flexmarl_core.algorithms.losses import token_weight
+from flexmarl_core.location import trainer_key
 from flexmarl_core.ops import Op, StageResult, agent_key
 from flexmarl_core.stages.registry import ConsistencyError, stage
 from flexmarl_core.training import Sample
-from flexmarl_core.worker import WorkerContext, trainer_state_path
+from flexmarl_core.worker import WorkerContext
 
 
 def samples_per_step(ctx: WorkerContext, agent: str) -> int:
@@ -105,7 +106,7 @@ def train(ctx: WorkerContext, op: Op) -> StageResult:
 def step(ctx: WorkerContext, op: Op) -> StageResult:
     """The agent's optimizer step once its global batch is in; checkpoints the new state."""
     agent, it = op.agent, op.iteration
-    if trainer_state_path(ctx.run_dir, agent, it + 1).exists():
+    if ctx.loc.exists(trainer_key(agent, it + 1)):
         # An earlier attempt stepped and checkpointed (then died or was retried): take that state.
         tr, _ = ctx.trainer(agent, it + 1)
         return StageResult(op, version=tr.version, skipped=True)

@@ -122,6 +122,50 @@ def _forget_stale_world_clone(dist: Any) -> None:
         groups._WORLD_GROUP = None
 
 
+def _safe_globals() -> list[Any]:
+    """The DeepSpeed value types a ZeRO checkpoint's optimizer file holds (seen with deepspeed
+    0.19.8: `get_unsafe_globals_in_checkpoint`), allowed to torch's weights-only unpickler."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [fragment_address, LossScaler, ZeroStageEnum]
+
+
+def plain_checkpoint(files: Mapping[str, bytes]) -> dict[str, bytes]:
+    """The files of a DeepSpeed checkpoint in a trainer state, checked to be plain data before
+    DeepSpeed reads them: its `load_checkpoint` unpickles with `weights_only=False`, which runs
+    whatever a crafted file names. Each `.pt` file must load with torch's weights-only
+    unpickler (tensors, containers, scalars and the few DeepSpeed value types of
+    `_safe_globals`); `latest` is the tag's text; the helper scripts DeepSpeed writes beside
+    (`zero_to_fp32.py`) are not needed to load and are left out.
+
+    Raises:
+        ValueError: a file that is not plain data, named.
+    """
+    import io
+    import pickle
+
+    out: dict[str, bytes] = {}
+    for rel, data in files.items():
+        if rel.endswith(".py"):
+            continue
+        if rel.endswith(".pt"):
+            try:
+                with torch.serialization.safe_globals(_safe_globals()):
+                    torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise ValueError(
+                    f"trainer state: DeepSpeed checkpoint file {rel!r} is not plain tensors and "
+                    f"containers ({first}); refused, since loading it could run code"
+                ) from None
+        elif rel != "latest" or len(data) > 256:
+            raise ValueError(f"trainer state: unexpected file {rel!r} in its DeepSpeed checkpoint")
+        out[rel] = data
+    return out
+
+
 class DeepSpeedTrainer(PolicyGradientSteps):
     """`TrainBackend` on a DeepSpeed engine (ZeRO stage 1 or 2) wrapping one torch module."""
 
@@ -290,7 +334,7 @@ class DeepSpeedTrainer(PolicyGradientSteps):
                 "with the same algorithm.kl_coef (> 0 keeps a reference) as the saved one"
             )
         with tempfile.TemporaryDirectory(prefix="ds-state-", dir=self._scratch()) as d:
-            for rel, data in state["checkpoint"].items():
+            for rel, data in plain_checkpoint(state["checkpoint"]).items():
                 path = Path(d) / rel
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)

@@ -19,11 +19,12 @@ Swapping is meant to run at memory-copy speed (bench/swap.py measures it against
   go (a dropped handle, or a state returned by `get` once the caller has loaded it). On a VM,
   writing fresh pages costs several times a memcpy (page faults); a reused buffer is already
   mapped.
-* The memory tier never pickles. Files hold a short header (magic, pickled slot table and
-  skeleton) and then the raw tensor bytes, written straight from the tensors (no staging copy)
-  and read back with `readinto` into a pooled buffer. Unpickling allows no globals at all: the
-  skeleton holds only builtin containers and scalars, tensors are persistent ids. Files are not fsynced: a swapped state
-  lives as long as the run that wrote it.
+* Nothing is pickled. Files hold a short JSON header (magic, slot table, skeleton) and then
+  the raw tensor bytes, written straight from the tensors (no staging copy) and read back with
+  `readinto` into a pooled buffer. A file is plain data: reading one runs no code from it,
+  whoever wrote it (run folders on shared object storage), and a malformed one raises
+  `StateFileError` naming it. Files are not fsynced: a swapped state lives as long as the run
+  that wrote it.
 
 What a round trip keeps: dtype, shape and every byte of each tensor, and which entries were the
 same tensor object (tied embeddings come back tied). What it does not keep: strides (tensors come
@@ -35,9 +36,10 @@ when the last of them is freed.
 
 from __future__ import annotations
 
-import io
+import base64
+import binascii
+import json
 import os
-import pickle
 import struct
 import sys
 import threading
@@ -49,11 +51,13 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 import torch
 
+from flexmarl_core.location import is_uri as _is_uri
 from flexmarl_core.models.tokenizer import default_cache_dir
 
 Location = Literal["memory", "disk"]
 
-_MAGIC = b"FLXSTATE\x01\n"  # 10 bytes; torch.save files start with "PK" (zip)
+_MAGIC = b"FLXSTATE\x02\n"  # 10 bytes; torch.save files start with "PK" (zip)
+_OLD_MAGIC = b"FLXSTATE\x01\n"  # the format whose header was a pickle: refused
 _ALIGN = 64  # raw tensor bytes start at a multiple of this in a file
 _SCALARS = (int, float, bool, str, bytes, complex, type(None))
 
@@ -253,33 +257,85 @@ def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 # -- file format -------------------------------------------------------------------------------
-class _HeaderPickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> int | None:
-        return obj.index if isinstance(obj, _Ref) else None
+# A state file is plain data: the magic, the header's length (u64 little-endian), a UTF-8 JSON
+# header, zero padding to _ALIGN, then the raw tensor bytes. Reading one never imports or calls
+# anything named in the file (no pickle): the header's dtypes come from a fixed table and its
+# skeleton is decoded by `_decode`, which knows only containers, scalars and tensor slots.
+# Skeleton encoding: str/int/float/bool/None are JSON values as they are; every JSON object is
+# a one-key tag: {"dict": [[k, v], ...]} (keys of any type, order kept), {"list": [...]},
+# {"tuple": [...]}, {"tensor": i}, {"bytes": "<base64>"}, {"complex": [re, im]}.
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in [
+        *_NUMPY_DTYPES, torch.bfloat16, torch.uint16, torch.uint32, torch.uint64,
+        *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)),
+    ]
+}
+_MAX_HEADER = 256 << 20  # a header past this is not one flexmarl wrote (states are six tensors)
 
 
-class _HeaderUnpickler(pickle.Unpickler):
-    def __init__(self, file: BinaryIO, tensors: list[torch.Tensor]) -> None:
-        super().__init__(file)
-        self._tensors = tensors
+class StateFileError(ValueError):
+    """A file that is not a well-formed flexmarl trainer state; the message names the file."""
 
-    def persistent_load(self, pid: Any) -> torch.Tensor:
-        return self._tensors[pid]
 
-    def find_class(self, module: str, name: str) -> Any:
-        # The skeleton holds builtin containers and scalars only: nothing to import.
-        raise pickle.UnpicklingError(f"state file refers to {module}.{name}; not allowed")
+def _encode(obj: Any) -> Any:
+    if isinstance(obj, _Ref):
+        return {"tensor": obj.index}
+    if isinstance(obj, dict):
+        return {"dict": [[_encode(k), _encode(v)] for k, v in obj.items()]}
+    if isinstance(obj, list):
+        return {"list": [_encode(v) for v in obj]}
+    if isinstance(obj, tuple):
+        return {"tuple": [_encode(v) for v in obj]}
+    if isinstance(obj, bytes):
+        return {"bytes": base64.b64encode(obj).decode("ascii")}
+    if isinstance(obj, complex):
+        return {"complex": [obj.real, obj.imag]}
+    return obj  # str, int, float, bool, None: JSON keeps each one's type
+
+
+def _decode(obj: Any, tensors: list[torch.Tensor], what: str) -> Any:
+    if obj is None or isinstance(obj, str | int | float | bool):
+        return obj
+    if not (isinstance(obj, dict) and len(obj) == 1):
+        raise StateFileError(f"state file {what}: unexpected {type(obj).__name__} in its skeleton")
+    (tag, val), = obj.items()
+    try:
+        if tag == "tensor":
+            if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < len(tensors):
+                raise StateFileError(f"state file {what}: tensor slot {val!r} out of range")
+            return tensors[val]
+        if tag == "dict":
+            return {_key(_decode(k, tensors, what), what): _decode(v, tensors, what) for k, v in val}
+        if tag == "list":
+            return [_decode(v, tensors, what) for v in val]
+        if tag == "tuple":
+            return tuple(_decode(v, tensors, what) for v in val)
+        if tag == "bytes":
+            return base64.b64decode(val, validate=True)
+        if tag == "complex":
+            re_, im = val
+            return complex(float(re_), float(im))
+    except (TypeError, ValueError, binascii.Error) as e:
+        if isinstance(e, StateFileError):
+            raise
+        raise StateFileError(f"state file {what}: malformed {tag!r} entry in its skeleton ({e})") from None
+    raise StateFileError(f"state file {what}: unknown skeleton tag {tag!r}")
+
+
+def _key(k: Any, what: str) -> Any:
+    if isinstance(k, list | dict):  # unhashable: never written by `_encode` of a real state
+        raise StateFileError(f"state file {what}: a dict key is a {type(k).__name__}")
+    return k
 
 
 def _header(flat: _Flat) -> bytes:
-    """Magic, lengths, pickled slot table and skeleton, padded to _ALIGN."""
-    table = [(str(s.dtype).removeprefix("torch."), s.shape, s.offset, s.nbytes) for s in flat.slots]
-    buf = io.BytesIO()
-    pickle.dump(table, buf, protocol=pickle.HIGHEST_PROTOCOL)
-    table_len = buf.tell()
-    _HeaderPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(flat.skeleton)
-    body = buf.getvalue()
-    head = _MAGIC + struct.pack("<QQQ", len(body), table_len, flat.nbytes) + body
+    """Magic, header length, JSON header, padded to _ALIGN."""
+    table = [[str(s.dtype).removeprefix("torch."), list(s.shape), s.offset, s.nbytes] for s in flat.slots]
+    body = json.dumps({"slots": table, "nbytes": flat.nbytes, "skeleton": _encode(flat.skeleton)},
+                      separators=(",", ":")).encode("utf-8")
+    head = _MAGIC + struct.pack("<Q", len(body)) + body
     return head + b"\0" * (-len(head) % _ALIGN)
 
 
@@ -295,32 +351,87 @@ def _read_exact(f: Any, out: memoryview, what: str) -> None:
     while got < len(out):
         n = f.readinto(out[got:])
         if not n:
-            raise ValueError(f"state file {what} is truncated: {got} of {len(out)} data bytes")
+            raise StateFileError(f"state file {what} is truncated: {got} of {len(out)} data bytes")
         got += n
 
 
-def _read(f: Any, device: torch.device | str, what: str) -> dict[str, Any]:
-    """Read a file in the raw format from `f`, positioned just after the magic."""
-    fixed = f.read(24)
-    body_len, table_len, data_len = struct.unpack("<QQQ", fixed)
-    body = f.read(body_len)
-    f.read(-(len(_MAGIC) + 24 + body_len) % _ALIGN)  # padding
-    table = pickle.loads(body[:table_len])  # list of tuples of builtins
-    slots = [_Slot(getattr(torch, d), tuple(shape), off, n) for d, shape, off, n in table]
-    data = _POOL.take(data_len)
-    _read_exact(f, memoryview(data), what)
-    tensors = _views(data, slots, device)
-    return _HeaderUnpickler(io.BytesIO(body[table_len:]), tensors).load()
+def _slots(header: dict[str, Any], what: str) -> tuple[list[_Slot], int]:
+    """The slot table, checked: known dtypes, sizes that match the shapes, inside the data."""
+    data_len = header.get("nbytes")
+    if not isinstance(data_len, int) or data_len < 0:
+        raise StateFileError(f"state file {what}: header field 'nbytes' is {data_len!r}")
+    slots = []
+    for i, row in enumerate(header.get("slots") or []):
+        try:
+            name, shape, offset, nbytes = row
+            dtype = _DTYPES[name]
+            shape = tuple(int(d) for d in shape)
+        except (KeyError, TypeError, ValueError):
+            raise StateFileError(
+                f"state file {what}: slot {i} is {row!r}; expected [dtype, shape, offset, nbytes] "
+                f"with dtype one of {sorted(_DTYPES)}") from None
+        count = 1
+        for d in shape:
+            count *= d
+        if (min(shape, default=0) < 0 or not isinstance(offset, int) or offset < 0
+                or nbytes != count * dtype.itemsize or offset + nbytes > data_len):
+            raise StateFileError(f"state file {what}: slot {i} ({row!r}) does not fit its "
+                                 f"shape or the {data_len} data bytes")
+        slots.append(_Slot(dtype, shape, offset, nbytes))
+    return slots, data_len
 
 
 def _load(f: Any, device: torch.device | str, what: str) -> dict[str, Any]:
-    if f.read(len(_MAGIC)) != _MAGIC:
-        raise ValueError(f"{what} is not a flexmarl trainer state file (no {_MAGIC!r} header)")
-    return _read(f, device, what)
+    """Read a state file from `f` (at its start): plain data only, checked before use."""
+    magic = f.read(len(_MAGIC))
+    if magic != _MAGIC:
+        why = (" (an older flexmarl format whose header was a pickle: it is not read, since "
+               "unpickling can run code; re-create the state)" if magic == _OLD_MAGIC else "")
+        raise StateFileError(f"{what} is not a flexmarl trainer state file (no {_MAGIC!r} header){why}")
+    fixed = f.read(8)
+    if len(fixed) != 8:
+        raise StateFileError(f"state file {what} is truncated in its header")
+    (body_len,) = struct.unpack("<Q", fixed)
+    if body_len > _MAX_HEADER:
+        raise StateFileError(f"state file {what}: header of {body_len} bytes is not plausible")
+    body = f.read(body_len)
+    if len(body) != body_len:
+        raise StateFileError(f"state file {what} is truncated in its header")
+    try:
+        header = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StateFileError(f"state file {what}: its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise StateFileError(f"state file {what}: its header is not a JSON object")
+    slots, data_len = _slots(header, what)
+    f.read(-(len(_MAGIC) + 8 + body_len) % _ALIGN)  # padding
+    data = _POOL.take(data_len)
+    _read_exact(f, memoryview(data), what)
+    tensors = _views(data, slots, device)
+    return _decode(header.get("skeleton"), tensors, what)
 
 
-def _is_uri(where: str) -> bool:
-    return "://" in where and not where.startswith("file://")
+def dump(state: dict[str, Any], f: BinaryIO) -> int:
+    """Write `state` to the binary file `f` in the state file format; its tensor bytes."""
+    flat = _flatten(state)
+    _write(f, flat)
+    return flat.nbytes
+
+
+def load(f: Any, device: torch.device | str = "cpu", what: str = "state") -> dict[str, Any]:
+    """A state read from `f` (from its start), tensors on `device`.
+
+    Raises:
+        StateFileError: `f` is not a state file this module wrote (named by `what`).
+    """
+    return _load(f, device, what)
+
+
+def _open_uri(uri: str) -> tuple[Any, str]:
+    from storage.fs import open_filesystem  # the store's resolution: AWS_ENDPOINT_URL and all
+
+    fs, path, _ = open_filesystem(uri)
+    return fs, path
 
 
 # -- API ---------------------------------------------------------------------------------------
@@ -354,9 +465,7 @@ def put(
     if where == "disk":
         target = default_cache_dir(cache_dir) / "states" / f"{uuid.uuid4().hex}.state"
     elif _is_uri(where):
-        import pyarrow.fs as pafs  # only needed for remote stores
-
-        fs, path = pafs.FileSystem.from_uri(where)
+        fs, path = _open_uri(where)
         with fs.open_output_stream(path) as f:
             _write(f, flat)
         return StateHandle("file", where, nbytes)
@@ -393,9 +502,7 @@ def get(handle: StateHandle, device: torch.device | str = "cpu") -> dict[str, An
         torch.from_numpy(data).copy_(torch.from_numpy(packed.parts[0]))
         return _rebuild(packed.skeleton, _views(data, packed.slots, device))
     if _is_uri(handle.key):
-        import pyarrow.fs as pafs
-
-        fs, path = pafs.FileSystem.from_uri(handle.key)
+        fs, path = _open_uri(handle.key)
         try:
             f = fs.open_input_file(path)
         except FileNotFoundError as e:
@@ -416,9 +523,7 @@ def drop(handle: StateHandle) -> None:
         with _LOCK:
             _MEMORY.pop(handle.key, None)
     elif _is_uri(handle.key):
-        import pyarrow.fs as pafs
-
-        fs, path = pafs.FileSystem.from_uri(handle.key)
+        fs, path = _open_uri(handle.key)
         try:
             fs.delete_file(path)
         except FileNotFoundError:
