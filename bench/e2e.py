@@ -3,11 +3,17 @@
 Store), alternating the two so machine noise hits both alike.
 
     python bench/e2e.py --json runs/bench/e2e.json [--quick] [--config configs/default.yaml]
+    python bench/e2e.py --json runs/bench/e2e-longtail.json --workload longtail
 
 Reports E2E seconds per iteration, tokens/s and utilisation (busy / wall over all workers)
 for each mode, their ratios, the share of CPU spent on Prefect + Dask bookkeeping, and the
 co-design's work mix with the speedup bound it implies (`train_share`, `speedup_bound`: sync
 E2E over a perfect 2-worker packing of the co-design's measured stage time).
+`--workload NAME` benches a built-in team with the work pinned for it (`WORKLOADS`); every
+run also reports the sampled length distribution per agent (`lengths`: p50, p90, max), peak
+resident memory per worker (`peak_rss_gib`), and the work that never reaches a gradient:
+decode steps of rows finished early (`wasted_decode_frac`) and skipped zero-advantage samples
+(`skipped_train_frac`), with `same_work` checking both modes did exactly the same work.
 With --ablation it also runs each switch off alone (keys `ablation.<switch>`); with --reference,
 the synchronous schedule on a shared worker pool (key `reference.sync_shared_pool`); with
 --staleness K..., the co-design with `codesign.max_staleness=K` and every agent on the
@@ -88,6 +94,79 @@ BENCH_WORK = ["train.warm_start=none", "train.evaluate_initial=false",
               "batch.inputs_per_iteration=64", "batch.micro_batch_inputs=32"]
 
 
+#: built-in teams `--workload` benches: (config, the work pinned for it). The long-tail team
+#: starts from a short SFT (60 steps, cached after the first run): from random weights the
+#: solver never writes working, so every row would run to max_new_tokens and there would be no
+#: long tail; 60 steps teach the format and lengths that follow the problem, which is what is
+#: timed (accuracy is `bench/learning.py`'s business).
+WORKLOADS = {
+    "default": ("default.yaml", BENCH_WORK),
+    "longtail": ("longtail_team.yaml", ["train.evaluate=false", "train.evaluate_initial=false",
+                                        "train.sft_max_steps=60", "train.sft_eval_every=60"]),
+}
+
+
+def _quantile(xs: list[int], q: float) -> float:
+    xs = sorted(xs)
+    return float(xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else 0.0
+
+
+def lengths(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Sampled response lengths (tokens) per agent over the whole run, from its MEG Store."""
+    from flexmarl_core.config import load_config
+    from storage import MEGStore
+
+    cfg = load_config(run_dir / "config.yaml")
+    store = MEGStore(cfg.resolved_store_uri())
+    out = {}
+    for a in cfg.team.agents:
+        ls = [len(r) for it in range(cfg.train.iterations)
+              for r in store.read_samples(a.name, it, columns=["response_ids"]).column("response_ids").to_pylist()]
+        out[a.name] = {"p50": _quantile(ls, 0.5), "p90": _quantile(ls, 0.9), "max": float(max(ls, default=0)),
+                       "mean": sum(ls) / max(len(ls), 1), "n": float(len(ls))}
+    return out
+
+
+def op_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines()]
+
+
+def peak_rss_gib(run_dir: Path) -> dict[str, float]:
+    """Each worker's peak resident memory during the run (its ops' `peak_rss`), GiB."""
+    out: dict[str, float] = {}
+    for r in op_rows(run_dir):
+        out[r["worker"]] = max(out.get(r["worker"], 0.0), r.get("peak_rss", 0) / 1024**3)
+    return dict(sorted(out.items()))
+
+
+def idle_per_worker(run_dir: Path) -> dict[str, float]:
+    """Each worker's idle share of the run's iteration windows (1 - busy / E2E)."""
+    its = [json.loads(line) for line in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
+    span = sum(m["e2e_s"] for m in its)
+    workers = sorted({k.split("/", 1)[1] for m in its for k in m if k.startswith("busy_s/")})
+    return {w: 1.0 - sum(m.get(f"busy_s/{w}", 0.0) for m in its) / span for w in workers}
+
+
+def idle_work(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Per agent, work that never reaches a gradient: decode slots of rows that had finished
+    (of all decode slots) and tokens of skipped zero-advantage samples (of all train tokens)."""
+    sums: dict[str, float] = {}
+    for r in op_rows(run_dir):
+        for k, v in r.items():
+            if k.startswith("agent/") and k.endswith(("decode_slots", "skipped_tokens", "skipped_samples")):
+                sums[k] = sums.get(k, 0.0) + float(v)
+    agents = sorted({k.split("/")[1] for k in sums})
+    out = {}
+    for a in agents:
+        slots = sums.get(f"agent/{a}/rollout/decode_slots", 0.0)
+        wasted = sums.get(f"agent/{a}/rollout/wasted_decode_slots", 0.0)
+        out[a] = {"decode_slots": slots, "wasted_decode_slots": wasted,
+                  "wasted_decode_frac": wasted / slots if slots else 0.0,
+                  "skipped_samples": sums.get(f"agent/{a}/train/skipped_samples", 0.0),
+                  "skipped_tokens": sums.get(f"agent/{a}/train/skipped_tokens", 0.0)}
+    return out
+
+
 def plain_dask_run(config: str, overrides: list[str]) -> dict:
     """The same ops through `DaskExecutor`, no Prefect; returns CPU and wall figures."""
     from flexmarl_core import cluster, run
@@ -129,7 +208,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True, help="write results here")
     ap.add_argument("--quick", action="store_true", help="2 iterations, 1 repeat")
-    ap.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
+    ap.add_argument("--config", default=None, help="a config file (default: configs/default.yaml)")
+    ap.add_argument("--workload", default=None, choices=sorted(WORKLOADS),
+                    help="a built-in team with its pinned work (instead of --config)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--ablation", action="store_true", help="also each switch off alone")
@@ -138,7 +219,13 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     ap.add_argument("--staleness", type=int, nargs="*", default=[],
                     help="also the co-design at codesign.max_staleness=K (decoupled_ppo), per K > 0")
+    ap.add_argument("--no-prefect-cost", action="store_true",
+                    help="skip the plain-Dask runs that price Prefect's bookkeeping (no prefect_* keys)")
     args = ap.parse_args()
+    if args.workload and args.config:
+        ap.error("give --workload or --config, not both")
+    name, work = WORKLOADS[args.workload or "default"]
+    args.config = args.config or str(REPO / "configs" / name)
     repeats = args.repeats or (1 if args.quick else 2)
     iterations = args.iterations or (2 if args.quick else 4)
 
@@ -152,7 +239,7 @@ def main() -> int:
     all_modes = {**modes(args.ablation, args.reference), **staleness_modes(args.config, args.staleness)}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {m: [] for m in all_modes}
-    out_dir = REPO / "runs" / "bench-e2e"
+    out_dir = REPO / "runs" / ("bench-e2e" if args.workload in (None, "default") else f"bench-e2e-{args.workload}")
     t0 = time.time()
     with temporary_settings(updates={PREFECT_API_URL: api}):
         for rep in range(repeats):
@@ -161,7 +248,7 @@ def main() -> int:
                 order.reverse()
             for mode in order:
                 overrides = [f"run_dir={out_dir}/{mode}-{rep}", f"train.iterations={iterations}",
-                             *BENCH_WORK, *all_modes[mode], *args.set]
+                             *work, *all_modes[mode], *args.set]
                 srv0 = server_cpu_s()
                 state = train(args.config, overrides, progress=False, return_state=True)
                 srv1 = server_cpu_s()
@@ -177,10 +264,10 @@ def main() -> int:
 
         # The same co-design work on plain Dask (no Prefect): the difference in total CPU is
         # Prefect's own bookkeeping; what both share (Dask's background ticks) is not.
-        plain = [plain_dask_run(args.config, [f"run_dir={out_dir}/plain-dask-{rep}",
-                                              f"train.iterations={iterations}",
-                                              *BENCH_WORK, *modes(False)["codesign"], *args.set])
-                 for rep in range(repeats)]
+        plain = [] if args.no_prefect_cost else [
+            plain_dask_run(args.config, [f"run_dir={out_dir}/plain-dask-{rep}", f"train.iterations={iterations}",
+                                         *work, *modes(False)["codesign"], *args.set])
+            for rep in range(repeats)]
 
     def med(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[mode])
@@ -200,13 +287,14 @@ def main() -> int:
     # Prefect runs minus that of the same work on plain Dask. Differences of *total* CPU are
     # useless here: stage CPU alone moves +-7% between identical runs on this box.
     bk_prefect = statistics.median(r["bookkeeping_cpu_s"] for r in runs["codesign"])
-    bk_plain = statistics.median(p["total_cpu_s"] - p["stage_cpu_s"] for p in plain)
+    bk_plain = statistics.median(p["total_cpu_s"] - p["stage_cpu_s"] for p in plain) if plain else bk_prefect
     total_prefect = statistics.median(r["stage_cpu_s"] + r["bookkeeping_cpu_s"] for r in runs["codesign"])
     prefect_cpu = max(bk_prefect - bk_plain, 0.0)
-    res["prefect_overhead_frac"] = prefect_cpu / total_prefect
-    res["prefect_overhead_cpu_s_per_task"] = prefect_cpu / runs["codesign"][0]["ops"]
+    if plain:
+        res["prefect_overhead_frac"] = prefect_cpu / total_prefect
+        res["prefect_overhead_cpu_s_per_task"] = prefect_cpu / runs["codesign"][0]["ops"]
     srv = [r["server_cpu_s"] for r in runs["codesign"] if r.get("server_cpu_s") is not None]
-    if srv:
+    if srv and plain:
         # The API server's share too: Prefect's whole bookkeeping, not only its client side.
         server = statistics.median(srv)
         res["prefect_server_cpu_s_per_task"] = server / runs["codesign"][0]["ops"]
@@ -243,6 +331,13 @@ def main() -> int:
     res["rollout_share"] = statistics.median(m["rollout_share"] for m in mixes)
     res["ideal_s_codesign"] = statistics.median(m["ideal_s_per_it"] for m in mixes)
     res["speedup_bound"] = res["e2e_s_sync"] / res["ideal_s_codesign"]
+    res["idle_frac_per_worker"] = {m: idle_per_worker(out_dir / f"{m}-0") for m in ("codesign", "sync")}
+    res["lengths"] = lengths(out_dir / "codesign-0")
+    res["peak_rss_gib"] = {m: peak_rss_gib(out_dir / f"{m}-0") for m in ("codesign", "sync")}
+    work_cd, work_sync = idle_work(out_dir / "codesign-0"), idle_work(out_dir / "sync-0")
+    res["idle_work"] = work_cd
+    res["wasted_decode_frac"] = {a: w["wasted_decode_frac"] for a, w in work_cd.items()}
+    res["same_work"] = work_cd == work_sync
     res["runs"] = runs
     from flexmarl_core.plots import load_trace, timeline
 
@@ -262,12 +357,24 @@ def main() -> int:
           f"{100 * res['rollout_share']:.0f}% of stage time; a perfect 2-worker packing of it would "
           f"take {res['ideal_s_codesign']:.2f} s/it, so no schedule beats {res['speedup_bound']:.2f}x "
           f"against this sync run")
+    for a, st in res["lengths"].items():
+        w = work_cd.get(a, {})
+        print(f"{a:10s} response tokens p50 {st['p50']:.0f} p90 {st['p90']:.0f} max {st['max']:.0f}; "
+              f"decode slots wasted on finished rows {100 * w.get('wasted_decode_frac', 0):.0f}%, "
+              f"zero-advantage samples skipped {w.get('skipped_samples', 0):.0f}")
+    print("idle share per worker: " + "; ".join(
+        f"{m} " + ", ".join(f"{k} {v:.2f}" for k, v in d.items()) for m, d in res["idle_frac_per_worker"].items()))
+    print("peak RSS per worker (GiB): " + "; ".join(
+        f"{m} " + ", ".join(f"{k} {v:.2f}" for k, v in d.items()) for m, d in res["peak_rss_gib"].items()))
+    print(f"same work in both modes: {res['same_work']}")
     print(f"co-design: {res['balance_moves_per_run_codesign']:.0f} instance moves, "
           f"{res['train_swaps_per_run_codesign']:.0f} trainer swaps per run")
-    print(f"speedup (sync / codesign E2E): {res['speedup']:.2f}x; Prefect bookkeeping "
-          f"{100 * res['prefect_overhead_frac']:.1f}% of CPU "
-          f"({res['prefect_overhead_cpu_s_per_task']:.3f} CPU-s per task run; with Dask's own "
-          f"background {100 * res['bookkeeping_frac_incl_dask']:.1f}%)")
+    print(f"speedup (sync / codesign E2E): {res['speedup']:.2f}x, {res['speedup'] / res['speedup_bound']:.2f} "
+          f"of the bound; util co-design {res['util_codesign']:.2f}, sync {res['util_sync']:.2f}")
+    if plain:
+        print(f"Prefect bookkeeping {100 * res['prefect_overhead_frac']:.1f}% of CPU "
+              f"({res['prefect_overhead_cpu_s_per_task']:.3f} CPU-s per task run; with Dask's own "
+              f"background {100 * res['bookkeeping_frac_incl_dask']:.1f}%)")
     if "prefect_overhead_frac_incl_server" in res:
         print(f"with the Prefect API server's CPU: {100 * res['prefect_overhead_frac_incl_server']:.1f}% "
               f"(server {res['prefect_server_cpu_s_per_task']:.3f} CPU-s per task run)")

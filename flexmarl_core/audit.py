@@ -3,6 +3,7 @@ once, and every status row belongs to a stored sample (`flexmarl store audit RUN
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from flexmarl_core.config import ConfigError, config_from_text
@@ -12,11 +13,24 @@ from storage import MEGStore, Problem, audit_store
 
 
 def completed_iterations(run_dir: str | Path | RunLocation, iterations: int, trainable: list[str]) -> list[int]:
-    """Iterations whose update every trainable agent published (weights v<k+1>): all their
-    samples were produced, rewarded and trained on."""
+    """Iterations whose update every trainable agent published (weights v<k+1>, or between
+    checkpoints its sync in the op log): all their samples were produced, rewarded and
+    trained on."""
     loc = run_dir if isinstance(run_dir, RunLocation) else RunLocation(run_dir)
-    return [k for k in range(iterations)
-            if trainable and all(loc.is_file(weights_key(a, k + 1)) for a in trainable)]
+    synced: set[str] = set()
+    try:
+        lines = loc.read_text("metrics/ops.jsonl").splitlines()
+    except FileNotFoundError:
+        lines = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line
+        if row.get("kind") == "sync":
+            synced.add(row["op"])
+    return [k for k in range(iterations) if trainable and all(
+        f"sync[{a}] it={k}" in synced or loc.is_file(weights_key(a, k + 1)) for a in trainable)]
 
 
 def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:

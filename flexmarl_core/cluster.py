@@ -5,8 +5,8 @@
   scheduler address.
 - `worker_resources` / `set_worker_resources` read and re-tag workers at run time; that is how
   the load balancer moves an inference instance from one agent to another.
-- `DaskExecutor` runs the orchestrator's ops as plain Dask tasks (no Prefect); the Prefect
-  executor in `tasks/` reuses the same cluster helpers.
+- `DaskExecutor` runs the orchestrator's ops as plain Dask tasks; the Prefect executor in
+  `tasks/` is this one plus the task runs it reports to Prefect.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
 
 from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
-from flexmarl_core.ops import Op, Route, StageResult
+from flexmarl_core.ops import MEMORY_ENV, MemoryRestart, Op, Route, StageResult
 
 # A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
 # task run (Dask's default; seen with distributed 2026.8). The orchestrator
@@ -45,6 +45,31 @@ LOST_WORKER_ERRORS: tuple[type[BaseException], ...] = (
 
 def lost_worker(exc: BaseException) -> bool:
     return isinstance(exc, LOST_WORKER_ERRORS)
+
+
+#: The topic under which a Nanny logs a worker it restarted for crossing its memory limit
+#: (distributed's NannyMemoryManager: at `distributed.worker.memory.terminate`, 95%).
+MEMORY_RESTART_TOPIC = "worker-restart-memory"
+#: Name and memory limit of every worker address seen (a restarted worker comes back at a new
+#: address, so the dead one's name must be remembered to report it).
+_SEEN: dict[str, tuple[str, int]] = {}
+
+
+def _note_workers(info: dict[str, Any]) -> None:
+    for addr, w in info.items():
+        _SEEN[addr] = (str(w.get("name", addr)), int(w.get("memory_limit") or 0))
+
+
+def memory_restarts(client: Client, since: float = 0.0) -> list[MemoryRestart]:
+    """Workers the Nanny restarted for memory at or after `since` (scheduler clock, seconds)."""
+    _note_workers(client.scheduler_info(n_workers=-1)["workers"])
+    out = []
+    for t, msg in client.get_events(MEMORY_RESTART_TOPIC):
+        if t >= since and isinstance(msg, dict):
+            addr = str(msg.get("worker", ""))
+            name, limit = _SEEN.get(addr, (addr, 0))
+            out.append(MemoryRestart(worker=name, rss=int(msg.get("rss", 0)), limit=limit, t=float(t)))
+    return out
 
 
 #: seconds to wait for a TCP connection to `cluster.address` (Dask's own default is 30 s, then
@@ -150,7 +175,9 @@ def start_cluster(
                 "resources": dict(w.resources),
                 "memory_limit": w.memory_limit,
                 "name": w.name,
-                "env": {**env, "FLEXMARL_WORKER_NAME": w.name},
+                "env": {**env, "FLEXMARL_WORKER_NAME": w.name,
+                        # the trainer sizes its chunks from it (training/memory.py)
+                        MEMORY_ENV: str(dask.utils.parse_bytes(w.memory_limit))},
             },
         }
         for w in cfg.workers
@@ -194,6 +221,7 @@ def warm_up(client: Client) -> None:
 def worker_resources(client: Client) -> dict[str, dict[str, float]]:
     """Current resource tags of every worker, by address."""
     info = client.scheduler_info(n_workers=-1)["workers"]
+    _note_workers(info)
     return {addr: dict(w.get("resources", {})) for addr, w in info.items()}
 
 
@@ -271,18 +299,23 @@ def set_worker_resources(client: Client, worker: str, resources: dict[str, float
 
 
 class DaskExecutor:
-    """Runs ops as plain Dask tasks (no Prefect): `stages.run_stage(run_dir, op)` on the worker
-    the route names. The reference the Prefect executor's bookkeeping is measured against."""
+    """Runs ops as plain Dask tasks: `stages.run_stage_retrying(run_dir, op, ...)` on the worker
+    the route names, each op tried up to `1 + retries[op.kind]` times there. The real run's
+    executor (`tasks/executor.py`) adds the Prefect task runs on top."""
 
-    def __init__(self, client: Client, run_dir: str) -> None:
+    def __init__(self, client: Client, run_dir: str, *, retries: dict[str, int] | None = None,
+                 retry_delay_s: float = 1.0) -> None:
         self.client = client
         self.run_dir = str(run_dir)
+        self.retries = dict(retries or {})
+        self.retry_delay_s = retry_delay_s
+        self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
 
     def submit(self, op: Op, route: Route, deps: Sequence[Op] = ()) -> distributed.Future:
-        from flexmarl_core.stages import run_stage
+        from flexmarl_core.stages import run_stage_retrying
 
         return self.client.submit(
-            run_stage, self.run_dir, op,
+            run_stage_retrying, self.run_dir, op, self.retries.get(op.kind, 0), self.retry_delay_s,
             key=f"{op.name}-{os.urandom(4).hex()}",
             resources=route.resources or None,
             workers=[route.worker] if route.worker else None,
@@ -300,13 +333,28 @@ class DaskExecutor:
         return time.time()
 
     def worker_resources(self) -> dict[str, dict[str, float]]:
-        return worker_resources(self.client)
+        # Tags change only when we re-tag (which invalidates) or a worker joins/leaves: a
+        # short-lived cache saves a scheduler round trip per submission wave.
+        now = time.monotonic()
+        if self._tags is None or now - self._tags[0] > 1.0:
+            tags = worker_resources(self.client)
+            if not tags:  # a transient empty view (worker restarting) must not be cached
+                return tags
+            self._tags = (now, tags)
+        return self._tags[1]
 
     def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None:
         set_worker_resources(self.client, worker, resources)
+        self._tags = None
 
     def lost(self, exc: BaseException) -> bool:
-        return lost_worker(exc)
+        if lost_worker(exc):
+            self._tags = None  # the worker set changed: route the resubmission on fresh tags
+            return True
+        return False
+
+    def memory_restarts(self, since: float) -> list[MemoryRestart]:
+        return memory_restarts(self.client, since)
 
 
 # -- weight pushes -------------------------------------------------------------------------------

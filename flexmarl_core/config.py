@@ -136,6 +136,21 @@ class AlgorithmConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
     bf16: bool = Field(False, description="bf16 autocast for forward/backward on CPU.")
+    skip_zero_advantage: bool = Field(
+        False,
+        description="Skip the forward/backward of samples whose advantage is exactly 0 (a GRPO "
+        "group with all-equal rewards): exact when kl_coef is 0, like DAPO's dynamic sampling. "
+        "Per iteration the train stage reports train/skipped_samples and train/skipped_tokens.",
+    )
+
+    @model_validator(mode="after")
+    def _skip_needs_no_kl(self) -> AlgorithmConfig:
+        if self.skip_zero_advantage and self.kl_coef > 0:
+            raise ValueError(
+                f"skip_zero_advantage needs kl_coef=0 (got {self.kl_coef}): a zero-advantage "
+                "sample still carries the KL term's gradient"
+            )
+        return self
 
 
 class BackendConfig(_Strict):
@@ -155,6 +170,19 @@ class BackendConfig(_Strict):
         description="Data-parallel ranks training this agent (training: deepspeed only): each "
         "micro-batch is split by samples over this many DeepSpeed ZeRO processes started by the "
         "worker that holds the trainer. 1 trains in the worker process itself.",
+    )
+    train_chunk_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget of one forward/backward (training: torch): a micro-batch is "
+        "split into chunks of rows (longest first) whose padded size stays under it, and "
+        "their gradients add up to the micro-batch's. None: derived from the worker's memory "
+        "limit and the model's size (training/memory.py).",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each layer's activations in backward instead of keeping them "
+        "(training: torch): less memory per token, ~30% more compute.",
     )
 
     @field_validator("inference", "training")
@@ -206,6 +234,16 @@ class AgentConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _chunks_need_torch(self) -> AgentConfig:
+        b = self.backend
+        if b.training != "torch" and (b.train_chunk_tokens is not None or b.activation_checkpointing):
+            raise ValueError(
+                f"agent {self.name!r}: backend.train_chunk_tokens / activation_checkpointing are "
+                f"options of backend.training='torch' (got {b.training!r})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _dp_needs_deepspeed(self) -> AgentConfig:
         if self.backend.training_dp > 1 and self.backend.training != "deepspeed":
             raise ValueError(
@@ -254,7 +292,7 @@ class TeamConfig(_Strict):
 
 
 class WorkloadConfig(_Strict):
-    kind: Literal["arithmetic", "gsm8k", "dataset", "callable", "code"] = Field(
+    kind: Literal["arithmetic", "gsm8k", "dataset", "callable", "code", "longtail", "calculator"] = Field(
         "arithmetic", description="Problem source."
     )
     path: str | None = Field(None, description="JSONL/Parquet file for kind=dataset or gsm8k.")
@@ -363,8 +401,8 @@ class ClusterConfig(_Strict):
     )
     prefect_lean: bool | Literal["auto"] = Field(
         "auto",
-        description="Lean Prefect task submission (~5x less bookkeeping per task run, tasks/lean.py): "
-        "workers read Prefect settings from their own environment. auto: on for a cluster "
+        description="Workers read cheap Prefect settings from their own environment (tasks/lean.py), "
+        "for code in them that talks to Prefect (stage ops do not). auto: on for a cluster "
         "flexmarl starts, off for `address`; true: the remote workers' env has PREFECT_API_URL.",
     )
 
@@ -395,6 +433,12 @@ class StoreConfig(_Strict):
 
 class TrainConfig(_Strict):
     iterations: int = Field(4, ge=1, description="Training iterations.")
+    checkpoint_every: int = Field(
+        10, ge=1, description="Optimizer steps between full checkpoints (trainer state and weight "
+        "file; the last step always). A resumed run replays the steps since the last one from the "
+        "samples in the MEG Store. On a cluster of more than one worker these files are also how "
+        "weights and trainer states move between processes, so they are written every step there.",
+    )
     evaluate: bool = Field(True, description="Measure greedy held-out team accuracy after training.")
     evaluate_initial: bool = Field(
         False, description="Also measure it before training (the starting point, e.g. SFT-only)."

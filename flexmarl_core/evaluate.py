@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flexmarl_core.inference.tools import generate_with_tool, tool_of
 from flexmarl_core.meg import MEG
 from flexmarl_core.workloads.api import Problem, Workload
 
@@ -31,7 +32,7 @@ def evaluate_team(
             for i, p in enumerate(problems)
         ]
         greedy = agent.sampling.model_copy(update={"temperature": 0.0})
-        gens = engines[node.agent].generate(prompts, greedy, seed=seed)
+        gens = generate_with_tool(engines[node.agent], prompts, greedy, seed, tool_of(workload, node.agent))
         for i, g in enumerate(gens):
             outputs[i][node.agent] = g.text
     correct = [workload.is_correct(p, o) for p, o in zip(problems, outputs, strict=True)]

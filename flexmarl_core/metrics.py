@@ -32,6 +32,11 @@ def metric_agents(per_it: list[dict[str, Any]], metric: str = "reward") -> list[
                    if k.startswith("agent/") and k.endswith("/" + metric)})
 
 
+#: per-op counts that an iteration sums (work skipped or wasted, stages/train.py and rollout.py)
+COUNTED = ("/train/skipped_samples", "/train/skipped_tokens", "/rollout/decode_slots",
+           "/rollout/wasted_decode_slots")
+
+
 def _train_stats(ops: list[OpRecord]) -> dict[str, float]:
     """Per agent: token-weighted means of the train ops' per-token figures, the last step's
     gradient norm, and the mean reward over the iteration's micro-batches."""
@@ -41,10 +46,14 @@ def _train_stats(ops: list[OpRecord]) -> dict[str, float]:
     rewards: dict[str, list[float]] = defaultdict(list)
     for r in ops:
         res = r.result
+        counts = {k: v for k, v in res.metrics.items() if k.endswith(COUNTED)}
+        for k, v in counts.items():
+            out[k] = out.get(k, 0.0) + v
         if r.op.kind == "train" and not res.skipped:
             for k, v in res.metrics.items():
-                sums[k] += v * res.tokens
-                weights[k] += res.tokens
+                if k not in counts:
+                    sums[k] += v * res.tokens
+                    weights[k] += res.tokens
         elif r.op.kind == "step":
             out.update({k: v for k, v in res.metrics.items() if k.endswith("/train/grad_norm")})
         elif r.op.kind == "reward":

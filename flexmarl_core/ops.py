@@ -73,6 +73,10 @@ class StageResult:
     t_start: float = 0.0
     t_end: float = 0.0
     cpu_s: float = 0.0
+    #: attempts that failed before this one: `[t_start, t_end, "Error: message"]` each
+    retries: list[list[Any]] = field(default_factory=list)
+    #: the worker process's peak resident memory so far (bytes; 0 where not measured)
+    peak_rss: int = 0
 
     @property
     def seconds(self) -> float:
@@ -104,6 +108,26 @@ class StageResult:
             swap={k: float(v) for k, v in row.items() if k.startswith("swap_")},
             metrics={k: float(v) for k, v in row.items() if k.startswith(("agent/", "team/"))},
         )
+
+
+#: Environment variable through which `cluster.py` tells a worker process its memory limit
+#: (bytes); the trainer sizes its chunks from it (`training/memory.py`).
+MEMORY_ENV = "FLEXMARL_WORKER_MEMORY_BYTES"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRestart:
+    """A worker that Dask's Nanny restarted for crossing its memory limit."""
+
+    worker: str  #: its name (`w1`)
+    rss: int  #: resident bytes when it was restarted
+    limit: int  #: its memory limit in bytes (0: unknown)
+    t: float  #: when (seconds, the scheduler's clock)
+
+    def describe(self) -> str:
+        gib = 1024**3
+        limit = f"{self.limit / gib:.2f} GiB" if self.limit else "an unknown"
+        return f"worker {self.worker} at {self.rss / gib:.2f} GiB resident (memory limit {limit})"
 
 
 @dataclass(slots=True)

@@ -19,10 +19,11 @@ from typing import Any, Protocol
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.control import ControlPlane, Decision, OrchestratorError
-from flexmarl_core.ops import TRAINER_KINDS, Op, OpRecord, Route, StageResult
+from flexmarl_core.ops import TRAINER_KINDS, MemoryRestart, Op, OpRecord, Route, StageResult
 from flexmarl_core.plan import Plan
 
-__all__ = ["LOST_WORKER_RESUBMITS", "Executor", "Orchestrator", "OrchestratorError", "RunResult"]
+__all__ = ["LOST_WORKER_RESUBMITS", "Executor", "Orchestrator", "OrchestratorError", "RunResult",
+           "WorkerMemoryError"]
 
 
 class Executor(Protocol):
@@ -53,9 +54,32 @@ class Executor(Protocol):
         the orchestrator then routes and submits the op again."""
         ...
 
+    # Optional: `memory_restarts(since) -> list[MemoryRestart]`, the workers restarted for
+    # memory since `since` (executor clock); a lost op with any fails as `WorkerMemoryError`.
+
 
 #: How often one op is resubmitted after losing its worker before the run gives up.
 LOST_WORKER_RESUBMITS = 3
+
+
+class WorkerMemoryError(OrchestratorError):
+    """An op's worker was restarted by Dask for crossing its memory limit: names the op, the
+    agent, the worker and its limit, and the knob that lowers the op's memory."""
+
+    def __init__(self, op: Op, restarts: Sequence[MemoryRestart]) -> None:
+        self.op, self.restarts = op, list(restarts)
+        first = self.restarts[0]
+        hint = {
+            "train": f"lower team.agents[{op.agent}].backend.train_chunk_tokens (or turn on "
+                     "backend.activation_checkpointing)",
+            "step": f"lower team.agents[{op.agent}].backend.train_chunk_tokens",
+            "rollout": "lower batch.micro_batch_inputs or the agent's sampling.max_new_tokens",
+        }.get(op.kind, "lower batch.micro_batch_inputs")
+        super().__init__(
+            f"{op.name} (agent {op.agent!r}) failed: Dask restarted its {first.describe()} for "
+            f"memory ({len(self.restarts)} restart(s) while it ran; the Nanny restarts a worker at "
+            f"95% of its limit); {hint}, or raise cluster.workers[{first.worker}].memory_limit"
+        )
 
 
 @dataclass
@@ -156,7 +180,12 @@ class Orchestrator:
             try:
                 res = self.executor.result(handle)
             except Exception as exc:
-                if self.executor.lost(exc) and self._resubmits[op] < LOST_WORKER_RESUBMITS:
+                lost = self.executor.lost(exc)
+                if lost:
+                    # A worker Dask restarted for memory will be restarted again for the same
+                    # op: say so now, instead of the "no valid worker" timeout it ends in.
+                    self._raise_if_memory(op, run.submitted, exc)
+                if lost and self._resubmits[op] < LOST_WORKER_RESUBMITS:
                     # Its worker died: every stage is idempotent and rebuilds its engine or
                     # trainer from published weights / checkpoints, so run it again elsewhere.
                     self._resubmits[op] += 1
@@ -173,6 +202,12 @@ class Orchestrator:
                 self._waiting[c] -= 1
                 if self._waiting[c] == 0 and c not in self.skip:
                     self._ready.append(c)
+
+    def _raise_if_memory(self, op: Op, since: float, exc: BaseException) -> None:
+        restarts_fn = getattr(self.executor, "memory_restarts", None)
+        restarts = restarts_fn(since) if restarts_fn is not None else []
+        if restarts:
+            raise WorkerMemoryError(op, restarts) from exc
 
     def _live_workers(self, patience_s: float = 60.0) -> dict[str, dict[str, float]]:
         """Current worker tags. No workers at all means the cluster is (re)starting one, so

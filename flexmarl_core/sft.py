@@ -25,6 +25,7 @@ import torch
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.evaluate import evaluate_team
+from flexmarl_core.inference.tools import split_demonstration, tool_of
 from flexmarl_core.meg import MEG
 from flexmarl_core.training.api import TokenBatch
 
@@ -33,6 +34,20 @@ def sft_loss(logprobs: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, M
     """Negative log-likelihood of the demonstration tokens, summed (the trainer normalises)."""
     nll = -(logprobs * batch.mask).sum()
     return nll, {"nll": nll.detach()}
+
+
+def demonstration_tokens(tok: Any, text: str, tool: Any) -> tuple[list[int], list[int] | None]:
+    """A demonstration's token ids and loss mask, as a rollout would hold them: each tool
+    output tokenized on its own and masked (`inference/tools.py`); no tool: one piece, no mask."""
+    if tool is None:
+        return tok(text, add_special_tokens=False)["input_ids"], None
+    ids: list[int] = []
+    mask: list[int] = []
+    for piece, sampled in split_demonstration(text, tool):
+        p = tok(piece, add_special_tokens=False)["input_ids"]
+        ids += p
+        mask += [int(sampled)] * len(p)
+    return ids, mask
 
 
 def demonstrations(
@@ -126,11 +141,13 @@ def run_sft(
         for agent, tr in trainers.items():
             tok = toks[agent]
             stop = (cfg.agent(agent).sampling.stop or [""])[0]
+            tool = tool_of(workload, agent)
             batch = []
             for prompt, target in demos[agent]:
-                resp = tok(target + stop, add_special_tokens=False)["input_ids"]
+                resp, mask = demonstration_tokens(tok, target + stop, tool)
                 batch.append(Sample(prompt_ids=tok(prompt, add_special_tokens=False)["input_ids"],
-                                    response_ids=resp, logprobs=[0.0] * len(resp), advantage=0.0))
+                                    response_ids=resp, logprobs=[0.0] * len(resp), advantage=0.0,
+                                    loss_mask=mask))
             tr.accumulate(batch, loss_scale=1.0 / max(token_weight(batch), 1.0))
         for tr in {id(t): t for t in trainers.values()}.values():  # a shared base steps once
             tr.step()

@@ -128,7 +128,8 @@ class WorkerContext:
     _inputs: dict[int, dict[int, list[dict[str, Any]]]] = field(default_factory=dict)
     _store: Any = None
     _workload: Any = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: re-entrant: a rollout holding it may replay its trainer (`trainer`), which takes it too
+    lock: threading.RLock = field(default_factory=threading.RLock)
     #: weights versions this process took from a sync's push instead of reading the file
     pushed_loads: int = 0
 
@@ -189,7 +190,7 @@ class WorkerContext:
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[acfg.model.dtype]
             shared = self.shared_engines[key] = SharedBaseEngine(model.to(dtype), tok)
         assert acfg.model.lora is not None
-        shared.add(agent, acfg.model.lora, self._weights(agent, version), version)
+        shared.add(agent, acfg.model.lora, self.weights(agent, version), version)
         return shared.view(agent)
 
     def _new_trainer(self, agent: str) -> Any:
@@ -213,6 +214,43 @@ class WorkerContext:
         shared.load_adapter_state(agent, load_weights(self.loc, agent, 0))
         return make_lora_trainer(acfg, shared)
 
+    @property
+    def one_process(self) -> bool:
+        """Every op of the run runs in this one process (a local cluster of one worker) on a
+        local run folder: no other process needs a weight file or trainer state between
+        checkpoints. (On object storage the op log is uploaded every few seconds, so a resume
+        could not tell which steps a replay must redo: there every step is written.)"""
+        return self.loc.local and self.cfg.cluster.address is None and len(self.cfg.cluster.workers) == 1
+
+    def checkpoint_due(self, version: int) -> bool:
+        """Whether the state after `version` steps is written out: every `train.checkpoint_every`
+        steps and the last one; every step when other processes read it (weights for their
+        rollouts, trainer states for on-demand allocation and lost workers)."""
+        every = self.cfg.train.checkpoint_every
+        return not self.one_process or version % every == 0 or version >= self.cfg.train.iterations
+
+    def weights(self, agent: str, version: int) -> dict[str, torch.Tensor]:
+        """Weights `version` of `agent`: the copy a sync pushed to this process, the published
+        file, or (between checkpoints) this process's trainer at that version, replayed from the
+        last checkpoint if need be."""
+        if "distributed" in sys.modules:  # in a Dask worker: a sync may have pushed them here
+            from flexmarl_core.cluster import pushed_weights
+
+            blob = pushed_weights(self.loc.uri, agent, version)
+            if blob is not None:
+                self.pushed_loads += 1
+                return _from_safetensors(blob, f"weights {agent} v{version} pushed by a sync")
+        key = weights_key(agent, version)
+        if version == 0 or self.loc.is_file(key):
+            return load_weights(self.loc, agent, version)
+        tr, _ = self.trainer(agent, version)
+        if tr.version != version:
+            raise RuntimeError(
+                f"agent {agent!r}: weights version {version} not published at "
+                f"{self.loc.display(key)} and the trainer is at {tr.version}"
+            )
+        return tr.weights()
+
     def engine(self, agent: str, version: int) -> Any:
         """This process's inference engine for `agent`, holding weights `version`."""
         eng = self.engines.get(agent)
@@ -223,22 +261,11 @@ class WorkerContext:
 
             model, tok = self._fresh_model(agent)
             eng = make_inference_engine(self.cfg.agent(agent), model, tok)
-            eng.update_weights(self._weights(agent, version), version)
+            eng.update_weights(self.weights(agent, version), version)
             self.engines[agent] = eng
         elif eng.version != version:
-            eng.update_weights(self._weights(agent, version), version)
+            eng.update_weights(self.weights(agent, version), version)
         return eng
-
-    def _weights(self, agent: str, version: int) -> dict[str, torch.Tensor]:
-        """Weights `version` of `agent`: the copy a sync pushed to this process, else the file."""
-        if "distributed" in sys.modules:  # in a Dask worker: a sync may have pushed them here
-            from flexmarl_core.cluster import pushed_weights
-
-            blob = pushed_weights(self.loc.uri, agent, version)
-            if blob is not None:
-                self.pushed_loads += 1
-                return _from_safetensors(blob, f"weights {agent} v{version} pushed by a sync")
-        return load_weights(self.loc, agent, version)
 
     def trainer(self, agent: str, version: int) -> tuple[Any, dict[str, float]]:
         """This process's trainer for `agent` at `version` (or later: a retried op finds its
@@ -246,12 +273,12 @@ class WorkerContext:
 
         A trainer this process holds at an older version was moved to another worker since
         (on-demand allocation): its state is swapped in from the checkpoint of `version`.
+        Between scheduled checkpoints (`checkpoint_due`) there is none: the state is that of
+        the last checkpoint with the steps since replayed from the store's samples.
         """
         tr = self.trainers.get(agent)
         if tr is not None and tr.version >= version:
             return tr, {}
-        from flexmarl_core.training.handles import load as load_state
-
         t0 = time.perf_counter()
         if tr is None:
             tr = self._new_trainer(agent)
@@ -259,33 +286,53 @@ class WorkerContext:
             self.trainers[agent] = tr
             return tr, {}
         key = trainer_key(agent, version)
-        try:
-            f = self.loc.open_input(key)
-        except FileNotFoundError:
+        if self.loc.is_file(key):
+            nbytes = self._load_trainer_state(tr, agent, version)
+            self.trainers[agent] = tr
+            self.accumulated[agent] = set()  # gradients of the stale copy are not this state's
+            return tr, {"swap_in_s": time.perf_counter() - t0, "swap_in_bytes": float(nbytes)}
+        if self.checkpoint_due(version):
             raise RuntimeError(
                 f"agent {agent!r}: trainer state version {version} is neither in this worker's "
                 f"memory nor checkpointed at {self.loc.display(key)}"
-            ) from None
-        with f:
-            tr.load_state(load_state(f, what=self.loc.display(key)))
-            nbytes = f.tell()
+            )
+        # Between checkpoints, in the run's one process: replay from the newest state at hand
+        # (this process's trainer, or the last checkpoint after a restart).
+        base = max((v for v in self.loc.versions(f"trainers/{agent}") if v < version), default=0)
+        swap: dict[str, float] = {}
+        if base > tr.version:
+            swap = {"swap_in_bytes": float(self._load_trainer_state(tr, agent, base))}
+            self.accumulated[agent] = set()
         self.trainers[agent] = tr
-        self.accumulated[agent] = set()  # gradients of the stale copy are not this state's
-        return tr, {"swap_in_s": time.perf_counter() - t0, "swap_in_bytes": float(nbytes)}
+        from flexmarl_core.stages.train import replay
+
+        with self.lock:
+            replay(self, agent, tr, version)
+        return tr, {**swap, "swap_in_s": time.perf_counter() - t0}
+
+    def _load_trainer_state(self, tr: Any, agent: str, version: int) -> int:
+        """Load the checkpointed state `version` of `agent` into `tr`; returns its size."""
+        from flexmarl_core.training.handles import load as load_state
+
+        key = trainer_key(agent, version)
+        with self.loc.open_input(key) as f:
+            tr.load_state(load_state(f, what=self.loc.display(key)))
+            return f.tell()
 
     def checkpoint_trainer(self, agent: str) -> dict[str, float]:
         """Swap the trainer state out to the shared tier after a step (atomic file), keeping
-        the previous version (a resumed run may need it) and deleting older ones."""
+        the previous checkpoint (a resumed run may need it) and deleting older ones."""
         from flexmarl_core.training.handles import dump
 
         tr = self.trainers[agent]
         t0 = time.perf_counter()
         with self.loc.open_output(trainer_key(agent, tr.version)) as f:
             nbytes = dump(tr.state(), f)
-        for old in self.loc.versions(f"trainers/{agent}"):
-            if old < tr.version - 1:
-                self.loc.delete(trainer_key(agent, old))
+        for old in self.loc.versions(f"trainers/{agent}")[:-2]:
+            self.loc.delete(trainer_key(agent, old))
         return {"swap_out_s": time.perf_counter() - t0, "swap_out_bytes": float(nbytes)}
+
+
 
 
 _CONTEXTS: dict[str, WorkerContext] = {}

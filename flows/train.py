@@ -81,19 +81,21 @@ def train(
     with cluster.cluster_for(cfg.cluster, env=env) as client:
         if cfg.cluster.upload:  # before any task or plugin: the workers unpickle them with this code
             log.info("shipped to the workers: %s", cluster.upload_code(client, cfg.cluster.upload))
-        with PrefectDaskExecutor(client.scheduler.address, run_dir, lean=lean) as ex:
-            log.info("Dask dashboard: %s", client.dashboard_link)
-            # Dask's INFO lines go to <run>/logs, not the terminal (Prefect's stay in its API).
-            cluster.log_to_files(client, scratch / "logs", workers=cfg.cluster.address is None)
-            names = cluster.worker_names(client)
-            workers_cpu0, cpu0 = cluster.worker_cpu_s(client), time.process_time()
-            plan = Plan.build(cfg, MEG.from_config(cfg.team))
-            bar = IterationProgress(plan) if progress else None
-            with bar or contextlib.nullcontext():
-                out = run.train(cfg, loc, ex, on_op_done=bar, resume=resume, plan=plan)
-            flow_cpu = time.process_time() - cpu0
-            workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
-            names.update(cluster.worker_names(client))  # restarted workers have new addresses
+        if lean:  # code in workers that does talk to Prefect (a custom reward) reports cheaply
+            lean_tasks.refresh_worker_settings(client)
+        ex = PrefectDaskExecutor(client, run_dir, flow_run.get_id(), flow_run.run_count, log=log)
+        log.info("Dask dashboard: %s", client.dashboard_link)
+        # Dask's INFO lines go to <run>/logs, not the terminal (Prefect's stay in its API).
+        cluster.log_to_files(client, scratch / "logs", workers=cfg.cluster.address is None)
+        names = cluster.worker_names(client)
+        workers_cpu0, cpu0 = cluster.worker_cpu_s(client), time.process_time()
+        plan = Plan.build(cfg, MEG.from_config(cfg.team))
+        bar = IterationProgress(plan) if progress else None
+        with bar or contextlib.nullcontext():
+            out = run.train(cfg, loc, ex, on_op_done=bar, resume=resume, plan=plan)
+        flow_cpu = time.process_time() - cpu0
+        workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
+        names.update(cluster.worker_names(client))  # restarted workers have new addresses
     (scratch / "metrics" / "workers.json").write_text(json.dumps(names))
     if not loc.local:
         loc.upload(scratch / "metrics" / "workers.json", "metrics/workers.json")

@@ -62,6 +62,9 @@ SAMPLE_FILE_SCHEMA = pa.schema(
         _f("prompt_ids", pa.list_(pa.int32()), "data"),
         _f("response_ids", pa.list_(pa.int32()), "data"),
         _f("logprobs", pa.list_(pa.float32()), "data", True, "per response token"),
+        _f("loss_mask", pa.list_(pa.int8()), "data", True,
+           "per response token: 1 sampled, 0 inserted by a tool (no behaviour logprob); "
+           "null = all sampled (and every store written before tools)"),
         _f("prompt_text", pa.string(), "data"),
         _f("response_text", pa.string(), "data"),
         _f("reward", pa.float64(), "data"),

@@ -1,101 +1,57 @@
-"""The orchestrator's executor on the real stack: Prefect task runs on a Dask cluster.
+"""The orchestrator's executor on the real stack: ops as Dask tasks, reported as Prefect task runs.
 
-Routing is applied with `dask.annotate` around each submit, so the resource tag (and the
-pinned worker, if any) is the one the router chose at that moment. Each task run records the
-task runs of the ops it waited for as its upstream inputs, so the flow run's graph in the
-Prefect UI is the MEG's iteration graph (rollout -> reward -> train -> step -> sync).
+Each op runs as a plain Dask task with the resources (and pinned worker) the router chose at
+that moment (`cluster.DaskExecutor`), retried in the worker per `tasks.stages.RETRIES`; the flow
+process reports it as a task run of the current flow run whose upstream inputs are the task
+runs of the ops it waited for, so the Prefect UI draws each iteration as the MEG's graph
+(rollout -> reward -> train -> step -> sync). Why not one Prefect task per op: `tasks/stages.py`.
 """
 
 from __future__ import annotations
 
-import time
+import logging
+import uuid
 from collections.abc import Sequence
-from contextlib import ExitStack
-from typing import Any
 
-import dask
 import distributed
-from prefect.client.schemas.objects import TaskRunResult
-from prefect_dask import DaskTaskRunner
-from prefect_dask.task_runners import PrefectDaskFuture
 
 from flexmarl_core import cluster
 from flexmarl_core.ops import Op, Route, StageResult
-from tasks.lean import lean_submission, refresh_worker_settings
-from tasks.stages import BY_KIND
+from tasks.stages import RETRIES, RETRY_DELAY_S, TaskRunReporter
 
 
-class PrefectDaskExecutor:
-    """Use as a context manager inside a flow run: `with PrefectDaskExecutor(address) as ex:`."""
+class PrefectDaskExecutor(cluster.DaskExecutor):
+    """Inside a flow run: `PrefectDaskExecutor(client, run_dir, flow_run_id, run_count)`."""
 
-    def __init__(self, address: str, run_dir: str, *, lean: bool = False) -> None:
-        self.runner = DaskTaskRunner(address=address)
-        self.run_dir = str(run_dir)
-        self.lean = lean
-        #: the task run of each op submitted in this flow run (the last one, if resubmitted)
-        self.task_runs: dict[Op, Any] = {}
-        self._stack = ExitStack()
-        self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
-
-    def __enter__(self) -> PrefectDaskExecutor:
-        self._stack.enter_context(self.runner)
-        if self.lean:
-            refresh_worker_settings(self.client)
-            self._stack.enter_context(lean_submission())
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.__exit__(*exc)
+    def __init__(self, client: distributed.Client, run_dir: str, flow_run_id: uuid.UUID | str,
+                 flow_run_count: int = 1, log: logging.Logger | logging.LoggerAdapter | None = None) -> None:
+        super().__init__(client, run_dir, retries=RETRIES, retry_delay_s=RETRY_DELAY_S)
+        self.reporter = TaskRunReporter(flow_run_id, flow_run_count)
+        self.log = log
+        self._ops: dict[distributed.Future, Op] = {}
 
     @property
-    def client(self) -> distributed.Client:
-        return self.runner.client
+    def task_runs(self) -> dict[Op, uuid.UUID]:
+        """The task run of each op submitted in this flow run."""
+        return {op: run.id for op, run in self.reporter.runs.items()}
 
-    def submit(self, op: Op, route: Route, deps: Sequence[Op] = ()) -> PrefectDaskFuture:
-        task = BY_KIND[op.kind]
-        # Ops finished by an earlier attempt (resume) have no task run in this flow run.
-        upstream = {TaskRunResult(id=self.task_runs[d]) for d in deps if d in self.task_runs}
-        annotations: dict[str, Any] = {}
-        if route.resources:
-            annotations["resources"] = route.resources
-        if route.worker:
-            annotations["workers"] = [route.worker]
-        with dask.annotate(**annotations):
-            # What DaskTaskRunner.submit does, with pure=False: every task run has a fresh id,
-            # so hashing its arguments for a deterministic key is wasted work.
-            future = self.client.submit(task, parameters={"run_dir": self.run_dir, "op": op},
-                                        dependencies={"op": upstream}, return_type="state", pure=False)
-        self.task_runs[op] = future.task_run_id
-        return PrefectDaskFuture(wrapped_future=future, task_run_id=future.task_run_id)
+    def submit(self, op: Op, route: Route, deps: Sequence[Op] = ()) -> distributed.Future:
+        future = super().submit(op, route, deps)
+        self._ops[future] = op
+        # Ops finished by an earlier attempt (resume) have no task run here: no edge to them.
+        self.reporter.submitted(op, list(deps), self.now())
+        return future
 
-    def wait_any(self, handles: Sequence[PrefectDaskFuture], timeout: float | None = None) -> list[Any]:
-        by_dask = {h.wrapped_future: h for h in handles}
-        done, _ = distributed.wait(list(by_dask), timeout=timeout, return_when="FIRST_COMPLETED")
-        return [by_dask[f] for f in done]
-
-    def result(self, handle: PrefectDaskFuture) -> StageResult:
-        return handle.result()
-
-    def now(self) -> float:
-        return time.time()
-
-    def worker_resources(self) -> dict[str, dict[str, float]]:
-        # Tags change only when we re-tag (which invalidates) or a worker joins/leaves: a
-        # short-lived cache saves a scheduler round trip per submission wave.
-        now = time.monotonic()
-        if self._tags is None or now - self._tags[0] > 1.0:
-            tags = cluster.worker_resources(self.client)
-            if not tags:  # a transient empty view (worker restarting) must not be cached
-                return tags
-            self._tags = (now, tags)
-        return self._tags[1]
-
-    def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None:
-        cluster.set_worker_resources(self.client, worker, resources)
-        self._tags = None
-
-    def lost(self, exc: BaseException) -> bool:
-        if cluster.lost_worker(exc):
-            self._tags = None  # the worker set changed: route the resubmission on fresh tags
-            return True
-        return False
+    def result(self, handle: distributed.Future) -> StageResult:
+        op = self._ops.pop(handle)
+        try:
+            res = handle.result()
+        except Exception as exc:
+            if not cluster.lost_worker(exc):  # a lost worker: the orchestrator resubmits the op
+                self.reporter.failed(op, exc, self.now())
+            raise
+        self.reporter.finished(op, res)
+        if res.retries and self.log is not None:
+            for i, (_, _, err) in enumerate(res.retries, 1):
+                self.log.warning("%s: attempt %d failed (%s); retried (%d/%d)", op.name, i, err, i, RETRIES[op.kind])
+        return res

@@ -1,35 +1,30 @@
-"""Lean task submission: cut Prefect's per-task bookkeeping about 5x on a local cluster.
+"""Cheap Prefect reporting from processes flexmarl starts: the local server's batching and the
+workers' Prefect settings.
 
-Measured on this machine (100 no-op task runs, 2 Dask worker processes): stock Prefect costs
-~0.43 CPU-s per task run, this mode ~0.08. Where the time went, and what we change:
+Stage ops no longer run Prefect's task engine in the workers (`tasks/stages.py`), so workers
+talk to Prefect only if user code in them does (a custom reward logging to Prefect). For that
+code the lean settings still apply, as measured when every op was a worker-side task run
+(~0.43 CPU-s per task run stock, ~0.08 lean):
 
-- `serialize_context()` dumps the whole Settings model with every submission, and each worker
-  re-validates it (~54 pydantic-settings sub-models). Workers we start inherit the same
-  environment, so we send an empty settings context and they use their own.
 - Each worker-side Prefect client builds an SSL context from the 230 KB CA bundle, even for a
-  plain-http API (~50 ms a task run here). For an http API we point `PREFECT_API_SSL_CERT_FILE`
-  at a one-certificate file (never for https, where it would break verification of the real
+  plain-http API (~50 ms here). For an http API we point `PREFECT_API_SSL_CERT_FILE` at a
+  one-certificate file (never for https, where it would break verification of the real
   server).
 - Those variables reach a worker through the nanny's `env`, which is applied after the spawned
   process has imported Prefect (re-importing `__main__` does) and built its settings from the
   parent's environment. A worker plugin rebuilds Prefect's global settings in every worker,
   restarted ones included, so the variables take effect.
-
-Task runs, names, states, retries and logs in the API are unchanged (tests/test_run_e2e.py).
-Requires the workers' environment to carry `PREFECT_API_URL`; relies on prefect 3.9.1 and
-prefect-dask 0.3.7 internals, which pyproject.toml pins.
+- `server_env` batches the local server's task-run recorder and event persister: the task-run
+  events the flow sends (several per op) are written in batches.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import prefect.context as _pctx
-import prefect_dask.client as _pdc
 from distributed import Client, WorkerPlugin
 
 
@@ -80,26 +75,3 @@ class FreshPrefectSettings(WorkerPlugin):
 
 def refresh_worker_settings(client: Client) -> None:
     client.register_plugin(FreshPrefectSettings())
-
-
-@contextmanager
-def lean_submission() -> Iterator[None]:
-    """While active, task submissions from this process carry no settings context."""
-    original = _pdc.serialize_context
-    settings_serialize = _pctx.SettingsContext.serialize
-
-    def serialize_without_settings(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        # Skip dumping the settings model (the dominant flow-side cost) for this call only.
-        _pctx.SettingsContext.serialize = lambda self, include_secrets=True: {}  # type: ignore[method-assign]
-        try:
-            ctx = original(*args, **kwargs)
-        finally:
-            _pctx.SettingsContext.serialize = settings_serialize  # type: ignore[method-assign]
-        ctx["settings_context"] = {}
-        return ctx
-
-    _pdc.serialize_context = serialize_without_settings
-    try:
-        yield
-    finally:
-        _pdc.serialize_context = original

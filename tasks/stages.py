@@ -1,25 +1,38 @@
-"""Prefect tasks generated from the stage registry: one task per op kind, each taking the run
-folder and the `Op`; its task run is named by `Op.name` (`rollout[solver] it=3 mb=2`).
+"""The stages' task runs: each op is one Prefect task run named by `Op.name`
+(`rollout[solver] it=3 mb=2`), with the task runs of the ops it waited for as its upstream
+inputs, so the flow run's graph in the Prefect UI is the MEG's iteration graph.
 
-Tasks pass ids and paths, never models: models and trainer states stay in the worker process
-(`flexmarl_core.worker`). Every stage is idempotent (the MEG Store dedupes by sample id and
-policy version; train/step/sync check the trainer's version), so a retry cannot duplicate work.
+The op itself runs as a plain Dask task (`stages.run_stage_retrying`): Prefect's task engine on
+the worker cost ~18 ms of worker CPU and the submission ~49 ms of flow CPU per op, more than a
+small stage's own work. Instead the flow process *reports* each task run to the API the way
+Prefect's client-side task engine does: `prefect.task-run.<State>` events (Pending at submit;
+Running and AwaitingRetry per failed attempt; Completed or Failed when it ends, with the
+worker's own timestamps), which the server's task-run recorder turns into task runs and
+states. The events worker sends them on its websocket in the background.
+
 Retries per kind below: rollouts and rewards are cheap to redo, a trainer op twice at most.
+They run in the worker (no round trip), and each attempt shows in the API as a retry of that
+task run (`run_count`, AwaitingRetry states with the error). Every stage is idempotent (the MEG
+Store dedupes by sample id and policy version; train/step/sync check the trainer's version), so
+a retry cannot duplicate work. A worker that dies is Dask's or the orchestrator's to rerun: the
+same task run then counts one more run.
 """
 
 from __future__ import annotations
 
+import contextvars
+import datetime as dt
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
-from prefect import Task, task
-from prefect.cache_policies import NO_CACHE
-
 from flexmarl_core.ops import OP_KINDS, Op, StageResult
-from flexmarl_core.stages import STAGES, run_stage
 
-#: Prefect task retries per op kind (a worker that dies is Dask's to rerun, not Prefect's)
+#: task retries per op kind (a worker that dies is Dask's to rerun, not a retry)
 RETRIES: dict[str, int] = {"rollout": 2, "reward": 2, "train": 1, "step": 1, "sync": 2}
-#: what each kind's work is, for the task's description in the UI
+#: seconds between a failed attempt and the next
+RETRY_DELAY_S = 1.0
+#: what each kind's work is (the task run's tag in the UI says the kind)
 WORK: dict[str, str] = {
     "rollout": "CPU/GPU: generate one micro-batch for one agent node and write it to the store.",
     "reward": "CPU: score one micro-batch of trajectories and append rewards to the store.",
@@ -27,30 +40,116 @@ WORK: dict[str, str] = {
     "step": "CPU/GPU: the agent's optimizer step once its global batch is in.",
     "sync": "IO: publish the agent's new weights to its rollout instances.",
 }
+if set(RETRIES) != set(OP_KINDS) or set(WORK) != set(OP_KINDS):
+    raise RuntimeError(f"RETRIES/WORK cover {sorted(RETRIES)}, op kinds are {list(OP_KINDS)}")
 
 
-def _task_run_name(parameters: dict[str, Any]) -> str:
-    return parameters["op"].name
+def _iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat()
 
 
-def stage_task(run_dir: str, op: Op) -> StageResult:
-    """Run one op's stage in this worker (see `flexmarl_core.stages`)."""
-    return run_stage(run_dir, op)
+@dataclass
+class _Run:
+    id: uuid.UUID
+    dynamic_key: str
+    submitted: float
+    inputs: list[dict[str, str]]
+    run_count: int = 0
+    start: float | None = None
+    last_event: uuid.UUID | None = None
+    tags: list[str] = field(default_factory=list)
 
 
-def _make(kind: str) -> Task:
-    # The task wraps the module-level `stage_task`, so Dask pickles it by reference: a
-    # decorated function whose module attribute is the Task object is pickled by value with
-    # every submission (cloudpickle walks its globals; measured as the flow process's largest
-    # per-submit cost). Results are small objects the orchestrator reads; persisting them
-    # would cost an API write each.
-    t = task(stage_task, name=kind, description=WORK[kind], retries=RETRIES[kind],
-             retry_delay_seconds=1, cache_policy=NO_CACHE, persist_result=False,
-             task_run_name=_task_run_name)
-    t.task_key = f"flexmarl-{kind}"  # one function behind every kind: keep their keys apart
-    return t
+class TaskRunReporter:
+    """Reports the ops of one flow run as its task runs (see the module docstring)."""
 
+    def __init__(self, flow_run_id: uuid.UUID | str, flow_run_count: int = 1) -> None:
+        from prefect.events.worker import EventsWorker
 
-if set(STAGES) != set(OP_KINDS):
-    raise RuntimeError(f"stages registered for {sorted(STAGES)}, op kinds are {list(OP_KINDS)}")
-BY_KIND: dict[str, Task] = {kind: _make(kind) for kind in OP_KINDS}
+        self.flow_run_id = str(flow_run_id)
+        self.flow_run_count = flow_run_count
+        self._worker = EventsWorker.instance()
+        self.runs: dict[Op, _Run] = {}
+        # The events worker attaches related resources from the caller's context (the flow
+        # run's, with API reads); ours are explicit, so send from an empty context.
+        self._ctx = contextvars.Context()
+
+    def task_run_id(self, op: Op) -> uuid.UUID | None:
+        run = self.runs.get(op)
+        return run.id if run else None
+
+    def submitted(self, op: Op, deps: list[Op], t: float) -> None:
+        if op in self.runs:  # resubmitted after losing its worker: the same task run, run again
+            return
+        # A flow-run retry starts its dynamic keys afresh; keep them apart from attempt 1's.
+        key = op.name if self.flow_run_count <= 1 else f"{op.name} (flow run {self.flow_run_count})"
+        inputs = [{"input_type": "task_run", "id": str(self.runs[d].id)} for d in deps if d in self.runs]
+        run = _Run(uuid.uuid4(), key, t, inputs, tags=[op.kind])
+        self.runs[op] = run
+        self._emit(op, run, t, "PENDING", "Pending")
+
+    def finished(self, op: Op, res: StageResult) -> None:
+        """`op` ended well in `res`: its failed attempts, then Completed (its start time and
+        run count in the task run; a Running state of its own would cost the server a third
+        more work per op for a state nobody sees on ops this short)."""
+        run = self.runs[op]
+        for t0, t1, err in res.retries:
+            self._attempt(op, run, t0, t1, err, last=False)
+        run.run_count += 1
+        run.start = run.start if run.start is not None else res.t_start
+        self._emit(op, run, res.t_end, "COMPLETED", "Completed")
+
+    def failed(self, op: Op, exc: BaseException, t: float) -> None:
+        """`op` failed for good (its retries are spent): every attempt, the last one Failed."""
+        run = self.runs[op]
+        attempts = getattr(exc, "flexmarl_attempts", None) or [[run.start or run.submitted, t, repr(exc)]]
+        for i, (t0, t1, err) in enumerate(attempts):
+            self._attempt(op, run, t0, t1, err, last=i == len(attempts) - 1)
+
+    def _attempt(self, op: Op, run: _Run, t0: float, t1: float, err: str, *, last: bool) -> None:
+        self._running(op, run, t0)
+        if last:
+            self._emit(op, run, t1, "FAILED", "Failed", message=f"Task run failed: {err}")
+        else:
+            self._emit(op, run, t1, "SCHEDULED", "AwaitingRetry",
+                       message=f"Retry {run.run_count}/{RETRIES[op.kind]}: {err}",
+                       details={"scheduled_time": _iso(t1 + RETRY_DELAY_S)})
+
+    def _running(self, op: Op, run: _Run, t: float) -> None:
+        run.run_count += 1
+        run.start = run.start if run.start is not None else t
+        self._emit(op, run, t, "RUNNING", "Running")
+
+    def _emit(self, op: Op, run: _Run, t: float, type_: str, name: str, *, message: str | None = None,
+              details: dict[str, Any] | None = None) -> None:
+        from prefect.events import Event
+
+        final = type_ in ("COMPLETED", "FAILED")
+        task_run = {
+            "name": op.name, "task_key": f"flexmarl-{op.kind}", "dynamic_key": run.dynamic_key,
+            "empirical_policy": {"retries": RETRIES[op.kind], "retry_delay": RETRY_DELAY_S},
+            "tags": run.tags, "labels": {}, "task_inputs": {"op": run.inputs},
+            "run_count": run.run_count, "flow_run_run_count": self.flow_run_count,
+            "expected_start_time": _iso(run.submitted),
+        }
+        if run.start is not None:
+            task_run["start_time"] = _iso(run.start)
+        if final and run.start is not None:
+            task_run["end_time"] = _iso(t)
+            task_run["total_run_time"] = max(t - run.start, 0.0)
+        state = {"type": type_, "name": name, "message": message or "", "state_details": details or {}}
+        event = Event(
+            id=uuid.uuid4(), occurred=dt.datetime.fromtimestamp(t, dt.UTC),
+            event=f"prefect.task-run.{name}",
+            resource={"prefect.resource.id": f"prefect.task-run.{run.id}", "prefect.resource.name": op.name,
+                      "prefect.run-count": str(run.run_count), "prefect.state-name": name,
+                      "prefect.state-type": type_, "prefect.orchestration": "client"},
+            related=[{"prefect.resource.id": f"prefect.flow-run.{self.flow_run_id}",
+                      "prefect.resource.role": "flow-run"},
+                     *({"prefect.resource.id": f"prefect.tag.{tag}", "prefect.resource.role": "tag"}
+                       for tag in run.tags)],
+            payload={"intended": {"to": type_}, "validated_state": {**state, "data": None}, "task_run": task_run},
+            follows=run.last_event,
+        )
+        run.last_event = event.id
+        self._ctx.run(self._worker.send, event)

@@ -20,9 +20,10 @@ import torch
 from safetensors.torch import load_file
 
 from flexmarl_core.config import load_config
+from flexmarl_core.location import RunLocation
 from flexmarl_core.meg import MEG
 from flexmarl_core.stages import faults_dir
-from flexmarl_core.worker import weights_path
+from flexmarl_core.worker import trainer_state_path, weights_path
 from storage import MEGStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,9 +126,12 @@ def test_worker_killed_mid_stage_run_completes_exactly_once(baseline, dask_clust
     assert_same_weights(baseline, cfg)
     ops = [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines()]
     if victim.startswith("train"):
-        # mb=0's gradients died with the worker: the step accumulated them again from the store.
+        # mb=0's gradients died with the worker. Either the step accumulated them again from the
+        # store, or Dask reran mb=0 itself (its result was held on the dead worker, and ops are
+        # plain Dask tasks now); the same weights above show they reached the update once.
         step = next(o for o in ops if o["op"] == "step[solver] it=1")
-        assert step["agent/solver/recomputed_mbs"] >= 1 or step.get("skipped"), step
+        assert step["agent/solver/recomputed_mbs"] in (0.0, 1.0) or step.get("skipped"), step
+        assert sum(o["op"] == "step[solver] it=1" for o in ops) == 1, "the step ran twice"
 
 
 def test_stage_raising_once_is_retried_by_prefect(baseline, dask_cluster, tmp_path):
@@ -277,6 +281,61 @@ def test_kill_9_training_process_then_resume(baseline, prefect_api, tmp_path):
     assert all(n.startswith("train[") and " it=1 " in n + " " for n in repeated), repeated
     iterations = [json.loads(x) for x in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in iterations] == list(range(ITERATIONS))
+
+
+#: one worker, so trainer states and weight files stay in its memory between checkpoints
+ONE_WORKER = "cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}]"
+SCHEDULED = ["train.iterations=5", "train.checkpoint_every=2"]  # checkpoints v2, v4 and v5
+
+
+def test_kill_9_between_checkpoints_then_resume_replays(prefect_api, dask_cluster, tmp_path):
+    """`train.checkpoint_every=2` on one worker: killed in iteration 3 (state v3 only in the
+    dead worker's memory, last checkpoint v2), the resumed run replays iteration 2's update from
+    the store's samples and ends with the uninterrupted run's weights."""
+    base = [f"run_dir={tmp_path}/baseline", f"cluster.address={dask_cluster}", *COMMON, *SCHEDULED]
+    state = _flow(base)
+    assert state.is_completed(), state.message
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO)}
+    sets = [x for o in [f"run_dir={run_dir}", *COMMON, *SCHEDULED, ONE_WORKER] for x in ("--set", o)]
+    proc = _cli("train", TINY, *sets, "--no-progress", env=env)
+    log = run_dir / "metrics" / "ops.jsonl"
+    deadline = time.time() + 600
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            rows = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+            if any(r["iteration"] == 3 and r["kind"] == "train" for r in rows):
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, f"run ended before the kill: {proc.stdout.read() if proc.stdout else ''}"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    done_before = [json.loads(x)["op"] for x in log.read_text().splitlines() if x.strip()]
+    agents = MEG.from_config(load_config(TINY).team).trainable_agents
+    stepped = [a for a in agents if f"step[{a}] it=2" in done_before]
+    assert stepped, "killed too early: no agent had stepped iteration 2"
+    for a in stepped:  # its state v3 lived only in the killed worker
+        assert trainer_state_path(run_dir, a, 2).exists() and not trainer_state_path(run_dir, a, 3).exists()
+        assert not weights_path(run_dir, a, 3).exists()
+    resumed = _cli("train", "--resume", str(run_dir), "--no-progress", env=env)
+    out, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, out[-3000:]
+    cfg, want = load_config(run_dir / "config.yaml"), load_config(TINY, base)
+    assert_exactly_once(cfg)
+    for a in agents:
+        wa = load_file(str(weights_path(want.resolved_run_dir(), a, 5)))
+        wb = load_file(str(weights_path(run_dir, a, 5)))
+        # float32 weights of magnitude ~0.1-1 after a replayed update: the same samples and
+        # order give the same sums up to reassociation, far inside 1e-4.
+        for k in wa:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6, msg=f"{a}.{k}")
+        assert RunLocation(run_dir).versions(f"trainers/{a}") == [4, 5]
+    names = [json.loads(x)["op"] for x in log.read_text().splitlines() if x.strip()]
+    repeated = {n for n in names if names.count(n) > 1}
+    assert all(n.startswith("train[") and " it=3 " in n + " " for n in repeated), repeated
 
 
 def test_resume_refuses_a_changed_config(tmp_path):

@@ -40,6 +40,9 @@ class Generation:
     logprobs: list[float]  #: one per response token (module docstring gives the definition)
     finish_reason: FinishReason
     version: int  #: policy version of the weights that produced it (on-policy check)
+    #: per response token: 1 = sampled, 0 = inserted by a tool (`inference/tools.py`);
+    #: None = all sampled
+    loss_mask: list[int] | None = None
 
 
 @runtime_checkable

@@ -84,6 +84,11 @@ class AdapterEngine:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.shared.tokenizer
 
+    @property
+    def eos_ids(self) -> list[int]:
+        """The base's end tokens (a tool loop continues from token ids and needs them)."""
+        return self.shared.eos_ids
+
     def generate(
         self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
     ) -> list[Generation]:

@@ -20,13 +20,17 @@ def scoring_temperature(temperature: float) -> float:
     return float(temperature) if temperature > 0 else 1.0
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, inplace: bool = False
+) -> torch.Tensor:
     """log p(targets) under softmax(logits / T).
 
     Args:
         logits: (..., V) raw model logits, any float dtype.
         targets: (...) token ids (long).
         temperature: the sampling temperature (see `scoring_temperature`).
+        inplace: the caller no longer needs `logits` (e.g. a model output that no backward
+            saves): the temperature is applied in place, so no second (..., V) copy is made.
     Returns:
         (...) fp32 log-probabilities. Uses gather - logsumexp rather than a full log_softmax so
         no (..., V) output tensor is kept for backward.
@@ -34,6 +38,6 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     scaled = logits.float()
     t = scoring_temperature(temperature)
     if t != 1.0:
-        scaled = scaled / t
+        scaled = scaled.div_(t) if inplace else scaled / t
     picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(scaled, dim=-1)

@@ -22,9 +22,11 @@ def faults_dir(run_dir: str | os.PathLike[str]) -> str:
     - `raise@<op>`: the stage raises `InjectedFault` once (Prefect's task retries rerun it).
     - `fail@<op>`: the stage raises `InjectedFault` N times, N the file's integer content
       (empty: 1), one per attempt; N above the task's retries fails the op, hence the flow run.
+    - `hog@<op>`: the stage allocates memory until the worker is restarted for it, on every
+      attempt (an op that can never fit, like an oversized micro-batch); not consumed.
 
-    Each marker is consumed (removed, or decremented) before it fires, so the rerun goes through.
-    For a run on an object store the folder is the prefix `<run uri>.faults/`."""
+    Other markers are consumed (removed, or decremented) before they fire, so the rerun goes
+    through. For a run on an object store the folder is the prefix `<run uri>.faults/`."""
     return os.fspath(run_dir).rstrip("/") + FAULTS_SUFFIX
 
 
@@ -44,6 +46,8 @@ def fault_point(run_dir: str, op_name: str) -> None:
     if os.path.exists(kill):
         os.remove(kill)
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.path.exists(os.path.join(folder, f"hog@{op_name}")):
+        _hog()
     once = os.path.join(folder, f"raise@{op_name}")
     if os.path.exists(once):
         os.remove(once)
@@ -65,13 +69,15 @@ def fault_point(run_dir: str, op_name: str) -> None:
 
 
 def _remote_fault_point(loc: RunLocation, op_name: str) -> None:
-    """`fault_point` on an object store: one listing per op, the same three markers."""
+    """`fault_point` on an object store: one listing per op, the same markers."""
     names = set(loc.list())
     if not names:
         return
     if f"kill@{op_name}" in names:
         loc.delete(f"kill@{op_name}")
         os.kill(os.getpid(), signal.SIGKILL)
+    if f"hog@{op_name}" in names:
+        _hog()
     if f"raise@{op_name}" in names:
         loc.delete(f"raise@{op_name}")
         raise InjectedFault(f"injected fault (raise@) in {op_name}")
@@ -85,3 +91,13 @@ def _remote_fault_point(loc: RunLocation, op_name: str) -> None:
             loc.write_text(counted, str(left - 1))
         if left >= 1:
             raise InjectedFault(f"injected fault (fail@, {left} left) in {op_name}")
+
+
+def _hog() -> None:
+    """Touch 64 MiB blocks until the Nanny's memory monitor restarts this process."""
+    import time
+
+    blocks = []
+    while True:
+        blocks.append(bytearray(b"x" * (64 << 20)))
+        time.sleep(0.02)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 from flexmarl_core.location import weights_key
 from flexmarl_core.ops import OP_KINDS, Op, OpKind, StageResult
@@ -66,6 +68,26 @@ def weights_version(ctx: WorkerContext, agent: str, iteration: int) -> int:
     return oldest
 
 
+def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 1.0) -> StageResult:
+    """`run_stage`, tried up to `1 + retries` times in this worker. The result lists the failed
+    attempts (`StageResult.retries`); when every attempt fails, the last error is raised with
+    all attempts as its `flexmarl_attempts`, so the flow can report each one."""
+    failed: list[list[Any]] = []
+    while True:
+        t0 = time.time()
+        try:
+            res = run_stage(run_dir, op)
+        except Exception as exc:
+            failed.append([t0, time.time(), f"{type(exc).__name__}: {exc}"])
+            if len(failed) > retries:
+                exc.flexmarl_attempts = failed  # type: ignore[attr-defined]
+                raise
+            time.sleep(delay_s)
+            continue
+        res.retries = failed
+        return res
+
+
 def run_stage(run_dir: str, op: Op) -> StageResult:
     """Run `op`'s stage in this process, measured."""
     fault_point(run_dir, op.name)
@@ -74,4 +96,6 @@ def run_stage(run_dir: str, op: Op) -> StageResult:
     res = fn(context(run_dir), op)
     res.worker, res.t_start, res.t_end = worker_name(), t0, time.time()
     res.cpu_s = time.process_time() - c0
+    # Linux reports ru_maxrss in KiB: the process's peak, what Dask's memory monitor watches.
+    res.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return res

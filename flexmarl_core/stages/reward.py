@@ -26,16 +26,29 @@ def reward(ctx: WorkerContext, op: Op) -> StageResult:
             final[(r["input_id"], r["traj"])][agent] = r["response_text"]
     rewards: dict[tuple[str, int], dict[str, float]] = {}
     correct = []
+    problems: dict[str, Problem] = {}
     for (input_id, traj), outputs in final.items():
         inp = inputs[input_id]
-        problem = Problem(input_id=input_id, text=inp["text"], answer=inp["answer"], meta=inp["meta"])
+        problem = problems.setdefault(input_id, Problem(input_id=input_id, text=inp["text"],
+                                                        answer=inp["answer"], meta=inp["meta"]))
         rewards[(input_id, traj)] = ctx.workload.reward(problem, outputs)
         correct.append(float(ctx.workload.is_correct(problem, outputs)))
     metrics = {"team/accuracy": sum(correct) / max(len(correct), 1)}
     for agent, rows in samples.items():
+        # The last turn gets the trajectory's reward; the workload may pay earlier turns for
+        # their own work (`turn_rewards`).
+        turns: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+        for r in rows:
+            turns[(r["input_id"], r["traj"])].append(r)
+        per_sample: dict[str, float] = {}
+        for key, trs in turns.items():
+            trs.sort(key=lambda r: r["turn"])
+            given = ctx.workload.turn_rewards(problems[key[0]], agent, [r["response_text"] for r in trs],
+                                              rewards[key][agent])
+            per_sample.update((r["sample_id"], float(v)) for r, v in zip(trs, given, strict=True))
         status = [
             {"sample_id": r["sample_id"], "policy_version": r["policy_version"], "mb": mb,
-             "reward": float(rewards[(r["input_id"], r["traj"])][agent])}
+             "reward": per_sample[r["sample_id"]]}
             for r in rows
         ]
         if ctx.cfg.agent(agent).trainable:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flexmarl_core.inference.tools import generate_with_tool, tool_of
 from flexmarl_core.meg import NodeKey, sample_id
 from flexmarl_core.ops import Op, StageResult, agent_key
 from flexmarl_core.stages.registry import stage, stage_seed, weights_version
@@ -35,19 +36,27 @@ def rollout(ctx: WorkerContext, op: Op) -> StageResult:
         pushed = ctx.pushed_loads
         eng = ctx.engine(agent, version)
         pushed = ctx.pushed_loads - pushed  # 1: the weights came from a sync's broadcast
-        gens = eng.generate(prompts, ctx.cfg.agent(agent).sampling, seed=stage_seed(ctx.cfg.seed, it, agent, turn, mb))
+        gens = generate_with_tool(eng, prompts, ctx.cfg.agent(agent).sampling,
+                                  stage_seed(ctx.cfg.seed, it, agent, turn, mb), tool_of(ctx.workload, agent))
     rows = [
         {
             "sample_id": sample_id(input_id, traj, agent, turn),
             "input_id": input_id, "traj": traj, "turn": turn, "mb": mb,
             "policy_version": g.version, "parents": par,
             "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "logprobs": g.logprobs,
+            "loss_mask": g.loss_mask,
             "prompt_text": prompt, "response_text": g.text,
         }
         for (input_id, traj, par), prompt, g in zip(meta, prompts, gens, strict=True)
     ]
     ctx.store.write_samples(agent, it, rows)
     tokens = sum(len(g.response_ids) for g in gens)
-    return StageResult(op, samples=len(rows), tokens=tokens, version=version,
-                       metrics={agent_key(agent, "response_tokens"): tokens / max(len(rows), 1),
-                                **({agent_key(agent, "rollout/pushed_weights"): 1.0} if pushed else {})})
+    # One batch decodes until its longest row ends: rows that finished early still take a
+    # decode step each (the long tail's cost), counted here against the tokens kept.
+    steps = max((len(g.response_ids) for g in gens), default=0)
+    return StageResult(op, samples=len(rows), tokens=tokens, version=version, metrics={
+        agent_key(agent, "response_tokens"): tokens / max(len(rows), 1),
+        agent_key(agent, "rollout/decode_slots"): float(steps * len(gens)),
+        agent_key(agent, "rollout/wasted_decode_slots"): float(steps * len(gens) - tokens),
+        **({agent_key(agent, "rollout/pushed_weights"): 1.0} if pushed else {}),
+    })

@@ -1,4 +1,5 @@
-"""Weight sync: publish the agent's new weights to its rollout instances."""
+"""Weight sync: publish the agent's new weights to its rollout instances (a file when a
+checkpoint is due or other processes roll out, `WorkerContext.checkpoint_due`)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,18 @@ def sync(ctx: WorkerContext, op: Op) -> StageResult:
         raise ConsistencyError(f"{op.name}: trainer is at version {tr.version}, expected {it + 1}")
     with ctx.lock:
         state = tr.weights()
-        blob = publish_weights(ctx.loc, agent, tr.version, state)
+        # Between checkpoints of a one-process run nobody reads the file: the instance here
+        # takes the weights from memory (and a restarted one from the replayed trainer).
+        blob = b""
+        if ctx.checkpoint_due(tr.version):
+            blob = publish_weights(ctx.loc, agent, tr.version, state)
         eng = ctx.engines.get(agent)
         if eng is not None:  # an instance in this process takes the weights from memory
             eng.update_weights(state, tr.version)
     push: dict[str, float] = {}
     # Only for a remote location: a file on local disk (page cache) reads in milliseconds, less
     # than a broadcast costs the sync; the Dask module is loaded only in a Dask worker.
-    if not ctx.loc.local and "distributed" in sys.modules:
+    if blob and not ctx.loc.local and "distributed" in sys.modules:
         from flexmarl_core.cluster import push_weights
 
         push = push_weights(ctx.loc.uri, agent, tr.version, blob)

@@ -7,6 +7,8 @@ or ordered: the accumulated gradient equals the whole global batch's.
 
 from __future__ import annotations
 
+from typing import Any
+
 from flexmarl_core.algorithms import advantage_scope, compute_advantages
 from flexmarl_core.algorithms.losses import token_weight
 from flexmarl_core.location import trainer_key
@@ -60,13 +62,46 @@ def train(ctx: WorkerContext, op: Op) -> StageResult:
     if tr.version != it or (it, mb) in done:
         # A retry after the work was done (version moved on, or this micro-batch is in the grads).
         return StageResult(op, skipped=True, swap=swap)
+    rows, batch = _micro_batch(ctx, tr, op)
+    scale = loss_scale(ctx, agent)
+    with ctx.lock:
+        stats, trained, skipped = _accumulate(ctx, tr, agent, batch)
+        done.add((it, mb))
+    _mark_consumed(ctx, agent, it, mb, rows)
+    tokens = int(token_weight(trained))
+    # The trainer's figures are token sums times `scale`: report per-token means of this
+    # micro-batch (an iteration's figure is their token-weighted mean, metrics.py).
+    per_token = 1.0 / (scale * max(tokens, 1))
+    metrics = {agent_key(agent, f"train/{k}"): float(v) * per_token for k, v in stats.items()}
+    if ctx.cfg.agent(agent).algorithm.skip_zero_advantage:
+        metrics[agent_key(agent, "train/skipped_samples")] = float(len(skipped))
+        metrics[agent_key(agent, "train/skipped_tokens")] = float(sum(
+            len(s.prompt_ids) + len(s.response_ids) for s in skipped))
+    if ctx.cfg.codesign.max_staleness:
+        lag = [tr.version - r["policy_version"] for r, _ in rows]  # versions behind the update
+        metrics[agent_key(agent, "staleness")] = sum(lag) / max(len(lag), 1)
+    return StageResult(op, samples=len(trained), tokens=tokens, swap=swap, metrics=metrics)
+
+
+def _accumulate(ctx: WorkerContext, tr: Any, agent: str,
+                batch: list[Sample]) -> tuple[dict[str, float], list[Sample], list[Sample]]:
+    """Forward + backward of `batch` into `tr` (zero-advantage samples skipped where the agent
+    asks for it), the same way in a train op and in a step's or a replay's recomputation, so a
+    replay reproduces the run's gradients exactly. Call with `ctx.lock` held."""
+    skip = ctx.cfg.agent(agent).algorithm.skip_zero_advantage
+    trained, skipped = skip_zero_advantage(batch) if skip else (batch, [])
+    return tr.accumulate(trained, loss_scale=loss_scale(ctx, agent)), trained, skipped
+
+def _micro_batch(ctx: WorkerContext, tr: Any, op: Op) -> tuple[list[tuple[dict[str, Any], float]], list[Sample]]:
+    """The (row, advantage) pairs and training samples of `op`'s micro-batch, from the store."""
+    agent, it, mb = op.agent, op.iteration, op.mb
     alg = ctx.cfg.agent(agent).algorithm
     # Group-scoped estimators need only this micro-batch (whole groups); batch-scoped ones
     # (REINFORCE++) normalise over the iteration, whose rewards the plan waits for.
     whole = advantage_scope(alg.advantage) == "batch"
     # Consumed-or-not does not matter here: the trainer is still at `it`, so no update has
     # applied these samples yet; a `consumed_step` on them was written by an attempt whose
-    # gradients died with its process (the version check above keeps this exactly-once).
+    # gradients died with its process (the version check keeps this exactly-once).
     rows = ctx.store.ready(agent, it, need=("reward",), unconsumed=False, mb=None if whole else mb).to_pylist()
     per_mb = samples_per_step(ctx, agent) // ctx.cfg.batch.num_micro_batches
     expected = per_mb * (ctx.cfg.batch.num_micro_batches if whole else 1)
@@ -79,32 +114,38 @@ def train(ctx: WorkerContext, op: Op) -> StageResult:
     ).tolist()
     mine = [(r, a) for r, a in zip(rows, adv, strict=True) if r["mb"] == mb]
     batch = [
-        Sample(prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], logprobs=r["logprobs"], advantage=a)
+        Sample(prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], logprobs=r["logprobs"],
+               advantage=a, loss_mask=r.get("loss_mask"))
         for r, a in mine
     ]
-    scale = loss_scale(ctx, agent)
-    with ctx.lock:
-        stats = tr.accumulate(batch, loss_scale=scale)
-        done.add((it, mb))
+    return mine, batch
+
+
+def _mark_consumed(ctx: WorkerContext, agent: str, it: int, mb: int,
+                   mine: list[tuple[dict[str, Any], float]]) -> None:
     ctx.store.write_status(agent, it, [
         {"sample_id": r["sample_id"], "policy_version": r["policy_version"], "mb": mb,
          "advantage": a, "consumed_step": it}
         for r, a in mine
     ])
-    tokens = int(token_weight(batch))
-    # The trainer's figures are token sums times `scale`: report per-token means of this
-    # micro-batch (an iteration's figure is their token-weighted mean, metrics.py).
-    per_token = 1.0 / (scale * max(tokens, 1))
-    metrics = {agent_key(agent, f"train/{k}"): float(v) * per_token for k, v in stats.items()}
-    if ctx.cfg.codesign.max_staleness:
-        lag = [tr.version - r["policy_version"] for r, _ in mine]  # versions behind the update
-        metrics[agent_key(agent, "staleness")] = sum(lag) / max(len(lag), 1)
-    return StageResult(op, samples=len(batch), tokens=tokens, swap=swap, metrics=metrics)
+
+
+def skip_zero_advantage(batch: list[Sample]) -> tuple[list[Sample], list[Sample]]:
+    """(samples to train, samples skipped): a sample whose advantage is exactly 0 (a GRPO group
+    with all-equal rewards) adds exactly 0 to the gradient when kl_coef is 0 (the config
+    enforces it), so its forward and backward are skipped. One sample is always kept, so every
+    micro-batch still counts as accumulated (its gradient is then exactly 0)."""
+    trained = [s for s in batch if s.advantage != 0.0]
+    if not trained:
+        trained = batch[:1]
+    kept = {id(s) for s in trained}
+    return trained, [s for s in batch if id(s) not in kept]
 
 
 @stage("step")
 def step(ctx: WorkerContext, op: Op) -> StageResult:
-    """The agent's optimizer step once its global batch is in; checkpoints the new state."""
+    """The agent's optimizer step once its global batch is in; checkpoints the new state when
+    one is due (`WorkerContext.checkpoint_due`)."""
     agent, it = op.agent, op.iteration
     if ctx.loc.exists(trainer_key(agent, it + 1)):
         # An earlier attempt stepped and checkpointed (then died or was retried): take that state.
@@ -114,19 +155,36 @@ def step(ctx: WorkerContext, op: Op) -> StageResult:
     if tr.version == it + 1:
         # An earlier attempt stepped but failed to checkpoint: checkpoint, never step twice.
         with ctx.lock:
-            swap = ctx.checkpoint_trainer(agent)
+            swap = ctx.checkpoint_trainer(agent) if ctx.checkpoint_due(tr.version) else {}
         return StageResult(op, version=tr.version, skipped=True, swap=swap)
-    done = ctx.accumulated.setdefault(agent, set())
-    missing = [j for j in range(ctx.cfg.batch.num_micro_batches) if (it, j) not in done]
-    # Micro-batches whose gradients died with another process (a killed worker, a trainer that
-    # moved) are accumulated again from the store: same samples, same gradients.
-    for j in missing:
-        train(ctx, Op(it, "train", agent, mb=j))
     with ctx.lock:
-        res = tr.step()
-        done.clear()
-        swap = ctx.checkpoint_trainer(agent)
-    return StageResult(op, version=res.version, swap=swap, metrics={
-        agent_key(agent, "train/grad_norm"): res.grad_norm,
+        grad_norm, missing = _step(ctx, agent, tr, it)
+        swap = ctx.checkpoint_trainer(agent) if ctx.checkpoint_due(tr.version) else {}
+    return StageResult(op, version=tr.version, swap=swap, metrics={
+        agent_key(agent, "train/grad_norm"): grad_norm,
         agent_key(agent, "recomputed_mbs"): float(len(missing)),
     })
+
+
+def _step(ctx: WorkerContext, agent: str, tr: Any, it: int, *, replaying: bool = False) -> tuple[float, list[int]]:
+    """Step `tr` from version `it`; micro-batches whose gradients are not in it (they died with
+    another process, the trainer moved, or a replay) are accumulated again from the store: same
+    samples, same gradients. Call with `ctx.lock` held."""
+    done = ctx.accumulated.setdefault(agent, set())
+    missing = [j for j in range(ctx.cfg.batch.num_micro_batches) if (it, j) not in done]
+    for j in missing:
+        rows, batch = _micro_batch(ctx, tr, Op(it, "train", agent, mb=j))
+        _accumulate(ctx, tr, agent, batch)
+        if not replaying:
+            _mark_consumed(ctx, agent, it, j, rows)
+    res = tr.step()
+    done.clear()
+    return res.grad_norm, missing
+
+
+def replay(ctx: WorkerContext, agent: str, tr: Any, version: int) -> None:
+    """Bring `tr` to `version` by redoing the steps since its own version from the samples in
+    the store (their rewards and advantages are already there): the steps after the last
+    checkpoint, after a restart. The samples stay as they are (already marked consumed)."""
+    while tr.version < version:
+        _step(ctx, agent, tr, tr.version, replaying=True)

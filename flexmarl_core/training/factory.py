@@ -40,6 +40,9 @@ def make_trainer(
         ref_model = copy.deepcopy(model)
     cls: Any = TorchTrainer
     extra: dict[str, Any] = {}
+    if backend == "torch":
+        extra = {"chunk_tokens": agent.backend.train_chunk_tokens,
+                 "activation_checkpointing": agent.backend.activation_checkpointing}
     if backend == "deepspeed" and agent.backend.training_dp > 1:
         from flexmarl_core.training.dp_trainer import DataParallelDeepSpeedTrainer
 
@@ -71,4 +74,6 @@ def make_lora_trainer(agent: AgentConfig, shared: Any) -> TrainBackend:
     algo = agent.algorithm
     return LoraTrainer(shared, agent.name, loss_fn=make_loss_fn(algo), loss_weight_fn=token_weight,
                        lr=algo.lr, weight_decay=algo.weight_decay, max_grad_norm=algo.max_grad_norm,
-                       bf16=algo.bf16, temperature=agent.sampling.temperature)
+                       bf16=algo.bf16, temperature=agent.sampling.temperature,
+                       chunk_tokens=agent.backend.train_chunk_tokens,
+                       activation_checkpointing=agent.backend.activation_checkpointing)

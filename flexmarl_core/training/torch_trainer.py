@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from flexmarl_core.models.logprobs import token_logprobs
 from flexmarl_core.training.api import LossFn, LossWeightFn, MicroBatch, StepResult, TokenBatch
 from flexmarl_core.training.collate import collate
+from flexmarl_core.training.memory import chunk_rows, default_chunk_tokens
 
 #: 2: flat buffers (one tensor each for weights, grads, Adam moments); 1 still loads.
 STATE_FORMAT = 2
@@ -74,7 +75,10 @@ def response_logprobs(
     # Score every position in the span against the next input token, then pick the response
     # positions: gathering (B, R, V) logit rows instead would cost a V-wide scatter in backward.
     next_tokens = input_ids[:, lo + 1 : hi + 1]  # (B, T')
-    per_pos = token_logprobs(logits, next_tokens, temperature)  # (B, T')
+    # Lean: one full-vocabulary tensor is kept for backward (the fp32, temperature-scaled
+    # logits that logsumexp saves), not also the raw logits and a scaled copy.
+    per_pos = token_logprobs(logits, next_tokens, temperature, inplace=True)  # (B, T')
+    del logits
     index = (batch.target_index.to(dev) - lo).clamp_(min=0)  # padding entries were 0
     return per_pos.gather(1, index)  # (B, R)
 
@@ -112,7 +116,23 @@ class PolicyGradientSteps(ABC):
     def _optimizer_step(self) -> float:
         """Apply the accumulated gradients (clip, optimizer, zero); returns the gradient norm."""
 
+    #: token budget of one forward/backward (`training/memory.py`); None: the whole micro-batch
+    chunk_tokens: int | None = None
+
     def accumulate(self, micro_batch: MicroBatch, loss_scale: float) -> dict[str, float]:
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in micro_batch]
+        out: dict[str, float] = {}
+        # The loss is a token sum, so the chunks' gradients add up to the micro-batch's.
+        for rows in chunk_rows(lengths, self.chunk_tokens):
+            part = micro_batch if len(rows) == len(micro_batch) else [micro_batch[i] for i in rows]
+            for k, v in self._accumulate_chunk(part, loss_scale).items():
+                out[k] = out.get(k, 0.0) + v
+        self._pending += 1
+        for k, v in out.items():
+            self._metrics[k] = self._metrics.get(k, 0.0) + v
+        return out
+
+    def _accumulate_chunk(self, micro_batch: MicroBatch, loss_scale: float) -> dict[str, float]:
         batch = collate(micro_batch, self.pad_id)
         if self.ref_model is not None:
             with torch.no_grad():
@@ -123,11 +143,8 @@ class PolicyGradientSteps(ABC):
         logprobs = self._logprobs(self._policy(), batch)
         loss, metrics = self.loss_fn(logprobs, batch)
         self._backward(loss * loss_scale)
-        self._pending += 1
         out = {"loss": float(loss.detach()) * loss_scale}
         out.update({k: float(v) * loss_scale for k, v in metrics.items()})
-        for k, v in out.items():
-            self._metrics[k] = self._metrics.get(k, 0.0) + v
         return out
 
     def step(self) -> StepResult:
@@ -163,8 +180,15 @@ class TorchTrainer(PolicyGradientSteps):
         temperature: float = 1.0,
         ref_model: PreTrainedModel | None = None,
         pad_id: int | None = None,
+        chunk_tokens: int | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
         self.model = model.float().train()
+        if activation_checkpointing:
+            # Non-reentrant: works with the flat-buffer parameters and needs no grad on inputs.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.chunk_tokens = chunk_tokens if chunk_tokens is not None else default_chunk_tokens(
+            model.config, activation_checkpointing=activation_checkpointing)
         self.loss_fn = loss_fn
         self.loss_weight_fn = loss_weight_fn
         self.max_grad_norm = max_grad_norm

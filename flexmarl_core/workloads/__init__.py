@@ -6,9 +6,11 @@
     rewards = wl.reward(batch[0], {"planner": "7*2", "solver": "14", "verifier": "14"})
 
 Kinds (`workload.kind`): ``arithmetic`` (synthetic, for tiny CPU models; the default),
-``dataset`` (JSONL / Parquet + field mapping), ``callable`` (a user function yields
-problems), ``gsm8k``, ``code`` (a coder -> tester team rewarded by running the code in the
-sandbox). Any kind takes user reward callables (`workload.reward`,
+``longtail`` (running sums whose written working grows with the problem, a long-tail
+length distribution), ``dataset`` (JSONL / Parquet + field mapping), ``callable`` (a user
+function yields problems), ``gsm8k``, ``code`` (a coder -> tester team rewarded by running the code in the
+sandbox), ``calculator`` (a planner -> solver team over MEG rounds, the solver calling a
+calculator tool inside its responses). Any kind takes user reward callables (`workload.reward`,
 `workload.agent_rewards`). Contracts are in `api`; reward shape in `api`'s docstring.
 """
 
@@ -33,6 +35,7 @@ from flexmarl_core.workloads.api import (
 )
 from flexmarl_core.workloads.arithmetic import ArithmeticWorkload
 from flexmarl_core.workloads.base import AnswerPoolWorkload, PoolWorkload, RuleWorkload
+from flexmarl_core.workloads.calculator import CalculatorWorkload
 from flexmarl_core.workloads.callables import (
     CallableRef,
     CallableWorkload,
@@ -41,16 +44,19 @@ from flexmarl_core.workloads.callables import (
 )
 from flexmarl_core.workloads.code import CodeWorkload
 from flexmarl_core.workloads.dataset import DatasetWorkload, GSM8KWorkload, gsm8k_path, resolve_path
+from flexmarl_core.workloads.longtail import LongTailWorkload
 
 __all__ = [
     "SPLITS",
     "AnswerPoolWorkload",
     "ArithmeticWorkload",
+    "CalculatorWorkload",
     "CallableRef",
     "CallableWorkload",
     "CodeWorkload",
     "DatasetWorkload",
     "GSM8KWorkload",
+    "LongTailWorkload",
     "PoolWorkload",
     "Problem",
     "RewardCallable",
@@ -118,9 +124,19 @@ def _arithmetic(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> R
     return ArithmeticWorkload(params=cfg.params, **common)
 
 
+def _longtail(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> RuleWorkload:
+    _unused(cfg, "path", "callable", "fields")
+    return LongTailWorkload(params=cfg.params, **common)
+
+
 def _code(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> RuleWorkload:
     _unused(cfg, "path", "callable", "fields")
     return CodeWorkload(params=cfg.params, **common)
+
+
+def _calculator(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> RuleWorkload:
+    _unused(cfg, "path", "callable", "fields")
+    return CalculatorWorkload(params=cfg.params, **common)
 
 
 def _dataset(cfg: WorkloadConfig, common: dict[str, Any], base_dir: Any) -> RuleWorkload:
@@ -179,6 +195,8 @@ _BUILDERS: dict[str, Callable[[WorkloadConfig, dict[str, Any], Any], RuleWorkloa
     "gsm8k": _gsm8k,
     "callable": _callable,
     "code": _code,
+    "longtail": _longtail,
+    "calculator": _calculator,
 }
 
 
@@ -214,7 +232,23 @@ def make_workload(
         "team_reward": team_reward,
         "agent_rewards": agent_rewards,
     }
+    if cfg.kind == "calculator":
+        common["rounds"] = team.rounds
     workload = _BUILDERS[cfg.kind](cfg, common, base_dir)
+    _check_tool_backends(workload, team)
     if isinstance(workload, PoolWorkload):
         workload.pools()  # read the data now: bad rows fail at startup, not mid-run
     return workload
+
+
+def _check_tool_backends(workload: RuleWorkload, team: TeamConfig) -> None:
+    """A tool loop needs an engine that continues from token ids (`inference/tools.py`): the
+    HF engine. vLLM is refused here, at config load, rather than mid-rollout."""
+    get = getattr(workload, "tool", None)
+    for agent in team.agents:
+        if get is not None and get(agent.name) is not None and agent.backend.inference != "hf":
+            raise WorkloadError(
+                f"agent {agent.name!r} calls a tool (workload.kind={type(workload).__name__}), "
+                f"which backend.inference={agent.backend.inference!r} does not support: the tool "
+                f"loop runs on the hf engine; set team.agents.{agent.name}.backend.inference=hf"
+            )

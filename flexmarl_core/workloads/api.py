@@ -83,6 +83,11 @@ class Workload(Protocol):
         """
         ...
 
+    def turn_rewards(self, problem: Problem, agent: str, turns: list[str], final: float) -> list[float]:
+        """Each of `agent`'s turns' reward (turns in round order); `final` is its `reward`
+        share for the last turn's outputs (`RuleWorkload`: every turn gets `final`)."""
+        ...
+
     def is_correct(self, problem: Problem, outputs: Mapping[str, str]) -> bool:
         """Whether the team's answer (the output agent's text) earns full marks."""
         ...

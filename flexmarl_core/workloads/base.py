@@ -162,6 +162,14 @@ class RuleWorkload(ABC):
         """0..1: does `agent`'s output look like what that agent should write."""
         return 1.0 if outputs.get(agent, "").strip() else 0.0
 
+    def turn_rewards(self, problem: Problem, agent: str, turns: list[str], final: float) -> list[float]:
+        """The reward of each of `agent`'s turns (its responses in round order) in one
+        trajectory, given `final`, its share of `reward` for the last turn's outputs.
+
+        Default: every turn gets `final`. A workload that can check an earlier turn exactly
+        pays that turn for its own work instead (per-turn credit)."""
+        return [final] * len(turns)
+
     # -- the shared rule ----------------------------------------------------------------------
 
     def _team(self, problem: Problem, outputs: Mapping[str, str]) -> float:

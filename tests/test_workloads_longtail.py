@@ -1,0 +1,107 @@
+"""The long-tail reasoning team: lengths that follow difficulty, rewards, demonstrations, config."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from flexmarl_core.config import load_config
+from flexmarl_core.models import get_tokenizer
+from flexmarl_core.workloads import LongTailWorkload, WorkloadError, make_workload
+from flexmarl_core.workloads.longtail import parse_terms, step_count, work_answer, working
+from tests._models_util import cache_dir
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "longtail_team.yaml"
+
+
+def workload(**overrides: str) -> LongTailWorkload:
+    cfg = load_config(CONFIG, [f"workload.params.{k}={v}" for k, v in overrides.items()])
+    wl = make_workload(cfg.workload, cfg.team)
+    assert isinstance(wl, LongTailWorkload)
+    return wl
+
+
+def test_working_is_the_running_sum():
+    plan, work, answer = working([7, 3, 5, -2, 8])
+    assert (plan, work, answer) == ("7+3=10", "+5=15;-2=13;+8=21;A=21", 21)
+    assert working([4, -1]) == ("4-1=3", "A=3", 3)
+    assert parse_terms("7+3+5-2+8") == [7, 3, 5, -2, 8]
+    assert parse_terms("7+") is None and parse_terms("17+3") is None
+    assert work_answer("+5=15;A=15") == 15 and work_answer("+5=15;A=") is None
+    assert step_count(work) == 3
+
+
+def test_problems_are_deterministic_disjoint_and_in_range():
+    wl = workload()
+    a = wl.problems("train", 300, seed=0)
+    assert [p.text for p in a] == [p.text for p in wl.problems("train", 300, seed=0)]
+    assert [p.text for p in a[100:]] == [p.text for p in wl.problems("train", 200, seed=0, offset=100)]
+    held = {p.text for p in wl.problems("heldout", 300, seed=0)}
+    assert not held & {p.text for p in a}
+    for p in a:
+        terms = parse_terms(p.text)
+        assert terms is not None and 2 <= len(terms) <= wl.params.max_steps + 2
+        total = 0
+        for t in terms:
+            total += t
+            assert 0 <= total <= wl.params.max_total, p.text
+        assert str(total) == p.answer
+        assert work_answer(p.meta["working"]) == total
+
+
+def test_sampled_length_follows_difficulty_with_a_long_tail():
+    """Demonstrated working (what SFT teaches the solver to write) spans a few tokens to a few
+    hundred, its length set by the number of terms, with most problems short."""
+    wl, tok = workload(), get_tokenizer(cache_dir())
+    ps = wl.problems("train", 1000, seed=0)
+    lens = sorted(len(tok.encode(p.meta["working"], add_special_tokens=False)) for p in ps)
+    p50, p90, top = lens[500], lens[900], lens[-1]
+    assert lens[0] <= 6 and top >= 150, (lens[0], top)
+    assert p50 < 40 and p90 > 3 * p50, (p50, p90)  # most are short, the tail is long
+    # Length grows with difficulty: each step is 5 or 6 tokens (a one- or two-digit total),
+    # plus 3 or 4 for the answer.
+    for p in ps:
+        n, s = len(tok.encode(p.meta["working"], add_special_tokens=False)), p.meta["steps"]
+        assert 5 * s + 3 <= n <= 6 * s + 4, (p.text, n)
+    # Fits the solver's budget in the shipped config.
+    cfg = load_config(CONFIG)
+    assert top < cfg.agent("solver").sampling.max_new_tokens
+
+
+def test_rewards_per_agent_and_format():
+    wl = workload()
+    p = wl.problems("train", 5, seed=1)[3]
+    right = {"planner": p.meta["plan"], "solver": p.meta["working"], "verifier": p.answer}
+    assert wl.reward(p, right) == {"planner": 1.0, "solver": 1.0, "verifier": 1.0}
+    wrong_answer = str(int(p.answer) + 1)
+    wrong = {"planner": "1+1=3", "solver": "+1=2;A=" + wrong_answer, "verifier": wrong_answer}
+    r = wl.reward(p, wrong)
+    # Well-formed but wrong: the format term only (format_weight 0.1 in the config).
+    assert r == {"planner": pytest.approx(0.1), "solver": pytest.approx(0.1), "verifier": pytest.approx(0.1)}
+    assert wl.reward(p, {"planner": "??", "solver": "A=", "verifier": "x"}) == {
+        "planner": 0.0, "solver": 0.0, "verifier": 0.0}
+    assert wl.is_correct(p, right) and not wl.is_correct(p, wrong)
+
+
+def test_demonstrations_include_the_working_and_perturbations_are_wrong():
+    wl = workload()
+    rng = random.Random(0)
+    for p in wl.problems("train", 50, seed=2):
+        assert wl.demonstration(p, "solver", {}) == p.meta["working"]
+        assert wl.demonstration(p, "planner", {}) == p.meta["plan"]
+        assert wl.demonstration(p, "verifier", {}) == p.answer
+        slip = wl.perturbation(p, "solver", rng)
+        assert work_answer(slip) is not None and str(work_answer(slip)) != p.answer
+        assert wl.perturbation(p, "verifier", rng) != p.answer
+
+
+def test_bad_params_and_roles_fail_with_the_field():
+    with pytest.raises(WorkloadError, match="max_steps"):
+        workload(max_steps="0")
+    with pytest.raises(WorkloadError, match="unknown agent"):
+        workload(roles="{critic: plan}")
+    with pytest.raises(WorkloadError, match="role 'plan'"):
+        workload(roles="{verifier: plan}")
