@@ -110,3 +110,26 @@ def test_lora_team_with_staleness_through_the_prefect_flow_on_dask(prefect_api, 
     for it in range(3):
         versions = set(store.read_samples("solver", it, columns=["policy_version"]).column("policy_version").to_pylist())
         assert versions and versions <= {it - 1, it} - {-1}, (it, versions)
+
+
+def test_lora_staleness_between_checkpoints_matches_checkpointing_every_step(prefect_api, tmp_path):
+    """One worker process with `train.checkpoint_every=2`: adapters between checkpoints come from
+    the trainer in memory (no weight file), and the run ends where the every-step run does."""
+    from safetensors.torch import load_file
+
+    from flows.train import train
+
+    lora = "{base: tiny-1m, lora: {rank: 4}}"
+    common = ["cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}]", "cluster.prefect_lean=true",
+              "train.iterations=3", "train.evaluate=false", "codesign.max_staleness=1", *OFF_POLICY,
+              *[f"team.agents.{a}.model={lora}" for a in ("planner", "solver", "verifier")]]
+    for every in (1, 2):
+        state = train(TINY, [f"run_dir={tmp_path}/e{every}", f"train.checkpoint_every={every}", *common],
+                      progress=False, return_state=True)
+        assert state.is_completed(), state.message
+    assert not (tmp_path / "e2" / "weights" / "solver" / "v1.safetensors").exists()
+    for a in ("planner", "solver", "verifier"):
+        want = load_file(str(tmp_path / "e1" / "weights" / a / "v3.safetensors"))
+        got = load_file(str(tmp_path / "e2" / "weights" / a / "v3.safetensors"))
+        # Same samples in the same order through the same fp32 ops in one process: equal bits.
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), a
