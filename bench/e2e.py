@@ -15,7 +15,10 @@ resident memory per worker (`peak_rss_gib`), and the work that never reaches a g
 decode steps of rows finished early (`wasted_decode_frac`) and skipped zero-advantage samples
 (`skipped_train_frac`), with `same_work` checking both modes did exactly the same work.
 With --ablation it also runs each switch off alone (keys `ablation.<switch>`); with --reference,
-the synchronous schedule on a shared worker pool (key `reference.sync_shared_pool`).
+the synchronous schedule on a shared worker pool (key `reference.sync_shared_pool`); with
+--staleness K..., the co-design with `codesign.max_staleness=K` and every agent on the
+`decoupled_ppo` loss (keys `staleness.k<K>`: E2E s/it, utilisation, speedup over k = 0, the
+`codesign` mode).
 """
 
 from __future__ import annotations
@@ -35,6 +38,17 @@ SWITCHES = ["dependency_parallel", "load_balancing", "async_pipeline", "on_deman
 
 SHARED_POOL = ("cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}, "
                "{name: w1, resources: {rollout: 1, train: 1}}]")
+
+
+def staleness_modes(config: str, ks: list[int]) -> dict[str, list[str]]:
+    """Co-design with bounded staleness k (k > 0 needs an off-policy loss on every agent)."""
+    from flexmarl_core.config import load_config
+
+    agents = [a.name for a in load_config(config).team.agents]
+    on = [f"codesign.{s}=true" for s in SWITCHES]
+    return {f"staleness.k{k}": [*on, f"codesign.max_staleness={k}",
+                                *[f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in agents]]
+            for k in ks if k > 0}
 
 
 def modes(ablation: bool, reference: bool = False) -> dict[str, list[str]]:
@@ -203,6 +217,8 @@ def main() -> int:
     ap.add_argument("--reference", action="store_true",
                     help="also the sync schedule on a shared worker pool (no static instances)")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
+    ap.add_argument("--staleness", type=int, nargs="*", default=[],
+                    help="also the co-design at codesign.max_staleness=K (decoupled_ppo), per K > 0")
     ap.add_argument("--no-prefect-cost", action="store_true",
                     help="skip the plain-Dask runs that price Prefect's bookkeeping (no prefect_* keys)")
     args = ap.parse_args()
@@ -220,7 +236,7 @@ def main() -> int:
     api, _ = ensure_api()
     from flows.train import train
 
-    all_modes = modes(args.ablation, args.reference)
+    all_modes = {**modes(args.ablation, args.reference), **staleness_modes(args.config, args.staleness)}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {m: [] for m in all_modes}
     out_dir = REPO / "runs" / ("bench-e2e" if args.workload in (None, "default") else f"bench-e2e-{args.workload}")
@@ -299,6 +315,10 @@ def main() -> int:
         if m.startswith("reference."):
             res[m] = {"e2e_s": med(m, "e2e_s_per_iteration"), "util": med(m, "utilization"),
                       "speedup_of_codesign": med(m, "e2e_s_per_iteration") / res["e2e_s_codesign"]}
+        if m.startswith("staleness."):
+            res[m] = {"e2e_s": med(m, "e2e_s_per_iteration"), "util": med(m, "utilization"),
+                      "tokens_per_s": med(m, "tokens_per_s"),
+                      "speedup_vs_k0": res["e2e_s_codesign"] / med(m, "e2e_s_per_iteration")}
         if m.startswith("ablation."):
             res[m] = {"e2e_s": med(m, "e2e_s_per_iteration"),
                       "slowdown_vs_codesign": med(m, "e2e_s_per_iteration") / res["e2e_s_codesign"],

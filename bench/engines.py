@@ -22,6 +22,17 @@ Scale-out rows (when the extras are importable; otherwise the JSON says why they
 
 The run ends with one table of every row (HF/torch, vLLM, DeepSpeed, DeepSpeed DP-2).
 
+LoRA team rows (`lora_team`, per preset; --lora-agents N, default 3, rank 8 on every linear
+layer; skipped without peft): memory of N agents as adapters on one base against N full
+models, counted as the bytes of distinct tensor storages the objects hold (exact, unlike RSS
+on a shared box): `full_infer_bytes` (N engines) vs `lora_infer_bytes` (one shared-base engine
+with N adapters), `full_train_bytes` vs `lora_train_bytes` (N trainers after one AdamW step:
+weights, grads, Adam moments; LoRA: one frozen fp32 base + N adapters' states), `*_ratio` =
+lora / full; `full_swap_bytes` vs `lora_swap_bytes` (one agent's trainer state, what an
+on-demand swap moves) and `full_sync_bytes` vs `lora_sync_bytes` (one published weights
+version); `mixed_gen_tok_s` (one batch mixing the N adapters) vs `full_gen_tok_s` (the same
+batch on one full model).
+
 Runs are interleaved (engine, plain, engine, ...) after a warm-up, so machine noise hits both
 sides alike; ratios use the best run of each side (on a shared, loaded box the best run is the
 least disturbed one), medians are in the JSON too. Targets: gen_ratio = engine/plain tokens/s >= 0.9 and
@@ -261,6 +272,93 @@ def scale_out_rows(presets: list[str], tok, reps: int) -> dict:
     return out
 
 
+def _storage_bytes(*objs) -> int:
+    """Bytes of the distinct tensor storages reachable from modules, trainers and dicts."""
+    seen: dict[int, int] = {}
+
+    def visit(x) -> None:
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        elif isinstance(x, torch.nn.Module):
+            for t in [*x.parameters(), *x.buffers()]:
+                visit(t)
+                if t.grad is not None:
+                    visit(t.grad)
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, list | tuple):
+            for v in x:
+                visit(v)
+        elif hasattr(x, "optimizer"):  # a trainer: its module, flat buffers and Adam state
+            visit(x.model)
+            visit([x._flat, x._flat_grad])
+            visit(list(x.optimizer.state.values()))
+
+    for o in objs:
+        visit(o)
+    return sum(seen.values())
+
+
+def bench_lora_team(preset: str, tok, n: int, reps: int) -> dict:
+    """N LoRA agents on one base vs N full models: memory, swap/sync bytes, mixed-batch speed."""
+    from flexmarl_core.config import LoraSpec
+    from flexmarl_core.inference.lora_engine import SharedBaseEngine
+    from flexmarl_core.models.lora import SharedBase, initial_adapter_state
+    from flexmarl_core.training.lora_trainer import LoraTrainer
+
+    base = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
+    spec = LoraSpec(rank=8)
+    agents = [f"agent{i}" for i in range(n)]
+    loss = make_loss_fn(AlgorithmConfig())
+    samples = train_batch(len(tok))[:4]
+    # Inference: N full engines vs one shared-base engine with N adapters.
+    full_engines = [HFInferenceEngine(copy.deepcopy(base), tok) for _ in agents]
+    shared = SharedBaseEngine(copy.deepcopy(base), tok)
+    for a in agents:
+        shared.add(a, spec, initial_adapter_state(base, spec, seed=0, agent=a), version=0)
+    full_infer = _storage_bytes(*[e.model for e in full_engines])
+    lora_infer = _storage_bytes(shared.model)
+    prompts = gen_prompts(GEN_BATCH)
+    names = [agents[i % n] for i in range(GEN_BATCH)]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=GEN_NEW)
+    mixed_s, full_s = [], []
+    for r in range(reps + 1):  # interleaved, the first of each is a warm-up
+        t0 = time.perf_counter()
+        shared.generate_mixed(prompts, names, sampling, seed=r)
+        t1 = time.perf_counter()
+        full_engines[0].generate(prompts, sampling, seed=r)
+        t2 = time.perf_counter()
+        if r:
+            mixed_s.append(t1 - t0)
+            full_s.append(t2 - t1)
+    del full_engines, shared
+    # Training: N full trainers vs N adapter trainers on one fp32 base, after one step each.
+    full_tr = [TorchTrainer(copy.deepcopy(base), loss_fn=loss, loss_weight_fn=token_weight) for _ in agents]
+    sb = SharedBase(copy.deepcopy(base))
+    lora_tr = []
+    for a in agents:
+        sb.add(a, spec)
+        lora_tr.append(LoraTrainer(sb, a, loss_fn=loss, loss_weight_fn=token_weight))
+    for tr in [*full_tr, *lora_tr]:
+        tr.accumulate(samples, loss_scale=1e-3)
+        tr.step()
+    toks = GEN_BATCH * GEN_NEW
+    row = {
+        "agents": n, "rank": spec.rank, "base_params": num_params(base),
+        "adapter_params": sum(p.numel() for _, p in sb.adapter_params(agents[0])),
+        "full_infer_bytes": full_infer, "lora_infer_bytes": lora_infer,
+        "infer_ratio": round(lora_infer / full_infer, 4),
+        "full_train_bytes": _storage_bytes(*full_tr), "lora_train_bytes": _storage_bytes(sb.model, *lora_tr),
+        "full_swap_bytes": _storage_bytes(full_tr[0].state()), "lora_swap_bytes": _storage_bytes(lora_tr[0].state()),
+        "full_sync_bytes": _storage_bytes(full_tr[0].weights()), "lora_sync_bytes": _storage_bytes(lora_tr[0].weights()),
+        "mixed_gen_tok_s": round(toks / min(mixed_s), 1), "full_gen_tok_s": round(toks / min(full_s), 1),
+    }
+    row["train_ratio"] = round(row["lora_train_bytes"] / row["full_train_bytes"], 4)
+    return row
+
+
 def print_table(rows: list[dict], scale_out: dict) -> None:
     """Every engine side by side, per preset: generate tok/s, step s, push / swap ms."""
     def cell(v: float | None, width: int, prec: int) -> str:
@@ -294,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per side")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--no-scale-out", action="store_true", help="skip the vLLM / DeepSpeed rows")
+    ap.add_argument("--lora-agents", type=int, default=3, help="team size of the LoRA rows (0 skips them)")
+    ap.add_argument("--only-lora", action="store_true", help="only the LoRA team rows")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     presets = args.presets or (["tiny-1m", "tiny-10m"] if args.quick else ["tiny-1m", "tiny-10m", "tiny-50m"])
@@ -304,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'preset':<10} {'params':>7} | {'engine tok/s':>12} {'plain tok/s':>11} {'ratio':>6} | "
           f"{'engine step s':>13} {'plain step s':>12} {'ratio':>6}")
-    for preset in presets:
+    for preset in presets if not args.only_lora else ():
         model = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
         gen_e, gen_p = bench_generate(model, tok, reps)
         step_e, step_p = bench_train(model, train_batch(len(tok)), reps)
@@ -329,7 +429,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{preset:<10} {row['params'] / 1e6:>6.1f}M | {e_tok:>12.0f} {p_tok:>11.0f} "
               f"{row['gen_ratio']:>6.2f} | {e_step:>13.3f} {p_step:>12.3f} {row['step_ratio']:>6.2f}")
         del model
-    scale_out = {} if args.no_scale_out else scale_out_rows(presets, tok, reps)
+    scale_out = {} if args.no_scale_out or args.only_lora else scale_out_rows(presets, tok, reps)
+    lora_team: dict = {}
+    if args.lora_agents > 0:
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            lora_team = {"skipped": "peft not importable: pip install 'flexmarl[peft]'"}
+        for preset in presets if not lora_team else ():
+            lr = lora_team[preset] = bench_lora_team(preset, tok, args.lora_agents, reps)
+            print(f"lora team {preset:<10} {lr['agents']} agents: inference {lr['lora_infer_bytes'] / 1e6:.1f} MB "
+                  f"vs {lr['full_infer_bytes'] / 1e6:.1f} MB full ({lr['infer_ratio']:.2f}x), training "
+                  f"{lr['lora_train_bytes'] / 1e6:.1f} vs {lr['full_train_bytes'] / 1e6:.1f} MB "
+                  f"({lr['train_ratio']:.2f}x), swap {lr['lora_swap_bytes'] / 1e3:.0f} vs "
+                  f"{lr['full_swap_bytes'] / 1e3:.0f} kB, mixed batch {lr['mixed_gen_tok_s']:.0f} vs "
+                  f"{lr['full_gen_tok_s']:.0f} tok/s")
     result = {
         "bench": "engines",
         "setup": {
@@ -349,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
         "scale_out": scale_out,
+        "lora_team": lora_team,
     }
     print_table(rows, scale_out)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,13 @@ bench wrote), so RL settings can be compared on the same SFT-only starting point
 Held-out accuracy is measured on `--heldout` problems (default 512, ~10 s of greedy decoding):
 at the config's 128 one measurement is +-0.04, as large as the effect being measured.
 
-JSON: acc_sft, acc_rl (= acc_async), acc_sync, acc_async (fractions, mean over seeds), seeds,
-iterations, and per-seed rows.
+Mode `k1` (`--modes async k1`): the async pipeline with bounded staleness
+`codesign.max_staleness=1` and every agent on `decoupled_ppo`, from the same SFT checkpoints
+(`acc_k1`; k = 0 is `async`). A LoRA team is the same bench with `--set` giving every agent
+`model={base: tiny-1m, lora: {...}}` (its SFT then trains the one shared base).
+
+JSON: acc_sft, acc_rl (= acc_async), acc_sync, acc_async, acc_k1 (fractions, mean over seeds),
+seeds, iterations, and per-seed rows.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def main() -> int:
     ap.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
     ap.add_argument("--seeds", type=int, nargs="*", default=None)
     ap.add_argument("--iterations", type=int, default=None)
-    ap.add_argument("--modes", nargs="*", default=None, choices=["sync", "async"])
+    ap.add_argument("--modes", nargs="*", default=None, choices=["sync", "async", "k1"])
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     ap.add_argument("--sft-from", default=None, metavar="DIR",
                     help="reuse SFT checkpoints DIR/sft-<seed>/ckpt instead of running SFT")
@@ -87,10 +92,14 @@ def main() -> int:
             sft = run_sft(cfg, out_dir=ckpt, log=lambda m: print(m, flush=True))
             row = {"seed": seed, "sft_steps": sft["steps"], "sft_s": time.time() - ts}
         for mode in run_modes:
-            value = "true" if mode == "async" else "false"
+            value = "false" if mode == "sync" else "true"
             overrides = [*RL_BATCH, *base, f"run_dir={out_dir}/{mode}-{seed}", f"train.iterations={iterations}",
                          f"train.init_from={ckpt}", "train.evaluate_initial=true",
                          *[f"codesign.{s}={value}" for s in SWITCHES]]
+            if mode == "k1":
+                agents = [a.name for a in load_config(args.config, base).team.agents]
+                overrides += ["codesign.max_staleness=1",
+                              *[f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in agents]]
             tr = time.time()
             with temporary_settings(updates={PREFECT_API_URL: api}):
                 state = train(args.config, overrides, progress=False, return_state=True)
@@ -112,12 +121,13 @@ def main() -> int:
 
     res = {"seeds": seeds, "iterations": iterations, "heldout": args.heldout, "overrides": args.set,
            "acc_sft": mean("acc_sft"), "acc_sync": mean("acc_sync"), "acc_async": mean("acc_async"),
+           "acc_k1": mean("acc_k1"),
            "bench_wall_s": time.time() - t0, "rows": rows}
     res["acc_rl"] = res["acc_async"] if res["acc_async"] is not None else res["acc_sync"]
-    print(f"\n{'seed':>4s} {'SFT-only':>9s} {'sync':>7s} {'async':>7s}")
+    print(f"\n{'seed':>4s} {'SFT-only':>9s} {'sync':>7s} {'async':>7s} {'k1':>7s}")
     for r in rows:
         print(f"{r['seed']:4d} {r['acc_sft']:9.3f} {r.get('acc_sync', float('nan')):7.3f} "
-              f"{r.get('acc_async', float('nan')):7.3f}")
+              f"{r.get('acc_async', float('nan')):7.3f} {r.get('acc_k1', float('nan')):7.3f}")
     print(f"mean: SFT-only {res['acc_sft']:.3f}, RL {res['acc_rl']:.3f} "
           f"(+{res['acc_rl'] - res['acc_sft']:.3f})")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraSpec(_Strict):
+    """A LoRA adapter (PEFT) on the agent's base model: only the adapter trains and moves."""
+
+    rank: int = Field(8, ge=1, le=1024, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Names of the base model's linear layers that get an adapter.",
+    )
+
+
 class ModelConfig(_Strict):
+    base: str | None = Field(
+        None,
+        description="Shared base model of a LoRA agent: a preset name or a local HF folder (sets "
+        "`preset` or `path`). Agents with the same base share one model per process.",
+    )
+    lora: LoraSpec | None = Field(
+        None, description="Train this agent as a LoRA adapter on its base (needs the peft extra)."
+    )
     preset: str | None = Field(
         "tiny-1m",
         description="Built-in tiny Qwen2-style model built locally: tiny-1m, tiny-10m or tiny-50m.",
@@ -44,8 +64,23 @@ class ModelConfig(_Strict):
         "float32", description="Weights dtype for inference; training uses fp32 master weights."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _base_source(cls, data: Any) -> Any:
+        # `base` is the LoRA spelling of preset/path: a preset name, else a model folder.
+        if isinstance(data, dict) and data.get("base") is not None:
+            data = dict(data)
+            base = str(data["base"])
+            data["preset"], data["path"] = (base, None) if base in PRESET_NAMES else (None, base)
+        return data
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
+        if self.base is not None and self.lora is None:
+            raise ValueError("`base` is for LoRA agents: set `lora` (e.g. {rank: 8}) or use preset/path")
+        if self.lora is not None and not backend_available("peft"):
+            module, how = OPTIONAL_BACKENDS["peft"]
+            raise ValueError(f"model.lora needs the {module!r} package; install it with: {how}")
         if self.preset is None and self.path is None:
             raise ValueError("set `preset` (e.g. tiny-1m) or `path` (a local HF model folder)")
         return self
@@ -93,6 +128,9 @@ class AlgorithmConfig(_Strict):
     )
     policy_loss: str = Field("clipped", description="Policy loss by registry name.")
     clip_eps: float = Field(0.2, gt=0.0, description="PPO ratio clip epsilon.")
+    is_cap: float = Field(
+        2.0, ge=1.0, description="decoupled_ppo: cap on the importance weight proximal/behaviour policy."
+    )
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to a frozen reference; 0 disables it.")
     lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
@@ -177,6 +215,23 @@ class AgentConfig(_Strict):
     rounds: Literal["each", "first", "last"] = Field(
         "each", description="In which rounds of a multi-round team the agent runs."
     )
+
+    @model_validator(mode="after")
+    def _lora_backends(self) -> AgentConfig:
+        if self.model.lora is None:
+            return self
+        what = None
+        if self.backend.inference != "hf":
+            what = f"backend.inference={self.backend.inference!r} yet (LoRA serves on the hf engine)"
+        elif self.backend.training != "torch":
+            what = f"backend.training={self.backend.training!r} (LoRA trains with the torch trainer)"
+        elif self.algorithm.kl_coef > 0:
+            what = f"algorithm.kl_coef={self.algorithm.kl_coef} (no KL reference for adapters yet)"
+        elif self.share_model_with is not None:
+            what = "share_model_with (LoRA agents share their `base` instead)"
+        if what:
+            raise ValueError(f"agent {self.name!r}: model.lora does not support {what}")
+        return self
 
     @model_validator(mode="after")
     def _chunks_need_torch(self) -> AgentConfig:
@@ -303,6 +358,12 @@ class CodesignConfig(_Strict):
     balance_threshold: float = Field(
         2.0, gt=1.0, description="Queued-work ratio hottest/coldest agent that triggers a move."
     )
+    max_staleness: int = Field(
+        0, ge=0, le=64,
+        description="Bounded staleness k: an agent's rollouts of iteration i may use its weights "
+        "of any version >= i - k (0: strictly on-policy). k > 0 needs an off-policy loss "
+        "(algorithm.policy_loss: decoupled_ppo).",
+    )
 
 
 class WorkerConfig(_Strict):
@@ -418,6 +479,22 @@ class ExperimentConfig(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where it runs.")
     store: StoreConfig = Field(default_factory=StoreConfig, description="MEG Store.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
+
+    @model_validator(mode="after")
+    def _staleness_loss(self) -> ExperimentConfig:
+        k = self.codesign.max_staleness
+        if k == 0:
+            return self
+        from flexmarl_core.algorithms.losses import POLICY_LOSSES  # losses import this module
+
+        for a in self.team.agents:
+            name = a.algorithm.policy_loss
+            if a.trainable and name in POLICY_LOSSES and not POLICY_LOSSES.info(name).get("off_policy"):
+                raise ValueError(
+                    f"codesign.max_staleness={k}: agent {a.name!r} uses policy_loss {name!r}, which "
+                    "assumes on-policy samples; set its algorithm.policy_loss to decoupled_ppo"
+                )
+        return self
 
     @field_validator("name")
     @classmethod

@@ -42,6 +42,7 @@ OPTIONAL_BACKENDS: dict[str, tuple[str, str]] = {
         "it pulls (`make setup-scale` does both; on a CUDA machine: pip install 'flexmarl[vllm]')",
     ),
     "deepspeed": ("deepspeed", "DS_BUILD_OPS=0 pip install 'flexmarl[deepspeed]' (or `make setup-scale`)"),
+    "peft": ("peft", "pip install 'flexmarl[peft]'"),
 }
 
 

@@ -12,6 +12,10 @@ The switches change dependencies only, never the work itself:
 - `async_pipeline`: training of a micro-batch waits only for its rewards and an agent's next
   iteration only for its own weight sync (plus its parents); off: training waits for the whole
   rollout phase and iteration it+1 waits for every agent's sync of it (the synchronous baseline).
+- `max_staleness` k > 0 (bounded staleness): iteration it's rollouts wait for the syncs of
+  iteration it-1-k instead of it-1 (weights version >= it-k exist), so rollouts run up to k
+  iterations ahead of training; a train op then waits for its agent's previous step itself
+  (before, the rollout's wait on that sync implied it).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Plan:
     num_mb: int
     dependency_parallel: bool
     async_pipeline: bool
+    max_staleness: int = 0
     deps: dict[Op, list[Op]] = field(default_factory=dict)
 
     @classmethod
@@ -42,6 +47,7 @@ class Plan:
             num_mb=cfg.batch.num_micro_batches,
             dependency_parallel=cfg.codesign.dependency_parallel,
             async_pipeline=cfg.codesign.async_pipeline,
+            max_staleness=cfg.codesign.max_staleness,
         )
         for it in range(cfg.train.iterations):
             plan._add_iteration(it)
@@ -51,7 +57,8 @@ class Plan:
         meg, mbs = self.meg, range(self.num_mb)
         trainable = meg.trainable_agents
         rollouts = {(n.agent, n.turn, j): Op(it, "rollout", n.agent, n.turn, j) for n in meg.nodes for j in mbs}
-        prev_syncs = [Op(it - 1, "sync", a) for a in trainable] if it > 0 else []
+        gate = it - 1 - self.max_staleness  # the iteration whose syncs gate these rollouts
+        prev_syncs = [Op(gate, "sync", a) for a in trainable] if gate >= 0 else []
         for n in meg.nodes:
             for j in mbs:
                 d: list[Op] = []
@@ -79,6 +86,8 @@ class Plan:
                 self.deps[Op(it, "train", a, mb=j)] = (
                     [Op(it, "reward", mb=j)] if self.async_pipeline else list(rewards)
                 )
+                if self.max_staleness and it > 0:  # the trainer must be at version it
+                    self.deps[Op(it, "train", a, mb=j)].append(Op(it - 1, "step", a))
             self.deps[Op(it, "step", a)] = [Op(it, "train", a, mb=j) for j in mbs]
             self.deps[Op(it, "sync", a)] = [Op(it, "step", a)]
 

@@ -107,8 +107,12 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
         loc.write_text(WARM_START_NAME, json.dumps(
             {k: info[k] for k in ("out_dir", "accuracy", "steps", "reused", "target")}, indent=1))
 
+    _publish_bases(cfg, loc, init_from)
     for agent in meg.agent_names:
         if loc.exists(weights_key(agent, 0)):
+            continue
+        if cfg.agent(agent).model.lora is not None:
+            publish_weights(loc, agent, 0, _initial_adapter(cfg, loc, agent))
             continue
         init = _initial_weights(init_from, agent)
         if init is None:
@@ -153,6 +157,37 @@ def _initial_weights(init_from: str | None, agent: str) -> dict[str, Any] | None
     if not path.exists():
         raise FileNotFoundError(f"train.init_from: no checkpoint for agent {agent!r} at {path}")
     return load_file(str(path))
+
+
+def _publish_bases(cfg: ExperimentConfig, loc: RunLocation, init_from: str | None) -> None:
+    """One base file per distinct LoRA base: from `init_from/<agent>` (a warm start saves the
+    base it trained under each agent on it) of the base's first agent, else the preset/folder."""
+    from flexmarl_core.models import load_agent_model
+    from flexmarl_core.models.lora import base_key
+    from flexmarl_core.worker import base_weights_key, publish_base
+
+    for a in cfg.team.agents:
+        if a.model.lora is None:
+            continue
+        key = base_key(a.model, cfg.seed)
+        if loc.exists(base_weights_key(key)):
+            continue
+        init = _initial_weights(init_from, a.name)
+        if init is None:
+            init = load_agent_model(a.model, seed=cfg.seed)[0].state_dict()
+        publish_base(loc, key, init)
+
+
+def _initial_adapter(cfg: ExperimentConfig, loc: RunLocation, agent: str) -> dict[str, Any]:
+    from flexmarl_core.models import load_agent_model
+    from flexmarl_core.models.lora import base_key, initial_adapter_state
+    from flexmarl_core.worker import load_base
+
+    mcfg = cfg.agent(agent).model
+    assert mcfg.lora is not None
+    model, _ = load_agent_model(mcfg, seed=cfg.seed)
+    model.load_state_dict(load_base(loc, base_key(mcfg, cfg.seed)))
+    return initial_adapter_state(model, mcfg.lora, seed=cfg.seed, agent=agent)
 
 
 class ResumeError(RuntimeError):

@@ -92,8 +92,21 @@ def run_sft(
     tc = cfg.train
     models, engines, trainers, toks = {}, {}, {}, {}
     refresh: list[str] = []  # agents whose engine holds a copy of the trained weights
+    # LoRA agents on one base SFT that base together (one model, one trainer, every agent's
+    # demonstrations in each step); RL then trains each one's adapter on it.
+    from flexmarl_core.models.lora import base_key
+
+    by_base: dict[str, str] = {}  # base key -> the first agent on it (owns model and trainer)
     for agent in meg.agent_names:
         acfg = cfg.agent(agent)
+        key = base_key(acfg.model, cfg.seed) if acfg.model.lora is not None else None
+        owner = by_base.setdefault(key, agent) if key is not None else agent
+        if owner != agent:
+            models[agent], toks[agent] = models[owner], toks[owner]
+            if acfg.trainable and owner in trainers:
+                trainers[agent] = trainers[owner]
+            engines[agent] = engines[owner]  # same weights; prompts make the role
+            continue
         model, tok = load_agent_model(acfg.model, seed=cfg.seed)
         models[agent], toks[agent] = model, tok
         if acfg.trainable:
@@ -136,6 +149,7 @@ def run_sft(
                                     response_ids=resp, logprobs=[0.0] * len(resp), advantage=0.0,
                                     loss_mask=mask))
             tr.accumulate(batch, loss_scale=1.0 / max(token_weight(batch), 1.0))
+        for tr in {id(t): t for t in trainers.values()}.values():  # a shared base steps once
             tr.step()
         step += 1
     for agent in meg.agent_names:
@@ -177,13 +191,26 @@ def warm_start_key(cfg: ExperimentConfig) -> str:
     wl = cfg.workload
     parts = {
         "version": WARM_START_VERSION, "tokenizer": tokenizer_key(),
-        "team": cfg.team.model_dump(mode="json"), "workload": wl.model_dump(mode="json"),
+        "team": _team_key(cfg), "workload": wl.model_dump(mode="json"),
         "files": [_file_stamp(a.model.path) for a in cfg.team.agents]
         + [_file_stamp(wl.path), _file_stamp(wl.params.get("heldout_path"))],
         "seed": cfg.seed,
         "sft": {k: v for k, v in cfg.train.model_dump(mode="json").items() if k.startswith("sft_")},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _team_key(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The team as the key sees it: fields added later (LoRA, the IS cap) are left out while
+    they hold their defaults, so an existing cache entry keeps its key."""
+    team = cfg.team.model_dump(mode="json")
+    for a in team["agents"]:
+        for k in ("base", "lora"):
+            if a["model"].get(k) is None:
+                a["model"].pop(k, None)
+        if a["algorithm"].get("is_cap") == 2.0:
+            a["algorithm"].pop("is_cap")
+    return team
 
 
 def warm_start_path(cfg: ExperimentConfig, cache_dir: str | Path) -> Path:

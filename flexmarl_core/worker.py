@@ -56,6 +56,20 @@ def trainer_state_path(run_dir: str | Path, agent: str, version: int) -> Path:
     return Path(run_dir) / trainer_key(agent, version)
 
 
+def base_weights_key(key: str) -> str:
+    """Where the shared base of LoRA agents (`models.lora.base_key`) is published, once per run."""
+    return f"bases/{key}.safetensors"
+
+
+def publish_base(run_dir: str | os.PathLike[str] | RunLocation, key: str, state: dict[str, torch.Tensor]) -> None:
+    as_location(run_dir).write_bytes(base_weights_key(key), save_safetensors(_cpu_copy(state)))
+
+
+def load_base(run_dir: str | os.PathLike[str] | RunLocation, key: str) -> dict[str, torch.Tensor]:
+    loc = as_location(run_dir)
+    return _from_safetensors(loc.read_bytes(base_weights_key(key)), loc.display(base_weights_key(key)))
+
+
 def _cpu_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     # Clone: tied embeddings share storage and safetensors refuses shared tensors; lm_head must
     # travel with the rest (a vLLM push without it silently keeps the old output layer).
@@ -105,6 +119,9 @@ class WorkerContext:
     meg: MEG
     engines: dict[str, Any] = field(default_factory=dict)
     trainers: dict[str, Any] = field(default_factory=dict)
+    #: LoRA agents: base key -> the one engine of every agent on it / the trainers' base
+    shared_engines: dict[str, Any] = field(default_factory=dict)
+    shared_train_bases: dict[str, Any] = field(default_factory=dict)
     #: per agent, the (iteration, mb) already in the trainer's accumulated gradients
     accumulated: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
     #: iteration -> micro-batch -> input rows (meta parsed); inputs never change once written
@@ -151,8 +168,51 @@ class WorkerContext:
         """The agent's model on `cluster.device`: its engine and trainer follow the model."""
         from flexmarl_core.models import load_agent_model
 
-        model, tok = load_agent_model(self.cfg.agent(agent).model, seed=self.cfg.seed)
+        mcfg = self.cfg.agent(agent).model
+        model, tok = load_agent_model(mcfg, seed=self.cfg.seed)
+        if mcfg.lora is not None:  # the base the run published (a warm start's, or the preset's)
+            from flexmarl_core.models.lora import base_key
+
+            model.load_state_dict(load_base(self.loc, base_key(mcfg, self.cfg.seed)))
         return model.to(self.cfg.cluster.device), tok
+
+    def _adapter_engine(self, agent: str, version: int) -> Any:
+        """`agent`'s view of the one engine this process runs for its base (made on first use);
+        an agent new to it brings only its adapter."""
+        from flexmarl_core.inference.lora_engine import SharedBaseEngine
+        from flexmarl_core.models.lora import base_key
+
+        acfg = self.cfg.agent(agent)
+        key = base_key(acfg.model, self.cfg.seed)
+        shared = self.shared_engines.get(key)
+        if shared is None:
+            model, tok = self._fresh_model(agent)
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[acfg.model.dtype]
+            shared = self.shared_engines[key] = SharedBaseEngine(model.to(dtype), tok)
+        assert acfg.model.lora is not None
+        shared.add(agent, acfg.model.lora, self.weights(agent, version), version)
+        return shared.view(agent)
+
+    def _new_trainer(self, agent: str) -> Any:
+        """A trainer at version 0; LoRA agents on one base share this process's copy of it."""
+        from flexmarl_core.training import make_trainer
+
+        acfg = self.cfg.agent(agent)
+        if acfg.model.lora is None:
+            model, _ = self._fresh_model(agent)
+            model.load_state_dict(load_weights(self.loc, agent, 0))
+            return make_trainer(acfg, model)
+        from flexmarl_core.models.lora import SharedBase, base_key
+        from flexmarl_core.training.factory import make_lora_trainer
+
+        key = base_key(acfg.model, self.cfg.seed)
+        shared = self.shared_train_bases.get(key)
+        if shared is None:
+            model, _ = self._fresh_model(agent)
+            shared = self.shared_train_bases[key] = SharedBase(model)
+        shared.add(agent, acfg.model.lora)
+        shared.load_adapter_state(agent, load_weights(self.loc, agent, 0))
+        return make_lora_trainer(acfg, shared)
 
     @property
     def one_process(self) -> bool:
@@ -194,7 +254,9 @@ class WorkerContext:
     def engine(self, agent: str, version: int) -> Any:
         """This process's inference engine for `agent`, holding weights `version`."""
         eng = self.engines.get(agent)
-        if eng is None:
+        if eng is None and self.cfg.agent(agent).model.lora is not None:
+            eng = self.engines[agent] = self._adapter_engine(agent, version)
+        elif eng is None:
             from flexmarl_core.inference import make_inference_engine
 
             model, tok = self._fresh_model(agent)
@@ -217,12 +279,9 @@ class WorkerContext:
         tr = self.trainers.get(agent)
         if tr is not None and tr.version >= version:
             return tr, {}
-        from flexmarl_core.training import make_trainer
         t0 = time.perf_counter()
         if tr is None:
-            model, _ = self._fresh_model(agent)
-            model.load_state_dict(load_weights(self.loc, agent, 0))
-            tr = make_trainer(self.cfg.agent(agent), model)
+            tr = self._new_trainer(agent)
         if version == 0:
             self.trainers[agent] = tr
             return tr, {}

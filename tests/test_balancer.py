@@ -65,3 +65,20 @@ def test_agent_without_instance_is_served_first():
     move = b.step({"solver": 1, "planner": 1}, inst, {"w0": 1.0, "w1": 0.0})
     assert move is not None and move.to_agent == "solver"
     assert move.worker == "w1" and move.from_agent == "verifier"
+
+
+def test_a_move_to_a_worker_holding_the_same_lora_base_costs_only_the_adapter():
+    # planner and solver are adapters on base "b"; the verifier is a full model.
+    b = InstanceBalancer(AGENTS, threshold=2.0, weight_bytes={"planner": 10, "solver": 10, "verifier": 500},
+                         base_of={"planner": "b", "solver": "b"}, base_bytes={"b": 1000})
+    b.observe("planner", 2.0)
+    inst = {"planner": ["w0"], "solver": ["w1"], "verifier": ["w2"]}
+    assert b.move_cost("w1", "planner", inst) == 10  # w1 serves the solver: the base is there
+    assert b.move_cost("w2", "planner", inst) == 1010
+    assert b.move_cost("w2", "verifier", inst) == 500  # full models: their weights, as before
+    # Equal load on w1 and w2: the move goes where the base already is, and says what it cost.
+    move = b.step({"planner": 3, "verifier": 0, "solver": 0}, inst, {"w0": 0.0, "w1": 0.0, "w2": 0.0})
+    assert move is not None and (move.worker, move.to_agent) == ("w1", "planner") and move.cost_bytes == 10
+    # With w1 busier, the less loaded worker still wins (load first) and pays for the base.
+    move = b.step({"planner": 3, "verifier": 0, "solver": 0}, inst, {"w0": 0.0, "w1": 5.0, "w2": 0.0})
+    assert move is not None and move.worker == "w2" and move.cost_bytes == 1010

@@ -55,9 +55,10 @@ class PolicyLossFn(Protocol):
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "algorithm.policy_loss")
 
 
-def register_policy_loss(name: str):
-    """Decorator registering a policy loss under `name` (duplicate names raise)."""
-    return POLICY_LOSSES.register(name)
+def register_policy_loss(name: str, *, off_policy: bool = False):
+    """Decorator registering a policy loss under `name` (duplicate names raise). `off_policy`:
+    it corrects for samples from older weights, so `codesign.max_staleness > 0` may use it."""
+    return POLICY_LOSSES.register(name, off_policy=off_policy)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
@@ -118,6 +119,63 @@ def clipped(
     metrics["ratio"] = (ratio * mask).sum().detach() / normalizer
     nll = torch.where(on, -logprobs.detach(), torch.zeros_like(logprobs))
     metrics["entropy"] = (nll * mask).sum() / normalizer
+    return loss, metrics
+
+
+@register_policy_loss("decoupled_ppo", off_policy=True)
+def decoupled_ppo(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cfg: AlgorithmConfig,
+    ref_logprobs: torch.Tensor | None = None,
+    normalizer: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO with a truncated behaviour weight, for stale samples (bounded staleness).
+
+    Source: Hilton, Cobbe, Schulman, "Batch size-invariance for policy optimization" (2022,
+    arXiv:2110.00641), the decoupled objective; used for asynchronous LLM RL by AReaL (Fu et
+    al. 2025, arXiv:2505.24298, eq. 5). Three policies: the behaviour policy that sampled the
+    tokens (its logprobs are stored with each sample: `old_logprobs` here), the proximal policy
+    (the weights being updated, before the step: one optimizer step per iteration, so it is the
+    current weights and its logprobs are `logprobs.detach()`), and the policy being optimised.
+
+    w     = min(exp(logp_prox - logp_behav), is_cap)        (truncated importance weight)
+    r     = exp(logp - logp_prox)                           (= 1 in value; its gradient flows)
+    l     = w * max(-A * r, -A * clip(r, 1 - eps, 1 + eps)) + kl_coef * k3(logp, ref)
+    loss  = sum(mask * l) / normalizer
+
+    On-policy (behaviour = proximal) w is 1 and the gradient is the clipped loss's. Metrics as
+    `clipped`, plus is_weight (mean w) and is_trunc_frac (tokens where the cap bit).
+    """
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    on = mask > 0
+    zero = torch.zeros_like(logprobs)
+    prox = logprobs.detach()
+    log_w = torch.where(on, prox - old_logprobs, zero)
+    w_raw = torch.exp(log_w)
+    w = w_raw.clamp(max=cfg.is_cap)
+    ratio = torch.exp(torch.where(on, logprobs - prox, zero))
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
+    pg = w * torch.maximum(pg1, pg2)
+    per_token = pg
+    metrics: dict[str, torch.Tensor] = {}
+    if cfg.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError(f"algorithm.kl_coef={cfg.kl_coef} needs reference logprobs")
+        kl = torch.where(on, kl_k3(logprobs, ref_logprobs), zero)
+        per_token = per_token + cfg.kl_coef * kl
+        metrics["kl"] = (kl * mask).sum().detach() / normalizer
+    loss = (per_token * mask).sum() / normalizer
+    metrics["pg_loss"] = (pg * mask).sum().detach() / normalizer
+    metrics["clip_frac"] = ((pg2 > pg1).float() * mask).sum() / normalizer
+    metrics["ratio"] = (ratio * mask).sum().detach() / normalizer
+    metrics["is_weight"] = (w * mask).sum() / normalizer
+    metrics["is_trunc_frac"] = ((w_raw > cfg.is_cap).float() * mask).sum() / normalizer
+    metrics["entropy"] = (torch.where(on, -prox, zero) * mask).sum() / normalizer
     return loss, metrics
 
 

@@ -28,6 +28,25 @@ __all__ = [
 ]
 
 
+def _move_costs(cfg: ExperimentConfig, agents: list[str]) -> dict[str, dict]:
+    """What an instance move of a LoRA agent loads, from the run folder's published files
+    (absent: 0 bytes): its adapter, and its base where the worker has none. Full-model teams
+    keep the balancer as it was (no costs; torch is not imported here for them)."""
+    lora = [a for a in agents if cfg.agent(a).model.lora is not None]
+    if not lora:
+        return {}
+    from flexmarl_core.location import weights_key
+    from flexmarl_core.models.lora import base_key
+    from flexmarl_core.worker import base_weights_key
+
+    loc = cfg.run_location()
+    base_of = {a: base_key(cfg.agent(a).model, cfg.seed) for a in lora}
+    size = lambda key: loc.size(key) if loc.exists(key) else 0  # noqa: E731
+    return {"base_of": base_of,
+            "weight_bytes": {a: size(weights_key(a, 0)) for a in agents},
+            "base_bytes": {k: size(base_weights_key(k)) for k in set(base_of.values())}}
+
+
 class ControlPlane:
     def __init__(self, cfg: ExperimentConfig, agents: list[str], clock: Callable[[], float]) -> None:
         self.clock = clock
@@ -37,7 +56,8 @@ class ControlPlane:
                              num_mb=cfg.batch.num_micro_batches, clock=clock, log=self.decisions)
         self.ledger = self.router.ledger
         self.balancer = (
-            InstanceBalancer(agents=agents, threshold=cs.balance_threshold, est_s=self.ledger.est_s["rollout"])
+            InstanceBalancer(agents=agents, threshold=cs.balance_threshold, est_s=self.ledger.est_s["rollout"],
+                             **_move_costs(cfg, agents))
             if cs.load_balancing else None
         )
 

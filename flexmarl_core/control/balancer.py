@@ -14,7 +14,12 @@ called more often) weighs more: queued rollouts x the agent's recent rollout dur
 by its number of instances. When the hottest agent's load exceeds `threshold` times the coldest
 one's, the coldest agent gives up an instance on a worker that does not serve the hottest yet.
 An agent never loses its last instance while it has queued work; one with queued work and no
-instance at all is served first (infinite load). Pure Python, no Dask: `bench/control_plane.py`
+instance at all is served first (infinite load).
+
+LoRA agents on one base (`base_of`): a worker that already serves an agent on the hot agent's
+base loads only the adapter, so a move there costs `weight_bytes` (the adapter) instead of
+that plus `base_bytes`; among equally loaded workers the cheaper move wins, and each move
+records its cost. Pure Python, no Dask: `bench/control_plane.py`
 times `monitor` and `decide`.
 """
 
@@ -39,6 +44,10 @@ class InstanceBalancer:
     threshold: float = 2.0
     #: bytes of each agent's weights (cost of bringing an instance up)
     weight_bytes: Mapping[str, int] = field(default_factory=dict)
+    #: LoRA agents: agent -> key of its base model (agents without one are full models)
+    base_of: Mapping[str, str] = field(default_factory=dict)
+    #: bytes of each base model (loaded once per worker, whichever agent on it comes first)
+    base_bytes: Mapping[str, int] = field(default_factory=dict)
     #: exponential moving average of each agent's rollout duration (s)
     est_s: dict[str, float] = field(default_factory=dict)
     alpha: float = 0.5
@@ -53,6 +62,16 @@ class InstanceBalancer:
             return self.est_s[agent]
         # Before an agent's first rollout: the mean of the others (or 1 s), so it is comparable.
         return sum(self.est_s.values()) / len(self.est_s) if self.est_s else 1.0
+
+    def move_cost(self, worker: str, agent: str, instances: Mapping[str, Sequence[str]]) -> int:
+        """Bytes to load for an instance of `agent` on `worker`: its weights (a LoRA agent: its
+        adapter), plus its base unless an agent the worker serves runs on the same base."""
+        cost = int(self.weight_bytes.get(agent, 0))
+        base = self.base_of.get(agent)
+        if base is None:
+            return cost
+        shares = any(self.base_of.get(a) == base for a, ws in instances.items() if a != agent and worker in ws)
+        return cost if shares else cost + int(self.base_bytes.get(base, 0))
 
     def monitor(self, queued: Mapping[str, int], instances: Mapping[str, Sequence[str]]) -> dict[str, float]:
         """Seconds of queued+running rollout work per instance, per agent."""
@@ -95,7 +114,8 @@ class InstanceBalancer:
         # The least-loaded worker that can take the hot agent wins; usually the first one
         # qualifies, so this stays a few C-level passes even on hundreds of workers.
         while candidates:
-            w = min(candidates, key=worker_load.__getitem__)
+            # Ties in load go to the cheapest move (a worker that already holds hot's base).
+            w = min(candidates, key=lambda c: (worker_load[c], self.move_cost(c, hot, instances)))
             # The agent on `w` to take the instance from: the coldest one that can spare it.
             hosted = [a for a, ws in instances.items() if w in ws]
             donor = min(hosted, key=lambda a: (loads.get(a, 0.0), a), default=None)
@@ -129,7 +149,7 @@ class InstanceBalancer:
         worker, to_agent, from_agent = d
         return MoveInstance(
             t=time.time() if now is None else now, worker=worker, to_agent=to_agent,
-            from_agent=from_agent, loads=dict(loads), cost_bytes=int(self.weight_bytes.get(to_agent, 0)),
+            from_agent=from_agent, loads=dict(loads), cost_bytes=self.move_cost(worker, to_agent, instances),
             monitor_us=(t1 - t0) * 1e6, decide_us=(t2 - t1) * 1e6,
         )
 

@@ -126,8 +126,21 @@ class HFInferenceEngine:
         sampling: SamplingConfig,
         seed: int,
     ) -> list[Generation]:
+        return self._generate(prompts, sampling, seed)
+
+    def _generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int,
+        forward_kwargs: Mapping[str, object] | None = None,
+        versions: Sequence[int] | None = None,
+    ) -> list[Generation]:
+        """`generate`, with extra model-forward arguments (a LoRA engine's per-row
+        `adapter_names`) and a weights version per row (default: the engine's)."""
         if not prompts:
             return []
+        fkw = dict(forward_kwargs or {})
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         dev = self.device
         bsz, plen = len(prompt_ids), max(len(p) for p in prompt_ids)
@@ -160,6 +173,7 @@ class HFInferenceEngine:
                 position_ids=pos,
                 use_cache=True,
                 logits_to_keep=1,
+                **fkw,
             )
             cache = out.past_key_values
             logits = out.logits[:, -1].float()  # (B, V)
@@ -184,6 +198,7 @@ class HFInferenceEngine:
                     position_ids=pos,
                     past_key_values=cache,
                     use_cache=True,
+                    **fkw,
                 )
                 cache = out.past_key_values
                 logits = out.logits[:, -1].float()
@@ -191,9 +206,10 @@ class HFInferenceEngine:
         # 4. build outputs
         tok_rows, lp_rows, len_list = tokens.tolist(), logps.tolist(), lengths.tolist()
         eos_set = set(self.eos_ids)
+        vers = list(versions) if versions is not None else [self._version] * bsz
         return [
             finish_generation(self.tokenizer, prompt_ids[i], tok_rows[i][: len_list[i]],
-                              lp_rows[i][: len_list[i]], sampling.stop, eos_set, self._version)
+                              lp_rows[i][: len_list[i]], sampling.stop, eos_set, vers[i])
             for i in range(bsz)
         ]
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from flexmarl_core.location import weights_key
 from flexmarl_core.ops import OP_KINDS, Op, OpKind, StageResult
 from flexmarl_core.stages.faults import fault_point
 from flexmarl_core.worker import WorkerContext, context
@@ -24,7 +25,8 @@ STAGES: dict[OpKind, StageFn] = {}
 
 
 class ConsistencyError(RuntimeError):
-    """A sample would train a policy version other than the one that produced it."""
+    """A sample would train a policy version it may not: on-policy (`max_staleness` 0), one
+    other than the one that produced it; with staleness k, one more than k versions newer."""
 
 
 def stage(kind: OpKind) -> Callable[[StageFn], StageFn]:
@@ -52,8 +54,18 @@ def stage_seed(*parts: object) -> int:
 
 
 def weights_version(ctx: WorkerContext, agent: str, iteration: int) -> int:
-    """One optimizer step per iteration: iteration k rolls out with version k (frozen: 0)."""
-    return iteration if ctx.cfg.agent(agent).trainable else 0
+    """One optimizer step per iteration: iteration i rolls out with version i (frozen: 0).
+
+    With `codesign.max_staleness` k > 0: the newest version published so far among
+    i, i-1, ..., i-k (the plan makes iteration i wait until version i-k is published)."""
+    if not ctx.cfg.agent(agent).trainable:
+        return 0
+    k = ctx.cfg.codesign.max_staleness
+    oldest = max(iteration - k, 0)
+    for v in range(iteration, oldest, -1):
+        if ctx.loc.exists(weights_key(agent, v)):
+            return v
+    return oldest
 
 
 def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 1.0) -> StageResult:

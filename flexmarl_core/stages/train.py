@@ -32,6 +32,27 @@ def loss_scale(ctx: WorkerContext, agent: str) -> float:
     return 1.0 / (samples_per_step(ctx, agent) * ctx.cfg.agent(agent).sampling.max_new_tokens)
 
 
+def check_staleness(agent: str, version: int, rows: list[dict], k: int) -> None:
+    """No sample older than k versions (k = 0: every sample from exactly `version`), none from
+    the future; the error names the agent, the update and the offending samples' versions."""
+    if k == 0:
+        bad = [r for r in rows if r["policy_version"] != version]
+        if bad:
+            raise ConsistencyError(
+                f"agent {agent!r} update {version}: samples {[r['sample_id'] for r in bad[:3]]} were "
+                f"not produced by policy version {version} (on-policy violated)"
+            )
+        return
+    bad = [r for r in rows if not version - k <= r["policy_version"] <= version]
+    if bad:
+        seen = sorted({int(r["policy_version"]) for r in bad})
+        raise ConsistencyError(
+            f"agent {agent!r} update {version}: samples {[r['sample_id'] for r in bad[:3]]} come from "
+            f"policy version(s) {seen}, outside [{version - k}, {version}] allowed by "
+            f"codesign.max_staleness={k}"
+        )
+
+
 @stage("train")
 def train(ctx: WorkerContext, op: Op) -> StageResult:
     """Forward + backward of one micro-batch into the agent's accumulated gradients."""
@@ -56,6 +77,9 @@ def train(ctx: WorkerContext, op: Op) -> StageResult:
         metrics[agent_key(agent, "train/skipped_samples")] = float(len(skipped))
         metrics[agent_key(agent, "train/skipped_tokens")] = float(sum(
             len(s.prompt_ids) + len(s.response_ids) for s in skipped))
+    if ctx.cfg.codesign.max_staleness:
+        lag = [tr.version - r["policy_version"] for r, _ in rows]  # versions behind the update
+        metrics[agent_key(agent, "staleness")] = sum(lag) / max(len(lag), 1)
     return StageResult(op, samples=len(trained), tokens=tokens, swap=swap, metrics=metrics)
 
 
@@ -83,12 +107,7 @@ def _micro_batch(ctx: WorkerContext, tr: Any, op: Op) -> tuple[list[tuple[dict[s
     expected = per_mb * (ctx.cfg.batch.num_micro_batches if whole else 1)
     if len(rows) != expected:
         raise RuntimeError(f"{op.name}: {len(rows)} samples ready, expected {expected}")
-    bad = [r["sample_id"] for r in rows if r["policy_version"] != tr.version]
-    if bad:
-        raise ConsistencyError(
-            f"agent {agent!r} update {tr.version}: samples {bad[:3]} were not produced by policy "
-            f"version {tr.version} (on-policy violated)"
-        )
+    check_staleness(agent, tr.version, rows, ctx.cfg.codesign.max_staleness)
     rows.sort(key=lambda r: r["sample_id"])
     adv = compute_advantages(
         alg.advantage, [float(r["reward"]) for r in rows], [f"{r['input_id']}:{r['turn']}" for r in rows]

@@ -63,3 +63,17 @@ def make_trainer(
         ref_model=ref_model if algo.kl_coef > 0 else None,
         **extra,
     )
+
+
+def make_lora_trainer(agent: AgentConfig, shared: Any) -> TrainBackend:
+    """A `LoraTrainer` for `agent`'s adapter on `shared` (a `models.lora.SharedBase` holding it),
+    with the same loss, normaliser and optimizer settings as `make_trainer`."""
+    from flexmarl_core.algorithms.losses import make_loss_fn, token_weight
+    from flexmarl_core.training.lora_trainer import LoraTrainer
+
+    algo = agent.algorithm
+    return LoraTrainer(shared, agent.name, loss_fn=make_loss_fn(algo), loss_weight_fn=token_weight,
+                       lr=algo.lr, weight_decay=algo.weight_decay, max_grad_norm=algo.max_grad_norm,
+                       bf16=algo.bf16, temperature=agent.sampling.temperature,
+                       chunk_tokens=agent.backend.train_chunk_tokens,
+                       activation_checkpointing=agent.backend.activation_checkpointing)

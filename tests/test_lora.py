@@ -1,0 +1,218 @@
+"""LoRA agents on a shared base (PEFT): one instance serves batches mixing agents' adapters,
+one process trains several agents' adapters on one base, a swap moves adapter state only."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from flexmarl_core.config import LoraSpec, ModelConfig, SamplingConfig, config_from_dict  # noqa: E402
+from flexmarl_core.inference.lora_engine import SharedBaseEngine  # noqa: E402
+from flexmarl_core.models import build_model, get_tokenizer  # noqa: E402
+from flexmarl_core.models.lora import SharedBase, initial_adapter_state  # noqa: E402
+from flexmarl_core.training import Sample, get, put  # noqa: E402
+from flexmarl_core.training.factory import make_lora_trainer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _models_util import cache_dir  # noqa: E402
+
+SPEC = LoraSpec(rank=4, alpha=8.0)
+AGENTS = ("planner", "solver")
+
+
+@pytest.fixture(scope="module")
+def base():
+    tok = get_tokenizer(cache_dir())
+    return build_model(ModelConfig(preset="tiny-1m"), seed=0, tokenizer=tok), tok
+
+
+def _adapter(base_model: torch.nn.Module, agent: str, scale: float) -> dict[str, torch.Tensor]:
+    """A trained-looking adapter: PEFT's init has lora_B = 0 (a no-op), so every agent would
+    give the base's outputs and a mix-up of adapters would go unseen."""
+    gen = torch.Generator().manual_seed(len(agent))
+    st = initial_adapter_state(base_model, SPEC, seed=0, agent=agent)
+    return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in st.items()}
+
+
+def test_mixed_adapter_batch_equals_each_adapter_alone(base):
+    model, tok = base
+    eng = SharedBaseEngine(copy.deepcopy(model), tok)
+    for a in AGENTS:
+        eng.add(a, SPEC, _adapter(model, a, 0.2), version=3 if a == "solver" else 1)
+    prompts = ["Q:1+2*3\nP:", "Q:4-5\nP:", "Q:9*9-1\nP:", "Q:7\nP:", "Q:2+2+2\nP:"]
+    agents = ["planner", "solver", "solver", "planner", "solver"]
+    # Greedy: a sampled draw depends on the row's place in the batch (one generator per call).
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    mixed = eng.generate_mixed(prompts, agents, greedy, seed=0)
+    alone = {a: eng.view(a).generate([p for p, b in zip(prompts, agents, strict=True) if b == a], greedy, 0)
+             for a in AGENTS}
+    seen = {a: iter(gs) for a, gs in alone.items()}
+    for g, a in zip(mixed, agents, strict=True):
+        ref = next(seen[a])
+        assert g.response_ids == ref.response_ids
+        assert g.version == ref.version == (3 if a == "solver" else 1)
+        # fp32 logits of magnitude ~10 through a 4-layer model: batch composition and padding
+        # change summation order only, a few ulps (1e-6 relative) per op; 1e-4 absolute on a
+        # log-probability bounds that with room and is far below any adapter's effect.
+        assert max(abs(x - y) for x, y in zip(g.logprobs, ref.logprobs, strict=True)) < 1e-4
+    # The adapters matter: the same prompt gives different logprobs through each of them.
+    p, s = eng.generate_mixed([prompts[0]] * 2, list(AGENTS), greedy, seed=0)
+    assert p.logprobs[0] != pytest.approx(s.logprobs[0], abs=1e-3)
+
+
+def _samples(tok, n: int = 4) -> list[Sample]:
+    out = []
+    for i in range(n):
+        prompt = tok(f"Q:{i}+{i}\nA:", add_special_tokens=False)["input_ids"]
+        resp = tok(f"{2 * i}\n", add_special_tokens=False)["input_ids"]
+        out.append(Sample(prompt_ids=prompt, response_ids=resp, logprobs=[-1.0] * len(resp),
+                          advantage=1.0 if i % 2 else -1.0))
+    return out
+
+
+def _agent_cfg(name: str):
+    data = {"team": {"agents": [{"name": name, "template": "{input}",
+                                 "model": {"base": "tiny-1m", "lora": SPEC.model_dump()}}]}}
+    return config_from_dict(data).agent(name)
+
+
+def test_gradients_reach_only_the_agents_own_adapter(base):
+    model, tok = base
+    shared = SharedBase(copy.deepcopy(model))
+    for a in AGENTS:
+        shared.add(a, SPEC)
+        shared.load_adapter_state(a, _adapter(model, a, 0.1))
+    trainers = {a: make_lora_trainer(_agent_cfg(a), shared) for a in AGENTS}
+    before = {n: p.detach().clone() for n, p in shared.model.named_parameters()}
+    trainers["solver"].accumulate(_samples(tok), loss_scale=0.1)
+    grads = dict(zip(trainers["solver"]._names, trainers["solver"]._grad_views, strict=True))
+    assert all(g.abs().sum() > 0 for n, g in grads.items() if "lora_A" in n), "every lora_A gets a gradient"
+    for n, p in shared.model.named_parameters():
+        if n not in grads:  # the base and the planner's adapter
+            assert p.grad is None or not p.grad.any(), f"{n} got a gradient from the solver's loss"
+    trainers["solver"].step()
+    for n, p in shared.model.named_parameters():
+        moved = not torch.equal(p, before[n])
+        assert moved == (".solver." in n and "lora_" in n), f"{n} moved={moved}"
+    # The planner's trainer on the same base still works and moves only its own adapter.
+    trainers["planner"].accumulate(_samples(tok), loss_scale=0.1)
+    trainers["planner"].step()
+    assert torch.equal(dict(shared.model.named_parameters())["base_model.model.model.embed_tokens.weight"],
+                       before["base_model.model.model.embed_tokens.weight"])
+
+
+def test_adapter_state_round_trip_is_bit_exact(base, tmp_path):
+    model, tok = base
+    shared = SharedBase(copy.deepcopy(model))
+    shared.add("solver", SPEC)
+    tr = make_lora_trainer(_agent_cfg("solver"), shared)
+    for _ in range(2):
+        tr.accumulate(_samples(tok), loss_scale=0.1)
+        tr.step()
+    tr.accumulate(_samples(tok), loss_scale=0.1)  # pending gradients travel too
+    state = tr.state()
+    # A swap carries the adapter and its optimizer state, never the base.
+    assert state["others"] == {}
+    n_adapter = sum(p.numel() for _, p in shared.adapter_params("solver"))
+    assert state["params"].numel() == n_adapter < sum(p.numel() for p in model.parameters()) / 5
+    h = put(state, str(tmp_path / "solver.state"))
+    # Another process's copy of the same base: a fresh SharedBase and trainer.
+    other = SharedBase(copy.deepcopy(model))
+    other.add("solver", SPEC)
+    tr2 = make_lora_trainer(_agent_cfg("solver"), other)
+    tr2.load_state(get(h))
+    again = tr2.state()
+    for k in ("params", "grads"):
+        assert torch.equal(state[k], again[k])
+    assert all(torch.equal(state["adam"][k], again["adam"][k]) for k in state["adam"])
+    assert tr2.version == tr.version == 2
+    w1, w2 = tr.weights(), tr2.weights()
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    # ... and one more identical step from both.
+    r1, r2 = tr.step(), tr2.step()
+    assert r1.grad_norm == r2.grad_norm
+    assert torch.equal(tr.state()["params"], tr2.state()["params"])
+
+
+def test_lora_config_errors_name_the_agent():
+    from flexmarl_core.config import ConfigError
+
+    team = {"agents": [{"name": "solver", "template": "{input}",
+                        "model": {"base": "tiny-1m", "lora": {"rank": 4}},
+                        "algorithm": {"kl_coef": 0.1}}]}
+    with pytest.raises(ConfigError, match=r"agent 'solver'.*kl_coef"):
+        config_from_dict({"team": team})
+    with pytest.raises(ConfigError, match="`base` is for LoRA agents"):
+        config_from_dict({"team": {"agents": [{"name": "s", "template": "{input}", "model": {"base": "tiny-1m"}}]}})
+    with pytest.raises(ConfigError, match="does not exist"):
+        config_from_dict({"team": {"agents": [{"name": "s", "template": "{input}",
+                                               "model": {"base": "/nonexistent/base", "lora": {}}}]}})
+
+
+def test_a_worker_holds_one_engine_and_one_training_base_per_base(tmp_path):
+    """In one worker process, LoRA agents on one base share the rollout engine and the fp32
+    training copy; the run folder holds the base once and adapter-only weights."""
+    from flexmarl_core.config import load_config
+    from flexmarl_core.run import prepare_run
+    from flexmarl_core.worker import context
+
+    lora = "{base: tiny-1m, lora: {rank: 4}}"
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"),
+                      [f"run_dir={tmp_path / 'run'}", "train.iterations=1",
+                       *[f"team.agents.{a}.model={lora}" for a in ("planner", "solver", "verifier")]])
+    run_dir = prepare_run(cfg, log=lambda _: None)
+    assert len(list((run_dir / "bases").iterdir())) == 1
+    ctx = context(run_dir)
+    engines = [ctx.engine(a, 0) for a in ("planner", "solver", "verifier")]
+    assert len(ctx.shared_engines) == 1 and len({id(e.shared) for e in engines}) == 1
+    trainers = [ctx.trainer(a, 0)[0] for a in ("planner", "solver", "verifier")]
+    assert len(ctx.shared_train_bases) == 1 and len({id(t.shared) for t in trainers}) == 1
+    # The fresh adapters are no-ops (lora_B = 0): every agent scores like the base.
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=4)
+    outs = [e.generate(["Q:1+1\nP:"], greedy, seed=0)[0].response_ids for e in engines]
+    assert outs[0] == outs[1] == outs[2]
+
+
+class _Echo:
+    """A toy tool whose close marker the untrained model samples often: it answers "=1"."""
+
+    open, close, max_calls = "(", "a", 2
+
+    def __call__(self, call: str) -> str:
+        return "=1"
+
+
+def test_a_lora_agent_runs_the_tool_loop_like_the_hf_engine(base):
+    """The tool loop needs token-id continuation and `eos_ids`: an adapter view has both, and with
+    a no-op adapter (lora_B = 0 adds exactly 0.0) it gives the plain engine's samples bit for bit."""
+    from flexmarl_core.inference.hf import HFInferenceEngine
+    from flexmarl_core.inference.tools import generate_with_tool
+
+    model, tok = base
+    plain = HFInferenceEngine(copy.deepcopy(model), tok)
+    shared = SharedBaseEngine(copy.deepcopy(model), tok)
+    shared.add("solver", SPEC, initial_adapter_state(model, SPEC, seed=0, agent="solver"), 0)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=24, stop=["\n"])
+    prompts = ["Q:1+1\nP:", "Q:2+3\nP:"] * 2
+    want = generate_with_tool(plain, prompts, sampling, 3, _Echo())
+    got = generate_with_tool(shared.view("solver"), prompts, sampling, 3, _Echo())
+    assert [(g.response_ids, g.loss_mask, g.text) for g in got] == [
+        (g.response_ids, g.loss_mask, g.text) for g in want]
+    assert any(g.loss_mask for g in got)  # the tool ran (its output masked) in some row
+
+
+def test_lora_trainer_takes_the_torch_trainers_chunk_budget(base):
+    model, _ = base
+    data = {"team": {"agents": [{"name": "solver", "template": "{input}",
+                                 "model": {"base": "tiny-1m", "lora": SPEC.model_dump()},
+                                 "backend": {"train_chunk_tokens": 37}}]}}
+    shared = SharedBase(copy.deepcopy(model))
+    shared.add("solver", SPEC)
+    tr = make_lora_trainer(config_from_dict(data).agent("solver"), shared)
+    assert tr.chunk_tokens == 37

@@ -1,0 +1,135 @@
+"""Bounded staleness (`codesign.max_staleness: k`): the plan lets rollouts run k iterations
+ahead, training refuses samples older than k, `decoupled_ppo` corrects for the gap; and a LoRA
+team with k = 1 through the real run (Prefect flow, Dask workers, MEG Store)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexmarl_core.algorithms.losses import POLICY_LOSSES, clipped, decoupled_ppo
+from flexmarl_core.config import AlgorithmConfig, ConfigError, load_config
+from flexmarl_core.meg import MEG
+from flexmarl_core.ops import Op
+from flexmarl_core.plan import Plan
+from flexmarl_core.stages.registry import ConsistencyError
+from flexmarl_core.stages.train import check_staleness
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+OFF_POLICY = [f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in ("planner", "solver", "verifier")]
+
+
+def _plan(*overrides: str) -> Plan:
+    cfg = load_config(TINY, ["train.iterations=4", *overrides])
+    return Plan.build(cfg, MEG.from_config(cfg.team))
+
+
+def test_k0_plan_is_the_on_policy_plan_and_k1_gates_on_the_sync_before():
+    on = _plan()
+    assert Op(2, "sync", "solver") in on.deps[Op(3, "rollout", "solver", 0, 0)]
+    k1 = _plan("codesign.max_staleness=1", *OFF_POLICY)
+    assert set(k1.deps) == set(on.deps)  # same work, other waits
+    d = k1.deps[Op(3, "rollout", "solver", 0, 0)]
+    assert Op(1, "sync", "solver") in d and Op(2, "sync", "solver") not in d
+    assert not any(op.kind == "sync" for op in k1.deps[Op(1, "rollout", "solver", 0, 0)])
+    assert Op(2, "step", "solver") in k1.deps[Op(3, "train", "solver", mb=1)]
+    # Off the async pipeline: the gate is every agent's sync, still k iterations back.
+    sync_k2 = _plan("codesign.max_staleness=2", "codesign.async_pipeline=false", *OFF_POLICY)
+    assert {op for op in sync_k2.deps[Op(3, "rollout", "planner", 0, 0)] if op.kind == "sync"} == {
+        Op(0, "sync", a) for a in ("planner", "solver", "verifier")}
+
+
+def test_a_sample_older_than_k_is_refused_naming_agent_and_versions():
+    rows = [{"sample_id": "i0:0:solver:0", "policy_version": 5}, {"sample_id": "i0:1:solver:0", "policy_version": 3}]
+    check_staleness("solver", 5, rows, k=2)  # 5 - 3 = 2: allowed
+    with pytest.raises(ConsistencyError, match=r"agent 'solver' update 6: .*i0:1:solver:0.*\[3\].*\[4, 6\].*max_staleness=2"):
+        check_staleness("solver", 6, rows, k=2)
+    with pytest.raises(ConsistencyError, match="on-policy violated"):
+        check_staleness("solver", 5, rows, k=0)
+    with pytest.raises(ConsistencyError, match=r"\[5\]"):  # a sample from the future
+        check_staleness("solver", 4, rows[:1], k=2)
+
+
+def test_staleness_needs_an_off_policy_loss():
+    with pytest.raises(ConfigError, match=r"max_staleness=1: agent 'planner' uses policy_loss 'clipped'"):
+        load_config(TINY, ["codesign.max_staleness=1"])
+    assert POLICY_LOSSES.info("decoupled_ppo")["off_policy"] and not POLICY_LOSSES.info("clipped")["off_policy"]
+
+
+def _grad(fn, logp0, old, adv, mask, cfg):
+    logp = logp0.clone().requires_grad_(True)
+    loss, m = fn(logp, old, adv, mask, cfg=cfg)
+    loss.backward()
+    return logp.grad, m
+
+
+def test_decoupled_ppo_is_clipped_on_policy_and_truncates_stale_weights():
+    gen = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 5, generator=gen) * 3
+    mask = torch.ones(3, 5)
+    mask[2, 3:] = 0
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    cfg = AlgorithmConfig(is_cap=2.0)
+    # On-policy (behaviour = current weights): the same gradient as the clipped loss.
+    g_dec, m = _grad(decoupled_ppo, logp, logp, adv, mask, cfg)
+    g_clip, _ = _grad(clipped, logp, logp, adv, mask, cfg)
+    assert torch.allclose(g_dec, g_clip, atol=1e-7, rtol=0)  # fp32 ops on O(1) values
+    assert float(m["is_weight"]) == pytest.approx(float(mask.sum()))
+    # Stale: behaviour logprobs 0.3 nats above (w = e^-0.3) and one 2 nats below (w capped at 2).
+    old = logp + 0.3
+    old[0, 0] = logp[0, 0] - 2.0
+    g_st, m = _grad(decoupled_ppo, logp, old, adv, mask, cfg)
+    w = torch.exp(logp - old).clamp(max=2.0)
+    # The gradient of -A * w * logp per token (the ratio to the proximal policy is 1).
+    assert torch.allclose(g_st, -(adv[:, None] * w) * mask, atol=1e-6, rtol=0)
+    assert float(m["is_trunc_frac"]) == 1.0
+
+
+@pytest.mark.slow
+def test_lora_team_with_staleness_through_the_prefect_flow_on_dask(prefect_api, dask_cluster, tmp_path):
+    from safetensors.torch import load_file
+
+    from flows.train import train
+    from storage import MEGStore
+
+    run_dir = tmp_path / "run"
+    lora = "{base: tiny-1m, lora: {rank: 4}}"
+    overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", "cluster.prefect_lean=true",
+                 "train.iterations=3", "train.evaluate=false", "codesign.max_staleness=1", *OFF_POLICY,
+                 *[f"team.agents.{a}.model={lora}" for a in ("planner", "solver", "verifier")]]
+    state = train(TINY, overrides, progress=False, return_state=True)
+    assert state.is_completed(), state.message
+    # One base for the team; what syncs publish is an adapter (no base tensor in it).
+    assert len(list((run_dir / "bases").glob("*.safetensors"))) == 1
+    published = load_file(str(run_dir / "weights" / "solver" / "v3.safetensors"))
+    assert published and all(".lora_A." in k or ".lora_B." in k for k in published)
+    store = MEGStore(str(run_dir / "store"))
+    for it in range(3):
+        versions = set(store.read_samples("solver", it, columns=["policy_version"]).column("policy_version").to_pylist())
+        assert versions and versions <= {it - 1, it} - {-1}, (it, versions)
+
+
+def test_lora_staleness_between_checkpoints_matches_checkpointing_every_step(prefect_api, tmp_path):
+    """One worker process with `train.checkpoint_every=2`: adapters between checkpoints come from
+    the trainer in memory (no weight file), and the run ends where the every-step run does."""
+    from safetensors.torch import load_file
+
+    from flows.train import train
+
+    lora = "{base: tiny-1m, lora: {rank: 4}}"
+    common = ["cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}]", "cluster.prefect_lean=true",
+              "train.iterations=3", "train.evaluate=false", "codesign.max_staleness=1", *OFF_POLICY,
+              *[f"team.agents.{a}.model={lora}" for a in ("planner", "solver", "verifier")]]
+    for every in (1, 2):
+        state = train(TINY, [f"run_dir={tmp_path}/e{every}", f"train.checkpoint_every={every}", *common],
+                      progress=False, return_state=True)
+        assert state.is_completed(), state.message
+    assert not (tmp_path / "e2" / "weights" / "solver" / "v1.safetensors").exists()
+    for a in ("planner", "solver", "verifier"):
+        want = load_file(str(tmp_path / "e1" / "weights" / a / "v3.safetensors"))
+        got = load_file(str(tmp_path / "e2" / "weights" / a / "v3.safetensors"))
+        # Same samples in the same order through the same fp32 ops in one process: equal bits.
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), a
