@@ -12,8 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flexmarl_core.config_checks import (
     OPTIONAL_BACKENDS,
@@ -22,10 +21,7 @@ from flexmarl_core.config_checks import (
     check_name,
     check_template,
 )
-
-
-class ConfigError(ValueError):
-    """A config file or override that cannot be used; the message names file and field."""
+from flexmarl_core.config_checks import ConfigError as ConfigError  # the error users catch
 
 
 class _Strict(BaseModel):
@@ -533,126 +529,9 @@ class ExperimentConfig(_Strict):
         raise KeyError(f"unknown agent {name!r}; agents: {[a.name for a in self.team.agents]}")
 
 
-def _set_path(data: dict[str, Any], dotted: str, value: Any, *, source: str) -> None:
-    """Apply one `a.b.c=value` override; list items are addressed by agent name or index."""
-    keys = dotted.split(".")
-    node: Any = data
-    for i, key in enumerate(keys):
-        last = i == len(keys) - 1
-        if isinstance(node, list):
-            idx = _list_index(node, key, source=source, dotted=dotted)
-            if last:
-                node[idx] = value
-            else:
-                node = node[idx]
-            continue
-        if not isinstance(node, dict):
-            raise ConfigError(f"{source}: override {dotted!r}: {'.'.join(keys[:i])} is not a mapping")
-        if last:
-            node[key] = value
-        else:
-            node = node.setdefault(key, {})
-
-
-def _list_index(node: list[Any], key: str, *, source: str, dotted: str) -> int:
-    if key.isdigit():
-        if int(key) >= len(node):
-            raise ConfigError(
-                f"{source}: override {dotted!r}: index {key} is past the end of a list of {len(node)}"
-            )
-        return int(key)
-    for j, item in enumerate(node):
-        if isinstance(item, dict) and item.get("name") == key:
-            return j
-    names = [item.get("name") for item in node if isinstance(item, dict)]
-    raise ConfigError(f"{source}: override {dotted!r}: no list item named {key!r} (have {names})")
-
-
-def parse_overrides(overrides: list[str], *, source: str = "--set") -> list[tuple[str, Any]]:
-    out = []
-    for ov in overrides:
-        if "=" not in ov:
-            raise ConfigError(f"{source}: override {ov!r} must look like key.path=value")
-        key, raw = ov.split("=", 1)
-        if not key.strip():
-            raise ConfigError(f"{source}: override {ov!r} has no key before '='")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as exc:
-            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(
-                f"{source}: override {ov!r}: the value is not valid YAML ({what}); quote it"
-            ) from None
-        out.append((key.strip(), value))
-    return out
-
-
-def config_from_dict(
-    data: dict[str, Any], *, source: str = "<dict>", overrides: list[str] | None = None
-) -> ExperimentConfig:
-    data = dict(data)
-    for key, value in parse_overrides(overrides or []):
-        _set_path(data, key, value, source=source)
-    try:
-        cfg = ExperimentConfig.model_validate(data)
-    except ValidationError as exc:
-        # One line (the CLI prints errors as one `error:` line), every problem in it.
-        problems = [
-            f"{_readable_loc(data, err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
-            for err in exc.errors()
-        ]
-        raise ConfigError(f"{source}: " + "; ".join(problems).replace("\n", " ")) from None
-    # The team graph too (duplicate agents, unknown or cyclic edges, stray template fields), so
-    # `flexmarl train` stops here, before a Prefect server, a cluster or a run folder exists.
-    from flexmarl_core.meg import MEG, MEGError  # meg imports this module
-
-    try:
-        MEG.from_config(cfg.team)
-    except MEGError as exc:
-        raise ConfigError(f"{source}: team: {exc}") from None
-    return cfg
-
-
-def _readable_loc(data: Any, loc: tuple[Any, ...]) -> str:
-    """`team.agents.1.sampling` -> `team.agents[solver].sampling` when the item has a name."""
-    parts: list[str] = []
-    node = data
-    for key in loc:
-        if isinstance(key, int) and isinstance(node, list):
-            item = node[key] if key < len(node) else None
-            name = item.get("name") if isinstance(item, dict) else None
-            parts[-1:] = [f"{parts[-1] if parts else ''}[{name if name else key}]"]
-            node = item
-        else:
-            parts.append(str(key))
-            node = node.get(key) if isinstance(node, dict) else None
-    return ".".join(parts) or "<root>"
-
-
-def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read, override and validate one experiment file."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read config: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{p}: cannot read config: not UTF-8 text (byte {exc.start})") from None
-    return config_from_text(text, source=str(p), overrides=overrides)
-
-
-def config_from_text(text: str, *, source: str, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Parse (YAML, safe loader: plain data only), override and validate one experiment;
-    `source` names it in errors (a path or URI)."""
-    p = source
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        # One line, with the position: PyYAML's own message spans several lines.
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{p}: not valid YAML{where}: {what}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
-    return config_from_dict(data, source=p, overrides=overrides)
+# The readers live in their own module; importing them here keeps one import path for users.
+# At the end of the module: config_load needs the models above (a deliberate late import).
+from flexmarl_core.config_load import config_from_dict as config_from_dict  # noqa: E402
+from flexmarl_core.config_load import config_from_text as config_from_text  # noqa: E402
+from flexmarl_core.config_load import load_config as load_config  # noqa: E402
+from flexmarl_core.config_load import parse_overrides as parse_overrides  # noqa: E402

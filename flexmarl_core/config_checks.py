@@ -7,6 +7,10 @@ import importlib.util
 import string
 
 
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names file and field."""
+
+
 def check_name(v: str, what: str, *, reserved: tuple[str, ...] = ()) -> str:
     """Names become folder names, store partitions and resource tags: letters, digits, '_', '-'
     only, so none can climb out of its folder ('../x') or split a sample id (':')."""
