@@ -63,6 +63,7 @@ from flexmarl_core.workloads.answers import parse_int
 from flexmarl_core.workloads.api import Problem, Split, WorkloadError
 from flexmarl_core.workloads.base import (
     RuleWorkload,
+    assign_roles,
     check_count,
     check_split,
     hash_fraction,
@@ -239,14 +240,7 @@ class ArithmeticWorkload(RuleWorkload):
     ):
         super().__init__(agents, output_agent, **kwargs)
         self.params = parse_params(ArithmeticParams, params, "arithmetic")
-        unknown = sorted(set(self.params.roles) - set(agents))
-        if unknown:
-            raise WorkloadError(
-                f"workload.params.roles names unknown agent(s) {unknown}; agents: {agents}"
-            )
-        self.roles: dict[str, Role] = {
-            a: self.params.roles.get(a, "plan" if a == "planner" else "answer") for a in agents
-        }
+        self.roles: dict[str, Role] = assign_roles(self.params.roles, agents, {"planner": "plan"}, "answer")
         if self.roles[output_agent] != "answer":
             raise WorkloadError(
                 f"output agent {output_agent!r} has role 'plan'; the team answer must come from an "

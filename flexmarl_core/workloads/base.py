@@ -83,6 +83,16 @@ def parse_params(model: Any, params: Mapping[str, Any], kind: str) -> Any:
         raise WorkloadError(f"workload.params for kind={kind}: {msgs}") from None
 
 
+def assign_roles(configured: Mapping[str, str], agents: list[str], defaults: Mapping[str, str],
+                 fallback: str) -> dict[str, Any]:
+    """Each agent's role: `workload.params.roles` first, then the team's default by agent name,
+    else `fallback`; a configured name that is no agent of the team is an error."""
+    unknown = sorted(set(configured) - set(agents))
+    if unknown:
+        raise WorkloadError(f"workload.params.roles names unknown agent(s) {unknown}; agents: {agents}")
+    return {a: configured.get(a, defaults.get(a, fallback)) for a in agents}
+
+
 class RuleWorkload(ABC):
     """A workload whose reward is a rule over 0..1 scores.
 

@@ -41,6 +41,7 @@ from flexmarl_core.workloads.answers import parse_int
 from flexmarl_core.workloads.api import Problem, Split, WorkloadError
 from flexmarl_core.workloads.base import (
     RuleWorkload,
+    assign_roles,
     check_count,
     check_split,
     hash_fraction,
@@ -114,15 +115,8 @@ class LongTailWorkload(RuleWorkload):
     ):
         super().__init__(agents, output_agent, **kwargs)
         self.params = parse_params(LongTailParams, params, "longtail")
-        unknown = sorted(set(self.params.roles) - set(agents))
-        if unknown:
-            raise WorkloadError(
-                f"workload.params.roles names unknown agent(s) {unknown}; agents: {agents}"
-            )
-        default: dict[str, Role] = {"planner": "plan", "solver": "work"}
-        self.roles: dict[str, Role] = {
-            a: self.params.roles.get(a, default.get(a, "answer")) for a in agents
-        }
+        self.roles: dict[str, Role] = assign_roles(
+            self.params.roles, agents, {"planner": "plan", "solver": "work"}, "answer")
         if self.roles[output_agent] == "plan":
             raise WorkloadError(
                 f"output agent {output_agent!r} has role 'plan'; the team answer must come from a "
