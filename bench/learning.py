@@ -23,8 +23,11 @@ Mode `k1` (`--modes async k1`): the async pipeline with bounded staleness
 (`acc_k1`; k = 0 is `async`). A LoRA team is the same bench with `--set` giving every agent
 `model={base: tiny-1m, lora: {...}}` (its SFT then trains the one shared base).
 
-JSON: acc_sft, acc_rl (= acc_async), acc_sync, acc_async, acc_k1 (fractions, mean over seeds),
-seeds, iterations, and per-seed rows.
+JSON: team, config, acc_sft, acc_rl (= acc_async), acc_sync, acc_async, acc_k1 (fractions, mean
+over seeds), gain (= gain_async, else gain_sync), gain_<mode> (mean over seeds of RL minus that
+seed's SFT-only), async_equals_sync per seed run in both modes, seeds, iterations, and per-seed
+rows (acc_sft, acc_<mode>, gain_<mode>, sft_steps, seconds). `--sync-seeds 0` adds the sync
+mode on seed 0 only, to check async == sync without paying for it on every seed.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="*", default=None)
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--modes", nargs="*", default=None, choices=["sync", "async", "k1"])
+    ap.add_argument("--sync-seeds", type=int, nargs="*", default=[], metavar="SEED",
+                    help="also run the sync mode on these seeds (async == sync check on a few seeds)")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     ap.add_argument("--sft-from", default=None, metavar="DIR",
                     help="reuse SFT checkpoints DIR/sft-<seed>/ckpt instead of running SFT")
@@ -91,7 +96,8 @@ def main() -> int:
             ts = time.time()
             sft = run_sft(cfg, out_dir=ckpt, log=lambda m: print(m, flush=True))
             row = {"seed": seed, "sft_steps": sft["steps"], "sft_s": time.time() - ts}
-        for mode in run_modes:
+        modes = run_modes + (["sync"] if seed in args.sync_seeds and "sync" not in run_modes else [])
+        for mode in modes:
             value = "false" if mode == "sync" else "true"
             overrides = [*RL_BATCH, *base, f"run_dir={out_dir}/{mode}-{seed}", f"train.iterations={iterations}",
                          f"train.init_from={ckpt}", "train.evaluate_initial=true",
@@ -110,6 +116,7 @@ def main() -> int:
             # SFT-only accuracy is measured by the same evaluation on the same problems.
             row["acc_sft"] = s["initial_heldout_accuracy"]
             row[f"acc_{mode}"] = s["heldout_accuracy"]
+            row[f"gain_{mode}"] = row[f"acc_{mode}"] - row["acc_sft"]
             row[f"{mode}_s"] = time.time() - tr
             print(f"seed {seed} {mode}: SFT-only {row['acc_sft']:.3f} -> RL {row[f'acc_{mode}']:.3f} "
                   f"({iterations} iterations, {row[f'{mode}_s']:.0f} s)", flush=True)
@@ -119,17 +126,22 @@ def main() -> int:
         vals = [r[key] for r in rows if key in r]
         return statistics.fmean(vals) if vals else None
 
-    res = {"seeds": seeds, "iterations": iterations, "heldout": args.heldout, "overrides": args.set,
+    res = {"config": args.config, "team": load_config(args.config, []).name, "seeds": seeds, "iterations": iterations, "heldout": args.heldout, "overrides": args.set,
            "acc_sft": mean("acc_sft"), "acc_sync": mean("acc_sync"), "acc_async": mean("acc_async"),
            "acc_k1": mean("acc_k1"),
            "bench_wall_s": time.time() - t0, "rows": rows}
     res["acc_rl"] = res["acc_async"] if res["acc_async"] is not None else res["acc_sync"]
+    # Mean over seeds of each seed's own gain (RL minus its SFT start), per mode.
+    for mode in ("sync", "async", "k1"):
+        res[f"gain_{mode}"] = mean(f"gain_{mode}")
+    res["gain"] = res["gain_async"] if res["gain_async"] is not None else res["gain_sync"]
+    res["async_equals_sync"] = {r["seed"]: r["acc_async"] == r["acc_sync"]
+                                for r in rows if "acc_async" in r and "acc_sync" in r}
     print(f"\n{'seed':>4s} {'SFT-only':>9s} {'sync':>7s} {'async':>7s} {'k1':>7s}")
     for r in rows:
         print(f"{r['seed']:4d} {r['acc_sft']:9.3f} {r.get('acc_sync', float('nan')):7.3f} "
               f"{r.get('acc_async', float('nan')):7.3f} {r.get('acc_k1', float('nan')):7.3f}")
-    print(f"mean: SFT-only {res['acc_sft']:.3f}, RL {res['acc_rl']:.3f} "
-          f"(+{res['acc_rl'] - res['acc_sft']:.3f})")
+    print(f"mean: SFT-only {res['acc_sft']:.3f}, RL {res['acc_rl']:.3f} (gain {res['gain'] if res['gain'] is not None else float('nan'):+.3f})")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

@@ -439,6 +439,12 @@ class TrainConfig(_Strict):
     evaluate_initial: bool = Field(
         False, description="Also measure it before training (the starting point, e.g. SFT-only)."
     )
+    eval_batch: int | None = Field(
+        None, ge=1, description="Held-out problems decoded at once, grouped by question length "
+        "(held-out and SFT evaluations): a batch decodes until its longest answer ends, so "
+        "where answer length follows the question this saves the short ones' wasted steps. "
+        "Unset: all in one batch.",
+    )
     sft_target_accuracy: float = Field(
         0.3, ge=0.0, le=1.0, description="`flexmarl sft` stops once held-out accuracy reaches this."
     )
@@ -447,6 +453,12 @@ class TrainConfig(_Strict):
     sft_batch: int = Field(64, ge=1, description="Problems per SFT step (one demonstration chain each).")
     sft_eval_every: int = Field(25, ge=1, description="SFT steps between held-out evaluations.")
     sft_eval_size: int = Field(64, ge=1, description="Held-out problems per SFT evaluation.")
+    sft_chunk_tokens: int | None = Field(
+        None, ge=1, description="SFT's training chunk budget (padded tokens per forward/backward; "
+        "see backend.train_chunk_tokens, which it replaces during SFT only). A small budget splits "
+        "demonstrations of very different lengths into chunks sorted by length, so each pads only "
+        "to its own longest: the same gradient for less compute. Unset: the agent's own budget.",
+    )
     sft_perturb: float = Field(
         0.2, ge=0.0, le=1.0,
         description="Chance that a child sees a plausible upstream mistake instead of the demonstration.",

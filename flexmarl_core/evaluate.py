@@ -22,8 +22,29 @@ def evaluate_team(
     problems: Sequence[Problem],
     *,
     seed: int = 0,
+    batch: int | None = None,
 ) -> dict[str, Any]:
-    """Greedy team rollout over `problems`; returns accuracy, mean reward per agent, outputs."""
+    """Greedy team rollout over `problems`; returns accuracy, mean reward per agent, outputs.
+
+    `batch`: decode at most this many problems at once, grouped by the length of the problem's
+    text. A batch decodes until its longest row ends, so where the answer's length follows the
+    question's (the long-tail team) one long problem no longer holds every short one up.
+    None: all problems in one batch."""
+    if batch is not None and len(problems) > batch:
+        order = sorted(range(len(problems)), key=lambda i: (len(problems[i].text), i))
+        outs: list[dict[str, str]] = [{} for _ in problems]
+        for k in range(0, len(order), batch):
+            rows = order[k:k + batch]
+            part = _team_outputs(meg, workload, engines, [problems[i] for i in rows], seed)
+            for i, o in zip(rows, part, strict=True):
+                outs[i] = o
+        return _scored(workload, problems, outs)
+    return _scored(workload, problems, _team_outputs(meg, workload, engines, problems, seed))
+
+
+def _team_outputs(
+    meg: MEG, workload: Workload, engines: Mapping[str, Any], problems: Sequence[Problem], seed: int
+) -> list[dict[str, str]]:
     outputs: list[dict[str, str]] = [{} for _ in problems]
     for node in meg.nodes:
         agent = meg.agents[node.agent]
@@ -35,6 +56,10 @@ def evaluate_team(
         gens = generate_with_tool(engines[node.agent], prompts, greedy, seed, tool_of(workload, node.agent))
         for i, g in enumerate(gens):
             outputs[i][node.agent] = g.text
+    return outputs
+
+
+def _scored(workload: Workload, problems: Sequence[Problem], outputs: list[dict[str, str]]) -> dict[str, Any]:
     correct = [workload.is_correct(p, o) for p, o in zip(problems, outputs, strict=True)]
     rewards: dict[str, float] = {}
     for p, o in zip(problems, outputs, strict=True):

@@ -111,9 +111,10 @@ def run_sft(
         models[agent], toks[agent] = model, tok
         if acfg.trainable:
             # One process (training_dp=1): the engine below must share the trained module.
+            chunk = {"train_chunk_tokens": tc.sft_chunk_tokens} if tc.sft_chunk_tokens else {}
             sft_cfg = acfg.model_copy(update={
                 "algorithm": acfg.algorithm.model_copy(update={"lr": tc.sft_lr}),
-                "backend": acfg.backend.model_copy(update={"training_dp": 1}),
+                "backend": acfg.backend.model_copy(update={"training_dp": 1, **chunk}),
             })
             trainers[agent] = make_trainer(sft_cfg, model, loss_fn=sft_loss, loss_weight_fn=token_weight)
         # The engine shares the trainer's module (evaluation sees the latest weights for free)
@@ -131,7 +132,8 @@ def run_sft(
         if step % tc.sft_eval_every == 0:
             for agent in refresh:
                 engines[agent].update_weights(trainers[agent].weights(), step)
-            acc = evaluate_team(meg, workload, engines, heldout, seed=cfg.seed)["accuracy"]
+            acc = evaluate_team(meg, workload, engines, heldout, seed=cfg.seed,
+                                batch=tc.eval_batch)["accuracy"]
             history.append({"step": step, "accuracy": acc, "time_s": time.time() - t0})
             log(f"sft step {step}: held-out accuracy {acc:.3f}")
             if acc >= tc.sft_target_accuracy or step >= tc.sft_max_steps:
@@ -195,9 +197,18 @@ def warm_start_key(cfg: ExperimentConfig) -> str:
         "files": [_file_stamp(a.model.path) for a in cfg.team.agents]
         + [_file_stamp(wl.path), _file_stamp(wl.params.get("heldout_path"))],
         "seed": cfg.seed,
-        "sft": {k: v for k, v in cfg.train.model_dump(mode="json").items() if k.startswith("sft_")},
+        "sft": _sft_key(cfg),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _sft_key(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The SFT settings; `sft_chunk_tokens` left out while unset, so existing entries keep their
+    key (a budget changes the summation order of the gradient, so a set one is part of it)."""
+    sft = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k.startswith("sft_")}
+    if sft.get("sft_chunk_tokens") is None:
+        sft.pop("sft_chunk_tokens", None)
+    return sft
 
 
 def _team_key(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -105,3 +105,37 @@ def test_bad_params_and_roles_fail_with_the_field():
         workload(roles="{critic: plan}")
     with pytest.raises(WorkloadError, match="role 'plan'"):
         workload(roles="{verifier: plan}")
+
+
+def test_evaluation_in_length_batches_gives_the_same_outputs():
+    """`train.eval_batch` decodes held-out problems in batches grouped by question length (the
+    long-tail team's answer length follows it); greedy outputs are each row's own, so the
+    outputs and the accuracy equal one batch's (left padding is masked: padded keys add exact
+    zeros, so no tolerance is needed)."""
+    from flexmarl_core.evaluate import evaluate_team
+    from flexmarl_core.inference import make_inference_engine
+    from flexmarl_core.meg import MEG
+    from tests._models_util import tiny_model, tokenizer
+
+    # tiny-1m everywhere and short answers: a random model writes to max_new_tokens.
+    cfg = load_config(CONFIG, ["team.agents.solver.model.preset=tiny-1m",
+                               "team.agents.solver.sampling.max_new_tokens=12"])
+    meg = MEG.from_config(cfg.team)
+    wl = make_workload(cfg.workload, cfg.team)
+    engines = {a: make_inference_engine(cfg.agent(a), tiny_model(seed=i), tokenizer())
+               for i, a in enumerate(meg.agent_names)}
+    held = wl.problems("heldout", 10, seed=0)
+    one = evaluate_team(meg, wl, engines, held, seed=0)
+    split = evaluate_team(meg, wl, engines, held, seed=0, batch=3)
+    assert split["outputs"] == one["outputs"] and split["accuracy"] == one["accuracy"]
+    assert len({len(p.text) for p in held}) > 3  # the batches really regroup the problems
+
+
+def test_sft_chunk_budget_is_part_of_the_warm_start_key_only_when_set():
+    from flexmarl_core.sft import warm_start_key
+
+    base = load_config(CONFIG, ["train.sft_chunk_tokens=null"])
+    assert warm_start_key(base) != warm_start_key(load_config(CONFIG, ["train.sft_chunk_tokens=2048"]))
+    # eval_batch changes nothing SFT produces (it only regroups the greedy decoding).
+    assert warm_start_key(base) == warm_start_key(load_config(CONFIG, ["train.sft_chunk_tokens=null",
+                                                                       "train.eval_batch=5"]))

@@ -17,6 +17,7 @@ def evaluate(run_dir: str, iteration: int) -> dict[str, Any]:
     problems = ctx.workload.problems("heldout", ctx.cfg.workload.heldout_size, seed=ctx.cfg.seed)
     with ctx.lock:
         engines = {a: ctx.engine(a, weights_version(ctx, a, iteration)) for a in ctx.meg.agent_names}
-        res = evaluate_team(ctx.meg, ctx.workload, engines, problems, seed=ctx.cfg.seed)
+        res = evaluate_team(ctx.meg, ctx.workload, engines, problems, seed=ctx.cfg.seed,
+                           batch=ctx.cfg.train.eval_batch)
     return {"iteration": iteration, "heldout_accuracy": res["accuracy"], "heldout_n": res["n"],
             **{f"heldout_reward/{a}": v for a, v in res["reward"].items()}}
