@@ -15,6 +15,10 @@ config's 64 is sized for a short `make run`): over 25 iterations that doubled ba
 
 `--sft-from DIR` skips SFT and starts RL from DIR/sft-<seed>/ckpt (what an earlier run of this
 bench wrote), so RL settings can be compared on the same SFT-only starting points.
+SFT checkpoints already under `--out` (a complete `sft.json`) are reused likewise.
+`--sft-seed S` starts every RL seed from seed S's SFT checkpoints: the RL seed then sets the
+training problems, the sampling and the held-out problems; the starting point is shared.
+`--rows-from JSON` keeps an earlier run's per-seed results and runs only the modes it lacks.
 Held-out accuracy is measured on `--heldout` problems (default 512, ~10 s of greedy decoding):
 at the config's 128 one measurement is +-0.04, as large as the effect being measured.
 
@@ -63,6 +67,11 @@ def main() -> int:
                     help="held-out problems for the before/after accuracy (workload.heldout_size)")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench-learning"), metavar="DIR",
                     help="run folders go here (default: runs/bench-learning)")
+    ap.add_argument("--sft-seed", type=int, default=None, metavar="S",
+                    help="every RL seed starts from seed S's SFT checkpoints (default: its own)")
+    ap.add_argument("--rows-from", default=None, metavar="JSON",
+                    help="an earlier JSON of this bench: its per-seed results are kept and the "
+                    "modes it has are not run again (resume, or add a mode to a finished run)")
     args = ap.parse_args()
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     iterations = args.iterations or (6 if args.quick else 25)
@@ -79,25 +88,34 @@ def main() -> int:
 
     out_dir = Path(args.out).resolve()
     sft_root = Path(args.sft_from).resolve() if args.sft_from else out_dir
+    earlier = {r["seed"]: r for r in json.loads(Path(args.rows_from).read_text())["rows"]} if args.rows_from else {}
     rows = []
     t0 = time.time()
     for seed in seeds:
         base = [f"seed={seed}", f"workload.heldout_size={args.heldout}", *args.set]
-        ckpt = sft_root / f"sft-{seed}" / "ckpt"
-        if args.sft_from:
-            meta = ckpt / "sft.json"
-            if not meta.is_file():
-                print(f"--sft-from: no SFT checkpoint for seed {seed} at {ckpt}", file=sys.stderr)
-                return 1
+        sft_seed = seed if args.sft_seed is None else args.sft_seed
+        ckpt = sft_root / f"sft-{sft_seed}" / "ckpt"
+        meta = ckpt / "sft.json"
+        if seed in earlier:
+            row = dict(earlier[seed])
+        elif meta.is_file():  # made by an earlier run (or seed) of this bench: reused
             row = {"seed": seed, "sft_steps": json.loads(meta.read_text())["steps"], "sft_s": 0.0,
                    "sft_from": str(ckpt)}
+        elif args.sft_from:
+            print(f"--sft-from: no SFT checkpoint for seed {sft_seed} at {ckpt}", file=sys.stderr)
+            return 1
         else:
-            cfg = load_config(args.config, [*base, f"run_dir={out_dir}/sft-{seed}"])
+            cfg = load_config(args.config, [f"seed={sft_seed}", *base[1:], f"run_dir={out_dir}/sft-{sft_seed}"])
             ts = time.time()
             sft = run_sft(cfg, out_dir=ckpt, log=lambda m: print(m, flush=True))
             row = {"seed": seed, "sft_steps": sft["steps"], "sft_s": time.time() - ts}
+        row["sft_seed"] = sft_seed
+        rows.append(row)
         modes = run_modes + (["sync"] if seed in args.sync_seeds and "sync" not in run_modes else [])
         for mode in modes:
+            if f"acc_{mode}" in row:
+                print(f"seed {seed} {mode}: kept from {args.rows_from}", flush=True)
+                continue
             value = "false" if mode == "sync" else "true"
             overrides = [*RL_BATCH, *base, f"run_dir={out_dir}/{mode}-{seed}", f"train.iterations={iterations}",
                          f"train.init_from={ckpt}", "train.evaluate_initial=true",
@@ -120,7 +138,6 @@ def main() -> int:
             row[f"{mode}_s"] = time.time() - tr
             print(f"seed {seed} {mode}: SFT-only {row['acc_sft']:.3f} -> RL {row[f'acc_{mode}']:.3f} "
                   f"({iterations} iterations, {row[f'{mode}_s']:.0f} s)", flush=True)
-        rows.append(row)
 
     def mean(key: str) -> float | None:
         vals = [r[key] for r in rows if key in r]

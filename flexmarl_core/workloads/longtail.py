@@ -147,6 +147,11 @@ class LongTailWorkload(RuleWorkload):
         for _ in range(steps + 1):
             d = rng.randint(1, 9)
             # Keep the running total in 0..hi: the sign flips where the draw would leave it.
+            # Below hi = 17 some totals fit neither sign of a large digit (5 + 9, 5 - 9): the
+            # digit is then drawn again among those that fit (never happens at hi >= 17, so
+            # those problems are unchanged).
+            if d > max(hi - total, total):
+                d = rng.randint(1, max(hi - total, total))
             sign = 1 if rng.random() < 0.5 else -1
             if not 0 <= total + sign * d <= hi:
                 sign = -sign
