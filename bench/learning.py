@@ -29,7 +29,7 @@ Mode `k1` (`--modes async k1`): the async pipeline with bounded staleness
 
 JSON: team, config, acc_sft, acc_rl (= acc_async), acc_sync, acc_async, acc_k1 (fractions, mean
 over seeds), gain (= gain_async, else gain_sync), gain_<mode> (mean over seeds of RL minus that
-seed's SFT-only), async_equals_sync per seed run in both modes, seeds, iterations, and per-seed
+seed's SFT-only), sync_minus_async per seed run in both modes, seeds, iterations, and per-seed
 rows (acc_sft, acc_<mode>, gain_<mode>, sft_steps, seconds). `--sync-seeds 0` adds the sync
 mode on seed 0 only, to check async == sync without paying for it on every seed.
 """
@@ -152,8 +152,11 @@ def main() -> int:
     for mode in ("sync", "async", "k1"):
         res[f"gain_{mode}"] = mean(f"gain_{mode}")
     res["gain"] = res["gain_async"] if res["gain_async"] is not None else res["gain_sync"]
-    res["async_equals_sync"] = {r["seed"]: r["acc_async"] == r["acc_sync"]
-                                for r in rows if "acc_async" in r and "acc_sync" in r}
+    # The co-design's samples equal sync's and its weights agree within 1e-4 per step; over
+    # many iterations one flipped sampled token lets the runs drift apart, so this is a
+    # difference to read against the held-out noise, not a bit-equality check.
+    res["sync_minus_async"] = {r["seed"]: r["acc_sync"] - r["acc_async"]
+                               for r in rows if "acc_async" in r and "acc_sync" in r}
     print(f"\n{'seed':>4s} {'SFT-only':>9s} {'sync':>7s} {'async':>7s} {'k1':>7s}")
     for r in rows:
         print(f"{r['seed']:4d} {r['acc_sft']:9.3f} {r.get('acc_sync', float('nan')):7.3f} "
