@@ -351,6 +351,13 @@ class CodesignConfig(_Strict):
     on_demand_allocation: bool = Field(
         True, description="Training slots go to agents whose data is ready; idle states swap out."
     )
+    late_binding: bool = Field(
+        False,
+        description="With load_balancing: a rollout waits in the orchestrator until an instance of "
+        "its agent has nothing queued (an idle rollout worker is lent to it if none has), so where "
+        "it runs is chosen when a worker frees, not when it became ready; trainer and reward ops "
+        "go ahead of rollouts. For long, uneven rollouts (configs/longtail_team.yaml).",
+    )
     balance_threshold: float = Field(
         2.0, gt=1.0, description="Queued-work ratio hottest/coldest agent that triggers a move."
     )

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.control import ControlPlane, Decision, OrchestratorError
+from flexmarl_core.meg import NodeKey
 from flexmarl_core.ops import TRAINER_KINDS, MemoryRestart, Op, OpRecord, Route, StageResult
 from flexmarl_core.plan import Plan
 
@@ -118,6 +119,26 @@ class Orchestrator:
         self.skip = set(skip)
         self.control.ledger.completed.update(self.skip)
         self._running: dict[Any, _Running] = {}
+        self._order = self._late_binding_order(plan) if self.control.late_binding else None
+
+    @staticmethod
+    def _late_binding_order(plan: Plan) -> Callable[[Op], tuple]:
+        """Submission order when rollouts wait for a free instance: per iteration, trainer and
+        reward ops first (they lead to the weight sync the next iteration waits for), then
+        rollouts of the deepest MEG nodes first (a finished parent's child unblocks training)."""
+        depth: dict[NodeKey, int] = {}
+
+        def d(node: NodeKey) -> int:
+            if node not in depth:
+                depth[node] = 1 + max((d(p) for p in plan.meg.parents[node]), default=-1)
+            return depth[node]
+
+        def key(op: Op) -> tuple:
+            if op.kind != "rollout":
+                return (op.iteration, 0, 0, op)
+            return (op.iteration, 1, -d(NodeKey(op.agent, op.turn)), op)
+
+        return key
 
     def run(self) -> RunResult:
         deps, skip = self.plan.deps, self.skip
@@ -152,7 +173,7 @@ class Orchestrator:
     def _submit_ready(self) -> None:
         if not self._ready:
             return
-        self._ready.sort()
+        self._ready.sort(key=self._order)
         workers = self.control.place(
             self._ready, [(r.op, r.route) for r in self._running.values()], self._live_workers(),
             self.executor.set_worker_resources,
@@ -163,6 +184,9 @@ class Orchestrator:
                 held.append(op)
                 continue
             route = self.control.route(op, workers)
+            if route is None:  # late binding: no idle instance yet
+                held.append(op)
+                continue
             handle = self.executor.submit(op, route, [d for d in self.plan.deps[op] if d not in self.skip])
             self._running[handle] = _Running(op, self.executor.now(), route)
             self.control.submitted(op, route)
