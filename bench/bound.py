@@ -181,7 +181,10 @@ def replay(run_dir: Path, overrides: list[str], dispatch_s: float = 0.02) -> dic
     res = orch.run()
     tracker.flush(final=True)
     s = run_summary(rows, res.wall_s)
-    return {"e2e_s": sum(m["e2e_s"] for m in rows), "utilization": s["utilization"]}
+    ops = [{"kind": r.op.kind, "agent": r.op.agent, "worker": r.result.worker, "t_start": r.result.t_start,
+            "t_end": r.result.t_end, "iteration": r.op.iteration, "mb": r.op.mb} for r in res.records]
+    return {"e2e_s": sum(m["e2e_s"] for m in rows), "utilization": s["utilization"],
+            "idle_causes": idle_causes(ops), "ops": ops}
 
 
 def idle_causes(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -234,7 +237,9 @@ def main() -> int:
         for name, ov in (("as run", []), ("late binding", ["codesign.late_binding=true"]),
                          ("early binding", ["codesign.late_binding=false"])):
             r = replay(rd, ov)
-            print(f"  replay {name:14s}: E2E {r['e2e_s']:.1f} s, util {r['utilization']:.2f}")
+            print(f"  replay {name:14s}: E2E {r['e2e_s']:.1f} s, util {r['utilization']:.2f}; idle "
+                  + "; ".join(f"{w}: " + ", ".join(f"{k} {v:.0f}s" for k, v in list(c.items())[:3])
+                              for w, c in r["idle_causes"].items()))
         print(f"{rd}: E2E {a['e2e_s']:.1f} s; floor {a['floor_s']:.1f} s (work {a['work_floor_s']:.1f}, "
               f"chain {a['chain_floor_s']:.1f}), list schedule {a['list_s']:.1f} s; "
               f"floor / E2E {a['floor_frac']:.2f}")

@@ -225,3 +225,60 @@ def test_without_balancing_instances_stay_put():
                    delay=lambda op: 0.05 if op.kind == "rollout" and op.agent == "planner" else 0.01)
     assert not [d for d in res.decisions if isinstance(d, MoveInstance)]
     assert {w for o, w, *_ in log if o.kind == "rollout" and o.agent == "planner"} == {"w0"}
+
+
+ALL_ON = {"load_balancing": True, "dependency_parallel": True, "async_pipeline": True,
+          "on_demand_allocation": True}
+
+
+def _queued_rollouts(res) -> list[str]:
+    """Rollouts submitted to a worker that still had an op of its own outstanding (rewards
+    have no worker of their own: they run anywhere). Exact on the orchestrator's clock: an
+    op's `finished` is stamped before the next submission wave."""
+    pinned = [r for r in res.records if r.op.kind != "reward"]
+    return [r.op.name for r in res.records if r.op.kind == "rollout" and any(
+        o is not r and o.result.worker == r.result.worker and o.submitted <= r.submitted < o.finished
+        for o in pinned)]
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_late_binding_holds_rollouts_until_an_instance_is_idle(late):
+    """One long solver micro-batch and three short ones on static instances (the solver has
+    w1 only). Early binding queues solver rollouts behind the long one; late binding submits
+    each rollout to an idle worker only (lending w0 a solver instance), and every op still
+    runs once and after its dependencies."""
+    cfg = cfg_of({**ALL_ON, "late_binding": late}, iterations=2, mbs=4)
+    slow = {("solver", 0): 0.4}
+    res, log = run(cfg, workers={w: dict(r) for w, r in DEDICATED.items()},
+                   delay=lambda op: slow.get((op.agent, op.mb), 0.08) if op.kind == "rollout" and
+                   op.agent == "solver" else 0.01)
+    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    assert sorted(o for o, *_ in log) == sorted(plan.ops())
+    for o, _, t0, _ in log:
+        for d in plan.deps[o]:
+            assert end(log, d) <= t0 + 1e-6, (o.name, d.name)
+    queued = _queued_rollouts(res)
+    solver_on = {w for o, w, *_ in log if o.kind == "rollout" and o.agent == "solver"}
+    if late:
+        assert queued == []
+        assert solver_on == {"w0", "w1"}
+        assert any(isinstance(d, MoveInstance) and d.to_agent == "solver" and d.from_agent is None
+                   for d in res.decisions)
+    else:
+        assert queued, "early binding should queue a rollout behind another on this schedule"
+
+
+def test_late_binding_submits_trainer_ops_before_rollouts():
+    """The order a late-binding wave submits in: trainer and reward ops of an iteration first,
+    then its rollouts, the MEG's roots first."""
+    cfg = cfg_of({**ALL_ON, "late_binding": True}, iterations=2, mbs=2)
+    ex = ThreadExecutor(lambda op, w: StageResult(op, worker=w), WORKERS)
+    try:
+        key = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex)._order
+    finally:
+        ex.close()
+    ops = [Op(0, "rollout", "verifier", mb=0), Op(0, "rollout", "solver", mb=1), Op(0, "train", "solver", mb=0),
+           Op(1, "rollout", "planner", mb=0), Op(0, "rollout", "planner", mb=1), Op(0, "sync", "planner")]
+    assert [o.name for o in sorted(ops, key=key)] == [
+        "sync[planner] it=0", "train[solver] it=0 mb=0", "rollout[planner] it=0 mb=1",
+        "rollout[solver] it=0 mb=1", "rollout[verifier] it=0 mb=0", "rollout[planner] it=1 mb=0"]
