@@ -53,8 +53,13 @@ def op_log(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics" / "ops.jsonl").read_text().splitlines()]
 
 
-def durations(rows: list[dict]) -> dict[Op, float]:
-    return {Op(r["iteration"], r["kind"], r["agent"], r["turn"], r["mb"]): r["t_end"] - r["t_start"] for r in rows}
+def durations(rows: list[dict], clock: str = "wall") -> dict[Op, float]:
+    """Each op's seconds: `wall` (t_end - t_start) or `cpu` (the CPU its worker process used
+    for it: what it takes with a core to itself, whatever else loaded the machine)."""
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', not {clock!r}")
+    return {Op(r["iteration"], r["kind"], r["agent"], r["turn"], r["mb"]):
+            r["t_end"] - r["t_start"] if clock == "wall" else r["cpu_s"] for r in rows}
 
 
 def codesign_deps(run_dir: Path) -> dict[Op, list[Op]]:
@@ -145,7 +150,7 @@ def list_schedule(deps: dict[Op, list[Op]], d: dict[Op, float], workers: int) ->
     return end
 
 
-def replay(run_dir: Path, overrides: list[str], dispatch_s: float = 0.02) -> dict:
+def replay(run_dir: Path, overrides: list[str], dispatch_s: float = 0.02, clock: str = "wall") -> dict:
     """The real orchestrator and control plane (`sim.SimExecutor`'s virtual clock) on the
     run's measured op durations, under the run's config plus `overrides` (e.g. another
     switch): E2E and utilisation without machine noise, so two policies compare exactly.
@@ -158,7 +163,7 @@ def replay(run_dir: Path, overrides: list[str], dispatch_s: float = 0.02) -> dic
     from flexmarl_core.sim.cost import AgentCost, CostModel, LengthDist
     from flexmarl_core.sim.executor import SimExecutor
 
-    d = durations(op_log(run_dir))
+    d = durations(op_log(run_dir), clock)
     cfg = load_config(Path(run_dir) / "config.yaml", overrides)
     meg = MEG.from_config(cfg.team)
 
@@ -185,6 +190,24 @@ def replay(run_dir: Path, overrides: list[str], dispatch_s: float = 0.02) -> dic
             "t_end": r.result.t_end, "iteration": r.op.iteration, "mb": r.op.mb} for r in res.records]
     return {"e2e_s": sum(m["e2e_s"] for m in rows), "utilization": s["utilization"],
             "idle_causes": idle_causes(ops), "ops": ops}
+
+
+def cpu_replay(run_dir: Path, workers: int = 2, overrides: tuple[str, ...] = ()) -> dict:
+    """Both modes replayed on one run's ops at their CPU seconds (as if each op had a core to
+    itself: on a machine other jobs load, wall times measure the share of CPU a process got,
+    and two busy workers take it from each other, which a one-worker phase does not):
+    the co-design as configured and the synchronous baseline (every switch off), their E2E,
+    speedup and utilisation, and the co-design's floor on the same durations. `overrides`
+    apply to the co-design (e.g. `codesign.late_binding=true`)."""
+    cd = replay(run_dir, [*(f"codesign.{s}=true" for s in SWITCHES), *overrides], clock="cpu")
+    sy = replay(run_dir, [f"codesign.{s}=false" for s in SWITCHES], clock="cpu")
+    d = durations(op_log(run_dir), "cpu")
+    deps = codesign_deps(run_dir)
+    floor = max(sum(d.values()) / workers, chain_floor(deps, d))
+    return {"e2e_s_codesign": cd["e2e_s"], "e2e_s_sync": sy["e2e_s"], "speedup": sy["e2e_s"] / cd["e2e_s"],
+            "util_codesign": cd["utilization"], "util_sync": sy["utilization"], "floor_s": floor,
+            "floor_frac_codesign": floor / cd["e2e_s"], "speedup_bound": sy["e2e_s"] / floor,
+            "idle_causes_codesign": cd["idle_causes"]}
 
 
 def idle_causes(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -234,6 +257,12 @@ def main() -> int:
     args = ap.parse_args()
     for rd in args.run_dirs:
         a = analyse(rd, args.workers)
+        for lb in ("false", "true"):
+            c = cpu_replay(rd, args.workers, (f"codesign.late_binding={lb}",))
+            print(f"  on CPU seconds, late binding {lb:5s}: co-design {c['e2e_s_codesign']:.1f} s (util "
+                  f"{c['util_codesign']:.2f}), sync {c['e2e_s_sync']:.1f} s (util {c['util_sync']:.2f}), speedup "
+                  f"{c['speedup']:.2f}x of a bound {c['speedup_bound']:.2f}x; co-design at "
+                  f"{c['floor_frac_codesign']:.2f} of its floor")
         for name, ov in (("as run", []), ("late binding", ["codesign.late_binding=true"]),
                          ("early binding", ["codesign.late_binding=false"])):
             r = replay(rd, ov)

@@ -219,7 +219,18 @@ def bounds(out_dir: Path, repeats: int, iterations: int, workers: int = 2) -> di
           for rep in range(repeats)]
     sync_e2e = [bound.analyse(out_dir / f"sync-{rep}", workers)["e2e_s"] for rep in range(repeats)]
     med = statistics.median
+    # Both modes on each run's ops at their CPU seconds (`bound.cpu_replay`): on a loaded
+    # machine two busy workers take CPU from each other and a one-worker phase does not, so
+    # wall-time ratios between the modes measure the load as much as the schedule.
+    cpu = [bound.cpu_replay(out_dir / f"{m}-{rep}", workers) for rep in range(repeats) for m in ("codesign", "sync")]
+    keys = ("speedup", "util_codesign", "util_sync", "speedup_bound", "floor_frac_codesign",
+            "e2e_s_codesign", "e2e_s_sync")
+    cpu_replay = {k: med(c[k] for c in cpu) for k in keys}
+    cpu_replay["e2e_s_codesign"] /= iterations
+    cpu_replay["e2e_s_sync"] /= iterations
+    cpu_replay["idle_causes_codesign"] = cpu[0]["idle_causes_codesign"]
     return {
+        "cpu_replay": cpu_replay,
         "speedup_bound": med(e / s["floor_s"] for e, s in zip(sync_e2e, sy, strict=True)),
         "floor_s_codesign": med(a["floor_s"] for a in cd) / iterations,
         "chain_floor_s_codesign": med(a["chain_floor_s"] for a in cd) / iterations,
@@ -393,6 +404,10 @@ def main() -> int:
     print(f"speedup bound (sync E2E / floor of the sync run's own ops on the co-design graph): "
           f"{res['speedup_bound']:.2f}x; sync / co-design stage time {res['stage_time_ratio_sync_over_codesign']:.2f} "
           f"(1 = the same ops took as long in both runs); old cross-run bound {res['speedup_bound_cross_run']:.2f}x")
+    c = res["cpu_replay"]
+    print(f"both modes replayed on these runs' ops at their CPU seconds: speedup {c['speedup']:.2f}x of a "
+          f"bound {c['speedup_bound']:.2f}x; util co-design {c['util_codesign']:.2f}, sync {c['util_sync']:.2f}; "
+          f"co-design at {c['floor_frac_codesign']:.2f} of its floor")
     for m, causes in res["idle_causes"].items():
         print(f"idle time by what the other worker ran ({m}): " + "; ".join(
             f"{w}: " + ", ".join(f"{k} {v:.0f}s" for k, v in list(c.items())[:3]) for w, c in causes.items()))
