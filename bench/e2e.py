@@ -229,6 +229,9 @@ def bounds(out_dir: Path, repeats: int, iterations: int, workers: int = 2) -> di
     cpu_replay["e2e_s_codesign"] /= iterations
     cpu_replay["e2e_s_sync"] /= iterations
     cpu_replay["idle_causes_codesign"] = cpu[0]["idle_causes_codesign"]
+    cpu_d = [bound.durations(bound.op_log(out_dir / f"codesign-{rep}"), "cpu") for rep in range(repeats)]
+    cpu_replay["train_share"] = med(sum(v for o, v in d.items() if o.kind in ("train", "step")) / sum(d.values())
+                                    for d in cpu_d)
     return {
         "cpu_replay": cpu_replay,
         "speedup_bound": med(e / s["floor_s"] for e, s in zip(sync_e2e, sy, strict=True)),
@@ -407,7 +410,7 @@ def main() -> int:
     c = res["cpu_replay"]
     print(f"both modes replayed on these runs' ops at their CPU seconds: speedup {c['speedup']:.2f}x of a "
           f"bound {c['speedup_bound']:.2f}x; util co-design {c['util_codesign']:.2f}, sync {c['util_sync']:.2f}; "
-          f"co-design at {c['floor_frac_codesign']:.2f} of its floor")
+          f"co-design at {c['floor_frac_codesign']:.2f} of its floor; training {100 * c['train_share']:.0f}% of CPU")
     for m, causes in res["idle_causes"].items():
         print(f"idle time by what the other worker ran ({m}): " + "; ".join(
             f"{w}: " + ", ".join(f"{k} {v:.0f}s" for k, v in list(c.items())[:3]) for w, c in causes.items()))

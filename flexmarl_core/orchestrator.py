@@ -102,8 +102,6 @@ class _Running:
 class Orchestrator:
     """Submits each op when its dependencies are done, with the route chosen at that moment."""
 
-    HOLD_FOR_REWARDS = True
-
     def __init__(
         self,
         plan: Plan,
@@ -185,7 +183,7 @@ class Orchestrator:
         held = []
         # Late binding: while a reward runs, its train ops are about to want a worker; a
         # rollout started now would hold the one that is free for its whole length.
-        rewards_pending = self._order is not None and self.HOLD_FOR_REWARDS and any(
+        rewards_pending = self._order is not None and any(
             o.kind == "reward" for o in [*self._ready, *(r.op for r in self._running.values())])
         for op in self._ready:
             if op.kind in TRAINER_KINDS and op.agent in self._trainer_busy:
