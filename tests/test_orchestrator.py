@@ -271,7 +271,7 @@ def test_late_binding_holds_rollouts_until_an_instance_is_idle(late):
 
 def test_late_binding_submits_trainer_ops_before_rollouts():
     """The order a late-binding wave submits in: trainer and reward ops of an iteration first,
-    then its rollouts, the MEG's roots first."""
+    then its rollouts, the deepest MEG nodes first."""
     cfg = cfg_of({**ALL_ON, "late_binding": True}, iterations=2, mbs=2)
     ex = ThreadExecutor(lambda op, w: StageResult(op, worker=w), WORKERS)
     try:
@@ -281,5 +281,5 @@ def test_late_binding_submits_trainer_ops_before_rollouts():
     ops = [Op(0, "rollout", "verifier", mb=0), Op(0, "rollout", "solver", mb=1), Op(0, "train", "solver", mb=0),
            Op(1, "rollout", "planner", mb=0), Op(0, "rollout", "planner", mb=1), Op(0, "sync", "planner")]
     assert [o.name for o in sorted(ops, key=key)] == [
-        "sync[planner] it=0", "train[solver] it=0 mb=0", "rollout[planner] it=0 mb=1",
-        "rollout[solver] it=0 mb=1", "rollout[verifier] it=0 mb=0", "rollout[planner] it=1 mb=0"]
+        "sync[planner] it=0", "train[solver] it=0 mb=0", "rollout[verifier] it=0 mb=0",
+        "rollout[solver] it=0 mb=1", "rollout[planner] it=0 mb=1", "rollout[planner] it=1 mb=0"]
