@@ -263,7 +263,7 @@ def main() -> int:
                   f"{c['util_codesign']:.2f}), sync {c['e2e_s_sync']:.1f} s (util {c['util_sync']:.2f}), speedup "
                   f"{c['speedup']:.2f}x of a bound {c['speedup_bound']:.2f}x; co-design at "
                   f"{c['floor_frac_codesign']:.2f} of its floor")
-        for name, ov in (("as run", []), ("late binding", ["codesign.late_binding=true"]),
+        for name, ov in (("its config", []), ("late binding", ["codesign.late_binding=true"]),
                          ("early binding", ["codesign.late_binding=false"])):
             r = replay(rd, ov)
             print(f"  replay {name:14s}: E2E {r['e2e_s']:.1f} s, util {r['utilization']:.2f}; idle "
