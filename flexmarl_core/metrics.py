@@ -227,9 +227,6 @@ class MetricsWriter:
     """
 
     MIRROR_EVERY_S = 2.0
-    #: TensorBoard's file is flushed at most this often (and at close): steps of tens of ms
-    #: would otherwise flush it per step
-    TB_FLUSH_EVERY_S = 1.0
     FILES = ("ops.jsonl", "iterations.jsonl", "decisions.jsonl")
 
     def __init__(self, run_dir: Path, mirror: Any = None) -> None:
@@ -244,7 +241,6 @@ class MetricsWriter:
                     (self.dir / name).unlink(missing_ok=True)
         self._ops = open(self.dir / "ops.jsonl", "a")  # noqa: SIM115 - closed in close()
         self._tb: Any = None
-        self._tb_flushed = 0.0
         self._mirrored = 0.0
 
     def _upload(self, name: str) -> None:
@@ -277,9 +273,7 @@ class MetricsWriter:
         for k, v in m.items():
             if k != "iteration" and isinstance(v, int | float):
                 self._tb.add_scalar(k, v, m["iteration"])
-        if time.monotonic() - self._tb_flushed >= self.TB_FLUSH_EVERY_S:  # live, not per step
-            self._tb.flush()
-            self._tb_flushed = time.monotonic()
+        self._tb.flush()
 
     def close(self) -> None:
         self._ops.close()
