@@ -13,9 +13,10 @@ worker sends them on its websocket in the background.
 An op that ends within `pending_after_s` (`cluster.pending_after_s`) of its submission is
 reported by one event, its final state (with its start and end times, run count and upstream
 inputs: all a task run needs); one still running then is reported Pending at that moment, so
-the UI shows long ops while they run. Each event costs the API server ~2 ms of CPU (measured
-alone: 600 Completed events), on the same cores as the stages when the server is local.
-Batching them (`POST /api/events`, 50 a request) cost more per event, so they go one by one.
+the UI shows long ops while they run. That cut the API server's CPU per op from 5.4 to 3.5 ms
+(`bench/task_run_events.py`), CPU on the same cores as the stages when the server is local.
+Batching the events (`POST /api/events`, 50 a request) showed no clear gain (3.1 vs 3.5 ms in
+one run, more than one by one in another), so they go one by one on the websocket.
 
 Retries per kind below: rollouts and rewards are cheap to redo, a trainer op twice at most.
 They run in the worker (no round trip), and each attempt shows in the API as a retry of that
