@@ -402,6 +402,18 @@ class ClusterConfig(_Strict):
         "worker before the run, joining workers too (Dask's upload_file): code the workers lack, e.g. "
         "your reward module's folder, or the project root where flexmarl is not installed.",
     )
+    look_ahead: bool = Field(
+        True,
+        description="Submit an op whose route is already fixed as soon as its dependencies are "
+        "submitted, chained on them in Dask, so it starts when they end without a round trip "
+        "through the flow process (orchestrator.py).",
+    )
+    pending_after_s: float = Field(
+        2.0, ge=0.0,
+        description="An op's Prefect task run shows Pending once the op has been submitted this "
+        "long; a shorter op sends only its final state (one event instead of two). 0: Pending at "
+        "submission (tasks/stages.py).",
+    )
     prefect_lean: bool | Literal["auto"] = Field(
         "auto",
         description="Workers read cheap Prefect settings from their own environment (tasks/lean.py), "

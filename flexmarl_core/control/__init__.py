@@ -3,6 +3,7 @@
     ControlPlane.place(ready, running, workers)   before a submission wave: move instances
     ControlPlane.route(op, workers) -> Route      rollout instance, training slot, or anywhere
                                                   (None: hold it, `codesign.late_binding`)
+    ControlPlane.route_ahead(op, workers)         the route, if no later decision could change it
     ControlPlane.submitted / finished / observed  keep the work ledger in seconds
     ControlPlane.decisions                        MoveInstance, TrainSlot, Resubmit, in order
 
@@ -83,6 +84,30 @@ class ControlPlane:
 
     def route(self, op: Op, workers: dict[str, dict[str, float]]) -> Route | None:
         return self.router.route(op, workers)
+
+    def route_ahead(self, op: Op, workers: dict[str, dict[str, float]]) -> Route | None:
+        """`op`'s route if it can be fixed now, before its dependencies end (the orchestrator's
+        look-ahead), because nothing the control plane would decide later could change it:
+        rewards go anywhere; rollouts without load balancing go by tag (Dask places them),
+        with it only to an agent's one instance when no instance can move (one agent); trainer
+        ops to a slot already chosen for the agent's iteration (static placement, an on-demand
+        slot taken, or one train slot). None: route it when it is ready."""
+        if op.kind == "reward":
+            return Route({})
+        if op.kind == "rollout" and self.router.load_balancing:
+            if self.balancer is not None and len(self.balancer.agents) > 1:
+                return None
+            if len(self.router.instances(op.agent, workers)[1]) != 1:
+                return None
+        elif op.kind != "rollout":
+            slots = self.router.slots
+            if slots.on_demand and (op.agent, op.iteration) not in slots.slot and \
+                    sum(1 for r in workers.values() if r.get(TRAIN_TAG, 0) > 0) != 1:
+                return None
+        try:
+            return self.router.route(op, workers)
+        except OrchestratorError:  # no worker can take it: say so when it is ready
+            return None
 
     def submitted(self, op: Op, route: Route) -> None:
         self.ledger.submitted(op, route.worker)
