@@ -27,18 +27,20 @@ Mode `k1` (`--modes async k1`): the async pipeline with bounded staleness
 `codesign.max_staleness=1` and every agent on `decoupled_ppo`, from the same SFT checkpoints
 (`acc_k1`; k = 0 is `async`). Nothing else differs: same batch, learning rate and seed.
 
-Mode `lora` (`--modes async lora`): the same team with every agent a LoRA adapter (`LORA_TEAM`:
-rank 8, alpha 16, every linear layer, lr 10x the full model's, fixed before measuring) on one
-shared base of the agent's preset, through the same async pipeline. How it starts, so the
-comparison is fair: its own SFT (`run_sft` trains the one shared base on every agent's
-demonstrations, adapters start as no-ops, stopping at the same `train.sft_target_accuracy`)
-into DIR/sft-lora-<seed>/ckpt, so both teams start RL from the same SFT-only accuracy target
-on the same held-out problems with the same SFT budget, each with its own parameterisation.
-(A LoRA team on one full agent's SFT'd model would start with two of three roles untrained.)
+Mode `lora` (`--modes async lora`): the same team with every agent a LoRA adapter (`LORA_SPEC`:
+rank 8, alpha 16, every linear layer; lr `LORA_LR_FACTOR` x the full model's, fixed before
+measuring, not tuned) through the same async pipeline from the same SFT checkpoints: each
+agent's base is its own SFT'd model (saved as an HF folder, DIR/sft-<seed>/hf/<agent>) and its
+adapter starts as PEFT's no-op (lora_B = 0), so the LoRA team starts as exactly the full team's
+SFT-only function (`acc_sft_lora` == `acc_sft`) and the comparison isolates RL through adapters
+against RL of the whole model. Mode `lora_shared`: the MARFT shape, every agent an adapter on ONE
+shared base that its own SFT trained on every agent's demonstrations (`run_sft`, adapters no-ops,
+stopping at the same `train.sft_target_accuracy`) into DIR/sft-lora-<seed>/ckpt; its SFT-only
+accuracy differs from the full team's (same target, other parameterisation).
 
-JSON: acc_sft, acc_rl (= acc_async), acc_sync, acc_async, acc_k1, acc_sft_lora, acc_lora
-(fractions, mean over seeds), diff_k1 / diff_lora (mean over seeds of acc_k1 - acc_async and
-acc_lora - acc_async, each seed's pair measured on the same held-out problems), seeds,
+JSON: acc_sft, acc_rl (= acc_async), acc_sync, acc_async, acc_k1, acc_lora, acc_sft_lora_shared,
+acc_lora_shared (fractions, mean over seeds), diff_k1 / diff_lora / diff_lora_shared (mean over
+seeds of acc_<mode> - acc_async, each seed's pair measured on the same held-out problems), seeds,
 iterations, heldout, and per-seed rows.
 """
 
@@ -62,12 +64,33 @@ LORA_SPEC = "{rank: 8, alpha: 16}"
 LORA_LR_FACTOR = 10.0
 
 
-def lora_team(cfg: object) -> list[str]:
-    """Overrides turning every agent of `cfg` into a LoRA adapter on its own preset as base."""
+def lora_team(cfg: object, bases: dict[str, Path] | None = None) -> list[str]:
+    """Overrides turning every agent of `cfg` into a LoRA adapter: on `bases[agent]` (an HF
+    folder), or all on one shared base of the agent's preset."""
     out = []
     for a in cfg.team.agents:  # type: ignore[attr-defined]
-        out += [f"team.agents.{a.name}.model={{base: {a.model.preset}, lora: {LORA_SPEC}}}",
+        base = bases[a.name] if bases else a.model.preset
+        out += [f"team.agents.{a.name}.model={{base: '{base}', lora: {LORA_SPEC}}}",
                 f"team.agents.{a.name}.algorithm.lr={a.algorithm.lr * LORA_LR_FACTOR}"]
+    return out
+
+
+def hf_bases(cfg: object, ckpt: Path) -> dict[str, Path]:
+    """Each agent's SFT checkpoint `ckpt/<agent>/model.safetensors` as an HF folder (made once,
+    `ckpt/../hf/<agent>`) that `model.base` can name."""
+    from safetensors.torch import load_file
+
+    from flexmarl_core.models import load_agent_model
+    from flexmarl_core.models.factory import save_model
+
+    out = {}
+    for a in cfg.team.agents:  # type: ignore[attr-defined]
+        folder = (ckpt.parent / "hf" / a.name).resolve()
+        if not (folder / "config.json").is_file():
+            model, tok = load_agent_model(a.model, seed=cfg.seed)  # type: ignore[attr-defined]
+            model.load_state_dict(load_file(str(ckpt / a.name / "model.safetensors")))
+            save_model(model, tok, folder)
+        out[a.name] = folder
     return out
 
 
@@ -78,7 +101,7 @@ def main() -> int:
     ap.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
     ap.add_argument("--seeds", type=int, nargs="*", default=None)
     ap.add_argument("--iterations", type=int, default=None)
-    ap.add_argument("--modes", nargs="*", default=None, choices=["sync", "async", "k1", "lora"])
+    ap.add_argument("--modes", nargs="*", default=None, choices=["sync", "async", "k1", "lora", "lora_shared"])
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     ap.add_argument("--sft-from", default=None, metavar="DIR",
                     help="SFT checkpoints DIR/sft-<seed>/ckpt (and sft-lora-<seed>): reused, or made there")
@@ -117,14 +140,17 @@ def main() -> int:
             if f"acc_{mode}" in row:
                 print(f"seed {seed} {mode}: kept from {args.rows_from}", flush=True)
                 continue
-            team = lora_team(load_config(args.config, base)) if mode == "lora" else []
-            sft = "sft_lora" if mode == "lora" else "sft"
+            team = lora_team(load_config(args.config, base)) if mode == "lora_shared" else []
+            sft = "sft_lora" if mode == "lora_shared" else "sft"
             sft_seed = seed if args.sft_seed is None else args.sft_seed
             ckpt = sft_root / f"{sft.replace('_', '-')}-{sft_seed}" / "ckpt"
             if f"{sft}_steps" not in row:
                 sft_base = [f"seed={sft_seed}", *base[1:]]
                 got = sft_checkpoint(args, sft_root, ckpt, [*sft_base, *team])
                 row.update({f"{sft}_{k}": v for k, v in got.items()})
+            if mode == "lora":  # adapters on the full team's SFT'd models: the same start
+                cfg = load_config(args.config, base)
+                team = lora_team(cfg, hf_bases(load_config(args.config, [f"seed={sft_seed}", *base[1:]]), ckpt))
             value = "false" if mode == "sync" else "true"
             overrides = [*RL_BATCH, *base, *team, f"run_dir={out_dir}/{mode}-{seed}",
                          f"train.iterations={iterations}", f"train.init_from={ckpt}",
@@ -141,23 +167,24 @@ def main() -> int:
                 return 1
             s = state.result()["summary"]
             # SFT-only accuracy is measured by the same evaluation on the same problems.
-            row["acc_sft_lora" if mode == "lora" else "acc_sft"] = s["initial_heldout_accuracy"]
+            row["acc_sft_lora_shared" if mode == "lora_shared" else "acc_sft_lora" if mode == "lora"
+                else "acc_sft"] = s["initial_heldout_accuracy"]
             row[f"acc_{mode}"] = s["heldout_accuracy"]
             row[f"{mode}_s"] = time.time() - tr
             print(f"seed {seed} {mode}: SFT-only {s['initial_heldout_accuracy']:.3f} -> RL "
                   f"{row[f'acc_{mode}']:.3f} ({iterations} iterations, {row[f'{mode}_s']:.0f} s)", flush=True)
-            for m in ("k1", "lora"):
+            for m in ("k1", "lora", "lora_shared"):
                 if f"acc_{m}" in row and "acc_async" in row:
                     row[f"diff_{m}"] = row[f"acc_{m}"] - row["acc_async"]
             # Written after every run: a bench cut short keeps what it measured (--rows-from).
             write_json(args, seeds, iterations, rows, time.time() - t0)
     res = write_json(args, seeds, iterations, rows, time.time() - t0)
-    cols = ["acc_sft", "acc_sync", "acc_async", "acc_k1", "acc_sft_lora", "acc_lora"]
+    cols = ["acc_sft", "acc_sync", "acc_async", "acc_k1", "acc_lora", "acc_sft_lora_shared", "acc_lora_shared"]
     nan = float("nan")
-    print("\n seed " + " ".join(f"{c[4:]:>8s}" for c in cols))
+    print("\n seed " + " ".join(f"{c[4:]:>8s}" for c in cols))  # sft_lora_shared: its own SFT
     for r in [*rows, {"seed": "mean", **res}]:
         print(f"{r['seed']!s:>5s} " + " ".join(f"{r.get(c) if r.get(c) is not None else nan:8.3f}" for c in cols))
-    for k in ("diff_k1", "diff_lora"):
+    for k in ("diff_k1", "diff_lora", "diff_lora_shared"):
         if res[k] is not None:
             per = ", ".join(f"{r[k]:+.3f}" for r in rows if k in r)
             print(f"{k}: mean {res[k]:+.3f} (per seed {per})")
@@ -173,7 +200,8 @@ def write_json(args: argparse.Namespace, seeds: list[int], iterations: int, rows
     res = {"seeds": seeds, "iterations": iterations, "heldout": args.heldout, "overrides": args.set,
            "acc_sft": mean("acc_sft"), "acc_sync": mean("acc_sync"), "acc_async": mean("acc_async"),
            "acc_k1": mean("acc_k1"), "acc_sft_lora": mean("acc_sft_lora"), "acc_lora": mean("acc_lora"),
-           "diff_k1": mean("diff_k1"), "diff_lora": mean("diff_lora"),
+           "acc_sft_lora_shared": mean("acc_sft_lora_shared"), "acc_lora_shared": mean("acc_lora_shared"),
+           "diff_k1": mean("diff_k1"), "diff_lora": mean("diff_lora"), "diff_lora_shared": mean("diff_lora_shared"),
            "bench_wall_s": wall_s, "rows": rows}
     res["acc_rl"] = res["acc_async"] if res["acc_async"] is not None else res["acc_sync"]
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
