@@ -217,14 +217,14 @@ class AgentConfig(_Strict):
         if self.model.lora is None:
             return self
         what = None
-        if self.backend.inference != "hf":
-            what = f"backend.inference={self.backend.inference!r} yet (LoRA serves on the hf engine)"
-        elif self.backend.training != "torch":
+        if self.backend.training != "torch":
             what = f"backend.training={self.backend.training!r} (LoRA trains with the torch trainer)"
         elif self.algorithm.kl_coef > 0:
             what = f"algorithm.kl_coef={self.algorithm.kl_coef} (no KL reference for adapters yet)"
         elif self.share_model_with is not None:
             what = "share_model_with (LoRA agents share their `base` instead)"
+        elif self.backend.inference == "vllm" and self.model.lora.rank > 512:
+            what = f"rank {self.model.lora.rank} on backend.inference='vllm' (vLLM's largest max_lora_rank is 512)"
         if what:
             raise ValueError(f"agent {self.name!r}: model.lora does not support {what}")
         return self
