@@ -17,6 +17,11 @@ Checks (each a `checks` entry with `passed`; the run exits 1 when one fails):
 * state_swap/<preset>: trainer state (flat fp32 buffers, Adam moments, pending grads) device ->
   `handles.put` (host) -> `get` -> `load_state` into a fresh device trainer is bit-exact, and
   both trainers' next steps are too; swap GB/s next to plain device->host / host->device copies.
+* vllm_lora/<preset>: where vLLM imports, LoRA agents on the vLLM backend
+  (`inference/vllm_lora.py`: `enable_lora`, a `LoRARequest` per row from the adapter saved as a
+  PEFT folder) against the HF `SharedBaseEngine` on the device: a greedy batch mixing three
+  agents' adapters gives the same tokens (near-ties aside, as above) and logprobs within the fp32
+  bound, and after one agent's adapter is replaced (a weight sync) its rows follow the new one.
 * team_run: `flexmarl train configs/tiny.yaml` (Prefect flow, local Dask cluster) for one
   iteration, when prefect, prefect-dask and distributed import. Its workers build their models
   on the device (`cluster.device`: the workers' engines and trainers are built there).
@@ -458,6 +463,14 @@ def main(argv: list[str] | None = None) -> int:
         for bf16 in (False, True):
             run_check(checks, f"train_step_{'bf16' if bf16 else 'fp32'}/{preset}",
                       lambda m=model, b=bf16: check_train_step(m, dev, plan, bf16=b))
+    if missing_modules(("vllm", "peft")):
+        skipped["vllm_lora"] = "vllm or peft not importable (vLLM's LoRA path runs where both are installed)"
+    else:
+        lora_model = build_model(ModelConfig(preset=plan.check_presets[0]), seed=0, tokenizer=tok)
+        from bench.gpu_check_lora import check_vllm_lora
+
+        run_check(checks, f"vllm_lora/{plan.check_presets[0]}",
+                  lambda: check_vllm_lora(lora_model, tok, dev, plan))
     # The swap check after the loop: its model is the largest checked preset's, still bound.
     run_check(checks, f"state_swap/{plan.check_presets[-1]}", lambda m=model: check_swap(m, dev, plan))
     del model

@@ -1,6 +1,7 @@
 """The orchestration floor: what flexmarl costs per op on fine-grained work.
 
-    python bench/overhead.py --json runs/bench/overhead.json [--quick]
+    python bench/overhead.py --json runs/bench/overhead.json [--quick] [--repeats 3]
+        [--baseline cluster.look_ahead=false --baseline cluster.pending_after_s=0]
 
 Runs `configs/overhead.yaml` (one agent, a 1.1M-parameter model, 8 prompts x G 8 completions
 of at most 8 tokens per step, one worker with 2 torch threads; 5 ops per step) through the
@@ -11,7 +12,11 @@ first op submitted to last op done; setup excluded in both), `ratio` (reference 
 `ops`, `bookkeeping_cpu_ms_per_op` (flow process incl. the in-process Dask scheduler, and
 worker, outside the stages), `dispatch_ms_p50` / `dispatch_ms_p99` (an op's last dependency's
 end to its start, in the worker's clock), `prefect_overhead_frac` (bookkeeping share of CPU).
-`--quick`: 60 steps instead of 500.
+`--quick`: 60 steps instead of 500. `--repeats N` runs the reference and flexmarl alternately
+N times (order reversed every other repeat) and reports medians, with the load average around
+each run: on a shared machine wall times drift with the load, so compare runs of one
+invocation. `--baseline KEY=VALUE` adds a flexmarl run with those overrides to every repeat
+(under `baseline`), e.g. the orchestrator without look-ahead, for a side-by-side figure.
 """
 
 from __future__ import annotations
@@ -94,12 +99,56 @@ def max_weight_diff(a: str, b: str, agents: list[str], version: int) -> float:
     return worst
 
 
+def flexmarl_run(train, api: str, overrides: list[str], steps: int, ref_dir: str) -> dict:
+    """One run of `flexmarl train` (the Prefect flow on Dask) with `overrides`, measured."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from bench.e2e import server_cpu_s
+    from flexmarl_core.config import load_config
+    from flexmarl_core.meg import MEG
+    from flexmarl_core.plan import Plan
+
+    load0, srv0 = os.getloadavg()[0], server_cpu_s()
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        state = train(CONFIG, overrides, progress=False, return_state=True)
+    srv1, load1 = server_cpu_s(), os.getloadavg()[0]
+    if not state.is_completed():
+        raise RuntimeError(f"flexmarl run failed: {state.message}")
+    s = state.result()["summary"]
+    cfg = load_config(CONFIG, overrides)
+    meg = MEG.from_config(cfg.team)
+    gaps = dispatch_ms(Path(s["run_dir"]), Plan.build(cfg, meg).deps)
+    ops = s["ops"]
+    return {
+        "wall_s": s["wall_s"], "ops": ops,
+        "bookkeeping_cpu_ms_per_op": {
+            "flow": 1000 * s["flow_cpu_s"] / ops, "worker": 1000 * s["worker_bookkeeping_cpu_s"] / ops,
+            "total": 1000 * (s["flow_cpu_s"] + s["worker_bookkeeping_cpu_s"]) / ops},
+        "dispatch_ms_p50": statistics.median(gaps), "dispatch_ms_p99": pct(gaps, 0.99),
+        "prefect_overhead_frac": s["prefect_overhead_frac"], "stage_cpu_s": s["stage_cpu_s"],
+        "server_cpu_ms_per_op": (1000 * (srv1 - srv0) / ops) if srv0 is not None and srv1 is not None else None,
+        "final_weights_max_abs_diff": max_weight_diff(s["run_dir"], ref_dir, list(meg.trainable_agents), steps),
+        "load": [round(load0, 2), round(load1, 2)],
+    }
+
+
+def _median(runs: list[dict], key: str, sub: str | None = None) -> float | None:
+    xs = [r[key][sub] if sub else r[key] for r in runs]
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True, help="write results here")
     ap.add_argument("--quick", action="store_true", help="60 steps instead of 500")
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--set", action="append", default=[], help="extra config overrides")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run reference and flexmarl alternately this often; medians reported")
+    ap.add_argument("--set", action="append", default=[], help="extra config overrides (both runs)")
+    ap.add_argument("--baseline", action="append", default=[],
+                    help="also run flexmarl with these overrides in each repeat (e.g. "
+                    "cluster.look_ahead=false), reported under `baseline`")
     ap.add_argument("--reference-only", default=None, help=argparse.SUPPRESS)  # JSON overrides
     args = ap.parse_args()
     if args.reference_only is not None:
@@ -108,61 +157,68 @@ def main() -> int:
     steps = args.steps or (60 if args.quick else 500)
     out_dir = REPO / "runs" / "bench-overhead"
 
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from bench.e2e import server_cpu_s
     from flexmarl.prefect_api import ensure_api
-    from flexmarl_core.config import load_config
-    from flexmarl_core.meg import MEG
-    from flexmarl_core.plan import Plan
 
     api, _ = ensure_api()
     from flows.train import train
 
     common = [f"train.iterations={steps}", *args.set]
-    flex = [f"run_dir={out_dir}/flexmarl", *common]
-    ref = reference_run([f"run_dir={out_dir}/reference", *common])
-    srv0 = server_cpu_s()
-    with temporary_settings(updates={PREFECT_API_URL: api}):
-        state = train(CONFIG, flex, progress=False, return_state=True)
-    srv1 = server_cpu_s()
-    if not state.is_completed():
-        print(f"flexmarl run failed: {state.message}", file=sys.stderr)
-        return 1
-    s = state.result()["summary"]
+    variants = {"flexmarl": [f"run_dir={out_dir}/flexmarl", *common]}
+    if args.baseline:
+        variants["baseline"] = [f"run_dir={out_dir}/baseline", *common, *args.baseline]
+    refs: list[dict] = []
+    runs: dict[str, list[dict]] = {k: [] for k in variants}
+    for r in range(args.repeats):
+        # Alternate the order, so a load that drifts over the repeats hits every variant alike.
+        order = ["reference", *variants] if r % 2 == 0 else [*reversed(variants), "reference"]
+        for name in order:
+            if name == "reference":
+                load0 = os.getloadavg()[0]
+                ref = reference_run([f"run_dir={out_dir}/reference", *common])
+                refs.append({**ref, "load": [round(load0, 2), round(os.getloadavg()[0], 2)]})
+            else:  # repeat 0 runs the reference first: its weights are there to compare
+                runs[name].append({"overrides": variants[name], **flexmarl_run(
+                    train, api, variants[name], steps, str(out_dir / "reference"))})
+            print(f"repeat {r}: {name} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+    ref_s = statistics.median(x["wall_s"] for x in refs)
 
-    cfg = load_config(CONFIG, flex)
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
-    gaps = dispatch_ms(Path(s["run_dir"]), plan.deps)
-    diff = max_weight_diff(s["run_dir"], ref["run_dir"], list(MEG.from_config(cfg.team).trainable_agents), steps)
-    ops = s["ops"]
-    res = {
-        "config": CONFIG, "steps": steps, "ops": ops,
-        "flexmarl_s": s["wall_s"], "reference_s": ref["wall_s"], "ratio": ref["wall_s"] / s["wall_s"],
-        "bookkeeping_cpu_ms_per_op": {
-            "flow": 1000 * s["flow_cpu_s"] / ops, "worker": 1000 * s["worker_bookkeeping_cpu_s"] / ops,
-            "total": 1000 * (s["flow_cpu_s"] + s["worker_bookkeeping_cpu_s"]) / ops},
-        "dispatch_ms_p50": statistics.median(gaps), "dispatch_ms_p99": pct(gaps, 0.99),
-        "prefect_overhead_frac": s["prefect_overhead_frac"],
-        "stage_cpu_s": s["stage_cpu_s"], "reference_cpu_s": ref["cpu_s"],
-        "server_cpu_ms_per_op": (1000 * (srv1 - srv0) / ops) if srv0 is not None and srv1 is not None else None,
-        "final_weights_max_abs_diff": diff,
-        "s_per_step": {"flexmarl": s["wall_s"] / steps, "reference": ref["wall_s"] / steps},
-    }
+    def summary(rs: list[dict]) -> dict:
+        flex_s = _median(rs, "wall_s")
+        assert flex_s is not None
+        return {
+            "flexmarl_s": flex_s, "ratio": ref_s / flex_s, "ops": rs[0]["ops"],
+            "bookkeeping_cpu_ms_per_op": {k: _median(rs, "bookkeeping_cpu_ms_per_op", k)
+                                          for k in ("flow", "worker", "total")},
+            "dispatch_ms_p50": _median(rs, "dispatch_ms_p50"), "dispatch_ms_p99": _median(rs, "dispatch_ms_p99"),
+            "prefect_overhead_frac": _median(rs, "prefect_overhead_frac"),
+            "server_cpu_ms_per_op": _median(rs, "server_cpu_ms_per_op"),
+            "final_weights_max_abs_diff": max(x["final_weights_max_abs_diff"] for x in rs),
+            "s_per_step": flex_s / steps,
+        }
+
+    res = {"config": CONFIG, "steps": steps, "repeats": args.repeats, "reference_s": ref_s,
+           "reference_cpu_s": statistics.median(x["cpu_s"] for x in refs),
+           **summary(runs["flexmarl"]),
+           "baseline": summary(runs["baseline"]) if "baseline" in runs else None,
+           "runs": {"reference": refs, **runs}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=2))
-    bk = res["bookkeeping_cpu_ms_per_op"]
-    print(f"\n{'':28s} {'flexmarl':>10s} {'reference':>10s}")
-    print(f"{'wall s (ops)':28s} {res['flexmarl_s']:10.1f} {res['reference_s']:10.1f}")
-    print(f"{'s per step':28s} {res['s_per_step']['flexmarl']:10.3f} {res['s_per_step']['reference']:10.3f}")
-    print(f"ratio (reference / flexmarl): {res['ratio']:.3f} over {ops} ops")
-    print(f"bookkeeping CPU per op: flow {bk['flow']:.1f} ms + worker {bk['worker']:.1f} ms = {bk['total']:.1f} ms"
-          + (f"; Prefect server {res['server_cpu_ms_per_op']:.1f} ms" if res["server_cpu_ms_per_op"] is not None else ""))
-    print(f"dispatch (dependency end -> op start): p50 {res['dispatch_ms_p50']:.1f} ms, "
-          f"p99 {res['dispatch_ms_p99']:.1f} ms")
-    print(f"bookkeeping share of CPU: {100 * res['prefect_overhead_frac']:.1f}%; "
-          f"final weights differ by at most {diff:.2g}")
-    if diff > 1e-4:
+    print(f"\nload average (1 min) over the runs: {[x['load'] for x in refs]} (reference), "
+          f"{[x.get('load') for rs in runs.values() for x in rs]} (flexmarl)")
+    print(f"reference: {ref_s:.1f} s wall, {res['reference_cpu_s']:.1f} s CPU, {ref_s / steps:.3f} s per step")
+    failed = False
+    for name in variants:
+        v = res if name == "flexmarl" else res["baseline"]
+        bk = v["bookkeeping_cpu_ms_per_op"]
+        srv = v["server_cpu_ms_per_op"]
+        print(f"{name}: {v['flexmarl_s']:.1f} s ({v['s_per_step']:.3f} s per step), ratio {v['ratio']:.3f} over "
+              f"{v['ops']} ops; bookkeeping CPU per op: flow {bk['flow']:.1f} + worker {bk['worker']:.1f} = "
+              f"{bk['total']:.1f} ms" + (f"; Prefect server {srv:.1f} ms" if srv is not None else "")
+              + f"; dispatch p50 {v['dispatch_ms_p50']:.1f} ms, p99 {v['dispatch_ms_p99']:.1f} ms; "
+              f"bookkeeping share {100 * v['prefect_overhead_frac']:.1f}%; "
+              f"weights differ by at most {v['final_weights_max_abs_diff']:.2g}")
+        failed = failed or v["final_weights_max_abs_diff"] > 1e-4
+    if failed:
         print("final weights differ from the reference's", file=sys.stderr)
         return 1
     return 0

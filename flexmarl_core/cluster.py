@@ -311,19 +311,35 @@ class DaskExecutor:
         self.retry_delay_s = retry_delay_s
         self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
 
-    def submit(self, op: Op, route: Route, deps: Sequence[Op] = ()) -> distributed.Future:
-        from flexmarl_core.stages import run_stage_retrying
+    #: `submit(..., after=futures)` chains an op on running ones (the orchestrator's look-ahead)
+    chains = True
+
+    def submit(self, op: Op, route: Route, deps: Sequence[Op] = (),
+               after: Sequence[distributed.Future] = ()) -> distributed.Future:
+        """`after`: futures of the ops `op` is chained on. Dask runs it once they are done (their
+        results, small `StageResult`s, are its ignored arguments); if one fails, so does it."""
+        from flexmarl_core.stages import run_stage_after, run_stage_retrying
 
         return self.client.submit(
-            run_stage_retrying, self.run_dir, op, self.retries.get(op.kind, 0), self.retry_delay_s,
+            run_stage_after if after else run_stage_retrying,
+            self.run_dir, op, self.retries.get(op.kind, 0), self.retry_delay_s, *after,
             key=f"{op.name}-{os.urandom(4).hex()}",
             resources=route.resources or None,
             workers=[route.worker] if route.worker else None,
             pure=False,
         )
 
+    def cancel(self, handle: distributed.Future) -> None:
+        handle.cancel()
+
+    def succeeded(self, handle: distributed.Future) -> bool:
+        return handle.status == "finished"
+
     def wait_any(self, handles: Sequence[distributed.Future], timeout: float | None = None) -> list[Any]:
-        done, _ = distributed.wait(list(handles), timeout=timeout, return_when="FIRST_COMPLETED")
+        try:
+            done, _ = distributed.wait(list(handles), timeout=timeout, return_when="FIRST_COMPLETED")
+        except TimeoutError:  # Dask raises where concurrent.futures returns nothing done
+            return []
         return list(done)
 
     def result(self, handle: distributed.Future) -> StageResult:

@@ -217,14 +217,14 @@ class AgentConfig(_Strict):
         if self.model.lora is None:
             return self
         what = None
-        if self.backend.inference != "hf":
-            what = f"backend.inference={self.backend.inference!r} yet (LoRA serves on the hf engine)"
-        elif self.backend.training != "torch":
+        if self.backend.training != "torch":
             what = f"backend.training={self.backend.training!r} (LoRA trains with the torch trainer)"
         elif self.algorithm.kl_coef > 0:
             what = f"algorithm.kl_coef={self.algorithm.kl_coef} (no KL reference for adapters yet)"
         elif self.share_model_with is not None:
             what = "share_model_with (LoRA agents share their `base` instead)"
+        elif self.backend.inference == "vllm" and self.model.lora.rank > 512:
+            what = f"rank {self.model.lora.rank} on backend.inference='vllm' (vLLM's largest max_lora_rank is 512)"
         if what:
             raise ValueError(f"agent {self.name!r}: model.lora does not support {what}")
         return self
@@ -351,6 +351,13 @@ class CodesignConfig(_Strict):
     on_demand_allocation: bool = Field(
         True, description="Training slots go to agents whose data is ready; idle states swap out."
     )
+    late_binding: bool = Field(
+        False,
+        description="With load_balancing: a rollout waits in the orchestrator until an instance of "
+        "its agent has nothing queued (an idle rollout worker is lent to it if none has), so where "
+        "it runs is chosen when a worker frees, not when it became ready; trainer and reward ops "
+        "go ahead of rollouts. For long, uneven rollouts (configs/longtail_team.yaml).",
+    )
     balance_threshold: float = Field(
         2.0, gt=1.0, description="Queued-work ratio hottest/coldest agent that triggers a move."
     )
@@ -394,6 +401,18 @@ class ClusterConfig(_Strict):
         description="Local folders (their .py files, zipped) or .py/.zip files shipped to every Dask "
         "worker before the run, joining workers too (Dask's upload_file): code the workers lack, e.g. "
         "your reward module's folder, or the project root where flexmarl is not installed.",
+    )
+    look_ahead: bool = Field(
+        True,
+        description="Submit an op whose route is already fixed as soon as its dependencies are "
+        "submitted, chained on them in Dask, so it starts when they end without a round trip "
+        "through the flow process (orchestrator.py).",
+    )
+    pending_after_s: float = Field(
+        2.0, ge=0.0,
+        description="An op's Prefect task run shows Pending once the op has been submitted this "
+        "long; a shorter op sends only its final state (one event instead of two). 0: Pending at "
+        "submission (tasks/stages.py).",
     )
     prefect_lean: bool | Literal["auto"] = Field(
         "auto",

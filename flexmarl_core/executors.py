@@ -19,8 +19,11 @@ class ThreadExecutor:
     """`fn(op, worker)` does the op's work on the worker thread; `stage_fn(run_dir)` gives
     the one that runs the real stages."""
 
-    def __init__(self, fn: Callable[[Op, str], StageResult], workers: dict[str, dict[str, float]]) -> None:
+    def __init__(self, fn: Callable[[Op, str], StageResult], workers: dict[str, dict[str, float]],
+                 *, chains: bool = True) -> None:
         self.fn = fn
+        #: the orchestrator may chain ops (`submit(..., after=...)`): its look-ahead runs here too
+        self.chains = chains
         self.resources = {w: dict(r) for w, r in workers.items()}
         self.slots = {w: threading.Lock() for w in workers}
         self.pool = ThreadPoolExecutor(max_workers=max(len(workers), 1) * 4)
@@ -35,7 +38,9 @@ class ThreadExecutor:
             raise OrchestratorError(f"no worker has resources {route.resources}")
         return ok
 
-    def _run(self, op: Op, candidates: list[str]) -> StageResult:
+    def _run(self, op: Op, candidates: list[str], after: Sequence[Future] = ()) -> StageResult:
+        for f in after:  # chained: start once those ended, fail with the first that failed
+            f.result()
         # Take the first free candidate (least-loaded placement), else wait on the first one.
         while True:
             for w in candidates:
@@ -47,8 +52,14 @@ class ThreadExecutor:
             with self.slots[candidates[0]]:
                 pass
 
-    def submit(self, op: Op, route: Route, deps: Sequence[Op] = ()) -> Future:
-        return self.pool.submit(self._run, op, self._pick(route))
+    def submit(self, op: Op, route: Route, deps: Sequence[Op] = (), after: Sequence[Future] = ()) -> Future:
+        return self.pool.submit(self._run, op, self._pick(route), after)
+
+    def cancel(self, handle: Future) -> None:
+        handle.cancel()
+
+    def succeeded(self, handle: Future) -> bool:
+        return handle.done() and not handle.cancelled() and handle.exception() is None
 
     def wait_any(self, handles: Sequence[Future], timeout: float | None = None) -> list[Future]:
         done, _ = wait(list(handles), timeout=timeout, return_when=FIRST_COMPLETED)

@@ -65,13 +65,17 @@ def _train_stats(ops: list[OpRecord]) -> dict[str, float]:
 
 
 def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: int,
-                      prev_end: float, n_workers: int = 0) -> dict[str, Any]:
+                      prev_end: float, n_workers: int = 0, *, ops: list[OpRecord] | None = None,
+                      workers: Iterable[str] | None = None) -> dict[str, Any]:
     """Iteration `it`'s figures. Its window runs from `prev_end` (the end of the previous
     iteration's last op, or the run's first op) to the end of its own last op; busy time of
     every worker is the overlap of its ops, whatever iteration they belong to, with it.
-    Utilisation divides by `n_workers`, or the workers seen in `records` if that is more."""
-    workers = sorted({r.result.worker for r in records})
-    ops = [r for r in records if r.op.iteration == it]
+    Utilisation divides by `n_workers`, or the workers seen in `records` if that is more.
+    `ops` (iteration `it`'s records) and `workers` (every worker seen) spare a caller that
+    keeps them a scan of every record: `records` need then hold only those that may overlap
+    the window."""
+    workers = sorted(workers if workers is not None else {r.result.worker for r in records})
+    ops = ops if ops is not None else [r for r in records if r.op.iteration == it]
     end = max(r.result.t_end for r in ops)
     window = max(end - prev_end, 1e-9)
     busy = _window_busy(records, prev_end, end)
@@ -121,6 +125,10 @@ class IterationTracker:
         self._next = min(sizes, default=0)
         self._prev_end: float | None = None
         self._by_it: dict[int, list[OpRecord]] = defaultdict(list)
+        #: records that may still overlap a window (the others ended before the last one
+        #: emitted ended): scanning every record per iteration made metrics O(ops^2)
+        self._live: list[OpRecord] = []
+        self._workers: set[str] = set()
 
     def resume(self, earlier: list[OpRecord], emitted: list[dict[str, Any]]) -> None:
         """An interrupted attempt's records, and the rows it already wrote (not written again).
@@ -144,6 +152,8 @@ class IterationTracker:
 
     def _take(self, rec: OpRecord) -> None:
         self.records.append(rec)
+        self._live.append(rec)
+        self._workers.add(rec.result.worker)
         self._by_it[rec.op.iteration].append(rec)
         self.left[rec.op.iteration] -= 1
 
@@ -154,11 +164,13 @@ class IterationTracker:
                 return  # a running op may still overlap this iteration's window
             if self._prev_end is None:
                 self._prev_end = min(r.result.t_start for r in self.records)
-            row = iteration_metrics(self.records, self.decisions, self._next, self._prev_end,
-                                    n_workers=self.n_workers())
+            row = iteration_metrics(self._live, self.decisions, self._next, self._prev_end,
+                                    n_workers=self.n_workers(), ops=self._by_it[self._next],
+                                    workers=self._workers)
             self.rows.append(row)
             self.emit(row)
             self._prev_end = end
+            self._live = [r for r in self._live if r.result.t_end > end]
             self._next += 1
 
 

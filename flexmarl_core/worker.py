@@ -119,8 +119,9 @@ class WorkerContext:
     meg: MEG
     engines: dict[str, Any] = field(default_factory=dict)
     trainers: dict[str, Any] = field(default_factory=dict)
-    #: LoRA agents: base key -> the one engine of every agent on it / the trainers' base
-    shared_engines: dict[str, Any] = field(default_factory=dict)
+    #: LoRA agents: (base key, inference backend) -> the one engine of every agent on it; base
+    #: key -> the trainers' base
+    shared_engines: dict[tuple[str, str], Any] = field(default_factory=dict)
     shared_train_bases: dict[str, Any] = field(default_factory=dict)
     #: per agent, the (iteration, mb) already in the trainer's accumulated gradients
     accumulated: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
@@ -183,12 +184,22 @@ class WorkerContext:
         from flexmarl_core.models.lora import base_key
 
         acfg = self.cfg.agent(agent)
+        backend = acfg.backend.inference
         key = base_key(acfg.model, self.cfg.seed)
-        shared = self.shared_engines.get(key)
+        shared = self.shared_engines.get((key, backend))
         if shared is None:
             model, tok = self._fresh_model(agent)
-            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[acfg.model.dtype]
-            shared = self.shared_engines[key] = SharedBaseEngine(model.to(dtype), tok)
+            if backend == "vllm":  # one vllm.LLM per base, sized for every LoRA agent on it
+                from flexmarl_core.inference.vllm_lora import VLLMSharedBaseEngine
+
+                peers = [a.model.lora for a in self.cfg.team.agents if a.model.lora is not None
+                         and a.backend.inference == "vllm" and base_key(a.model, self.cfg.seed) == key]
+                shared = VLLMSharedBaseEngine.from_model(model, tok, dtype=acfg.model.dtype, max_loras=len(peers),
+                                                         max_lora_rank=max(s.rank for s in peers))
+            else:
+                dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[acfg.model.dtype]
+                shared = SharedBaseEngine(model.to(dtype), tok)
+            self.shared_engines[(key, backend)] = shared
         assert acfg.model.lora is not None
         shared.add(agent, acfg.model.lora, self.weights(agent, version), version)
         return shared.view(agent)

@@ -83,7 +83,8 @@ def train(
             log.info("shipped to the workers: %s", cluster.upload_code(client, cfg.cluster.upload))
         if lean:  # code in workers that does talk to Prefect (a custom reward) reports cheaply
             lean_tasks.refresh_worker_settings(client)
-        ex = PrefectDaskExecutor(client, run_dir, flow_run.get_id(), flow_run.run_count, log=log)
+        ex = PrefectDaskExecutor(client, run_dir, flow_run.get_id(), flow_run.run_count, log=log,
+                                 pending_after_s=cfg.cluster.pending_after_s)
         log.info("Dask dashboard: %s", client.dashboard_link)
         # Dask's INFO lines go to <run>/logs, not the terminal (Prefect's stay in its API).
         cluster.log_to_files(client, scratch / "logs", workers=cfg.cluster.address is None)

@@ -17,16 +17,17 @@ import distributed
 
 from flexmarl_core import cluster
 from flexmarl_core.ops import Op, Route, StageResult
-from tasks.stages import RETRIES, RETRY_DELAY_S, TaskRunReporter
+from tasks.stages import PENDING_AFTER_S, RETRIES, RETRY_DELAY_S, TaskRunReporter
 
 
 class PrefectDaskExecutor(cluster.DaskExecutor):
     """Inside a flow run: `PrefectDaskExecutor(client, run_dir, flow_run_id, run_count)`."""
 
     def __init__(self, client: distributed.Client, run_dir: str, flow_run_id: uuid.UUID | str,
-                 flow_run_count: int = 1, log: logging.Logger | logging.LoggerAdapter | None = None) -> None:
+                 flow_run_count: int = 1, log: logging.Logger | logging.LoggerAdapter | None = None,
+                 pending_after_s: float = PENDING_AFTER_S) -> None:
         super().__init__(client, run_dir, retries=RETRIES, retry_delay_s=RETRY_DELAY_S)
-        self.reporter = TaskRunReporter(flow_run_id, flow_run_count)
+        self.reporter = TaskRunReporter(flow_run_id, flow_run_count, pending_after_s)
         self.log = log
         self._ops: dict[distributed.Future, Op] = {}
 
@@ -35,12 +36,28 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
         """The task run of each op submitted in this flow run."""
         return {op: run.id for op, run in self.reporter.runs.items()}
 
-    def submit(self, op: Op, route: Route, deps: Sequence[Op] = ()) -> distributed.Future:
-        future = super().submit(op, route, deps)
+    def submit(self, op: Op, route: Route, deps: Sequence[Op] = (),
+               after: Sequence[distributed.Future] = ()) -> distributed.Future:
+        future = super().submit(op, route, deps, after)
         self._ops[future] = op
         # Ops finished by an earlier attempt (resume) have no task run here: no edge to them.
         self.reporter.submitted(op, list(deps), self.now())
         return future
+
+    def wait_any(self, handles: Sequence[distributed.Future], timeout: float | None = None) -> list[distributed.Future]:
+        """Wait as the plain executor does, reporting Pending for ops that run long meanwhile."""
+        deadline = None if timeout is None else self.now() + timeout
+        while True:
+            due = self.reporter.report_pending(self.now())
+            until = min((t for t in (due, deadline) if t is not None), default=None)
+            done = super().wait_any(handles, None if until is None else max(until - self.now(), 0.0))
+            if done or (deadline is not None and self.now() >= deadline):
+                return done
+
+    def cancel(self, handle: distributed.Future) -> None:
+        """A chained op back to waiting: its task run stays, and counts its next run."""
+        self._ops.pop(handle, None)
+        super().cancel(handle)
 
     def result(self, handle: distributed.Future) -> StageResult:
         op = self._ops.pop(handle)

@@ -5,10 +5,18 @@ inputs, so the flow run's graph in the Prefect UI is the MEG's iteration graph.
 The op itself runs as a plain Dask task (`stages.run_stage_retrying`): Prefect's task engine on
 the worker cost ~18 ms of worker CPU and the submission ~49 ms of flow CPU per op, more than a
 small stage's own work. Instead the flow process *reports* each task run to the API the way
-Prefect's client-side task engine does: `prefect.task-run.<State>` events (Pending at submit;
-Running and AwaitingRetry per failed attempt; Completed or Failed when it ends, with the
-worker's own timestamps), which the server's task-run recorder turns into task runs and
-states. The events worker sends them on its websocket in the background.
+Prefect's client-side task engine does: `prefect.task-run.<State>` events (Pending; Running
+and AwaitingRetry per failed attempt; Completed or Failed when it ends, with the worker's own
+timestamps), which the server's task-run recorder turns into task runs and states. The events
+worker sends them on its websocket in the background.
+
+An op that ends within `pending_after_s` (`cluster.pending_after_s`) of its submission is
+reported by one event, its final state (with its start and end times, run count and upstream
+inputs: all a task run needs); one still running then is reported Pending at that moment, so
+the UI shows long ops while they run. That cut the API server's CPU per op from 5.4 to 3.5 ms
+(`bench/task_run_events.py`), CPU on the same cores as the stages when the server is local.
+Batching the events (`POST /api/events`, 50 a request) showed no clear gain (3.1 vs 3.5 ms in
+one run, more than one by one in another), so they go one by one on the websocket.
 
 Retries per kind below: rollouts and rewards are cheap to redo, a trainer op twice at most.
 They run in the worker (no round trip), and each attempt shows in the API as a retry of that
@@ -32,6 +40,8 @@ from flexmarl_core.ops import OP_KINDS, Op, StageResult
 RETRIES: dict[str, int] = {"rollout": 2, "reward": 2, "train": 1, "step": 1, "sync": 2}
 #: seconds between a failed attempt and the next
 RETRY_DELAY_S = 1.0
+#: an op still running this long after its submission is reported Pending (see above)
+PENDING_AFTER_S = 2.0
 #: what each kind's work is (the task run's tag in the UI says the kind)
 WORK: dict[str, str] = {
     "rollout": "CPU/GPU: generate one micro-batch for one agent node and write it to the store.",
@@ -63,13 +73,17 @@ class _Run:
 class TaskRunReporter:
     """Reports the ops of one flow run as its task runs (see the module docstring)."""
 
-    def __init__(self, flow_run_id: uuid.UUID | str, flow_run_count: int = 1) -> None:
+    def __init__(self, flow_run_id: uuid.UUID | str, flow_run_count: int = 1,
+                 pending_after_s: float = PENDING_AFTER_S) -> None:
         from prefect.events.worker import EventsWorker
 
         self.flow_run_id = str(flow_run_id)
         self.flow_run_count = flow_run_count
+        self.pending_after_s = pending_after_s
         self._worker = EventsWorker.instance()
         self.runs: dict[Op, _Run] = {}
+        #: ops submitted and not reported yet, oldest first
+        self._unreported: dict[Op, _Run] = {}
         # The events worker attaches related resources from the caller's context (the flow
         # run's, with API reads); ours are explicit, so send from an empty context.
         self._ctx = contextvars.Context()
@@ -86,13 +100,32 @@ class TaskRunReporter:
         inputs = [{"input_type": "task_run", "id": str(self.runs[d].id)} for d in deps if d in self.runs]
         run = _Run(uuid.uuid4(), key, t, inputs, tags=[op.kind])
         self.runs[op] = run
-        self._emit(op, run, t, "PENDING", "Pending")
+        if self.pending_after_s > 0:
+            self._unreported[op] = run
+        else:
+            self._pending(op, run)
+
+    def report_pending(self, now: float) -> float | None:
+        """Report Pending for the ops submitted at least `pending_after_s` before `now`; when
+        the next one falls due (None: none is waiting)."""
+        while self._unreported:
+            op, run = next(iter(self._unreported.items()))
+            due = run.submitted + self.pending_after_s
+            if due > now:
+                return due
+            self._pending(op, run)
+        return None
+
+    def _pending(self, op: Op, run: _Run) -> None:
+        self._unreported.pop(op, None)
+        self._emit(op, run, run.submitted, "PENDING", "Pending")
 
     def finished(self, op: Op, res: StageResult) -> None:
         """`op` ended well in `res`: its failed attempts, then Completed (its start time and
         run count in the task run; a Running state of its own would cost the server a third
         more work per op for a state nobody sees on ops this short)."""
         run = self.runs[op]
+        self._unreported.pop(op, None)
         for t0, t1, err in res.retries:
             self._attempt(op, run, t0, t1, err, last=False)
         run.run_count += 1
@@ -102,6 +135,7 @@ class TaskRunReporter:
     def failed(self, op: Op, exc: BaseException, t: float) -> None:
         """`op` failed for good (its retries are spent): every attempt, the last one Failed."""
         run = self.runs[op]
+        self._unreported.pop(op, None)
         attempts = getattr(exc, "flexmarl_attempts", None) or [[run.start or run.submitted, t, repr(exc)]]
         for i, (t0, t1, err) in enumerate(attempts):
             self._attempt(op, run, t0, t1, err, last=i == len(attempts) - 1)

@@ -148,6 +148,48 @@ def test_vllm_logprobs_match_the_trainer_and_seeds_reproduce(vllm_engine, temper
         assert diff <= logprob_atol(r), (diff, logprob_atol(r))
 
 
+@needs_vllm
+def test_vllm_lora_mixed_batch_equals_the_hf_shared_base_engine(vllm_env):
+    """LoRA agents on vLLM (`inference/vllm_lora.py`): a greedy batch mixing two agents' adapters
+    equals the HF SharedBaseEngine's, before and after one agent's adapter is replaced."""
+    pytest.importorskip("peft")
+    from flexmarl_core.config import LoraSpec
+    from flexmarl_core.inference.lora_engine import SharedBaseEngine
+    from flexmarl_core.inference.vllm_lora import VLLMSharedBaseEngine
+    from flexmarl_core.models.lora import initial_adapter_state
+
+    spec = LoraSpec(rank=8, alpha=16.0)
+    base = tiny_model()
+
+    def adapter(agent: str, scale: float) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(len(agent) + int(100 * scale))  # lora_B = 0 at init: perturb
+        st = initial_adapter_state(base, spec, seed=0, agent=agent)
+        return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in st.items()}
+
+    hf = SharedBaseEngine(copy.deepcopy(base), tokenizer())
+    vl = VLLMSharedBaseEngine.from_model(copy.deepcopy(base), tokenizer(), max_loras=2, max_lora_rank=8,
+                                         max_model_len=512)
+    try:
+        for a in ("planner", "solver"):
+            st = adapter(a, 0.05)
+            hf.add(a, spec, st, 0)
+            vl.add(a, spec, st, 0)
+        agents = ["planner", "solver"] * (len(PROMPTS) // 2)
+        for version in (0, 1):
+            if version:
+                st = adapter("solver", 0.1)
+                hf.update_adapter("solver", st, 1)
+                vl.update_adapter("solver", st, 1)
+            want = hf.generate_mixed(PROMPTS, agents, _greedy(12), seed=0)
+            got = vl.generate_mixed(PROMPTS, agents, _greedy(12), seed=0)
+            for w, g in zip(want, got, strict=True):
+                assert (g.response_ids, g.version) == (w.response_ids, w.version), (g.text, w.text)
+                torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs),
+                                           atol=logprob_atol(w.logprobs), rtol=0)
+    finally:
+        vl.close()
+
+
 # -- DeepSpeed -------------------------------------------------------------------------------
 def _ds_trainer(model=None, *, algo: AlgorithmConfig | None = None, **kw):
     from flexmarl_core.algorithms import make_loss_fn, token_weight
@@ -278,6 +320,35 @@ def test_mixed_team_trains_end_to_end(tmp_path, vllm_env):
     assert isinstance(ctx.trainers["verifier"], TorchTrainer)
     assert all(t.version == 2 for t in ctx.trainers.values())
     ctx.engines["planner"].close()
+
+
+@needs_vllm
+def test_lora_team_on_vllm_trains_end_to_end(tmp_path, vllm_env):
+    """Three LoRA agents on one base served by one vLLM engine (a LoRA request per agent), through
+    the real orchestrator, store and stages: syncs replace adapters, the versions follow."""
+    pytest.importorskip("peft")
+    from flexmarl_core import run, stages
+    from flexmarl_core.executors import ThreadExecutor, stage_fn
+    from flexmarl_core.inference.vllm_lora import VLLMSharedBaseEngine
+
+    lora = "{base: tiny-1m, lora: {rank: 8, alpha: 16}}"
+    cfg = load_config(TINY, [
+        f"run_dir={tmp_path}/run", "train.iterations=2", "workload.heldout_size=4",
+        *[f"team.agents.{a}.{k}" for a in ("planner", "solver", "verifier")
+          for k in (f"model={lora}", "backend.inference=vllm")],
+    ])
+    run_dir = run.prepare_run(cfg)
+    ex = ThreadExecutor(stage_fn(str(run_dir)), {"w0": {"rollout": 1, "train": 1}})
+    try:
+        out = run.train(cfg, run_dir, ex)
+    finally:
+        ex.close()
+    assert len(out["iterations"]) == 2
+    ctx = stages.context(str(run_dir))
+    (eng,) = ctx.shared_engines.values()  # one engine for the three agents on the one base
+    assert isinstance(eng, VLLMSharedBaseEngine)
+    assert eng.versions == {"planner": 2, "solver": 2, "verifier": 2}
+    eng.close()
 
 
 # -- DeepSpeed, data parallel over 2 rank processes --------------------------------------------

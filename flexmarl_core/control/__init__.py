@@ -2,6 +2,8 @@
 
     ControlPlane.place(ready, running, workers)   before a submission wave: move instances
     ControlPlane.route(op, workers) -> Route      rollout instance, training slot, or anywhere
+                                                  (None: hold it, `codesign.late_binding`)
+    ControlPlane.route_ahead(op, workers)         the route, if no later decision could change it
     ControlPlane.submitted / finished / observed  keep the work ledger in seconds
     ControlPlane.decisions                        MoveInstance, TrainSlot, Resubmit, in order
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.control.balancer import InstanceBalancer, apply_move, rebalance
+from flexmarl_core.control.balancer import InstanceBalancer, apply_move, lend_idle, rebalance
 from flexmarl_core.control.decisions import Decision, MoveInstance, Resubmit, TrainSlot
 from flexmarl_core.control.ledger import DEFAULT_OP_S, WorkLedger
 from flexmarl_core.control.router import OrchestratorError, Router
@@ -24,7 +26,7 @@ from flexmarl_core.ops import Op, Route, StageResult
 __all__ = [
     "DEFAULT_OP_S", "ROLLOUT_TAG", "TRAIN_TAG", "ControlPlane", "Decision", "InstanceBalancer",
     "MoveInstance", "OrchestratorError", "Resubmit", "Router", "TrainSlot", "WorkLedger",
-    "apply_move", "rebalance", "rollout_tag",
+    "apply_move", "lend_idle", "rebalance", "rollout_tag",
 ]
 
 
@@ -52,8 +54,9 @@ class ControlPlane:
         self.clock = clock
         self.decisions: list[Decision] = []
         cs = cfg.codesign
+        self.late_binding = cs.late_binding and cs.load_balancing
         self.router = Router(load_balancing=cs.load_balancing, on_demand=cs.on_demand_allocation,
-                             num_mb=cfg.batch.num_micro_batches, clock=clock, log=self.decisions)
+                             late_binding=self.late_binding, num_mb=cfg.batch.num_micro_batches, clock=clock, log=self.decisions)
         self.ledger = self.router.ledger
         self.balancer = (
             InstanceBalancer(agents=agents, threshold=cs.balance_threshold, est_s=self.ledger.est_s["rollout"],
@@ -73,11 +76,38 @@ class ControlPlane:
             return workers
         workers, moves = rebalance(self.balancer, ready, running, workers, self.ledger.work, retag,
                                    self.clock())
+        if self.late_binding:
+            workers, lent = lend_idle(ready, workers, self.ledger.outstanding, retag, self.clock())
+            moves += lent
         self.decisions.extend(moves)
         return workers
 
-    def route(self, op: Op, workers: dict[str, dict[str, float]]) -> Route:
+    def route(self, op: Op, workers: dict[str, dict[str, float]]) -> Route | None:
         return self.router.route(op, workers)
+
+    def route_ahead(self, op: Op, workers: dict[str, dict[str, float]]) -> Route | None:
+        """`op`'s route if it can be fixed now, before its dependencies end (the orchestrator's
+        look-ahead), because nothing the control plane would decide later could change it:
+        rewards go anywhere; rollouts without load balancing go by tag (Dask places them),
+        with it only to an agent's one instance when no instance can move (one agent); trainer
+        ops to a slot already chosen for the agent's iteration (static placement, an on-demand
+        slot taken, or one train slot). None: route it when it is ready."""
+        if op.kind == "reward":
+            return Route({})
+        if op.kind == "rollout" and self.router.load_balancing:
+            if self.balancer is not None and len(self.balancer.agents) > 1:
+                return None
+            if len(self.router.instances(op.agent, workers)[1]) != 1:
+                return None
+        elif op.kind != "rollout":
+            slots = self.router.slots
+            if slots.on_demand and (op.agent, op.iteration) not in slots.slot and \
+                    sum(1 for r in workers.values() if r.get(TRAIN_TAG, 0) > 0) != 1:
+                return None
+        try:
+            return self.router.route(op, workers)
+        except OrchestratorError:  # no worker can take it: say so when it is ready
+            return None
 
     def submitted(self, op: Op, route: Route) -> None:
         self.ledger.submitted(op, route.worker)

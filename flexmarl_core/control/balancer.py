@@ -204,3 +204,39 @@ def rebalance(
         apply_move(instances, move)
         moves.append(move)
     return workers, moves
+
+
+def lend_idle(
+    ready: Iterable[Op],
+    workers: dict[str, dict[str, float]],
+    outstanding: Mapping[str, int],
+    retag: Callable[[str, dict[str, float]], None],
+    now: float,
+) -> tuple[dict[str, dict[str, float]], list[MoveInstance]]:
+    """Late binding: each ready rollout (in the order given) whose agent has no idle instance
+    gets an idle rollout worker's tag added (shared, nothing taken away), so no worker idles
+    while a rollout waits. Idle: nothing outstanding there. Returns the tags and the moves."""
+    prefix = f"{ROLLOUT_TAG}:"
+    idle = [w for w, r in sorted(workers.items())
+            if outstanding.get(w, 0) == 0 and any(k.startswith(prefix) and v > 0 for k, v in r.items())]
+    if not idle:
+        return workers, []
+    workers = {w: dict(r) for w, r in workers.items()}
+    moves = []
+    for op in ready:
+        if not idle:
+            break
+        if op.kind != "rollout":
+            continue
+        tag = rollout_tag(op.agent)
+        if not any(r.get(tag, 0) > 0 for r in workers.values()):
+            continue  # served by shared `rollout` workers: the router picks among them
+        own = [w for w in idle if workers[w].get(tag, 0) > 0]
+        w = own[0] if own else idle[0]
+        idle.remove(w)
+        if not own:
+            retag(w, {tag: 1.0})
+            workers[w][tag] = 1.0
+            moves.append(MoveInstance(t=now, worker=w, to_agent=op.agent, from_agent=None, loads={},
+                                      cost_bytes=0, monitor_us=0.0, decide_us=0.0))
+    return workers, moves

@@ -5,7 +5,9 @@ Rollouts go to an instance of their agent: a worker tagged `rollout:<agent>`, el
 tagged `rollout`. With `load_balancing` the instance with the least work is chosen (intra-agent
 balancing; `InstanceBalancer` moves instances between agents); without it, Dask places the task
 among the tagged workers. Trainer ops go to the agent's training slot (`SlotAllocator`);
-rewards anywhere.
+rewards anywhere. With `late_binding` a rollout goes only to an instance with nothing
+outstanding, and `route` returns None (hold it) while there is none: a Dask task queued behind
+a long rollout could not move to the worker that frees first.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ class Router:
         *,
         load_balancing: bool,
         on_demand: bool = False,
+        late_binding: bool = False,
         num_mb: int = 1,
         clock: Callable[[], float] = time.time,
         log: list[Decision] | None = None,
     ) -> None:
         self.load_balancing = load_balancing
+        self.late_binding = late_binding and load_balancing
         self.ledger = WorkLedger()
         self.decisions: list[Decision] = [] if log is None else log
         self.slots = SlotAllocator(self.ledger, on_demand, num_mb, clock, self.decisions)
@@ -47,7 +51,7 @@ class Router:
         shared = [w for w, r in workers.items() if r.get(ROLLOUT_TAG, 0) > 0]
         return ROLLOUT_TAG, sorted(shared)
 
-    def route(self, op: Op, workers: dict[str, dict[str, float]]) -> Route:
+    def route(self, op: Op, workers: dict[str, dict[str, float]]) -> Route | None:
         if op.kind == "rollout":
             tag, candidates = self.instances(op.agent, workers)
             if not candidates:
@@ -58,6 +62,10 @@ class Router:
             if not self.load_balancing:
                 return Route({tag: 1})
             led = self.ledger
+            if self.late_binding:
+                candidates = [w for w in candidates if led.outstanding[w] == 0]
+                if not candidates:
+                    return None
             worker = min(candidates, key=lambda w: (led.work[w], led.outstanding[w], w))
             return Route({tag: 1}, worker)
         if op.kind in TRAINER_KINDS:

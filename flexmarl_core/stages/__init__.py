@@ -14,6 +14,7 @@ from flexmarl_core.stages.registry import (
     STAGES,
     ConsistencyError,
     run_stage,
+    run_stage_after,
     run_stage_retrying,
     stage,
     stage_seed,
@@ -24,5 +25,5 @@ from flexmarl_core.worker import context
 
 __all__ = [
     "STAGES", "ConsistencyError", "InjectedFault", "context", "evaluate", "faults_dir",
-    "loss_scale", "run_stage", "run_stage_retrying", "stage", "stage_seed", "weights_version",
+    "loss_scale", "run_stage", "run_stage_after", "run_stage_retrying", "stage", "stage_seed", "weights_version",
 ]

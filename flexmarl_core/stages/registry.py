@@ -88,6 +88,12 @@ def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 
         return res
 
 
+def run_stage_after(run_dir: str, op: Op, retries: int, delay_s: float, *_after: StageResult) -> StageResult:
+    """`run_stage_retrying` for an op chained on others (`_after`: their results, which the
+    executor waits for and this ignores)."""
+    return run_stage_retrying(run_dir, op, retries, delay_s)
+
+
 def run_stage(run_dir: str, op: Op) -> StageResult:
     """Run `op`'s stage in this process, measured."""
     fault_point(run_dir, op.name)
