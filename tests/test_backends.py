@@ -29,7 +29,7 @@ from flexmarl_core.inference import HFInferenceEngine
 from flexmarl_core.models.factory import PRESETS
 from flexmarl_core.training import Sample, TorchTrainer, global_loss_scale
 from flexmarl_core.training.handles import StateHandle, get, put
-from tests._models_util import random_samples, tiny_model, tokenizer, trainer
+from tests._models_util import random_samples, tiny_model, tokenizer, train_one_worker, trainer
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 HAVE_DS = importlib.util.find_spec("deepspeed") is not None
@@ -292,8 +292,7 @@ def test_deepspeed_trainer_from_the_factory():
 def test_mixed_team_trains_end_to_end(tmp_path, vllm_env):
     """planner: vLLM rollout + DeepSpeed ZeRO-2; solver: HF + DeepSpeed; verifier: HF + torch;
     through the real orchestrator, store and stages on the in-process executor."""
-    from flexmarl_core import run, stages
-    from flexmarl_core.executors import ThreadExecutor, stage_fn
+    from flexmarl_core import stages
 
     cfg = load_config(TINY, [
         f"run_dir={tmp_path}/run", "train.iterations=2", "train.evaluate=true",
@@ -302,13 +301,7 @@ def test_mixed_team_trains_end_to_end(tmp_path, vllm_env):
         "team.agents.planner.backend.training=deepspeed",
         "team.agents.solver.backend.training=deepspeed",
     ])
-    run_dir = run.prepare_run(cfg)
-
-    ex = ThreadExecutor(stage_fn(str(run_dir)), {"w0": {"rollout": 1, "train": 1}})
-    try:
-        out = run.train(cfg, run_dir, ex)
-    finally:
-        ex.close()
+    run_dir, out = train_one_worker(cfg)
     assert len(out["iterations"]) == 2
     ctx = stages.context(str(run_dir))
     from flexmarl_core.inference.vllm_engine import VLLMInferenceEngine
@@ -327,8 +320,7 @@ def test_lora_team_on_vllm_trains_end_to_end(tmp_path, vllm_env):
     """Three LoRA agents on one base served by one vLLM engine (a LoRA request per agent), through
     the real orchestrator, store and stages: syncs replace adapters, the versions follow."""
     pytest.importorskip("peft")
-    from flexmarl_core import run, stages
-    from flexmarl_core.executors import ThreadExecutor, stage_fn
+    from flexmarl_core import stages
     from flexmarl_core.inference.vllm_lora import VLLMSharedBaseEngine
 
     lora = "{base: tiny-1m, lora: {rank: 8, alpha: 16}}"
@@ -337,12 +329,7 @@ def test_lora_team_on_vllm_trains_end_to_end(tmp_path, vllm_env):
         *[f"team.agents.{a}.{k}" for a in ("planner", "solver", "verifier")
           for k in (f"model={lora}", "backend.inference=vllm")],
     ])
-    run_dir = run.prepare_run(cfg)
-    ex = ThreadExecutor(stage_fn(str(run_dir)), {"w0": {"rollout": 1, "train": 1}})
-    try:
-        out = run.train(cfg, run_dir, ex)
-    finally:
-        ex.close()
+    run_dir, out = train_one_worker(cfg)
     assert len(out["iterations"]) == 2
     ctx = stages.context(str(run_dir))
     (eng,) = ctx.shared_engines.values()  # one engine for the three agents on the one base

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 
-from flexmarl_core import run
 from flexmarl_core.config import load_config
-from flexmarl_core.executors import ThreadExecutor, stage_fn
+from tests._models_util import train_one_worker
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -23,13 +22,7 @@ def test_mean_reward_rises_on_an_easy_reward(tmp_path):
         "batch.inputs_per_iteration=4", "batch.group_size=8", "batch.micro_batch_inputs=2",
         *[f"team.agents.{a}.algorithm.lr=1.0e-2" for a in ("planner", "solver", "verifier")],
     ])
-    run_dir = run.prepare_run(cfg)
-
-    ex = ThreadExecutor(stage_fn(str(run_dir)), {"w0": {"rollout": 1, "train": 1}})
-    try:
-        out = run.train(cfg, run_dir, ex)
-    finally:
-        ex.close()
+    _, out = train_one_worker(cfg)
     rewards = [m["agent/solver/reward"] for m in out["iterations"]]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last > first + 0.03, f"mean reward did not rise: {rewards}"
