@@ -166,7 +166,7 @@ def start_cluster(
     # workers on two cores do not oversubscribe.
     env = {"OMP_NUM_THREADS": str(cfg.torch_threads), "MKL_NUM_THREADS": str(cfg.torch_threads),
            "FLEXMARL_TORCH_THREADS": str(cfg.torch_threads),
-           "DASK_LOGGING__DISTRIBUTED": "warning", **(env or {})}
+           "DASK_LOGGING__DISTRIBUTED": "warning", **cfg.worker_env, **(env or {})}
     workers = {
         w.name: {
             "cls": Nanny,

@@ -162,6 +162,11 @@ class ClusterConfig(_Strict):
     )
 
     torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each worker.")
+    worker_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment variables of the local worker processes (e.g. OpenMP's "
+        "GOMP_SPINCOUNT); not applied to a cluster at `address`.",
+    )
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
                         description="torch device of the workers' engines and trainers: cpu, cuda, cuda:N.")
     prefect_api_url: str | None = Field(
