@@ -138,6 +138,13 @@ class CodesignConfig(_Strict):
         "of any version >= i - k (0: strictly on-policy). k > 0 needs an off-policy loss "
         "(algorithm.policy_loss: decoupled_ppo).",
     )
+    mixed_batch_window_s: float | None = Field(
+        None, ge=0.0, le=10.0,
+        description="LoRA agents: rollouts of agents on one base that run at the same time in a "
+        "worker share one decode (rows of several adapters in one forward pass); the first waits "
+        "up to this long for peers (inference/coalesce.py). Needs a worker that runs several "
+        "rollouts at once (nthreads > 1, rollout tags with room). None: each rollout decodes alone.",
+    )
 
 
 class WorkerConfig(_Strict):
@@ -277,6 +284,13 @@ class ExperimentConfig(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where it runs.")
     store: StoreConfig = Field(default_factory=StoreConfig, description="MEG Store.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
+
+    @model_validator(mode="after")
+    def _mixing_needs_lora(self) -> ExperimentConfig:
+        if self.codesign.mixed_batch_window_s is not None and not any(a.model.lora for a in self.team.agents):
+            raise ValueError("codesign.mixed_batch_window_s mixes LoRA adapters in one decode, but no "
+                             "agent has model.lora; set model.base and model.lora, or leave it unset")
+        return self
 
     @model_validator(mode="after")
     def _staleness_loss(self) -> ExperimentConfig:

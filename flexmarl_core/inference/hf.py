@@ -138,15 +138,37 @@ class HFInferenceEngine:
     ) -> list[Generation]:
         """`generate`, with extra model-forward arguments (a LoRA engine's per-row
         `adapter_names`) and a weights version per row (default: the engine's)."""
-        if not prompts:
+        return self._generate_groups([(prompts, sampling, seed)], forward_kwargs, versions)
+
+    def _generate_groups(
+        self,
+        groups: Sequence[tuple[Sequence[str] | Sequence[Sequence[int]], SamplingConfig, int]],
+        forward_kwargs: Mapping[str, object] | None = None,
+        versions: Sequence[int] | None = None,
+    ) -> list[Generation]:
+        """One decode over several requests (prompts, sampling, seed), their rows in order.
+
+        Each request draws from its own generator seeded by its own seed, over its own rows
+        only, with its own temperature, top-p, stop strings and length, so its tokens are the
+        ones it would sample alone (the shared forward pass changes the logits' summation order
+        only: a few ulps, see tests/test_lora.py). One request is exactly `generate`."""
+        spans, all_prompts = [], []
+        for prompts, sampling, seed in groups:
+            spans.append((len(all_prompts), len(all_prompts) + len(prompts), sampling, seed))
+            all_prompts += list(prompts)
+        spans = [s for s in spans if s[1] > s[0]]
+        if not spans:
             return []
         fkw = dict(forward_kwargs or {})
-        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        prompt_ids = encode_prompts(self.tokenizer, all_prompts)
         dev = self.device
         bsz, plen = len(prompt_ids), max(len(p) for p in prompt_ids)
-        max_new = sampling.max_new_tokens
-        temp = scoring_temperature(sampling.temperature)
-        gen = torch.Generator(device=dev).manual_seed(int(seed))
+        max_new = max(s[2].max_new_tokens for s in spans)
+        gens = [torch.Generator(device=dev).manual_seed(int(s[3])) for s in spans]
+        temps = [scoring_temperature(s[2].temperature) for s in spans]
+        # A request shorter than the decode ends its rows at its own max_new_tokens.
+        row_max = torch.tensor([s[2].max_new_tokens for s in spans for _ in range(s[1] - s[0])],
+                               dtype=torch.long, device=dev)
 
         # 1. left padding: (B, P)
         input_ids = torch.full((bsz, plen), self.pad_id, dtype=torch.long, device=dev)
@@ -163,7 +185,7 @@ class HFInferenceEngine:
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=dev)
         stop_hit = [False] * bsz
         # A stop string of n bytes spans at most n + 1 byte-level tokens (last one may overhang).
-        window = max((len(s.encode()) for s in sampling.stop), default=0) + 1
+        windows = [max((len(st.encode()) for st in s[2].stop), default=0) + 1 for s in spans]
 
         with torch.inference_mode():
             # 2. prefill
@@ -179,15 +201,19 @@ class HFInferenceEngine:
             logits = out.logits[:, -1].float()  # (B, V)
             for step in range(max_new):
                 # 3. sample, score, append
-                nxt = sample_next(logits, sampling, gen)  # (B,)
+                nxt = torch.cat([sample_next(logits[lo:hi], s, g)
+                                 for (lo, hi, s, _), g in zip(spans, gens, strict=True)])  # (B,)
                 running = ~done
                 tokens[:, step] = torch.where(running, nxt, self.pad_id)
-                logps[:, step] = token_logprobs(logits, nxt, temp)
+                logps[:, step] = torch.cat([token_logprobs(logits[lo:hi], nxt[lo:hi], t)
+                                            for (lo, hi, _, _), t in zip(spans, temps, strict=True)])
                 lengths += running.long()
                 if eos.numel():
                     done |= running & torch.isin(nxt, eos)
-                if sampling.stop:
-                    self._check_stops(tokens, lengths, done, stop_hit, sampling.stop, window)
+                done |= lengths >= row_max
+                for (lo, hi, s, _), w in zip(spans, windows, strict=True):
+                    if s.stop:
+                        self._check_stops(tokens, lengths, done, stop_hit, s.stop, w, range(lo, hi))
                 if bool(done.all()) or step == max_new - 1:
                     break
                 attn = torch.cat([attn, attn.new_ones((bsz, 1))], dim=-1)
@@ -209,8 +235,8 @@ class HFInferenceEngine:
         vers = list(versions) if versions is not None else [self._version] * bsz
         return [
             finish_generation(self.tokenizer, prompt_ids[i], tok_rows[i][: len_list[i]],
-                              lp_rows[i][: len_list[i]], sampling.stop, eos_set, vers[i])
-            for i in range(bsz)
+                              lp_rows[i][: len_list[i]], s.stop, eos_set, vers[i])
+            for lo, hi, s, _ in spans for i in range(lo, hi)
         ]
 
     def _check_stops(
@@ -221,9 +247,13 @@ class HFInferenceEngine:
         stop_hit: list[bool],
         stops: list[str],
         window: int,
+        among: range | None = None,
     ) -> None:
-        """Mark rows whose newest tokens complete a stop string (decodes only a short tail)."""
+        """Mark rows (of `among`, default all) whose newest tokens complete a stop string
+        (decodes only a short tail)."""
         rows = (~done).nonzero().flatten().tolist()
+        if among is not None:
+            rows = [r for r in rows if r in among]
         if not rows:
             return
         ends = lengths[rows].tolist()
