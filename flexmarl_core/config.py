@@ -287,9 +287,15 @@ class ExperimentConfig(_Strict):
 
     @model_validator(mode="after")
     def _mixing_needs_lora(self) -> ExperimentConfig:
-        if self.codesign.mixed_batch_window_s is not None and not any(a.model.lora for a in self.team.agents):
+        if self.codesign.mixed_batch_window_s is None:
+            return self
+        if not any(a.model.lora for a in self.team.agents):
             raise ValueError("codesign.mixed_batch_window_s mixes LoRA adapters in one decode, but no "
                              "agent has model.lora; set model.base and model.lora, or leave it unset")
+        if self.cluster.address is None and all(w.nthreads == 1 for w in self.cluster.workers):
+            raise ValueError("codesign.mixed_batch_window_s: every worker in cluster.workers has nthreads 1, "
+                             "so no two rollouts run at once to share a decode; give a worker nthreads > 1 "
+                             "(and room for two rollouts in its tags), or leave it unset")
         return self
 
     @model_validator(mode="after")

@@ -25,9 +25,12 @@ ONE_WORKER = ("cluster.workers=[{name: w0, nthreads: 4, resources: "
               "{rollout:planner: 1, rollout:solver: 1, rollout:verifier: 1, train: 1}}]")
 
 
-def test_mixing_needs_a_lora_agent():
+def test_mixing_needs_a_lora_agent_and_a_worker_that_runs_two_rollouts():
     with pytest.raises(ConfigError, match="mixed_batch_window_s.*no agent has model.lora"):
-        load_config(TINY, ["codesign.mixed_batch_window_s=0.1"])
+        load_config(TINY, ["codesign.mixed_batch_window_s=0.1", ONE_WORKER])
+    with pytest.raises(ConfigError, match="mixed_batch_window_s: every worker .* has nthreads 1"):
+        load_config(TINY, ["codesign.mixed_batch_window_s=0.1", *LORA])
+    assert load_config(TINY, ["codesign.mixed_batch_window_s=0.1", ONE_WORKER, *LORA]).codesign.mixed_batch_window_s == 0.1
 
 
 @pytest.mark.slow
