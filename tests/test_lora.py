@@ -77,7 +77,14 @@ def test_requests_in_one_decode_sample_what_each_samples_alone(base):
             ("solver", ["Q:9*9-1\nP:", "Q:7\nP:"], SamplingConfig(temperature=0.7, top_p=0.9,
                                                                  max_new_tokens=6, stop=["\n"]), 12),
             ("planner", ["Q:2+2+2\nP:"], SamplingConfig(max_new_tokens=10), 13)]
+    sizes: list[int] = []
+    hook = eng.model.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].shape[0]),
+                                               with_kwargs=True)
     together = eng.generate_requests(reqs)
+    hook.remove()
+    # The solver's request (6 tokens at most) left the batch when its rows ended; the planner's
+    # rows went on alone.
+    assert sizes[0] == 6 and sizes[-1] == 4, sizes
     for (agent, prompts, sampling, seed), gens in zip(reqs, together, strict=True):
         alone = eng.view(agent).generate(prompts, sampling, seed)
         assert [g.response_ids for g in gens] == [g.response_ids for g in alone]

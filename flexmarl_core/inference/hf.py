@@ -199,24 +199,47 @@ class HFInferenceEngine:
             )
             cache = out.past_key_values
             logits = out.logits[:, -1].float()  # (B, V)
+            live = list(range(len(spans)))  # the requests in the model's batch, in row order
+            rows = torch.arange(bsz, device=dev)  # the batch's rows as indices into all rows
             for step in range(max_new):
-                # 3. sample, score, append
-                nxt = torch.cat([sample_next(logits[lo:hi], s, g)
-                                 for (lo, hi, s, _), g in zip(spans, gens, strict=True)])  # (B,)
-                running = ~done
-                tokens[:, step] = torch.where(running, nxt, self.pad_id)
-                logps[:, step] = torch.cat([token_logprobs(logits[lo:hi], nxt[lo:hi], t)
-                                            for (lo, hi, _, _), t in zip(spans, temps, strict=True)])
-                lengths += running.long()
+                # 3. sample, score, append: each request over its own rows, with its own generator
+                picks, scores, at = [], [], 0
+                for j in live:
+                    lo, hi, s, _ = spans[j]
+                    lg = logits[at : at + hi - lo]
+                    picks.append(sample_next(lg, s, gens[j]))
+                    scores.append(token_logprobs(lg, picks[-1], temps[j]))
+                    at += hi - lo
+                nxt = torch.cat(picks)  # (b,)
+                running = ~done[rows]
+                tokens[rows, step] = torch.where(running, nxt, self.pad_id)
+                logps[rows, step] = torch.cat(scores)
+                lengths[rows] += running.long()
                 if eos.numel():
-                    done |= running & torch.isin(nxt, eos)
+                    done[rows] |= running & torch.isin(nxt, eos)
                 done |= lengths >= row_max
-                for (lo, hi, s, _), w in zip(spans, windows, strict=True):
+                for j in live:
+                    lo, hi, s, _ = spans[j]
                     if s.stop:
-                        self._check_stops(tokens, lengths, done, stop_hit, s.stop, w, range(lo, hi))
+                        self._check_stops(tokens, lengths, done, stop_hit, s.stop, windows[j], range(lo, hi))
                 if bool(done.all()) or step == max_new - 1:
                     break
-                attn = torch.cat([attn, attn.new_ones((bsz, 1))], dim=-1)
+                # A request whose rows have all ended leaves the batch: they would only pad it
+                # (one request never does: it ends with the loop).
+                if any(bool(done[spans[j][0] : spans[j][1]].all()) for j in live):
+                    keep, at, still = [], 0, []
+                    for j in live:
+                        n = spans[j][1] - spans[j][0]
+                        if not bool(done[spans[j][0] : spans[j][1]].all()):
+                            keep += range(at, at + n)
+                            still.append(j)
+                        at += n
+                    idx = torch.tensor(keep, dtype=torch.long, device=dev)
+                    fkw = {k: [v[i] for i in keep] if isinstance(v, list) and len(v) == len(rows) else v
+                           for k, v in fkw.items()}  # per-row arguments (adapter_names)
+                    rows, attn, pos, nxt, live = rows[idx], attn[idx], pos[idx], nxt[idx], still
+                    cache.batch_select_indices(idx)
+                attn = torch.cat([attn, attn.new_ones((len(rows), 1))], dim=-1)
                 pos = pos[:, -1:] + 1
                 out = self.model(
                     input_ids=nxt.unsqueeze(-1),
