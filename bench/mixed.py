@@ -10,6 +10,12 @@ decodes run (`agent/*/rollout/decodes` summed), `decodes_saved_frac` (1 - decode
 `mixed_row_frac` (rows decoded beside another agent's, of all rows), E2E s/it, stage CPU s/it,
 and `same_tokens` (every agent's sampled tokens identical in both runs, tests/_golden.py's hash).
 Repeats alternate which mode goes first, so machine noise hits both alike.
+
+`--engine PRESET...` measures the decode alone instead (no flow): per preset, a shared-base
+engine with two agents' adapters, a planner request (8 rows, 12 tokens) and a solver request
+(8 rows, 6 tokens, stop at a newline), sampled at temperature 1: CPU seconds of ONE
+`generate_requests` call for both against the two requests decoded one after the other, best
+of `--repeats` interleaved runs (`engine.<preset>.{together,apart}_cpu_s`, `cpu_ratio`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,44 @@ def counted(run_dir: Path, metric: str) -> float:
     return sum(v for r in rows for k, v in r.items() if k.endswith(f"/rollout/{metric}"))
 
 
+def engine_rows(presets: list[str], repeats: int) -> dict:
+    """The decode alone: two requests in one `generate_requests` call vs one after the other."""
+    import torch
+
+    from flexmarl_core.config import LoraSpec, ModelConfig, SamplingConfig
+    from flexmarl_core.inference.lora_engine import SharedBaseEngine
+    from flexmarl_core.models import build_model, get_tokenizer
+    from flexmarl_core.models.lora import initial_adapter_state
+
+    torch.set_num_threads(1)
+    tok, spec, out = get_tokenizer(), LoraSpec(rank=8), {}
+    for preset in presets:
+        base = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
+        eng = SharedBaseEngine(base, tok)
+        for i, a in enumerate(("planner", "solver")):
+            g = torch.Generator().manual_seed(i)  # lora_B = 0 at init: give each adapter an effect
+            st = initial_adapter_state(base, spec, seed=0, agent=a)
+            eng.add(a, spec, {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in st.items()}, 0)
+        reqs = [("planner", [f"Q:{i}+{i + 3}*2\nP:" for i in range(8)], SamplingConfig(max_new_tokens=12), 1),
+                ("solver", [f"Q:{i}-4\nP:{i}-4\nA:" for i in range(8)],
+                 SamplingConfig(max_new_tokens=6, stop=["\n"]), 2)]
+        together, apart = [], []
+        for _ in range(repeats + 1):  # the first round warms up
+            t = time.process_time()
+            eng.generate_requests(reqs)
+            together.append(time.process_time() - t)
+            t = time.process_time()
+            for a, prompts, sampling, seed in reqs:
+                eng.view(a).generate(prompts, sampling, seed)
+            apart.append(time.process_time() - t)
+        row = {"together_cpu_s": min(together[1:]), "apart_cpu_s": min(apart[1:])}
+        row["cpu_ratio"] = row["together_cpu_s"] / row["apart_cpu_s"]
+        out[preset] = row
+        print(f"{preset}: one decode {row['together_cpu_s']:.3f} CPU-s, two decodes {row['apart_cpu_s']:.3f} "
+              f"({row['cpu_ratio']:.2f}x)", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True)
@@ -41,7 +85,14 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
+    ap.add_argument("--engine", nargs="+", default=None, metavar="PRESET",
+                    help="measure the decode alone on these presets (no flow)")
     args = ap.parse_args()
+    if args.engine:
+        res = {"engine": engine_rows(args.engine, max(args.repeats, 3))}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2))
+        return 0
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
