@@ -26,7 +26,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
 
 from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
-from flexmarl_core.ops import MEMORY_ENV, MemoryRestart, Op, Route, StageResult
+from flexmarl_core.ops import MEMORY_ENV, FusedResult, MemoryRestart, Op, Route, StageResult
 
 # A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
 # task run (Dask's default; seen with distributed 2026.8). The orchestrator
@@ -329,6 +329,24 @@ class DaskExecutor:
             pure=False,
         )
 
+    #: `submit_fused(ops, route, deps, after)` runs a chain of ops as one Dask task
+    fuses = True
+
+    def submit_fused(self, ops: Sequence[Op], route: Route, deps: Sequence[Sequence[Op]] = (),
+                     after: Sequence[distributed.Future] = ()) -> distributed.Future:
+        """One Dask task running `ops` in order where `route` says (`stages.run_fused`); its
+        result is a `FusedResult`. `deps`: each op's dependencies (see `submit`)."""
+        from flexmarl_core.stages import run_fused
+
+        return self.client.submit(
+            run_fused, self.run_dir, list(ops), [self.retries.get(op.kind, 0) for op in ops],
+            self.retry_delay_s, *after,
+            key=f"{ops[0].name}+{len(ops) - 1}-{os.urandom(4).hex()}",
+            resources=route.resources or None,
+            workers=[route.worker] if route.worker else None,
+            pure=False,
+        )
+
     def cancel(self, handle: distributed.Future) -> None:
         handle.cancel()
 
@@ -342,7 +360,7 @@ class DaskExecutor:
             return []
         return list(done)
 
-    def result(self, handle: distributed.Future) -> StageResult:
+    def result(self, handle: distributed.Future) -> StageResult | FusedResult:
         return handle.result()
 
     def now(self) -> float:

@@ -186,6 +186,13 @@ class ClusterConfig(_Strict):
         "submitted, chained on them in Dask, so it starts when they end without a round trip "
         "through the flow process (orchestrator.py).",
     )
+    fuse_chains: bool = Field(
+        True,
+        description="Run a chain of ops that would all run on one worker anyway (one agent's "
+        "rollout -> reward -> train -> step -> sync when its routes are fixed) as one Dask task: "
+        "one dispatch instead of one per op; each op keeps its record, task run and retries "
+        "(orchestrator.py).",
+    )
     pending_after_s: float = Field(
         2.0, ge=0.0,
         description="An op's Prefect task run shows Pending once the op has been submitted this "

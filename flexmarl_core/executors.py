@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from flexmarl_core.control import OrchestratorError
-from flexmarl_core.ops import Op, Route, StageResult
+from flexmarl_core.ops import DependencyFailed, FusedResult, Op, Route, StageResult
 
 
 class ThreadExecutor:
@@ -20,10 +20,12 @@ class ThreadExecutor:
     the one that runs the real stages."""
 
     def __init__(self, fn: Callable[[Op, str], StageResult], workers: dict[str, dict[str, float]],
-                 *, chains: bool = True) -> None:
+                 *, chains: bool = True, fuses: bool = True) -> None:
         self.fn = fn
         #: the orchestrator may chain ops (`submit(..., after=...)`): its look-ahead runs here too
         self.chains = chains
+        #: ... and fuse a chain into one run (`submit_fused`), as on Dask
+        self.fuses = fuses
         self.resources = {w: dict(r) for w, r in workers.items()}
         self.slots = {w: threading.Lock() for w in workers}
         self.pool = ThreadPoolExecutor(max_workers=max(len(workers), 1) * 4)
@@ -39,14 +41,29 @@ class ThreadExecutor:
         return ok
 
     def _run(self, op: Op, candidates: list[str], after: Sequence[Future] = ()) -> StageResult:
+        return self._run_fused([op], candidates, after, fused=False)  # type: ignore[return-value]
+
+    def _run_fused(self, ops: Sequence[Op], candidates: list[str], after: Sequence[Future] = (),
+                   fused: bool = True) -> StageResult | FusedResult:
         for f in after:  # chained: start once those ended, fail with the first that failed
-            f.result()
+            res = f.result()
+            if isinstance(res, FusedResult) and res.error is not None:
+                raise DependencyFailed(f"{ops[0].name}: an op it was chained on failed ({res.error!r})")
         # Take the first free candidate (least-loaded placement), else wait on the first one.
         while True:
             for w in candidates:
                 if self.slots[w].acquire(blocking=False):
                     try:
-                        return self.fn(op, w)
+                        if not fused:
+                            return self.fn(ops[0], w)
+                        out = FusedResult([])
+                        for op in ops:
+                            try:
+                                out.results.append(self.fn(op, w))
+                            except Exception as exc:
+                                out.error = exc
+                                break
+                        return out
                     finally:
                         self.slots[w].release()
             with self.slots[candidates[0]]:
@@ -54,6 +71,10 @@ class ThreadExecutor:
 
     def submit(self, op: Op, route: Route, deps: Sequence[Op] = (), after: Sequence[Future] = ()) -> Future:
         return self.pool.submit(self._run, op, self._pick(route), after)
+
+    def submit_fused(self, ops: Sequence[Op], route: Route, deps: Sequence[Sequence[Op]] = (),
+                     after: Sequence[Future] = ()) -> Future:
+        return self.pool.submit(self._run_fused, list(ops), self._pick(route), after)
 
     def cancel(self, handle: Future) -> None:
         handle.cancel()
@@ -65,7 +86,7 @@ class ThreadExecutor:
         done, _ = wait(list(handles), timeout=timeout, return_when=FIRST_COMPLETED)
         return list(done)
 
-    def result(self, handle: Future) -> StageResult:
+    def result(self, handle: Future) -> StageResult | FusedResult:
         return handle.result()
 
     def now(self) -> float:

@@ -131,6 +131,20 @@ class MemoryRestart:
 
 
 @dataclass(slots=True)
+class FusedResult:
+    """What one fused run of a chain of ops did (`stages.run_fused`): the results of the ops
+    that ran, in chain order, and the error of the one that failed for good (its retries
+    spent); the ops after it did not run."""
+
+    results: list[StageResult]
+    error: BaseException | None = None
+
+
+class DependencyFailed(RuntimeError):
+    """An op chained on a fused run started after an op of that run failed: it does not run."""
+
+
+@dataclass(slots=True)
 class OpRecord:
     """One finished op as the orchestrator saw it: client-side times around the stage's own."""
 

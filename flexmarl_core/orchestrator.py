@@ -20,7 +20,15 @@ from typing import Any, Protocol
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.control import ControlPlane, Decision, OrchestratorError
 from flexmarl_core.meg import NodeKey
-from flexmarl_core.ops import TRAINER_KINDS, MemoryRestart, Op, OpRecord, Route, StageResult
+from flexmarl_core.ops import (
+    TRAINER_KINDS,
+    FusedResult,
+    MemoryRestart,
+    Op,
+    OpRecord,
+    Route,
+    StageResult,
+)
 from flexmarl_core.plan import Plan
 
 __all__ = ["LOST_WORKER_RESUBMITS", "Executor", "Orchestrator", "OrchestratorError", "RunResult",
@@ -38,7 +46,7 @@ class Executor(Protocol):
 
     def wait_any(self, handles: Sequence[Any], timeout: float | None = None) -> list[Any]: ...
 
-    def result(self, handle: Any) -> StageResult: ...
+    def result(self, handle: Any) -> StageResult | FusedResult: ...
 
     def now(self) -> float:
         """The executor's clock (wall time for real runs, virtual time for a simulation)."""
@@ -59,10 +67,14 @@ class Executor(Protocol):
     # memory since `since` (executor clock); a lost op with any fails as `WorkerMemoryError`.
     # Optional, for look-ahead: `chains = True`, `submit(..., after=handles)` starting the op
     # only once those handles' ops ended well, `cancel(handle)`, `succeeded(handle) -> bool`.
+    # Optional, for fusing: `fuses = True`, `submit_fused(ops, route, deps, after=handles)`
+    # running a chain of ops in order in one task, whose `result` is a `FusedResult`.
 
 
 #: How often one op is resubmitted after losing its worker before the run gives up.
 LOST_WORKER_RESUBMITS = 3
+#: The most ops fused into one run (a chain is cut at its iteration's end anyway).
+MAX_FUSED = 16
 
 
 class WorkerMemoryError(OrchestratorError):
@@ -101,6 +113,12 @@ class _Running:
     route: Route
     #: look-ahead: the dependencies it was chained on that have not ended yet (as seen here)
     pending: set[Op] = field(default_factory=set)
+    #: fused: the ops that run after `op` in the same task, each with its own route
+    tail: list[tuple[Op, Route]] = field(default_factory=list)
+
+    @property
+    def ops(self) -> list[tuple[Op, Route]]:
+        return [(self.op, self.route), *self.tail]
 
 
 class Orchestrator:
@@ -113,6 +131,14 @@ class Orchestrator:
     loop. One level deep: only the children of ops that can run now, which bounds it to the
     next op of each chain. A chained op whose dependency is lost goes back to waiting; one
     whose dependency failed fails with it (the dependency's error is the one raised).
+
+    Fusing (`fuse`, on when the executor can: `fuses = True`): an op submitted with a fixed
+    route takes along the chain that follows it within its iteration, one task for all, while
+    each next op is the only one its predecessor releases, has no other dependency left, and
+    would run on the same worker anyway (`_fuse_tail`). The chain then pays one dispatch and
+    one scheduler transition instead of one per op; each op still has its own record, task
+    run and retries. A fused run that stops at a failed op returns the ones before it; the
+    rest go back to waiting.
     """
 
     def __init__(
@@ -124,6 +150,7 @@ class Orchestrator:
         on_op_done: Callable[[OpRecord], None] | None = None,
         skip: Iterable[Op] = (),
         look_ahead: bool | None = None,
+        fuse: bool | None = None,
     ) -> None:
         self.plan = plan
         self.executor = executor
@@ -137,6 +164,8 @@ class Orchestrator:
         # would count against an idle worker and keep it from taking one, so it goes without.
         self.look_ahead = chains and not self.control.late_binding and (
             cfg.cluster.look_ahead if look_ahead is None else look_ahead)
+        self.fuse = bool(getattr(executor, "fuses", False)) and not self.control.late_binding and (
+            cfg.cluster.fuse_chains if fuse is None else fuse)
         self._running: dict[Any, _Running] = {}
         self._late_key = self._late_binding_order(plan) if self.control.late_binding else None
 
@@ -199,23 +228,72 @@ class Orchestrator:
         """When the earliest op still running was submitted (None: nothing is running)."""
         return min((r.submitted for r in self._running.values()), default=None)
 
-    def _submit(self, op: Op, route: Route, pending: set[Op] | None = None) -> None:
-        deps = [d for d in self.plan.deps[op] if d not in self.skip]
-        if pending:
-            handle = self.executor.submit(op, route, deps, after=[self._handle[d] for d in sorted(pending)])  # type: ignore[call-arg]
+    def _submit(self, op: Op, route: Route, pending: set[Op] | None = None,
+                workers: dict[str, dict[str, float]] | None = None) -> None:
+        # the ops of the runs `op` is chained on: they end before it starts
+        before = {o for d in pending or () for o, _ in self._running[self._handle[d]].ops}
+        tail = self._fuse_tail(op, route, workers, before) if self.fuse else []
+        after = list(dict.fromkeys(self._handle[d] for d in sorted(pending or ())))
+        if tail:
+            ops = [op, *(o for o, _ in tail)]
+            deps = [[d for d in self.plan.deps[o] if d not in self.skip] for o in ops]
+            union: dict[str, float] = dict(route.resources)
+            for _, r in tail:
+                for k, v in r.resources.items():
+                    union[k] = max(union.get(k, 0.0), v)
+            handle = self.executor.submit_fused(ops, Route(union, route.worker), deps, after=after)  # type: ignore[attr-defined]
         else:
-            handle = self.executor.submit(op, route, deps)
-        self._running[handle] = _Running(op, self.executor.now(), route, set(pending or ()))
-        self._handle[op] = handle
-        self.control.submitted(op, route)
-        if op.kind in TRAINER_KINDS:
-            self._trainer_ops[op.agent].add(op)
+            deps1 = [d for d in self.plan.deps[op] if d not in self.skip]
+            if after:
+                handle = self.executor.submit(op, route, deps1, after=after)  # type: ignore[call-arg]
+            else:
+                handle = self.executor.submit(op, route, deps1)
+        run = _Running(op, self.executor.now(), route, set(pending or ()), tail)
+        self._running[handle] = run
+        for o, r in run.ops:
+            self._handle[o] = handle
+            self.control.submitted(o, r)
+            if o.kind in TRAINER_KINDS:
+                self._trainer_ops[o.agent].add(o)
+
+    def _fuse_tail(self, head: Op, route: Route, workers: dict[str, dict[str, float]] | None,
+                   before: set[Op]) -> list[tuple[Op, Route]]:
+        """The chain after `head` that can run in its task (see the class docstring): each next
+        op is the only unfinished child of the one before, within the iteration, waits for
+        nothing outside the chain, and its fixed route is the same place (the same pinned
+        worker; or, unpinned, resources some one worker has together with the head's)."""
+        tail: list[tuple[Op, Route]] = []
+        chain, last, need = {head}, head, dict(route.resources)
+        while len(chain) < MAX_FUSED:
+            kids = [c for c in self._children[last] if c not in self.skip and c not in self._recorded]
+            if len(kids) != 1:
+                break
+            c = kids[0]
+            if c.iteration != head.iteration or c in self._handle:
+                break
+            if any(d not in chain and d not in self._recorded and d not in self.skip for d in self.plan.deps[c]):
+                break
+            if c.kind in TRAINER_KINDS and not self._trainer_ops[c.agent] <= chain | before:
+                break  # the trainer is busy with an op that may still run alongside
+            workers = workers if workers is not None else self._live_workers()
+            r = self.control.route_ahead(c, workers)
+            if r is None or (r.worker is not None and r.worker != route.worker):
+                break
+            need = {**need, **{k: max(v, need.get(k, 0.0)) for k, v in r.resources.items()}}
+            fits = [w for w, res in workers.items() if all(res.get(k, 0) >= v for k, v in need.items())]
+            if (route.worker is not None and route.worker not in fits) or (route.worker is None and len(fits) != 1):
+                break  # not the same place (unpinned: Dask could place them apart)
+            tail.append((c, r))
+            chain.add(c)
+            last = c
+        return tail
 
     def _unsubmit(self, handle: Any, run: _Running) -> None:
-        """Forget a submitted op (it ended, or goes back to waiting)."""
-        self._handle.pop(run.op, None)
-        self.control.finished(run.op, run.route)
-        self._trainer_ops[run.op.agent].discard(run.op)
+        """Forget a submitted run (it ended, or goes back to waiting): every op of it."""
+        for o, r in run.ops:
+            self._handle.pop(o, None)
+            self.control.finished(o, r)
+            self._trainer_ops[o.agent].discard(o)
 
     def _submit_ready(self) -> None:
         if not self._ready:
@@ -237,11 +315,13 @@ class Orchestrator:
             if op.kind == "rollout" and rewards_pending:
                 held.append(op)
                 continue
+            if op in self._handle:
+                continue  # fused into a run submitted earlier in this wave
             route = self.control.route(op, workers)
             if route is None:  # late binding: no idle instance yet
                 held.append(op)
                 continue
-            self._submit(op, route)
+            self._submit(op, route, workers=workers)
         self._ready = held
 
     def _submit_ahead(self) -> None:
@@ -250,7 +330,7 @@ class Orchestrator:
         for run in list(self._running.values()):
             if run.pending:
                 continue
-            for c in self._children[run.op]:
+            for c in (c for o, _ in run.ops for c in self._children[o]):
                 if c in self._handle or c in self.skip or self._waiting[c] == 0:
                     continue  # running, done earlier, or ready (the ready path takes it)
                 pending = {d for d in self.plan.deps[c] if d not in self.skip and d not in self._recorded}
@@ -261,7 +341,7 @@ class Orchestrator:
                 workers = workers if workers is not None else self._live_workers()
                 route = self.control.route_ahead(c, workers)
                 if route is not None:
-                    self._submit(c, route, pending)
+                    self._submit(c, route, pending, workers)
 
     def _collect_finished(self) -> None:
         done = self.executor.wait_any(list(self._running))
@@ -284,33 +364,56 @@ class Orchestrator:
                     # resubmitted and this op waits for it again.
                     self._cancel(handle)
                     continue
-                lost = self.executor.lost(exc)
-                if lost:
-                    # A worker Dask restarted for memory will be restarted again for the same
-                    # op: say so now, instead of the "no valid worker" timeout it ends in.
-                    self._raise_if_memory(op, run.submitted, exc)
-                if lost and self._resubmits[op] < LOST_WORKER_RESUBMITS:
-                    # Its worker died: every stage is idempotent and rebuilds its engine or
-                    # trainer from published weights / checkpoints, so run it again elsewhere.
-                    self._resubmits[op] += 1
-                    self.control.resubmitted(op, run.route, exc)
-                    self._drop_chained(op)
-                    self._ready.append(op)
-                    continue
-                raise OrchestratorError(f"{op.name} failed: {exc}") from exc
-            rec = OpRecord(op, run.submitted, self.executor.now(), res)
-            self._records.append(rec)
-            self._recorded.add(op)
-            self.control.observed(res)
-            if self.on_op_done:
-                self.on_op_done(rec)
-            for c in self._children[op]:
-                self._waiting[c] -= 1
-                h = self._handle.get(c)
-                if h is not None:
-                    self._running[h].pending.discard(op)
-                elif self._waiting[c] == 0 and c not in self.skip:
-                    self._ready.append(c)
+                self._failed(run, op, exc)
+                continue
+            if not isinstance(res, FusedResult):
+                self._record(OpRecord(op, run.submitted, self.executor.now(), res))
+                continue
+            # A fused run: record the ops that ran; the one that failed is handled as a
+            # failed op; the ones after it go back to waiting (their dependency is unrecorded).
+            ran = {r.op for r in res.results}
+            for r in res.results:
+                self._record(OpRecord(r.op, run.submitted, self.executor.now(), r), ran)
+            if res.error is not None:
+                failed = run.ops[len(res.results)][0]
+                for o, _ in run.ops[len(res.results) + 1:]:
+                    self._drop_chained(o)
+                self._failed(run, failed, res.error)
+
+    def _failed(self, run: _Running, op: Op, exc: BaseException) -> None:
+        """`op` of `run` raised `exc`: resubmit it if its worker was lost, else end the run."""
+        lost = self.executor.lost(exc)
+        if lost:
+            # A worker Dask restarted for memory will be restarted again for the same
+            # op: say so now, instead of the "no valid worker" timeout it ends in.
+            self._raise_if_memory(op, run.submitted, exc)
+        if lost and self._resubmits[op] < LOST_WORKER_RESUBMITS:
+            # Its worker died: every stage is idempotent and rebuilds its engine or
+            # trainer from published weights / checkpoints, so run it again elsewhere.
+            self._resubmits[op] += 1
+            self.control.resubmitted(op, run.route if op == run.op else dict(run.ops)[op], exc)
+            for o, _ in run.ops:
+                self._drop_chained(o)
+            self._ready.append(op)  # a fused run's later ops wait for it again
+            return
+        raise OrchestratorError(f"{op.name} failed: {exc}") from exc
+
+    def _record(self, rec: OpRecord, ran: set[Op] | frozenset[Op] = frozenset()) -> None:
+        """Record a finished op and release its children (`ran`: the other ops of its fused
+        run that ran, recorded right after it, so not ready)."""
+        op = rec.op
+        self._records.append(rec)
+        self._recorded.add(op)
+        self.control.observed(rec.result)
+        if self.on_op_done:
+            self.on_op_done(rec)
+        for c in self._children[op]:
+            self._waiting[c] -= 1
+            h = self._handle.get(c)
+            if h is not None:
+                self._running[h].pending.discard(op)
+            elif self._waiting[c] == 0 and c not in self.skip and c not in ran:
+                self._ready.append(c)
 
     def _ok(self, handle: Any) -> bool:
         ok = getattr(self.executor, "succeeded", None)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import distributed
 
 from flexmarl_core import cluster
-from flexmarl_core.ops import Op, Route, StageResult
+from flexmarl_core.ops import FusedResult, Op, Route, StageResult
 from tasks.stages import PENDING_AFTER_S, RETRIES, RETRY_DELAY_S, TaskRunReporter
 
 
@@ -30,6 +30,7 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
         self.reporter = TaskRunReporter(flow_run_id, flow_run_count, pending_after_s)
         self.log = log
         self._ops: dict[distributed.Future, Op] = {}
+        self._fused: dict[distributed.Future, list[Op]] = {}
 
     @property
     def task_runs(self) -> dict[Op, uuid.UUID]:
@@ -42,6 +43,17 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
         self._ops[future] = op
         # Ops finished by an earlier attempt (resume) have no task run here: no edge to them.
         self.reporter.submitted(op, list(deps), self.now())
+        return future
+
+    def submit_fused(self, ops: Sequence[Op], route: Route, deps: Sequence[Sequence[Op]] = (),
+                     after: Sequence[distributed.Future] = ()) -> distributed.Future:
+        """A fused chain: one Dask task, one task run per op (each with its own edges)."""
+        future = super().submit_fused(ops, route, deps, after)
+        self._ops[future] = ops[0]
+        self._fused[future] = list(ops)
+        t = self.now()
+        for op, ds in zip(ops, deps, strict=True):
+            self.reporter.submitted(op, list(ds), t)
         return future
 
     def wait_any(self, handles: Sequence[distributed.Future], timeout: float | None = None) -> list[distributed.Future]:
@@ -57,18 +69,26 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
     def cancel(self, handle: distributed.Future) -> None:
         """A chained op back to waiting: its task run stays, and counts its next run."""
         self._ops.pop(handle, None)
+        self._fused.pop(handle, None)
         super().cancel(handle)
 
-    def result(self, handle: distributed.Future) -> StageResult:
+    def result(self, handle: distributed.Future) -> StageResult | FusedResult:
         op = self._ops.pop(handle)
+        fused = self._fused.pop(handle, None)
         try:
             res = handle.result()
         except Exception as exc:
             if not cluster.lost_worker(exc):  # a lost worker: the orchestrator resubmits the op
                 self.reporter.failed(op, exc, self.now())
             raise
+        for r in res.results if isinstance(res, FusedResult) else [res]:
+            self._finished(r.op, r)
+        if isinstance(res, FusedResult) and res.error is not None and fused is not None:
+            self.reporter.failed(fused[len(res.results)], res.error, self.now())
+        return res
+
+    def _finished(self, op: Op, res: StageResult) -> None:
         self.reporter.finished(op, res)
         if res.retries and self.log is not None:
             for i, (_, _, err) in enumerate(res.retries, 1):
                 self.log.warning("%s: attempt %d failed (%s); retried (%d/%d)", op.name, i, err, i, RETRIES[op.kind])
-        return res

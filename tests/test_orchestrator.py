@@ -288,12 +288,12 @@ def test_late_binding_submits_trainer_ops_before_rollouts():
 ONE_AGENT = {"agents": [{"name": "solver", "template": "{input}"}]}
 
 
-def one_agent_cfg(iterations: int = 3, look_ahead: bool = True):
+def one_agent_cfg(iterations: int = 3, look_ahead: bool = True, fuse: bool = False):
     return config_from_dict({
         "team": ONE_AGENT, "train": {"iterations": iterations},
         "batch": {"inputs_per_iteration": 2, "micro_batch_inputs": 2},
         "cluster": {"workers": [{"name": "w0", "resources": {"rollout": 1, "train": 1}}],
-                    "look_ahead": look_ahead},
+                    "look_ahead": look_ahead, "fuse_chains": fuse},
     })
 
 
@@ -302,11 +302,26 @@ class LostOnce(Exception):
 
 
 class LosingExecutor(ThreadExecutor):
+    """Counts its submissions (one per op, or one per fused chain)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.submissions: list[list[Op]] = []
+
+    def submit(self, op, route, deps=(), after=()):
+        self.submissions.append([op])
+        return super().submit(op, route, deps, after)
+
+    def submit_fused(self, ops, route, deps=(), after=()):
+        self.submissions.append(list(ops))
+        return super().submit_fused(ops, route, deps, after)
+
     def lost(self, exc: BaseException) -> bool:
         return isinstance(exc, LostOnce)
 
 
-def run_one_agent(cfg, lose: Op | None = None, delay_s: float = 0.02):
+def run_one_agent(cfg, lose: Op | None = None, delay_s: float = 0.02, fail: Op | None = None,
+                  executor: list | None = None):
     """One agent on one worker: every op's route is fixed, so look-ahead chains the whole
     chain rollout -> reward -> train -> step -> sync -> next rollout. `lose`: that op's first
     run "loses its worker" after the op's delay (its chained child is waiting on it then)."""
@@ -320,11 +335,15 @@ def run_one_agent(cfg, lose: Op | None = None, delay_s: float = 0.02):
         if op == lose and not lost:
             lost.append(op)
             raise LostOnce(op.name)
+        if op == fail:
+            raise ValueError(f"{op.name} broke")
         with lock:
             log.append((op, t0, time.time()))
         return StageResult(op, worker=worker, t_start=t0, t_end=time.time())
 
     ex = LosingExecutor(fn, {"w0": {"rollout": 1, "train": 1}})
+    if executor is not None:
+        executor.append(ex)
     try:
         res = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex).run()
     finally:
@@ -366,3 +385,63 @@ def test_look_ahead_op_waits_again_when_its_dependency_is_lost():
     assert [d.op for d in resubmits] == [lose.name]
     step = Op(1, "step", "solver")
     assert next(t0 for o, t0, _ in log if o == step) >= next(t1 for o, _, t1 in log if o == lose)
+
+
+def test_a_fixed_route_chain_runs_fused_one_task_per_iteration():
+    """One agent on one worker: each iteration's rollout -> reward -> train -> step -> sync
+    would all run on w0, so each is one fused run (one submission); every op still runs once,
+    after its dependencies, and has its own record. Fusing off: one submission per op."""
+    cfg = one_agent_cfg(fuse=True)
+    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    per_it = [o for o in plan.deps if o.iteration == 0]
+    for fuse in (True, False):
+        exs: list = []
+        res, log = run_one_agent(one_agent_cfg(fuse=fuse), executor=exs)
+        assert sorted(o for o, *_ in log) == sorted(plan.ops())
+        assert sorted(r.op for r in res.records) == sorted(plan.ops())
+        ends = {o: t1 for o, _, t1 in log}
+        starts = {o: t0 for o, t0, _ in log}
+        for op, deps in plan.deps.items():
+            for d in deps:
+                assert ends[d] <= starts[op], (d.name, op.name)
+        subs = exs[0].submissions
+        if fuse:
+            assert [[o.kind for o in s] for s in subs] == [[o.kind for o in per_it]] * cfg.train.iterations
+        else:
+            assert all(len(s) == 1 for s in subs) and len(subs) == len(plan.deps)
+
+
+def test_a_fused_run_that_loses_its_worker_midway_keeps_what_ran():
+    """The train op of iteration 1 "loses its worker" inside its fused run: the rollout and
+    reward before it are recorded once, the train op is resubmitted (once), and step and sync
+    wait for it again; every op succeeds exactly once."""
+    lose = Op(1, "train", "solver", mb=0)
+    exs: list = []
+    res, log = run_one_agent(one_agent_cfg(fuse=True), lose=lose, executor=exs)
+    cfg = one_agent_cfg()
+    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    assert sorted(o for o, *_ in log) == sorted(plan.ops())
+    assert sorted(r.op for r in res.records) == sorted(plan.ops())  # no op recorded twice
+    assert [d.op for d in res.decisions if type(d).__name__ == "Resubmit"] == [lose.name]
+    # the resubmitted train op takes its step and sync along again
+    assert [[o.kind for o in sub] for sub in exs[0].submissions if sub[0] == lose] == [["train", "step", "sync"]]
+
+
+def test_a_fused_run_whose_op_fails_records_the_ones_before_it():
+    """A stage error (not a lost worker) inside a fused run ends the run naming that op; the
+    ops of the run before it were recorded (their results reached the flow)."""
+    fail = Op(1, "step", "solver")
+    done: list[Op] = []
+
+    cfg = one_agent_cfg(fuse=True)
+    ex = LosingExecutor(lambda op, w: (_ for _ in ()).throw(ValueError("step broke")) if op == fail
+                        else StageResult(op, worker=w), {"w0": {"rollout": 1, "train": 1}})
+    try:
+        orch = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex,
+                            on_op_done=lambda rec: done.append(rec.op))
+        with pytest.raises(OrchestratorError, match=r"step\[solver\] it=1 failed: step broke"):
+            orch.run()
+    finally:
+        ex.close()
+    assert [o for o in done if o.iteration == 1] == [Op(1, "rollout", "solver", mb=0),
+                                                     Op(1, "reward", mb=0), Op(1, "train", "solver", mb=0)]

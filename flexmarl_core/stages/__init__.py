@@ -13,6 +13,7 @@ from flexmarl_core.stages.faults import InjectedFault, faults_dir
 from flexmarl_core.stages.registry import (
     STAGES,
     ConsistencyError,
+    run_fused,
     run_stage,
     run_stage_after,
     run_stage_retrying,
@@ -25,5 +26,5 @@ from flexmarl_core.worker import context
 
 __all__ = [
     "STAGES", "ConsistencyError", "InjectedFault", "context", "evaluate", "faults_dir",
-    "loss_scale", "run_stage", "run_stage_after", "run_stage_retrying", "stage", "stage_seed", "weights_version",
+    "loss_scale", "run_fused", "run_stage", "run_stage_after", "run_stage_retrying", "stage", "stage_seed", "weights_version",
 ]
