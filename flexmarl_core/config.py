@@ -138,6 +138,13 @@ class CodesignConfig(_Strict):
         "of any version >= i - k (0: strictly on-policy). k > 0 needs an off-policy loss "
         "(algorithm.policy_loss: decoupled_ppo).",
     )
+    mixed_batch_window_s: float | None = Field(
+        None, ge=0.0, le=10.0,
+        description="LoRA agents: rollouts of agents on one base that run at the same time in a "
+        "worker share one decode (rows of several adapters in one forward pass); the first waits "
+        "up to this long for peers (inference/coalesce.py). Needs a worker that runs several "
+        "rollouts at once (nthreads > 1, rollout tags with room). None: each rollout decodes alone.",
+    )
 
 
 class WorkerConfig(_Strict):
@@ -289,6 +296,19 @@ class ExperimentConfig(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where it runs.")
     store: StoreConfig = Field(default_factory=StoreConfig, description="MEG Store.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
+
+    @model_validator(mode="after")
+    def _mixing_needs_lora(self) -> ExperimentConfig:
+        if self.codesign.mixed_batch_window_s is None:
+            return self
+        if not any(a.model.lora for a in self.team.agents):
+            raise ValueError("codesign.mixed_batch_window_s mixes LoRA adapters in one decode, but no "
+                             "agent has model.lora; set model.base and model.lora, or leave it unset")
+        if self.cluster.address is None and all(w.nthreads == 1 for w in self.cluster.workers):
+            raise ValueError("codesign.mixed_batch_window_s: every worker in cluster.workers has nthreads 1, "
+                             "so no two rollouts run at once to share a decode; give a worker nthreads > 1 "
+                             "(and room for two rollouts in its tags), or leave it unset")
+        return self
 
     @model_validator(mode="after")
     def _staleness_loss(self) -> ExperimentConfig:

@@ -34,7 +34,7 @@ def metric_agents(per_it: list[dict[str, Any]], metric: str = "reward") -> list[
 
 #: per-op counts that an iteration sums (work skipped or wasted, stages/train.py and rollout.py)
 COUNTED = ("/train/skipped_samples", "/train/skipped_tokens", "/rollout/decode_slots",
-           "/rollout/wasted_decode_slots")
+           "/rollout/wasted_decode_slots", "/rollout/decodes", "/rollout/mixed_rows")
 
 
 def _train_stats(ops: list[OpRecord]) -> dict[str, float]:

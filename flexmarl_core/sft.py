@@ -169,7 +169,7 @@ def _save(path: Path, model: torch.nn.Module) -> None:
 
 
 #: bump when SFT itself changes what it produces for the same config
-WARM_START_VERSION = 1
+WARM_START_VERSION = 2  # 2: the key holds only what SFT reads
 
 
 def _file_stamp(path: str | None) -> list[Any] | None:
@@ -183,9 +183,10 @@ def _file_stamp(path: str | None) -> list[Any] | None:
 
 
 def warm_start_key(cfg: ExperimentConfig) -> str:
-    """What SFT's result depends on: the team, the workload (and the files both point at), the
-    tokenizer recipe, the seed and the SFT settings; not RL's batch, switches, cluster or
-    iterations, so runs that differ only there share a warm start."""
+    """What SFT's result depends on: the team minus RL's own fields (`_team_key`), the workload
+    (and the files both point at), the tokenizer recipe, the seed and the SFT settings; not RL's
+    loss, learning rate, batch, switches (`max_staleness` included), cluster or iterations, so
+    runs that differ only there share a warm start."""
     import hashlib
 
     from flexmarl_core.models.tokenizer import tokenizer_key
@@ -203,24 +204,34 @@ def warm_start_key(cfg: ExperimentConfig) -> str:
 
 
 def _sft_key(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The SFT settings; `sft_chunk_tokens` left out while unset, so existing entries keep their
-    key (a budget changes the summation order of the gradient, so a set one is part of it)."""
-    sft = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k.startswith("sft_")}
-    if sft.get("sft_chunk_tokens") is None:
-        sft.pop("sft_chunk_tokens", None)
-    return sft
+    """The SFT settings (`train.sft_*`); `eval_batch` is not one: it only regroups the greedy
+    decoding, which gives the same outputs (tests/test_workloads_longtail.py)."""
+    return {k: v for k, v in cfg.train.model_dump(mode="json").items() if k.startswith("sft_")}
+
+
+#: agent fields `run_sft` never reads: RL's loss and its knobs (SFT has its own loss, and a KL
+#: reference would only be scored, never used), RL's learning rate (SFT steps at
+#: `train.sft_lr`), data-parallel ranks (SFT trains in one process) and `top_p` (SFT evaluates
+#: greedily). Everything else an agent declares reaches SFT: model, template, edges, rounds,
+#: temperature (the trainer scores logprobs at it), stop strings and max_new_tokens (the
+#: demonstrations and the evaluation), weight decay, clipping, bf16 and the backends.
+_RL_ONLY = {
+    "algorithm": ("advantage", "policy_loss", "clip_eps", "is_cap", "kl_coef", "lr", "skip_zero_advantage"),
+    "backend": ("training_dp",),
+    "sampling": ("top_p",),
+}
 
 
 def _team_key(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The team as the key sees it: fields added later (LoRA, the IS cap) are left out while
-    they hold their defaults, so an existing cache entry keeps its key."""
+    """The team as SFT reads it: every field but `_RL_ONLY`, and an agent's
+    `train_chunk_tokens` only while `train.sft_chunk_tokens` does not replace it."""
     team = cfg.team.model_dump(mode="json")
     for a in team["agents"]:
-        for k in ("base", "lora"):
-            if a["model"].get(k) is None:
-                a["model"].pop(k, None)
-        if a["algorithm"].get("is_cap") == 2.0:
-            a["algorithm"].pop("is_cap")
+        for section, fields in _RL_ONLY.items():
+            for f in fields:
+                a[section].pop(f)
+        if cfg.train.sft_chunk_tokens is not None:
+            a["backend"].pop("train_chunk_tokens")
     return team
 
 

@@ -123,6 +123,8 @@ class WorkerContext:
     #: key -> the trainers' base
     shared_engines: dict[tuple[str, str], Any] = field(default_factory=dict)
     shared_train_bases: dict[str, Any] = field(default_factory=dict)
+    #: (base key, inference backend) -> the queue that mixes concurrent rollouts in one decode
+    coalescers: dict[tuple[str, str], Any] = field(default_factory=dict)
     #: per agent, the (iteration, mb) already in the trainer's accumulated gradients
     accumulated: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
     #: iteration -> micro-batch -> input rows (meta parsed); inputs never change once written
@@ -203,6 +205,28 @@ class WorkerContext:
         assert acfg.model.lora is not None
         shared.add(agent, acfg.model.lora, self.weights(agent, version), version)
         return shared.view(agent)
+
+    def coalescer(self, agent: str) -> Any:
+        """The `inference/coalesce.py` queue shared by the LoRA agents on `agent`'s base in this
+        process; None when `codesign.mixed_batch_window_s` is unset or `agent` is not LoRA."""
+        window, acfg = self.cfg.codesign.mixed_batch_window_s, self.cfg.agent(agent)
+        if window is None or acfg.model.lora is None:
+            return None
+        from flexmarl_core.inference.coalesce import Coalescer
+        from flexmarl_core.models.lora import base_key
+
+        key = (base_key(acfg.model, self.cfg.seed), acfg.backend.inference)
+        with self.lock:
+            if key not in self.coalescers:
+                self.coalescers[key] = Coalescer(window, self._shared_engine_at, self.lock)
+            return self.coalescers[key]
+
+    def _shared_engine_at(self, agent: str, version: int) -> tuple[Any, bool]:
+        """The shared-base engine holding `agent`'s adapter `version`, and whether that version
+        came from a sync's push (a coalescer's `load`)."""
+        pushed = self.pushed_loads
+        view = self.engine(agent, version)
+        return view.shared, self.pushed_loads > pushed
 
     def _new_trainer(self, agent: str) -> Any:
         """A trainer at version 0; LoRA agents on one base share this process's copy of it."""

@@ -186,6 +186,13 @@ def test_vllm_lora_mixed_batch_equals_the_hf_shared_base_engine(vllm_env):
                 assert (g.response_ids, g.version) == (w.response_ids, w.version), (g.text, w.text)
                 torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs),
                                            atol=logprob_atol(w.logprobs), rtol=0)
+        # Several ops' requests in one call (inference/coalesce.py): each, sampled with its own
+        # seeds and length, gets the tokens it gets alone.
+        reqs = [("planner", PROMPTS[:3], SamplingConfig(max_new_tokens=10), 5),
+                ("solver", PROMPTS[1:], SamplingConfig(max_new_tokens=6, stop=["\n"]), 6)]
+        for (a, prompts, sampling, seed), gens in zip(reqs, vl.generate_requests(reqs), strict=True):
+            alone = vl.view(a).generate(prompts, sampling, seed)
+            assert [g.response_ids for g in gens] == [g.response_ids for g in alone], a
     finally:
         vl.close()
 

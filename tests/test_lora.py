@@ -66,6 +66,37 @@ def test_mixed_adapter_batch_equals_each_adapter_alone(base):
     assert p.logprobs[0] != pytest.approx(s.logprobs[0], abs=1e-3)
 
 
+def test_requests_in_one_decode_sample_what_each_samples_alone(base):
+    """Several ops' requests in one decode (inference/coalesce.py): each keeps its own seed,
+    temperature, top-p, length and stop strings, so it samples the tokens it would alone."""
+    model, tok = base
+    eng = SharedBaseEngine(copy.deepcopy(model), tok)
+    for a in AGENTS:
+        eng.add(a, SPEC, _adapter(model, a, 0.2), version=2)
+    reqs = [("planner", ["Q:1+2*3\nP:", "Q:4-5\nP:", "Q:4-5\nP:"], SamplingConfig(max_new_tokens=10), 11),
+            ("solver", ["Q:9*9-1\nP:", "Q:7\nP:"], SamplingConfig(temperature=0.7, top_p=0.9,
+                                                                 max_new_tokens=6, stop=["\n"]), 12),
+            ("planner", ["Q:2+2+2\nP:"], SamplingConfig(max_new_tokens=10), 13)]
+    sizes: list[int] = []
+    hook = eng.model.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].shape[0]),
+                                               with_kwargs=True)
+    together = eng.generate_requests(reqs)
+    hook.remove()
+    # The solver's request (6 tokens at most) left the batch when its rows ended; the planner's
+    # rows went on alone.
+    assert sizes[0] == 6 and sizes[-1] == 4, sizes
+    for (agent, prompts, sampling, seed), gens in zip(reqs, together, strict=True):
+        alone = eng.view(agent).generate(prompts, sampling, seed)
+        assert [g.response_ids for g in gens] == [g.response_ids for g in alone]
+        assert [g.text for g in gens] == [g.text for g in alone]
+        for g, ref in zip(gens, alone, strict=True):
+            # As in the greedy test above: summation order only, far below 1e-4.
+            assert max((abs(x - y) for x, y in zip(g.logprobs, ref.logprobs, strict=True)), default=0) < 1e-4
+    # Sampled, not greedy: the two identical planner prompts drew different tokens.
+    assert together[0][1].response_ids != together[0][2].response_ids
+    assert max(len(g.response_ids) for g in together[1]) <= 6
+
+
 def _samples(tok, n: int = 4) -> list[Sample]:
     out = []
     for i in range(n):

@@ -139,3 +139,22 @@ def test_sft_chunk_budget_is_part_of_the_warm_start_key_only_when_set():
     # eval_batch changes nothing SFT produces (it only regroups the greedy decoding).
     assert warm_start_key(base) == warm_start_key(load_config(CONFIG, ["train.sft_chunk_tokens=null",
                                                                        "train.eval_batch=5"]))
+
+
+def test_warm_start_key_holds_only_what_sft_reads():
+    from flexmarl_core.sft import warm_start_key
+
+    key = warm_start_key(load_config(CONFIG))
+    # RL-only fields: each staleness k and each RL loss or learning rate reuses one SFT.
+    stale = ["codesign.max_staleness=2"] + [f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo"
+                                             for a in ("planner", "solver", "verifier")]
+    for rl_only in (stale,
+                    ["team.agents.planner.algorithm.lr=3e-5", "team.agents.solver.algorithm.clip_eps=0.1"],
+                    ["team.agents.solver.algorithm.is_cap=4", "team.agents.solver.sampling.top_p=0.9"],
+                    ["batch.inputs_per_iteration=6", "train.iterations=9"]):
+        assert warm_start_key(load_config(CONFIG, rl_only)) == key, rl_only
+    # Fields SFT reads: its own settings, the seed, and what the trainer and evaluation use.
+    for sft in (["train.sft_lr=3e-4"], ["seed=1"], ["team.agents.solver.sampling.temperature=0.7"],
+                ["team.agents.solver.algorithm.max_grad_norm=0.5"],
+                ["team.agents.solver.sampling.max_new_tokens=40"], ["workload.heldout_size=64"]):
+        assert warm_start_key(load_config(CONFIG, sft)) != key, sft

@@ -138,15 +138,37 @@ class HFInferenceEngine:
     ) -> list[Generation]:
         """`generate`, with extra model-forward arguments (a LoRA engine's per-row
         `adapter_names`) and a weights version per row (default: the engine's)."""
-        if not prompts:
+        return self._generate_groups([(prompts, sampling, seed)], forward_kwargs, versions)
+
+    def _generate_groups(
+        self,
+        groups: Sequence[tuple[Sequence[str] | Sequence[Sequence[int]], SamplingConfig, int]],
+        forward_kwargs: Mapping[str, object] | None = None,
+        versions: Sequence[int] | None = None,
+    ) -> list[Generation]:
+        """One decode over several requests (prompts, sampling, seed), their rows in order.
+
+        Each request draws from its own generator seeded by its own seed, over its own rows
+        only, with its own temperature, top-p, stop strings and length, so its tokens are the
+        ones it would sample alone (the shared forward pass changes the logits' summation order
+        only: a few ulps, see tests/test_lora.py). One request is exactly `generate`."""
+        spans, all_prompts = [], []
+        for prompts, sampling, seed in groups:
+            spans.append((len(all_prompts), len(all_prompts) + len(prompts), sampling, seed))
+            all_prompts += list(prompts)
+        spans = [s for s in spans if s[1] > s[0]]
+        if not spans:
             return []
         fkw = dict(forward_kwargs or {})
-        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        prompt_ids = encode_prompts(self.tokenizer, all_prompts)
         dev = self.device
         bsz, plen = len(prompt_ids), max(len(p) for p in prompt_ids)
-        max_new = sampling.max_new_tokens
-        temp = scoring_temperature(sampling.temperature)
-        gen = torch.Generator(device=dev).manual_seed(int(seed))
+        max_new = max(s[2].max_new_tokens for s in spans)
+        gens = [torch.Generator(device=dev).manual_seed(int(s[3])) for s in spans]
+        temps = [scoring_temperature(s[2].temperature) for s in spans]
+        # A request shorter than the decode ends its rows at its own max_new_tokens.
+        row_max = torch.tensor([s[2].max_new_tokens for s in spans for _ in range(s[1] - s[0])],
+                               dtype=torch.long, device=dev)
 
         # 1. left padding: (B, P)
         input_ids = torch.full((bsz, plen), self.pad_id, dtype=torch.long, device=dev)
@@ -163,7 +185,7 @@ class HFInferenceEngine:
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=dev)
         stop_hit = [False] * bsz
         # A stop string of n bytes spans at most n + 1 byte-level tokens (last one may overhang).
-        window = max((len(s.encode()) for s in sampling.stop), default=0) + 1
+        windows = [max((len(st.encode()) for st in s[2].stop), default=0) + 1 for s in spans]
 
         with torch.inference_mode():
             # 2. prefill
@@ -177,20 +199,47 @@ class HFInferenceEngine:
             )
             cache = out.past_key_values
             logits = out.logits[:, -1].float()  # (B, V)
+            live = list(range(len(spans)))  # the requests in the model's batch, in row order
+            rows = torch.arange(bsz, device=dev)  # the batch's rows as indices into all rows
             for step in range(max_new):
-                # 3. sample, score, append
-                nxt = sample_next(logits, sampling, gen)  # (B,)
-                running = ~done
-                tokens[:, step] = torch.where(running, nxt, self.pad_id)
-                logps[:, step] = token_logprobs(logits, nxt, temp)
-                lengths += running.long()
+                # 3. sample, score, append: each request over its own rows, with its own generator
+                picks, scores, at = [], [], 0
+                for j in live:
+                    lo, hi, s, _ = spans[j]
+                    lg = logits[at : at + hi - lo]
+                    picks.append(sample_next(lg, s, gens[j]))
+                    scores.append(token_logprobs(lg, picks[-1], temps[j]))
+                    at += hi - lo
+                nxt = torch.cat(picks)  # (b,)
+                running = ~done[rows]
+                tokens[rows, step] = torch.where(running, nxt, self.pad_id)
+                logps[rows, step] = torch.cat(scores)
+                lengths[rows] += running.long()
                 if eos.numel():
-                    done |= running & torch.isin(nxt, eos)
-                if sampling.stop:
-                    self._check_stops(tokens, lengths, done, stop_hit, sampling.stop, window)
+                    done[rows] |= running & torch.isin(nxt, eos)
+                done |= lengths >= row_max
+                for j in live:
+                    lo, hi, s, _ = spans[j]
+                    if s.stop:
+                        self._check_stops(tokens, lengths, done, stop_hit, s.stop, windows[j], range(lo, hi))
                 if bool(done.all()) or step == max_new - 1:
                     break
-                attn = torch.cat([attn, attn.new_ones((bsz, 1))], dim=-1)
+                # A request whose rows have all ended leaves the batch: they would only pad it
+                # (one request never does: it ends with the loop).
+                if any(bool(done[spans[j][0] : spans[j][1]].all()) for j in live):
+                    keep, at, still = [], 0, []
+                    for j in live:
+                        n = spans[j][1] - spans[j][0]
+                        if not bool(done[spans[j][0] : spans[j][1]].all()):
+                            keep += range(at, at + n)
+                            still.append(j)
+                        at += n
+                    idx = torch.tensor(keep, dtype=torch.long, device=dev)
+                    fkw = {k: [v[i] for i in keep] if isinstance(v, list) and len(v) == len(rows) else v
+                           for k, v in fkw.items()}  # per-row arguments (adapter_names)
+                    rows, attn, pos, nxt, live = rows[idx], attn[idx], pos[idx], nxt[idx], still
+                    cache.batch_select_indices(idx)
+                attn = torch.cat([attn, attn.new_ones((len(rows), 1))], dim=-1)
                 pos = pos[:, -1:] + 1
                 out = self.model(
                     input_ids=nxt.unsqueeze(-1),
@@ -209,8 +258,8 @@ class HFInferenceEngine:
         vers = list(versions) if versions is not None else [self._version] * bsz
         return [
             finish_generation(self.tokenizer, prompt_ids[i], tok_rows[i][: len_list[i]],
-                              lp_rows[i][: len_list[i]], sampling.stop, eos_set, vers[i])
-            for i in range(bsz)
+                              lp_rows[i][: len_list[i]], s.stop, eos_set, vers[i])
+            for lo, hi, s, _ in spans for i in range(lo, hi)
         ]
 
     def _check_stops(
@@ -221,9 +270,13 @@ class HFInferenceEngine:
         stop_hit: list[bool],
         stops: list[str],
         window: int,
+        among: range | None = None,
     ) -> None:
-        """Mark rows whose newest tokens complete a stop string (decodes only a short tail)."""
+        """Mark rows (of `among`, default all) whose newest tokens complete a stop string
+        (decodes only a short tail)."""
         rows = (~done).nonzero().flatten().tolist()
+        if among is not None:
+            rows = [r for r in rows if r in among]
         if not rows:
             return
         ends = lengths[rows].tolist()

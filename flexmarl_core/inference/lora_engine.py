@@ -60,6 +60,25 @@ class SharedBaseEngine(HFInferenceEngine):
         return self._generate(prompts, sampling, seed, forward_kwargs={"adapter_names": list(agents)},
                               versions=[self.versions[a] for a in agents])
 
+    def generate_requests(
+        self, requests: Sequence[tuple[str, Sequence[str] | Sequence[Sequence[int]], SamplingConfig, int]]
+    ) -> list[list[Generation]]:
+        """One decode for several requests (agent, prompts, sampling, seed): each row through
+        its request's agent's adapter, each request sampled with its own seed and sampling
+        (`HFInferenceEngine._generate_groups`), so it gets the tokens it would get alone."""
+        agents = [a for a, prompts, _, _ in requests for _ in prompts]
+        unknown = sorted(set(agents) - set(self.versions))
+        if unknown:
+            raise KeyError(f"no adapter for agent(s) {unknown} on this instance (have {sorted(self.versions)})")
+        gens = self._generate_groups([(p, s, seed) for _, p, s, seed in requests],
+                                     forward_kwargs={"adapter_names": agents},
+                                     versions=[self.versions[a] for a in agents])
+        out, at = [], 0
+        for _, prompts, _, _ in requests:
+            out.append(gens[at : at + len(prompts)])
+            at += len(prompts)
+        return out
+
     def view(self, agent: str) -> AdapterEngine:
         if agent not in self.versions:
             raise KeyError(f"no adapter for agent {agent!r} on this instance")

@@ -118,22 +118,45 @@ class VLLMSharedBaseEngine(VLLMInferenceEngine):
         unknown = sorted(set(agents) - set(self._requests))
         if unknown:
             raise KeyError(f"no adapter for agent(s) {unknown} on this engine (have {sorted(self._requests)})")
+        params = [self._params(sampling, request_seed(seed, i)) for i in range(len(prompts))]
+        return self._run(prompts, list(agents), params, [sampling] * len(prompts))
+
+    def generate_requests(
+        self, requests: Sequence[tuple[str, Sequence[str] | Sequence[Sequence[int]], SamplingConfig, int]]
+    ) -> list[list[Generation]]:
+        """One `generate` call for several requests (agent, prompts, sampling, seed): row i of a
+        request is seeded `request_seed(seed, i)` as in `generate_mixed`, so each request gets
+        the samples it would get alone."""
+        unknown = sorted({a for a, *_ in requests} - set(self._requests))
+        if unknown:
+            raise KeyError(f"no adapter for agent(s) {unknown} on this engine (have {sorted(self._requests)})")
+        prompts = [p for _, ps, _, _ in requests for p in ps]
+        agents = [a for a, ps, _, _ in requests for _ in ps]
+        params = [self._params(s, request_seed(seed, i)) for _, ps, s, seed in requests for i in range(len(ps))]
+        samplings = [s for _, ps, s, _ in requests for _ in ps]
+        gens = self._run(prompts, agents, params, samplings)
+        out, at = [], 0
+        for _, ps, _, _ in requests:
+            out.append(gens[at : at + len(ps)])
+            at += len(ps)
+        return out
+
+    def _run(self, prompts: Sequence[str] | Sequence[Sequence[int]], agents: list[str], params: list[Any],
+             samplings: list[SamplingConfig]) -> list[Generation]:
         if not prompts:
             return []
         prompt_ids = encode_prompts(self.tokenizer, prompts)
-        params = [self._params(sampling, request_seed(seed, i)) for i in range(len(prompt_ids))]
         requests = [{"prompt_token_ids": ids} for ids in prompt_ids]
         loras = [self._requests[a] for a in agents]
         outs = self._thread.submit(self.llm.generate, requests, params, use_tqdm=False,
                                    lora_request=loras).result()
         eos_set = set(self.eos_ids)
         gens = []
-        for ids, out, a in zip(prompt_ids, outs, agents, strict=True):
+        for ids, out, a, s in zip(prompt_ids, outs, agents, samplings, strict=True):
             c = out.outputs[0]
             tokens = list(c.token_ids)
             lps = [float(step[t].logprob) for t, step in zip(tokens, c.logprobs or [], strict=True)]
-            gens.append(finish_generation(self.tokenizer, ids, tokens, lps, sampling.stop, eos_set,
-                                          self.versions[a]))
+            gens.append(finish_generation(self.tokenizer, ids, tokens, lps, s.stop, eos_set, self.versions[a]))
         return gens
 
     def view(self, agent: str) -> AdapterEngine:

@@ -32,12 +32,19 @@ def rollout(ctx: WorkerContext, op: Op) -> StageResult:
             prompts.append(ctx.meg.render_prompt(agent, inp["text"], outs))
             meta.append((inp["input_id"], traj, [sample_id(inp["input_id"], traj, p.agent, p.turn) for p in parents]))
     version = weights_version(ctx, agent, it)
-    with ctx.lock:
-        pushed = ctx.pushed_loads
-        eng = ctx.engine(agent, version)
-        pushed = ctx.pushed_loads - pushed  # 1: the weights came from a sync's broadcast
-        gens = generate_with_tool(eng, prompts, ctx.cfg.agent(agent).sampling,
-                                  stage_seed(ctx.cfg.seed, it, agent, turn, mb), tool_of(ctx.workload, agent))
+    sampling, seed = ctx.cfg.agent(agent).sampling, stage_seed(ctx.cfg.seed, it, agent, turn, mb)
+    tool = tool_of(ctx.workload, agent)
+    mixer = ctx.coalescer(agent) if tool is None else None  # a tool loop decodes on its own
+    mix: dict[str, float] = {"ops": 1.0, "agents": 1.0}
+    if mixer is not None:  # one decode with the rollouts of this base running beside it
+        gens, mix = mixer.generate(agent, version, prompts, sampling, seed)
+        pushed = int(mix["pushed"])
+    else:
+        with ctx.lock:
+            pushed = ctx.pushed_loads
+            eng = ctx.engine(agent, version)
+            pushed = ctx.pushed_loads - pushed  # 1: the weights came from a sync's broadcast
+            gens = generate_with_tool(eng, prompts, sampling, seed, tool)
     rows = [
         {
             "sample_id": sample_id(input_id, traj, agent, turn),
@@ -58,5 +65,9 @@ def rollout(ctx: WorkerContext, op: Op) -> StageResult:
         agent_key(agent, "response_tokens"): tokens / max(len(rows), 1),
         agent_key(agent, "rollout/decode_slots"): float(steps * len(gens)),
         agent_key(agent, "rollout/wasted_decode_slots"): float(steps * len(gens) - tokens),
+        # Mixed batches: this op's share of the decodes run (1/ops of the one it joined) and
+        # its rows decoded beside another agent's; summed per iteration (metrics.COUNTED).
+        agent_key(agent, "rollout/decodes"): 1.0 / mix["ops"],
+        agent_key(agent, "rollout/mixed_rows"): float(len(rows)) if mix["agents"] > 1 else 0.0,
         **({agent_key(agent, "rollout/pushed_weights"): 1.0} if pushed else {}),
     })
