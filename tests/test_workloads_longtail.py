@@ -86,6 +86,27 @@ def test_rewards_per_agent_and_format():
     assert wl.is_correct(p, right) and not wl.is_correct(p, wrong)
 
 
+def test_steps_credit_pays_the_right_prefix_of_the_working():
+    wl = workload(work_credit="steps", max_total="9")
+    p = next(q for q in wl.problems("train", 200, seed=0) if q.meta["steps"] == 3)
+    ref = p.meta["working"]  # three steps, then A=
+    steps = ref.split(";")
+    with_answer = {"planner": p.meta["plan"], "verifier": p.answer}
+    def solver(text: str) -> float:
+        return wl.agent_score(p, "solver", {**with_answer, "solver": text})
+    assert solver(ref) == 1.0
+    # First step right, second slipped: 1 of 3 steps, wrong answer -> 1/4.
+    slipped = steps[1][:-1] + str((int(steps[1][-1]) + 1) % 10)
+    assert solver(";".join([steps[0], slipped, *steps[2:-1]]) + ";A=" + str((int(p.answer) + 1) % 10)) == 0.25
+    # A guessed right answer without the working earns only its own share.
+    assert solver("A=" + p.answer) == 0.25
+    # Right steps after a slip do not count: the prefix stops at the first mistake.
+    assert solver(";".join(["+0=0", *steps[1:]])) == 0.25
+    # The default credit is the answer alone, and the team score never changes.
+    assert workload(max_total="9").agent_score(p, "solver", {**with_answer, "solver": "A=" + p.answer}) == 1.0
+    assert wl.team_score(p, with_answer) == 1.0
+
+
 def test_demonstrations_include_the_working_and_perturbations_are_wrong():
     wl = workload()
     rng = random.Random(0)

@@ -74,6 +74,15 @@ class LongTailParams(BaseModel):
     heldout_fraction: float = Field(
         0.2, gt=0.0, lt=1.0, description="Share of the problem space reserved for held-out."
     )
+    work_credit: Literal["answer", "steps"] = Field(
+        "answer",
+        description="The 'work' agent's own score under credit: per_agent. answer: 1 for the "
+        "right number after A=. steps: the share of its working that is right, counting the "
+        "steps that match the reference in order up to the first slip, plus the answer: "
+        "(right prefix + right answer) / (steps + 1). With totals in 0..9 a guessed answer is "
+        "right one time in ten, so 'answer' pays chance hits on long problems as much as "
+        "real working; 'steps' pays each right step.",
+    )
     roles: dict[str, Role] = Field(
         default_factory=dict,
         description="Agent -> 'plan', 'work' or 'answer'. Default: 'planner' plans, 'solver' "
@@ -192,7 +201,10 @@ class LongTailWorkload(RuleWorkload):
         if self.roles[agent] == "plan":
             return 1.0 if text.strip() == problem.meta["plan"] else 0.0
         got = self._role_answer(agent, text)
-        return 1.0 if got is not None and str(got) == problem.answer else 0.0
+        right = 1.0 if got is not None and str(got) == problem.answer else 0.0
+        if self.roles[agent] == "work" and self.params.work_credit == "steps":
+            return (working_prefix(text, str(problem.meta["working"])) + right) / (problem.meta["steps"] + 1)
+        return right
 
     def format_score(self, problem: Problem, agent: str, outputs: Mapping[str, str]) -> float:
         text = outputs.get(agent, "").strip()
@@ -237,6 +249,18 @@ class LongTailWorkload(RuleWorkload):
         if str(total) == problem.answer:  # the clamp at 0 can undo the slip
             total = int(problem.answer) + 1
         return "".join(steps) + f"A={total}" if role == "work" else str(total)
+
+
+def working_prefix(text: str, reference: str) -> int:
+    """How many of `reference`'s steps `text` writes right, in order from its start, before
+    its first slip (``+5=15;-2=13;A=13`` against ``+5=15;-2=12;...``: 1)."""
+    pos = n = 0
+    for step in reference.split(";")[:-1]:  # the last piece is A=<answer>
+        if not text.startswith(step + ";", pos):
+            break
+        pos += len(step) + 1
+        n += 1
+    return n
 
 
 def step_count(text: str) -> int:
