@@ -81,8 +81,9 @@ class WorkerMemoryError(OrchestratorError):
     """An op's worker was restarted by Dask for crossing its memory limit: names the op, the
     agent, the worker and its limit, and the knob that lowers the op's memory."""
 
-    def __init__(self, op: Op, restarts: Sequence[MemoryRestart]) -> None:
+    def __init__(self, op: Op, restarts: Sequence[MemoryRestart], fused: Sequence[Op] = ()) -> None:
         self.op, self.restarts = op, list(restarts)
+        within = f" (in one fused task with {', '.join(o.name for o in fused if o != op)})" if fused else ""
         first = self.restarts[0]
         hint = {
             "train": f"lower team.agents[{op.agent}].backend.train_chunk_tokens (or turn on "
@@ -91,7 +92,7 @@ class WorkerMemoryError(OrchestratorError):
             "rollout": "lower batch.micro_batch_inputs or the agent's sampling.max_new_tokens",
         }.get(op.kind, "lower batch.micro_batch_inputs")
         super().__init__(
-            f"{op.name} (agent {op.agent!r}) failed: Dask restarted its {first.describe()} for "
+            f"{op.name} (agent {op.agent!r}){within} failed: Dask restarted its {first.describe()} for "
             f"memory ({len(self.restarts)} restart(s) while it ran; the Nanny restarts a worker at "
             f"95% of its limit); {hint}, or raise cluster.workers[{first.worker}].memory_limit"
         )
@@ -309,14 +310,14 @@ class Orchestrator:
         rewards_pending = self._late_key is not None and any(
             o.kind == "reward" for o in [*self._ready, *(r.op for r in self._running.values())])
         for op in self._ready:
+            if op in self._handle or op in self._recorded:
+                continue  # fused into a run submitted earlier in this wave, or already done
             if op.kind in TRAINER_KINDS and self._trainer_ops[op.agent]:
                 held.append(op)
                 continue
             if op.kind == "rollout" and rewards_pending:
                 held.append(op)
                 continue
-            if op in self._handle:
-                continue  # fused into a run submitted earlier in this wave
             route = self.control.route(op, workers)
             if route is None:  # late binding: no idle instance yet
                 held.append(op)
@@ -371,9 +372,11 @@ class Orchestrator:
                 continue
             # A fused run: record the ops that ran; the one that failed is handled as a
             # failed op; the ones after it go back to waiting (their dependency is unrecorded).
-            ran = {r.op for r in res.results}
+            # Every op of the run is excluded from release: the ones that ran are recorded
+            # here, the failed one is requeued by `_failed` (once), the rest wait for it.
+            members = {o for o, _ in run.ops}
             for r in res.results:
-                self._record(OpRecord(r.op, run.submitted, self.executor.now(), r), ran)
+                self._record(OpRecord(r.op, run.submitted, self.executor.now(), r), members)
             if res.error is not None:
                 failed = run.ops[len(res.results)][0]
                 for o, _ in run.ops[len(res.results) + 1:]:
@@ -385,8 +388,11 @@ class Orchestrator:
         lost = self.executor.lost(exc)
         if lost:
             # A worker Dask restarted for memory will be restarted again for the same
-            # op: say so now, instead of the "no valid worker" timeout it ends in.
-            self._raise_if_memory(op, run.submitted, exc)
+            # op: say so now, instead of the "no valid worker" timeout it ends in. A fused
+            # run died as a whole: name its heaviest op (a trainer op) and all of them.
+            heavy = op if op != run.op or not run.tail else next(
+                (o for o, _ in run.ops if o.kind == "train"), op)
+            self._raise_if_memory(heavy, run.submitted, exc, [o for o, _ in run.ops] if run.tail and op == run.op else [])
         if lost and self._resubmits[op] < LOST_WORKER_RESUBMITS:
             # Its worker died: every stage is idempotent and rebuilds its engine or
             # trainer from published weights / checkpoints, so run it again elsewhere.
@@ -399,8 +405,8 @@ class Orchestrator:
         raise OrchestratorError(f"{op.name} failed: {exc}") from exc
 
     def _record(self, rec: OpRecord, ran: set[Op] | frozenset[Op] = frozenset()) -> None:
-        """Record a finished op and release its children (`ran`: the other ops of its fused
-        run that ran, recorded right after it, so not ready)."""
+        """Record a finished op and release its children (`ran`: the ops of its fused run,
+        which are recorded or requeued with the run, so never released here)."""
         op = rec.op
         self._records.append(rec)
         self._recorded.add(op)
@@ -433,11 +439,11 @@ class Orchestrator:
         if cancel is not None:
             cancel(handle)
 
-    def _raise_if_memory(self, op: Op, since: float, exc: BaseException) -> None:
+    def _raise_if_memory(self, op: Op, since: float, exc: BaseException, fused: Sequence[Op] = ()) -> None:
         restarts_fn = getattr(self.executor, "memory_restarts", None)
         restarts = restarts_fn(since) if restarts_fn is not None else []
         if restarts:
-            raise WorkerMemoryError(op, restarts) from exc
+            raise WorkerMemoryError(op, restarts, fused) from exc
 
     def _live_workers(self, patience_s: float = 60.0) -> dict[str, dict[str, float]]:
         """Current worker tags. No workers at all means the cluster is (re)starting one, so

@@ -79,11 +79,13 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
             res = handle.result()
         except Exception as exc:
             if not cluster.lost_worker(exc):  # a lost worker: the orchestrator resubmits the op
-                self.reporter.failed(op, exc, self.now())
+                for o in fused or [op]:  # a fused task that failed as a whole: none of its ops ran
+                    self.reporter.failed(o, exc, self.now())
             raise
         for r in res.results if isinstance(res, FusedResult) else [res]:
             self._finished(r.op, r)
-        if isinstance(res, FusedResult) and res.error is not None and fused is not None:
+        if isinstance(res, FusedResult) and res.error is not None and fused is not None \
+                and not cluster.lost_worker(res.error):
             self.reporter.failed(fused[len(res.results)], res.error, self.now())
         return res
 

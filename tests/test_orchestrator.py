@@ -411,20 +411,23 @@ def test_a_fixed_route_chain_runs_fused_one_task_per_iteration():
             assert all(len(s) == 1 for s in subs) and len(subs) == len(plan.deps)
 
 
-def test_a_fused_run_that_loses_its_worker_midway_keeps_what_ran():
-    """The train op of iteration 1 "loses its worker" inside its fused run: the rollout and
-    reward before it are recorded once, the train op is resubmitted (once), and step and sync
-    wait for it again; every op succeeds exactly once."""
-    lose = Op(1, "train", "solver", mb=0)
+@pytest.mark.parametrize("look_ahead", [True, False])
+@pytest.mark.parametrize("kind", ["train", "step", "sync"])
+def test_a_fused_run_that_loses_its_worker_midway_keeps_what_ran(kind, look_ahead):
+    """An op of iteration 1 "loses its worker" inside its fused run: the ops before it are
+    recorded once, it is resubmitted (once) and takes the ops after it along again; every op
+    runs and is recorded exactly once (without look-ahead, a stale second copy of it on the
+    ready list would run it twice once its trainer is free)."""
+    lose = Op(1, kind, "solver", mb=0 if kind == "train" else -1)
     exs: list = []
-    res, log = run_one_agent(one_agent_cfg(fuse=True), lose=lose, executor=exs)
-    cfg = one_agent_cfg()
+    res, log = run_one_agent(one_agent_cfg(iterations=4, fuse=True, look_ahead=look_ahead), lose=lose, executor=exs)
+    cfg = one_agent_cfg(iterations=4)
     plan = Plan.build(cfg, MEG.from_config(cfg.team))
     assert sorted(o for o, *_ in log) == sorted(plan.ops())
     assert sorted(r.op for r in res.records) == sorted(plan.ops())  # no op recorded twice
     assert [d.op for d in res.decisions if type(d).__name__ == "Resubmit"] == [lose.name]
-    # the resubmitted train op takes its step and sync along again
-    assert [[o.kind for o in sub] for sub in exs[0].submissions if sub[0] == lose] == [["train", "step", "sync"]]
+    kinds = ["train", "step", "sync"]
+    assert [[o.kind for o in sub] for sub in exs[0].submissions if sub[0] == lose] == [kinds[kinds.index(kind):]]
 
 
 def test_a_fused_run_whose_op_fails_records_the_ones_before_it():
