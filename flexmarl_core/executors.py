@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 
 from flexmarl_core.control import OrchestratorError
-from flexmarl_core.ops import DependencyFailed, FusedResult, Op, Route, StageResult
+from flexmarl_core.ops import FusedResult, Op, Route, StageResult, check_after
 
 
 class ThreadExecutor:
@@ -41,31 +42,26 @@ class ThreadExecutor:
         return ok
 
     def _run(self, op: Op, candidates: list[str], after: Sequence[Future] = ()) -> StageResult:
-        return self._run_fused([op], candidates, after, fused=False)  # type: ignore[return-value]
+        check_after(op, [f.result() for f in after])  # chained: start once those ended well
+        with self._slot(candidates) as w:
+            return self.fn(op, w)
 
-    def _run_fused(self, ops: Sequence[Op], candidates: list[str], after: Sequence[Future] = (),
-                   fused: bool = True) -> StageResult | FusedResult:
-        for f in after:  # chained: start once those ended, fail with the first that failed
-            res = f.result()
-            if isinstance(res, FusedResult) and res.error is not None:
-                raise DependencyFailed(f"{ops[0].name}: an op it was chained on failed ({res.error!r})")
-        # Take the first free candidate (least-loaded placement), else wait on the first one.
+    def _run_fused(self, ops: Sequence[Op], candidates: list[str], after: Sequence[Future] = ()) -> FusedResult:
+        check_after(ops[0], [f.result() for f in after])
+        with self._slot(candidates) as w:
+            return FusedResult.run(ops, lambda op: self.fn(op, w))
+
+    @contextmanager
+    def _slot(self, candidates: list[str]) -> Iterator[str]:
+        """The first free candidate (least-loaded placement), else the first one once free."""
         while True:
             for w in candidates:
                 if self.slots[w].acquire(blocking=False):
                     try:
-                        if not fused:
-                            return self.fn(ops[0], w)
-                        out = FusedResult([])
-                        for op in ops:
-                            try:
-                                out.results.append(self.fn(op, w))
-                            except Exception as exc:
-                                out.error = exc
-                                break
-                        return out
+                        yield w
                     finally:
                         self.slots[w].release()
+                    return
             with self.slots[candidates[0]]:
                 pass
 

@@ -9,6 +9,7 @@ what it measured. Nothing else crosses the boundary between the orchestrator, th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -139,9 +140,31 @@ class FusedResult:
     results: list[StageResult]
     error: BaseException | None = None
 
+    @classmethod
+    def run(cls, ops: Sequence[Op], fn: Callable[[Op], StageResult]) -> FusedResult:
+        """`fn` on each op in order, stopping at the first that raises (what every executor
+        that fuses does in its worker)."""
+        out = cls([])
+        for op in ops:
+            try:
+                out.results.append(fn(op))
+            except Exception as exc:
+                out.error = exc
+                break
+        return out
+
 
 class DependencyFailed(RuntimeError):
     """An op chained on a fused run started after an op of that run failed: it does not run."""
+
+
+def check_after(op: Op, after: Sequence[Any]) -> None:
+    """Before `op` starts, chained on `after` (its dependencies' results): a fused run ends
+    well even when one of its ops failed (its other results must reach the flow), so such a
+    dependency is refused here."""
+    for res in after:
+        if isinstance(res, FusedResult) and res.error is not None:
+            raise DependencyFailed(f"{op.name} not run: an op it was chained on failed ({res.error!r})")
 
 
 @dataclass(slots=True)

@@ -233,15 +233,11 @@ class Orchestrator:
                 workers: dict[str, dict[str, float]] | None = None) -> None:
         # the ops of the runs `op` is chained on: they end before it starts
         before = {o for d in pending or () for o, _ in self._running[self._handle[d]].ops}
-        tail = self._fuse_tail(op, route, workers, before) if self.fuse else []
+        tail, union = self._fuse_tail(op, route, workers, before) if self.fuse else ([], {})
         after = list(dict.fromkeys(self._handle[d] for d in sorted(pending or ())))
         if tail:
             ops = [op, *(o for o, _ in tail)]
             deps = [[d for d in self.plan.deps[o] if d not in self.skip] for o in ops]
-            union: dict[str, float] = dict(route.resources)
-            for _, r in tail:
-                for k, v in r.resources.items():
-                    union[k] = max(union.get(k, 0.0), v)
             handle = self.executor.submit_fused(ops, Route(union, route.worker), deps, after=after)  # type: ignore[attr-defined]
         else:
             deps1 = [d for d in self.plan.deps[op] if d not in self.skip]
@@ -258,11 +254,12 @@ class Orchestrator:
                 self._trainer_ops[o.agent].add(o)
 
     def _fuse_tail(self, head: Op, route: Route, workers: dict[str, dict[str, float]] | None,
-                   before: set[Op]) -> list[tuple[Op, Route]]:
-        """The chain after `head` that can run in its task (see the class docstring): each next
-        op is the only unfinished child of the one before, within the iteration, waits for
-        nothing outside the chain, and its fixed route is the same place (the same pinned
-        worker; or, unpinned, resources some one worker has together with the head's)."""
+                   before: set[Op]) -> tuple[list[tuple[Op, Route]], dict[str, float]]:
+        """The chain after `head` that can run in its task (see the class docstring), and the
+        resources the task needs (the union of its ops'): each next op is the only unfinished
+        child of the one before, within the iteration, waits for nothing outside the chain,
+        and its fixed route is the same place (the same pinned worker; or, unpinned, resources
+        some one worker has together with the head's)."""
         tail: list[tuple[Op, Route]] = []
         chain, last, need = {head}, head, dict(route.resources)
         while len(chain) < MAX_FUSED:
@@ -280,14 +277,15 @@ class Orchestrator:
             r = self.control.route_ahead(c, workers)
             if r is None or (r.worker is not None and r.worker != route.worker):
                 break
-            need = {**need, **{k: max(v, need.get(k, 0.0)) for k, v in r.resources.items()}}
-            fits = [w for w, res in workers.items() if all(res.get(k, 0) >= v for k, v in need.items())]
+            grown = {**need, **{k: max(v, need.get(k, 0.0)) for k, v in r.resources.items()}}
+            fits = [w for w, res in workers.items() if all(res.get(k, 0) >= v for k, v in grown.items())]
             if (route.worker is not None and route.worker not in fits) or (route.worker is None and len(fits) != 1):
                 break  # not the same place (unpinned: Dask could place them apart)
+            need = grown
             tail.append((c, r))
             chain.add(c)
             last = c
-        return tail
+        return tail, need
 
     def _unsubmit(self, handle: Any, run: _Running) -> None:
         """Forget a submitted run (it ended, or goes back to waiting): every op of it."""
@@ -389,15 +387,15 @@ class Orchestrator:
         if lost:
             # A worker Dask restarted for memory will be restarted again for the same
             # op: say so now, instead of the "no valid worker" timeout it ends in. A fused
-            # run died as a whole: name its heaviest op (a trainer op) and all of them.
-            heavy = op if op != run.op or not run.tail else next(
-                (o for o, _ in run.ops if o.kind == "train"), op)
-            self._raise_if_memory(heavy, run.submitted, exc, [o for o, _ in run.ops] if run.tail and op == run.op else [])
+            # task that died as a whole: name its heaviest op (a train op) and all of them.
+            whole = [o for o, _ in run.ops] if op == run.op and run.tail else []
+            heavy = next((o for o in whole if o.kind == "train"), op)
+            self._raise_if_memory(heavy, run.submitted, exc, whole)
         if lost and self._resubmits[op] < LOST_WORKER_RESUBMITS:
             # Its worker died: every stage is idempotent and rebuilds its engine or
             # trainer from published weights / checkpoints, so run it again elsewhere.
             self._resubmits[op] += 1
-            self.control.resubmitted(op, run.route if op == run.op else dict(run.ops)[op], exc)
+            self.control.resubmitted(op, dict(run.ops)[op], exc)
             for o, _ in run.ops:
                 self._drop_chained(o)
             self._ready.append(op)  # a fused run's later ops wait for it again

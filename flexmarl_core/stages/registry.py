@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flexmarl_core.location import weights_key
-from flexmarl_core.ops import OP_KINDS, DependencyFailed, FusedResult, Op, OpKind, StageResult
+from flexmarl_core.ops import OP_KINDS, FusedResult, Op, OpKind, StageResult, check_after
 from flexmarl_core.stages.faults import fault_point
 from flexmarl_core.worker import WorkerContext, context
 
@@ -91,16 +91,9 @@ def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 
 def run_stage_after(run_dir: str, op: Op, retries: int, delay_s: float,
                     *after: StageResult | FusedResult) -> StageResult:
     """`run_stage_retrying` for an op chained on others (`after`: their results, which the
-    executor waited for). A fused run ends well even when one of its ops failed (its other
-    ops' results must reach the flow), so that is checked here."""
+    executor waited for; `ops.check_after`)."""
     check_after(op, after)
     return run_stage_retrying(run_dir, op, retries, delay_s)
-
-
-def check_after(op: Op, after: tuple[StageResult | FusedResult, ...]) -> None:
-    for res in after:
-        if isinstance(res, FusedResult) and res.error is not None:
-            raise DependencyFailed(f"{op.name} not run: an op it was chained on failed ({res.error!r})")
 
 
 def run_fused(run_dir: str, ops: list[Op], retries: list[int], delay_s: float,
@@ -110,14 +103,8 @@ def run_fused(run_dir: str, ops: list[Op], retries: list[int], delay_s: float,
     no round trip per op). Stops at the first op that fails for good; the results of the
     ones before it are returned with that error."""
     check_after(ops[0], after)
-    out = FusedResult([])
-    for op, n in zip(ops, retries, strict=True):
-        try:
-            out.results.append(run_stage_retrying(run_dir, op, n, delay_s))
-        except Exception as exc:
-            out.error = exc
-            break
-    return out
+    tries = dict(zip(ops, retries, strict=True))
+    return FusedResult.run(ops, lambda op: run_stage_retrying(run_dir, op, tries[op], delay_s))
 
 
 def run_stage(run_dir: str, op: Op) -> StageResult:
