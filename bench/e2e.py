@@ -68,14 +68,15 @@ def modes(ablation: bool, reference: bool = False) -> dict[str, list[str]]:
     return out
 
 
-def server_cpu_s() -> float | None:
+def server_cpu_s(home: Path | None = None) -> float | None:
     """CPU seconds used so far by the local Prefect server flexmarl started (its pid file in
-    PREFECT_HOME), children included; None when the API is not ours to measure."""
+    `home`, default PREFECT_HOME), children included; None when the API is not ours to measure."""
     import os
 
     import psutil
 
-    pidfile = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")) / "flexmarl-server.pid"
+    home = home or Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
+    pidfile = home / "flexmarl-server.pid"
     if not pidfile.exists():
         return None
     try:

@@ -1,7 +1,7 @@
 """The orchestration floor: what flexmarl costs per op on fine-grained work.
 
     python bench/overhead.py --json runs/bench/overhead.json [--quick] [--repeats 3]
-        [--baseline cluster.look_ahead=false --baseline cluster.pending_after_s=0]
+        [--baseline cluster.look_ahead=false --baseline cluster.pending_after_s=0] [--api ambient]
 
 Runs `configs/overhead.yaml` (one agent, a 1.1M-parameter model, 8 prompts x G 8 completions
 of at most 8 tokens per step, one worker with 2 torch threads; 5 ops per step) through the
@@ -17,16 +17,24 @@ N times (order reversed every other repeat) and reports medians, with the load a
 each run: on a shared machine wall times drift with the load, so compare runs of one
 invocation. `--baseline KEY=VALUE` adds a flexmarl run with those overrides to every repeat
 (under `baseline`), e.g. the orchestrator without look-ahead, for a side-by-side figure.
+
+The Prefect API: by default a local server of the bench's own, with a new database (stopped at
+the end), because the server's CPU per op grows with its database (about twice as much at
+~40,000 task runs and ~65,000 events as fresh, `bench/task_run_events.py`), so a bench on
+whatever server the machine has would measure the machine's history. `--api ambient`: the API
+`flexmarl train` would use here (PREFECT_API_URL, or the local server in PREFECT_HOME).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 CONFIG = str(REPO / "configs" / "overhead.yaml")
+#: steps of the unmeasured run that warms the API server up
+WARMUP_STEPS = 10
 
 
 def reference_run(overrides: list[str]) -> dict:
@@ -99,8 +109,10 @@ def max_weight_diff(a: str, b: str, agents: list[str], version: int) -> float:
     return worst
 
 
-def flexmarl_run(train, api: str, overrides: list[str], steps: int, ref_dir: str) -> dict:
-    """One run of `flexmarl train` (the Prefect flow on Dask) with `overrides`, measured."""
+def flexmarl_run(train, api: str, overrides: list[str], steps: int, ref_dir: str | None,
+                 home: Path | None = None) -> dict:
+    """One run of `flexmarl train` (the Prefect flow on Dask) with `overrides`, measured;
+    `home`: the PREFECT_HOME of the server to measure (default the environment's)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from bench.e2e import server_cpu_s
@@ -108,10 +120,10 @@ def flexmarl_run(train, api: str, overrides: list[str], steps: int, ref_dir: str
     from flexmarl_core.meg import MEG
     from flexmarl_core.plan import Plan
 
-    load0, srv0 = os.getloadavg()[0], server_cpu_s()
+    load0, srv0 = os.getloadavg()[0], server_cpu_s(home)
     with temporary_settings(updates={PREFECT_API_URL: api}):
         state = train(CONFIG, overrides, progress=False, return_state=True)
-    srv1, load1 = server_cpu_s(), os.getloadavg()[0]
+    srv1, load1 = server_cpu_s(home), os.getloadavg()[0]
     if not state.is_completed():
         raise RuntimeError(f"flexmarl run failed: {state.message}")
     s = state.result()["summary"]
@@ -127,7 +139,8 @@ def flexmarl_run(train, api: str, overrides: list[str], steps: int, ref_dir: str
         "dispatch_ms_p50": statistics.median(gaps), "dispatch_ms_p99": pct(gaps, 0.99),
         "prefect_overhead_frac": s["prefect_overhead_frac"], "stage_cpu_s": s["stage_cpu_s"],
         "server_cpu_ms_per_op": (1000 * (srv1 - srv0) / ops) if srv0 is not None and srv1 is not None else None,
-        "final_weights_max_abs_diff": max_weight_diff(s["run_dir"], ref_dir, list(meg.trainable_agents), steps),
+        "final_weights_max_abs_diff": None if ref_dir is None else max_weight_diff(
+            s["run_dir"], ref_dir, list(meg.trainable_agents), steps),
         "load": [round(load0, 2), round(load1, 2)],
     }
 
@@ -149,6 +162,8 @@ def main() -> int:
     ap.add_argument("--baseline", action="append", default=[],
                     help="also run flexmarl with these overrides in each repeat (e.g. "
                     "cluster.look_ahead=false), reported under `baseline`")
+    ap.add_argument("--api", default="fresh", choices=["fresh", "ambient"], help="fresh (default): a server of the bench's own "
+                    "with a new database; ambient: the API `flexmarl train` would use here")
     ap.add_argument("--reference-only", default=None, help=argparse.SUPPRESS)  # JSON overrides
     args = ap.parse_args()
     if args.reference_only is not None:
@@ -157,9 +172,20 @@ def main() -> int:
     steps = args.steps or (60 if args.quick else 500)
     out_dir = REPO / "runs" / "bench-overhead"
 
-    from flexmarl.prefect_api import ensure_api
+    from flexmarl.prefect_api import ensure_api, start_server, stop_server
 
-    api, _ = ensure_api()
+    with contextlib.ExitStack() as stack:
+        home = None
+        if args.api == "fresh":
+            home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flexmarl-bench-prefect-")))
+            stack.callback(stop_server, home)
+            api = start_server(home)
+        else:
+            api, _ = ensure_api()
+        return _bench(args, steps, out_dir, api, home)
+
+
+def _bench(args: argparse.Namespace, steps: int, out_dir: Path, api: str, home: Path | None) -> int:
     from flows.train import train
 
     common = [f"train.iterations={steps}", *args.set]
@@ -168,6 +194,10 @@ def main() -> int:
         variants["baseline"] = [f"run_dir={out_dir}/baseline", *common, *args.baseline]
     refs: list[dict] = []
     runs: dict[str, list[dict]] = {k: [] for k in variants}
+    # A new server's first flow run costs it about twice the CPU per op of later ones (its
+    # caches fill): one short run first, not measured, so repeat 0 is like the others.
+    flexmarl_run(train, api, [f"run_dir={out_dir}/warmup", f"train.iterations={WARMUP_STEPS}", *args.set],
+                 WARMUP_STEPS, None, home)
     for r in range(args.repeats):
         # Alternate the order, so a load that drifts over the repeats hits every variant alike.
         order = ["reference", *variants] if r % 2 == 0 else [*reversed(variants), "reference"]
@@ -178,7 +208,7 @@ def main() -> int:
                 refs.append({**ref, "load": [round(load0, 2), round(os.getloadavg()[0], 2)]})
             else:  # repeat 0 runs the reference first: its weights are there to compare
                 runs[name].append({"overrides": variants[name], **flexmarl_run(
-                    train, api, variants[name], steps, str(out_dir / "reference"))})
+                    train, api, variants[name], steps, str(out_dir / "reference"), home)})
             print(f"repeat {r}: {name} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
     ref_s = statistics.median(x["wall_s"] for x in refs)
 
@@ -196,7 +226,7 @@ def main() -> int:
             "s_per_step": flex_s / steps,
         }
 
-    res = {"config": CONFIG, "steps": steps, "repeats": args.repeats, "reference_s": ref_s,
+    res = {"config": CONFIG, "steps": steps, "repeats": args.repeats, "api": args.api, "reference_s": ref_s,
            "reference_cpu_s": statistics.median(x["cpu_s"] for x in refs),
            **summary(runs["flexmarl"]),
            "baseline": summary(runs["baseline"]) if "baseline" in runs else None,

@@ -51,7 +51,7 @@ def _report(mode: str, n: int, flow_run_id: str, api: str) -> None:
     from flexmarl_core.ops import Op, StageResult
     from tasks.stages import TaskRunReporter
 
-    r = TaskRunReporter(flow_run_id, 1, pending_after_s=0.0 if mode == "two_events" else 3600.0)
+    r = TaskRunReporter(flow_run_id, 1, pending_after_s=0.0 if mode == "two_events" else 3600.0, flush_s=0.0)
     sent: list = []
     if mode == "post_batches":  # capture the events instead of handing them to the events worker
         r._worker = type("Capture", (), {"send": staticmethod(sent.append)})()

@@ -92,10 +92,17 @@ def ensure_api(configured: str | None = None, *, home: Path | None = None) -> tu
     if _healthy(url):
         os.environ["PREFECT_API_URL"] = url
         return url, False
+    url = start_server(home or Path(os.environ.get("PREFECT_HOME", Path.cwd() / ".prefect")), port)
+    os.environ["PREFECT_API_URL"] = url
+    return url, True
+
+
+def start_server(home: Path, port: int = DEFAULT_PORT) -> str:
+    """Start a detached local server with its database in `home`, on `port` or the next free
+    one (its pid and URL in `home`/flexmarl-server.pid); its API URL once it is healthy."""
     while not _port_free(port):
         port += 1
     url = f"http://127.0.0.1:{port}/api"
-    home = home or Path(os.environ.get("PREFECT_HOME", Path.cwd() / ".prefect"))
     home.mkdir(parents=True, exist_ok=True)
     log = open(home / "server.log", "ab")  # noqa: SIM115 - handed to the child process
     from tasks.lean import server_env
@@ -112,8 +119,7 @@ def ensure_api(configured: str | None = None, *, home: Path | None = None) -> tu
     deadline = time.time() + 180
     while time.time() < deadline:
         if _healthy(url):
-            os.environ["PREFECT_API_URL"] = url
-            return url, True
+            return url
         if proc.poll() is not None:
             raise RuntimeError(f"prefect server exited with {proc.returncode}; see {home / 'server.log'}")
         time.sleep(0.5)

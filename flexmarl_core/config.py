@@ -204,6 +204,13 @@ class ClusterConfig(_Strict):
         "long; a shorter op sends only its final state (one event instead of two). 0: Pending at "
         "submission (tasks/stages.py).",
     )
+    task_run_flush_s: float = Field(
+        2.0, ge=0.0,
+        description="The final states of ops that went well are sent to the Prefect API together "
+        "this often, so the API server records them in bursts instead of waking for every op (the "
+        "UI lags by at most this); retries, failures and Pending go at once. 0: each as it "
+        "happens (tasks/stages.py).",
+    )
     prefect_lean: bool | Literal["auto"] = Field(
         "auto",
         description="Workers read cheap Prefect settings from their own environment (tasks/lean.py), "

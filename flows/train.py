@@ -84,7 +84,8 @@ def train(
         if lean:  # code in workers that does talk to Prefect (a custom reward) reports cheaply
             lean_tasks.refresh_worker_settings(client)
         ex = PrefectDaskExecutor(client, run_dir, flow_run.get_id(), flow_run.run_count, log=log,
-                                 pending_after_s=cfg.cluster.pending_after_s)
+                                 pending_after_s=cfg.cluster.pending_after_s,
+                                 flush_s=cfg.cluster.task_run_flush_s)
         log.info("Dask dashboard: %s", client.dashboard_link)
         # Dask's INFO lines go to <run>/logs, not the terminal (Prefect's stay in its API).
         cluster.log_to_files(client, scratch / "logs", workers=cfg.cluster.address is None)
@@ -92,8 +93,11 @@ def train(
         workers_cpu0, cpu0 = cluster.worker_cpu_s(client), time.process_time()
         plan = Plan.build(cfg, MEG.from_config(cfg.team))
         bar = IterationProgress(plan) if progress else None
-        with bar or contextlib.nullcontext():
-            out = run.train(cfg, loc, ex, on_op_done=bar, resume=resume, plan=plan)
+        try:
+            with bar or contextlib.nullcontext():
+                out = run.train(cfg, loc, ex, on_op_done=bar, resume=resume, plan=plan)
+        finally:  # the final states held back, whether the run ended well or not
+            ex.reporter.flush()
         flow_cpu = time.process_time() - cpu0
         workers_cpu = cluster.worker_cpu_s(client) - workers_cpu0
         names.update(cluster.worker_names(client))  # restarted workers have new addresses

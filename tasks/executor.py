@@ -17,7 +17,7 @@ import distributed
 
 from flexmarl_core import cluster
 from flexmarl_core.ops import FusedResult, Op, Route, StageResult
-from tasks.stages import PENDING_AFTER_S, RETRIES, RETRY_DELAY_S, TaskRunReporter
+from tasks.stages import FLUSH_S, PENDING_AFTER_S, RETRIES, RETRY_DELAY_S, TaskRunReporter
 
 
 class PrefectDaskExecutor(cluster.DaskExecutor):
@@ -25,9 +25,9 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
 
     def __init__(self, client: distributed.Client, run_dir: str, flow_run_id: uuid.UUID | str,
                  flow_run_count: int = 1, log: logging.Logger | logging.LoggerAdapter | None = None,
-                 pending_after_s: float = PENDING_AFTER_S) -> None:
+                 pending_after_s: float = PENDING_AFTER_S, flush_s: float = FLUSH_S) -> None:
         super().__init__(client, run_dir, retries=RETRIES, retry_delay_s=RETRY_DELAY_S)
-        self.reporter = TaskRunReporter(flow_run_id, flow_run_count, pending_after_s)
+        self.reporter = TaskRunReporter(flow_run_id, flow_run_count, pending_after_s, flush_s, clock=self.now)
         self.log = log
         self._ops: dict[distributed.Future, Op] = {}
         self._fused: dict[distributed.Future, list[Op]] = {}
@@ -57,10 +57,11 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
         return future
 
     def wait_any(self, handles: Sequence[distributed.Future], timeout: float | None = None) -> list[distributed.Future]:
-        """Wait as the plain executor does, reporting Pending for ops that run long meanwhile."""
+        """Wait as the plain executor does, reporting meanwhile what falls due (Pending for ops
+        that run long, final states held back)."""
         deadline = None if timeout is None else self.now() + timeout
         while True:
-            due = self.reporter.report_pending(self.now())
+            due = self.reporter.report_due(self.now())
             until = min((t for t in (due, deadline) if t is not None), default=None)
             done = super().wait_any(handles, None if until is None else max(until - self.now(), 0.0))
             if done or (deadline is not None and self.now() >= deadline):
