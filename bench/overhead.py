@@ -179,10 +179,20 @@ def main() -> int:
         if args.api == "fresh":
             home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flexmarl-bench-prefect-")))
             stack.callback(stop_server, home)
+            # Before the server stops: the flow runs' last logs and events still on their way.
+            stack.callback(_drain_prefect)
             api = start_server(home)
         else:
             api, _ = ensure_api()
         return _bench(args, steps, out_dir, api, home)
+
+
+def _drain_prefect() -> None:
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    EventsWorker.drain_all(timeout=10)
 
 
 def _bench(args: argparse.Namespace, steps: int, out_dir: Path, api: str, home: Path | None) -> int:
