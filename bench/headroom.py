@@ -8,7 +8,8 @@ agent samples at its own `sampling`, as in a rollout); per-agent columns are the
 problems on which at least one of the k chains had that agent's own score at 1.
 
     python bench/headroom.py --config configs/longtail_learn.yaml --ckpt runs/ll/sft-0/ckpt \
-        --heldout 256 --k 8 [--set workload.params.max_steps=6] [--json OUT]
+        --heldout 256 --k 8 [--set workload.params.max_steps=4] [--json OUT]
+    python bench/headroom.py --config C --ckpt RUN_DIR --version 10 ...   # a run's weights after RL
 """
 
 from __future__ import annotations
@@ -46,10 +47,20 @@ def team_samples(meg, workload, engines, problems, seed: int, k: int, batch: int
     return outs
 
 
+def weights_file(ckpt: Path, agent: str, version: int | None) -> Path:
+    if version is None:
+        return ckpt / agent / "model.safetensors"
+    got = ckpt / "weights" / agent / f"v{version}.safetensors"
+    return got if got.is_file() else ckpt / "weights" / agent / "v0.safetensors"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True)
-    ap.add_argument("--ckpt", required=True, help="folder of <agent>/model.safetensors")
+    ap.add_argument("--ckpt", required=True,
+                    help="folder of <agent>/model.safetensors, or with --version a run folder")
+    ap.add_argument("--version", type=int, default=None,
+                    help="a run's weights/<agent>/v<N>.safetensors (v0 for an agent that has no vN: frozen)")
     ap.add_argument("--heldout", type=int, default=256)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--batch", type=int, default=64, help="chains decoded at once")
@@ -74,7 +85,7 @@ def main() -> int:
     engines = {}
     for a in cfg.team.agents:
         model, tok = load_agent_model(a.model, seed=cfg.seed)
-        model.load_state_dict(load_file(str(Path(args.ckpt) / a.name / "model.safetensors")))
+        model.load_state_dict(load_file(str(weights_file(Path(args.ckpt), a.name, args.version))))
         model.eval()
         engines[a.name] = make_inference_engine(a, model, tok)
     probs = wl.problems("heldout", args.heldout, seed=cfg.seed)
