@@ -1,0 +1,134 @@
+"""Headroom of an SFT start for RL: greedy held-out accuracy against pass@k at the sampling
+temperature, per problem length (the workload's `steps` meta, when it has one).
+
+RL sharpens what sampling already finds: where pass@k is close to greedy there is little for
+it to gain, and where pass@k is far above greedy a policy that samples the right chain more
+often also decodes it greedily more often. Each of the k samples is a whole team chain (every
+agent samples at its own `sampling`, as in a rollout); per-agent columns are the share of
+problems on which at least one of the k chains had that agent's own score at 1.
+
+    python bench/headroom.py --config configs/longtail_learn.yaml --ckpt runs/ll/sft-0/ckpt \
+        --heldout 256 --k 8 [--set workload.params.max_steps=4] [--json OUT]
+    python bench/headroom.py --config C --ckpt RUN_DIR --version 10 ...   # a run's weights after RL
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def team_samples(meg, workload, engines, problems, seed: int, k: int, batch: int) -> list[list[dict]]:
+    """k sampled team chains per problem: outputs[i][j] is chain j of problem i."""
+    from flexmarl_core.inference.tools import generate_with_tool, tool_of
+
+    rows = [(i, j) for i in range(len(problems)) for j in range(k)]
+    # Grouped by question length: a decode batch runs to its longest row.
+    rows.sort(key=lambda r: (len(problems[r[0]].text), r))
+    outs: list[list[dict]] = [[{} for _ in range(k)] for _ in problems]
+    for b in range(0, len(rows), batch):
+        part = rows[b:b + batch]
+        for node in meg.nodes:
+            agent = meg.agents[node.agent]
+            prompts = [meg.render_prompt(node.agent, problems[i].text,
+                                         {q.agent: outs[i][j][q.agent] for q in meg.parents[node]})
+                       for i, j in part]
+            gens = generate_with_tool(engines[node.agent], prompts, agent.sampling, seed + b,
+                                      tool_of(workload, node.agent))
+            for (i, j), g in zip(part, gens, strict=True):
+                outs[i][j][node.agent] = g.text
+    return outs
+
+
+def weights_file(ckpt: Path, agent: str, version: int | None) -> Path:
+    if version is None:
+        return ckpt / agent / "model.safetensors"
+    got = ckpt / "weights" / agent / f"v{version}.safetensors"
+    return got if got.is_file() else ckpt / "weights" / agent / "v0.safetensors"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--ckpt", required=True,
+                    help="folder of <agent>/model.safetensors, or with --version a run folder")
+    ap.add_argument("--version", type=int, default=None,
+                    help="a run's weights/<agent>/v<N>.safetensors (v0 for an agent that has no vN: frozen)")
+    ap.add_argument("--heldout", type=int, default=256)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=64, help="chains decoded at once")
+    ap.add_argument("--set", action="append", default=[], help="config overrides")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import torch
+    from safetensors.torch import load_file
+
+    from flexmarl_core.config import load_config
+    from flexmarl_core.evaluate import evaluate_team
+    from flexmarl_core.inference import make_inference_engine
+    from flexmarl_core.meg import MEG
+    from flexmarl_core.models import load_agent_model
+    from flexmarl_core.workloads import make_workload
+
+    cfg = load_config(args.config, args.set)
+    torch.manual_seed(cfg.seed)
+    meg = MEG.from_config(cfg.team)
+    wl = make_workload(cfg.workload, cfg.team)
+    engines = {}
+    for a in cfg.team.agents:
+        model, tok = load_agent_model(a.model, seed=cfg.seed)
+        model.load_state_dict(load_file(str(weights_file(Path(args.ckpt), a.name, args.version))))
+        model.eval()
+        engines[a.name] = make_inference_engine(a, model, tok)
+    probs = wl.problems("heldout", args.heldout, seed=cfg.seed)
+    t0 = time.process_time()
+    greedy = evaluate_team(meg, wl, engines, probs, seed=cfg.seed, batch=cfg.train.eval_batch)
+    t_greedy = time.process_time() - t0
+    samples = team_samples(meg, wl, engines, probs, cfg.seed, args.k, args.batch)
+    t_sample = time.process_time() - t0 - t_greedy
+    agents = [a.name for a in cfg.team.agents]
+
+    def bucket(p) -> str:
+        s = p.meta.get("steps")
+        return "all" if s is None else (f"{s}" if s < 10 else "10+")
+
+    stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for p, g, chains in zip(probs, greedy["outputs"], samples, strict=True):
+        for key in (bucket(p), "total"):
+            st = stats[key]
+            st["n"] += 1
+            st["greedy"] += wl.is_correct(p, g)
+            hits = [wl.is_correct(p, c) for c in chains]
+            st["pass@k"] += any(hits)
+            st["sample_mean"] += sum(hits) / len(hits)
+            for a in agents:
+                st[f"greedy_{a}"] += (wl.agent_score(p, a, g) or 0.0) >= 1.0
+                st[f"pass_{a}"] += any((wl.agent_score(p, a, c) or 0.0) >= 1.0 for c in chains)
+    table = {key: {c: (v if c == "n" else v / st["n"]) for c, v in st.items()} for key, st in stats.items()}
+    order = sorted((k for k in table if k not in ("total", "10+", "all")), key=int) + \
+        [k for k in ("10+", "all", "total") if k in table]
+    head = ["n", "greedy", f"pass@{args.k}", "sample_mean"] + [f"{w}_{a}" for a in agents for w in ("greedy", "pass")]
+    print(f"{'steps':>6s} " + " ".join(f"{h:>15s}" for h in head))
+    for key in order:
+        row = table[key]
+        vals = [row["n"], row["greedy"], row["pass@k"], row["sample_mean"]] + \
+            [row[f"{w}_{a}"] for a in agents for w in ("greedy", "pass")]
+        print(f"{key:>6s} " + " ".join(f"{v:15.0f}" if i == 0 else f"{v:15.3f}" for i, v in enumerate(vals)))
+    print(f"CPU s: greedy {t_greedy:.0f}, {args.k} samples {t_sample:.0f}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"config": args.config, "ckpt": args.ckpt, "overrides": args.set,
+                                               "k": args.k, "heldout": args.heldout, "table": table}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
