@@ -26,25 +26,13 @@ sys.path.insert(0, str(REPO))
 
 
 def team_samples(meg, workload, engines, problems, seed: int, k: int, batch: int) -> list[list[dict]]:
-    """k sampled team chains per problem: outputs[i][j] is chain j of problem i."""
-    from flexmarl_core.inference.tools import generate_with_tool, tool_of
+    """k sampled team chains per problem: outputs[i][j] is chain j of problem i (the held-out
+    evaluation's team rollout, every agent sampling, in batches grouped by question length)."""
+    from flexmarl_core.evaluate import evaluate_team
 
-    rows = [(i, j) for i in range(len(problems)) for j in range(k)]
-    # Grouped by question length: a decode batch runs to its longest row.
-    rows.sort(key=lambda r: (len(problems[r[0]].text), r))
-    outs: list[list[dict]] = [[{} for _ in range(k)] for _ in problems]
-    for b in range(0, len(rows), batch):
-        part = rows[b:b + batch]
-        for node in meg.nodes:
-            agent = meg.agents[node.agent]
-            prompts = [meg.render_prompt(node.agent, problems[i].text,
-                                         {q.agent: outs[i][j][q.agent] for q in meg.parents[node]})
-                       for i, j in part]
-            gens = generate_with_tool(engines[node.agent], prompts, agent.sampling, seed + b,
-                                      tool_of(workload, node.agent))
-            for (i, j), g in zip(part, gens, strict=True):
-                outs[i][j][node.agent] = g.text
-    return outs
+    copies = [p for p in problems for _ in range(k)]
+    outs = evaluate_team(meg, workload, engines, copies, seed=seed, batch=batch, greedy=False)["outputs"]
+    return [outs[i * k:(i + 1) * k] for i in range(len(problems))]
 
 
 def weights_file(ckpt: Path, agent: str, version: int | None) -> Path:

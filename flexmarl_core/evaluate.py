@@ -1,5 +1,5 @@
-"""Held-out evaluation of a team: every agent decodes greedily, in MEG order, over a batch of
-problems; the team is correct when the workload says the output agent's answer is."""
+"""Held-out evaluation of a team: every agent decodes greedily (or samples), in MEG order, over a
+batch of problems; the team is correct when the workload says the output agent's answer is."""
 
 from __future__ import annotations
 
@@ -23,27 +23,30 @@ def evaluate_team(
     *,
     seed: int = 0,
     batch: int | None = None,
+    greedy: bool = True,
 ) -> dict[str, Any]:
     """Greedy team rollout over `problems`; returns accuracy, mean reward per agent, outputs.
 
     `batch`: decode at most this many problems at once, grouped by the length of the problem's
     text. A batch decodes until its longest row ends, so where the answer's length follows the
     question's (the long-tail team) one long problem no longer holds every short one up.
-    None: all problems in one batch."""
+    None: all problems in one batch. `greedy=False`: every agent samples at its own `sampling`,
+    seeded by `seed` plus the batch's first row (greedy decoding does not read the seed)."""
     if batch is not None and len(problems) > batch:
         order = sorted(range(len(problems)), key=lambda i: (len(problems[i].text), i))
         outs: list[dict[str, str]] = [{} for _ in problems]
         for k in range(0, len(order), batch):
             rows = order[k:k + batch]
-            part = _team_outputs(meg, workload, engines, [problems[i] for i in rows], seed)
+            part = _team_outputs(meg, workload, engines, [problems[i] for i in rows], seed + k, greedy)
             for i, o in zip(rows, part, strict=True):
                 outs[i] = o
         return _scored(workload, problems, outs)
-    return _scored(workload, problems, _team_outputs(meg, workload, engines, problems, seed))
+    return _scored(workload, problems, _team_outputs(meg, workload, engines, problems, seed, greedy))
 
 
 def _team_outputs(
-    meg: MEG, workload: Workload, engines: Mapping[str, Any], problems: Sequence[Problem], seed: int
+    meg: MEG, workload: Workload, engines: Mapping[str, Any], problems: Sequence[Problem], seed: int,
+    greedy: bool = True,
 ) -> list[dict[str, str]]:
     outputs: list[dict[str, str]] = [{} for _ in problems]
     for node in meg.nodes:
@@ -52,8 +55,8 @@ def _team_outputs(
             meg.render_prompt(node.agent, p.text, {q.agent: outputs[i][q.agent] for q in meg.parents[node]})
             for i, p in enumerate(problems)
         ]
-        greedy = agent.sampling.model_copy(update={"temperature": 0.0})
-        gens = generate_with_tool(engines[node.agent], prompts, greedy, seed, tool_of(workload, node.agent))
+        sampling = agent.sampling.model_copy(update={"temperature": 0.0}) if greedy else agent.sampling
+        gens = generate_with_tool(engines[node.agent], prompts, sampling, seed, tool_of(workload, node.agent))
         for i, g in enumerate(gens):
             outputs[i][node.agent] = g.text
     return outputs
