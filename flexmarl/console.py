@@ -26,7 +26,7 @@ class IterationProgress:
     bar it holds at each refresh, so 500 short iterations with all their bars cost the flow
     process ~50 ms of CPU per iteration by the end (a third of a fine-grained run's CPU,
     measured with py-spy). Off a terminal (a log file, a pipe) nothing would show until the
-    end, so there are no bars at all: the run's lines and closing table still print.
+    end, so there are no bars: each iteration prints one line when it ends instead.
     """
 
     #: redraws per second (rich's default is 10); each redraws every bar shown
@@ -34,6 +34,7 @@ class IterationProgress:
 
     def __init__(self, plan: Plan, *, terminal: bool | None = None) -> None:
         terminal = console.is_terminal if terminal is None else terminal
+        self.terminal = terminal
         self.progress = Progress(
             TextColumn("[bold]iteration {task.fields[it]}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console,
@@ -63,6 +64,8 @@ class IterationProgress:
         self._done[it] += 1
         if self._done[it] == self.totals[it]:  # finished: it replaces the last finished bar
             self._finished.add(it)
+            if not self.terminal:
+                console.print(f"iteration {it}: {self.totals[it]} ops done ({rec.op.name} last)")
             if self._last_finished is not None:
                 self.progress.remove_task(self.bars.pop(self._last_finished))
             self._last_finished = it

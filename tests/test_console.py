@@ -57,7 +57,12 @@ def test_overlapping_iterations_each_keep_a_bar_until_they_end():
         assert [t.fields["it"] for t in bar.progress.tasks] == [2]
 
 
-def test_no_bars_off_a_terminal():
+def test_no_bars_off_a_terminal_but_a_line_per_finished_iteration(capsys):
     plan = _plan(2)
     with IterationProgress(plan, terminal=False) as bar:
         assert bar.progress.disable
+        for op in plan.deps:
+            bar(_rec(op))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iteration ")]
+    assert [line.split(":")[0] for line in lines] == ["iteration 0", "iteration 1"]
+    assert f"{plan.sizes()[0]} ops done" in lines[0]
