@@ -62,6 +62,21 @@ def durations(rows: list[dict], clock: str = "wall") -> dict[Op, float]:
             r["t_end"] - r["t_start"] if clock == "wall" else r["cpu_s"] for r in rows}
 
 
+def longest_first(d: dict[Op, float], agent: str) -> dict[Op, float]:
+    """`d` with each iteration's micro-batches renumbered so that mb 0 is the one whose
+    `agent` rollouts took longest, mb 1 the next, ...: the same work, started longest first (a
+    classic makespan heuristic), with the measured costs as a perfect predictor of them."""
+    cost: dict[int, dict[int, float]] = {}
+    for op, s in d.items():
+        if op.kind == "rollout" and op.agent == agent and op.mb >= 0:
+            cost.setdefault(op.iteration, {}).setdefault(op.mb, 0.0)
+            cost[op.iteration][op.mb] += s
+    new = {it: {mb: rank for rank, (mb, _) in enumerate(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))}
+           for it, c in cost.items()}
+    return {(Op(op.iteration, op.kind, op.agent, op.turn, new[op.iteration][op.mb])
+             if op.mb >= 0 and op.iteration in new else op): s for op, s in d.items()}
+
+
 def codesign_deps(run_dir: Path) -> dict[Op, list[Op]]:
     """The run's plan with every co-design switch on (its staleness as it was)."""
     from flexmarl_core.config import load_config
@@ -150,11 +165,13 @@ def list_schedule(deps: dict[Op, list[Op]], d: dict[Op, float], workers: int) ->
     return end
 
 
-def replay(run_dir: Path, overrides: list[str], dispatch_s: float = 0.02, clock: str = "wall") -> dict:
+def replay(run_dir: Path, overrides: list[str], dispatch_s: float = 0.02, clock: str = "wall",
+           longest_first_by: str | None = None) -> dict:
     """The real orchestrator and control plane (`sim.SimExecutor`'s virtual clock) on the
     run's measured op durations, under the run's config plus `overrides` (e.g. another
     switch): E2E and utilisation without machine noise, so two policies compare exactly.
-    Durations stay as measured wherever an op runs (swaps and engine loads included)."""
+    Durations stay as measured wherever an op runs (swaps and engine loads included).
+    `longest_first_by`: an agent; its longest micro-batches first (`longest_first`)."""
     from flexmarl_core.config import load_config
     from flexmarl_core.meg import MEG
     from flexmarl_core.metrics import IterationTracker, run_summary
@@ -164,6 +181,8 @@ def replay(run_dir: Path, overrides: list[str], dispatch_s: float = 0.02, clock:
     from flexmarl_core.sim.executor import SimExecutor
 
     d = durations(op_log(run_dir), clock)
+    if longest_first_by is not None:
+        d = longest_first(d, longest_first_by)
     cfg = load_config(Path(run_dir) / "config.yaml", overrides)
     meg = MEG.from_config(cfg.team)
 
@@ -254,6 +273,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dirs", nargs="+", type=Path)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--longest-first", metavar="AGENT",
+                    help="also replay (CPU seconds) with each iteration's micro-batches started "
+                    "longest first by AGENT's measured rollout seconds")
     args = ap.parse_args()
     for rd in args.run_dirs:
         a = analyse(rd, args.workers)
@@ -269,6 +291,11 @@ def main() -> int:
             print(f"  replay {name:14s}: E2E {r['e2e_s']:.1f} s, util {r['utilization']:.2f}; idle "
                   + "; ".join(f"{w}: " + ", ".join(f"{k} {v:.0f}s" for k, v in list(c.items())[:3])
                               for w, c in r["idle_causes"].items()))
+        if args.longest_first:
+            for name, dd in (("as run", None), ("longest first", args.longest_first)):
+                r = replay(rd, [], clock="cpu", longest_first_by=dd)
+                print(f"  replay on CPU seconds, micro-batches {name:13s}: E2E {r['e2e_s']:.1f} s, "
+                      f"util {r['utilization']:.3f}")
         print(f"{rd}: E2E {a['e2e_s']:.1f} s; floor {a['floor_s']:.1f} s (work {a['work_floor_s']:.1f}, "
               f"chain {a['chain_floor_s']:.1f}), list schedule {a['list_s']:.1f} s; "
               f"floor / E2E {a['floor_frac']:.2f}")

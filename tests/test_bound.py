@@ -49,3 +49,21 @@ def test_idle_causes_split_by_what_the_other_worker_ran():
             {"kind": "train", "agent": "s", "worker": "w1", "t_start": 0.0, "t_end": 1.0},
             {"kind": "train", "agent": "s", "worker": "w0", "t_start": 5.0, "t_end": 6.0}]
     assert bound.idle_causes(rows) == {"w0": {"none": 1.0}, "w1": {"rollout[s]": 3.0, "none": 1.0, "train[s]": 1.0}}
+
+
+def test_longest_first_renumbers_whole_micro_batches_by_one_agents_rollouts():
+    # Iteration 0: the solver's mb 1 took longest, then mb 0, then mb 2; each mb's other ops
+    # (the planner's rollout, the solver's train) move with it; step ops (mb -1) stay.
+    d = {}
+    for mb, (plan_s, solve_s, train_s) in enumerate([(0.1, 2.0, 0.5), (0.2, 5.0, 0.6), (0.3, 1.0, 0.7)]):
+        d[Op(0, "rollout", "planner", mb=mb)] = plan_s
+        d[Op(0, "rollout", "solver", mb=mb)] = solve_s
+        d[Op(0, "train", "solver", mb=mb)] = train_s
+    d[Op(0, "step", "solver")] = 0.4
+    d[Op(1, "rollout", "solver", mb=0)] = 3.0  # an iteration of one mb keeps it
+    out = bound.longest_first(d, "solver")
+    assert sorted(out.values()) == sorted(d.values()) and len(out) == len(d)  # the same work
+    assert [out[Op(0, "rollout", "solver", mb=m)] for m in range(3)] == [5.0, 2.0, 1.0]
+    assert [out[Op(0, "rollout", "planner", mb=m)] for m in range(3)] == [0.2, 0.1, 0.3]
+    assert [out[Op(0, "train", "solver", mb=m)] for m in range(3)] == [0.6, 0.5, 0.7]
+    assert out[Op(0, "step", "solver")] == 0.4 and out[Op(1, "rollout", "solver", mb=0)] == 3.0
