@@ -76,8 +76,13 @@ def run_sft(
     out_dir: str | Path | None = None,
     *,
     log: Callable[[str], None] = print,
+    keep_checks: bool = False,
 ) -> dict[str, Any]:
-    """Train every trainable agent on demonstrations until the team reaches the target."""
+    """Train every trainable agent on demonstrations until the team reaches the target.
+
+    `keep_checks`: also save the team at every evaluation as `<out>/step-<N>` (a checkpoint
+    folder like `<out>` itself, with its `sft.json`), so a start below the target or before the
+    plateau can be picked afterwards without training again."""
     from flexmarl_core.algorithms import token_weight
     from flexmarl_core.inference import make_inference_engine
     from flexmarl_core.models import load_agent_model
@@ -136,6 +141,9 @@ def run_sft(
                                 batch=tc.eval_batch)["accuracy"]
             history.append({"step": step, "accuracy": acc, "time_s": time.time() - t0})
             log(f"sft step {step}: held-out accuracy {acc:.3f}")
+            if keep_checks:
+                _save_team(out / f"step-{step}", meg.agent_names, models,
+                           {"accuracy": acc, "steps": step, "target": tc.sft_target_accuracy})
             if acc >= tc.sft_target_accuracy or step >= tc.sft_max_steps:
                 break
         problems = workload.problems("train", tc.sft_batch, seed=cfg.seed + 1, offset=step * tc.sft_batch)
@@ -154,12 +162,17 @@ def run_sft(
         for tr in {id(t): t for t in trainers.values()}.values():  # a shared base steps once
             tr.step()
         step += 1
-    for agent in meg.agent_names:
-        _save(out / agent, models[agent])
     result = {"out_dir": str(out), "accuracy": acc, "steps": step, "history": history,
               "target": tc.sft_target_accuracy}
-    (out / "sft.json").write_text(json.dumps(result, indent=2))
+    _save_team(out, meg.agent_names, models, result)
     return result
+
+
+def _save_team(out: Path, agents: list[str], models: dict[str, torch.nn.Module],
+               meta: dict[str, Any]) -> None:
+    for agent in agents:
+        _save(out / agent, models[agent])
+    (out / "sft.json").write_text(json.dumps({"out_dir": str(out), **meta}, indent=2))
 
 
 def _save(path: Path, model: torch.nn.Module) -> None:

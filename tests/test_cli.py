@@ -51,3 +51,23 @@ def test_sft_writes_a_checkpoint_per_agent(tmp_path):
     for agent in ("planner", "solver", "verifier"):
         assert (tmp_path / "sft" / agent / "model.safetensors").exists()
     assert "after 2 steps" in res.stdout
+
+
+def test_sft_keep_checks_saves_the_team_at_every_check(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "sft"
+    res = run("sft", str(TINY), "--out", str(out), "--keep-checks", "--set", "train.sft_max_steps=2",
+              "--set", "train.sft_eval_every=1", "--set", "train.sft_eval_size=4",
+              "--set", "train.sft_batch=4", "--set", "train.sft_target_accuracy=1.0")
+    assert res.returncode == 0, res.stderr[-2000:]
+    for step in (0, 1, 2):
+        meta = json.loads((out / f"step-{step}" / "sft.json").read_text())
+        assert meta["steps"] == step
+    # The last check is the final team; the first is the untrained one, not the same weights.
+    final = load_file(str(out / "solver" / "model.safetensors"))
+    last, first = (load_file(str(out / f"step-{s}" / "solver" / "model.safetensors")) for s in (2, 0))
+    assert all(last[k].equal(v) for k, v in final.items())
+    assert not all(first[k].equal(v) for k, v in final.items())

@@ -10,7 +10,7 @@ import pytest
 from flexmarl_core.config import load_config
 from flexmarl_core.models import get_tokenizer
 from flexmarl_core.workloads import LongTailWorkload, WorkloadError, make_workload
-from flexmarl_core.workloads.longtail import parse_terms, step_count, work_answer, working
+from flexmarl_core.workloads.longtail import parse_terms, question, step_count, work_answer, working
 from tests._models_util import cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,3 +179,125 @@ def test_warm_start_key_holds_only_what_sft_reads():
                 ["team.agents.solver.algorithm.max_grad_norm=0.5"],
                 ["team.agents.solver.sampling.max_new_tokens=40"], ["workload.heldout_size=64"]):
         assert warm_start_key(load_config(CONFIG, sft)) != key, sft
+
+
+# -- keyed form (workload.params.keyed) ---------------------------------------------------------
+
+LEARN = REPO / "configs" / "longtail_learn.yaml"
+
+
+def keyed(**overrides: str) -> LongTailWorkload:
+    return workload(keyed="true", max_steps="24", max_total="9", **overrides)
+
+
+def _fingerprint(wl: LongTailWorkload) -> str:
+    import hashlib
+    import json
+
+    rows = []
+    for split in ("train", "heldout"):
+        for p in wl.problems(split, 200, seed=0):
+            rng = random.Random(p.input_id)
+            agents = ("planner", "solver", "verifier")
+            rows.append([p.input_id, p.text, p.answer, p.meta, [wl.demonstration(p, a, {}) for a in agents],
+                         [wl.perturbation(p, a, rng) for a in agents]])
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+
+
+def test_the_regime_configs_problems_are_unchanged_by_the_keyed_option():
+    """Problems, demonstrations and perturbations of configs/longtail_team.yaml (keyed off by
+    default), hashed before the option existed (main at 1ae5a23)."""
+    assert _fingerprint(workload()) == "7e45310c934afa6cc05c46eb496c84c9f1c07c7a335737262a5b7e3d2348df79"
+
+
+def test_keyed_question_and_working_name_each_term():
+    assert question([7, 3, 5, -2, 8], keyed=True) == "a7b+3c+5d-2e+8"
+    assert question([7, 3, 5, -2, 8]) == "7+3+5-2+8"
+    assert working([7, 3, 5, -2, 8], keyed=True) == ("7+3=10", "c+5=15;d-2=13;e+8=21;A=21", 21)
+    assert working([4, -1], keyed=True) == ("4-1=3", "A=3", 3)
+    assert parse_terms("a7b+3c+5d-2e+8", keyed=True) == [7, 3, 5, -2, 8]
+    # Keys out of order, missing or in an unkeyed text are not a keyed chain (and vice versa).
+    for bad in ("a7c+3", "b7c+3", "7+3", "a7b+3c", "a7b+3+5", "a7bb+3"):
+        assert parse_terms(bad, keyed=True) is None, bad
+    assert parse_terms("a7b+3") is None
+    assert work_answer("c+5=5;d-2=3;A=3", keyed=True) == 3
+    assert work_answer("+5=5;A=5", keyed=True) is None and work_answer("c+5=5;A=5") is None
+    assert work_answer("A=4", keyed=True) == 4
+    assert step_count("c+5=5;d-2=3;A=3") == 2
+
+
+def test_each_key_is_one_token_shared_by_question_and_working():
+    """The solver's step copies by content match: the key it writes must be the very token
+    that precedes the term in the question (one token each, digits one token each)."""
+    tok = get_tokenizer(cache_dir())
+    terms = [7] + [(-1) ** i * (1 + i % 9) for i in range(25)]
+    q, (_, w, _) = question(terms, keyed=True), working(terms, keyed=True)
+    q_ids = tok.encode("Q:" + q + "\nP:", add_special_tokens=False)
+    w_ids = tok.encode("W:" + w + "\nV:", add_special_tokens=False)
+    for key in "abcdefghijklmnopqrstuvwxyz":
+        (kid,) = tok.encode(key, add_special_tokens=False)
+        assert q_ids.count(kid) == 1, key
+        if key >= "c":
+            assert w_ids.count(kid) == 1, key  # a..b are the plan's terms
+    # One step is key, sign, digit, '=', a one-digit total, ';': 6 tokens.
+    assert len(tok.encode("c+5=5;", add_special_tokens=False)) == 6
+
+
+def test_keyed_problems_are_the_unkeyed_chains_in_the_same_split():
+    plain, wl = workload(max_steps="24", max_total="9"), keyed()
+    for split in ("train", "heldout"):
+        a, b = plain.problems(split, 300, seed=3), wl.problems(split, 300, seed=3)
+        for p, k in zip(a, b, strict=True):
+            assert parse_terms(k.text, keyed=True) == parse_terms(p.text)
+            assert (k.answer, k.meta["steps"], k.meta["plan"]) == (p.answer, p.meta["steps"], p.meta["plan"])
+            assert wl.split_of(k.text) == plain.split_of(p.text) == split
+            assert work_answer(k.meta["working"], keyed=True) == int(k.answer)
+    held = {p.text for p in wl.problems("heldout", 300, seed=0)}
+    assert not held & {p.text for p in wl.problems("train", 300, seed=0)}
+
+
+def test_keyed_scoring_and_steps_credit():
+    wl = keyed(work_credit="steps")
+    p = next(q for q in wl.problems("train", 300, seed=0) if q.meta["steps"] == 3)
+    ref = p.meta["working"]
+    steps = ref.split(";")
+    others = {"planner": p.meta["plan"], "verifier": p.answer}
+
+    def solver(text: str) -> float:
+        return wl.agent_score(p, "solver", {**others, "solver": text})
+
+    assert solver(ref) == 1.0 and wl.is_correct(p, {**others, "solver": ref})
+    # The wrong key is a slip even with the right term and total.
+    wrong_key = "z" + steps[0][1:]
+    assert solver(";".join([wrong_key, *steps[1:]])) == pytest.approx(1 / 4)
+    # Unkeyed steps are not keyed working: no answer, no format.
+    unkeyed = ";".join(s[1:] for s in steps[:-1]) + ";" + steps[-1]
+    assert solver(unkeyed) == 0.0 and wl.format_score(p, "solver", {"solver": unkeyed}) == 0.0
+    assert wl.format_score(p, "solver", {"solver": ref}) == 1.0
+    assert wl.format_score(p, "planner", {"planner": p.meta["plan"]}) == 1.0
+
+
+def test_keyed_demonstrations_and_perturbations():
+    wl = keyed()
+    rng = random.Random(0)
+    for p in wl.problems("train", 80, seed=2):
+        demo = wl.demonstration(p, "solver", {})
+        assert demo == p.meta["working"] and step_count(demo) == p.meta["steps"]
+        slip = wl.perturbation(p, "solver", rng)
+        got = work_answer(slip, keyed=True)
+        assert got is not None and str(got) != p.answer, slip
+        # The slip keeps the keys: only the totals differ.
+        assert [s[0] for s in slip.split(";")] == [s[0] for s in demo.split(";")]
+        assert wl.perturbation(p, "verifier", rng) != p.answer
+
+
+def test_keyed_needs_a_letter_per_term_and_the_learn_config_is_keyed():
+    with pytest.raises(WorkloadError, match=r"max_steps.*keyed.*<= 24"):
+        workload(keyed="true", max_steps="25")
+    cfg = load_config(LEARN)
+    wl = make_workload(cfg.workload, cfg.team)
+    assert isinstance(wl, LongTailWorkload) and wl.params.keyed and wl.params.max_steps == 24
+    tok = get_tokenizer(cache_dir())
+    longest = max(len(tok.encode(p.meta["working"], add_special_tokens=False))
+                  for p in wl.problems("train", 2000, seed=0))
+    assert longest < cfg.agent("solver").sampling.max_new_tokens

@@ -23,9 +23,16 @@ Rewards (see `api`): team score = the output agent's text is the integer answer.
 answer after its ``A=``, the verifier for its own answer. Format: a plan is ``d+d=n``; working
 is steps ``[+-]d=n;`` then ``A=n``; an answer is one integer.
 
-Splits: a problem is held-out iff a hash of its text falls under `heldout_fraction`; problem k
-of a split comes from its own seeded RNG (rejecting the other split's problems), so any window
-is computed directly.
+Keyed form (``workload.params.keyed: true``): each term carries its own lowercase letter,
+``a7b+3c+5d-2e+8``, and each step of the working names the term it consumes,
+``c+5=15;d-2=13;e+8=21;A=21`` (the plan is unchanged). A step is then three local moves a
+tiny model learns fast: write the successor of the last key, copy what follows that key in
+the question (a content match, not a count of positions), add it. Every key is one token of
+the project's tokenizer, the same in question and working; 26 letters bound `max_steps` to 24.
+
+Splits: a problem is held-out iff a hash of its unkeyed text falls under `heldout_fraction`
+(so a chain is in the same split keyed or not); problem k of a split comes from its own seeded
+RNG (rejecting the other split's problems), so any window is computed directly.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flexmarl_core.workloads.answers import parse_int
 from flexmarl_core.workloads.api import Problem, Split, WorkloadError
@@ -53,8 +60,13 @@ Role = Literal["plan", "work", "answer"]
 _SPLIT_SALT = "flexmarl-longtail"
 _PLAN_RE = re.compile(r"(\d)([+-])(\d)=(\d+)")
 _WORK_RE = re.compile(r"(?:[+-]\d=\d+;)*A=(\d+)")
+_KEYED_WORK_RE = re.compile(r"(?:[a-z][+-]\d=\d+;)*A=(\d+)")
 _STEP_RE = re.compile(r"([+-])(\d)=(\d+);")
 _TERM_RE = re.compile(r"[+-]?\d")
+_KEYS = "abcdefghijklmnopqrstuvwxyz"
+#: keyed working names one letter per term: terms <= 26, steps = terms - 2
+MAX_KEYED_STEPS = len(_KEYS) - 2
+_UNKEY = {ord(k): None for k in _KEYS}
 #: Longest working the parsers look at: a degenerate output cannot make scoring slow.
 MAX_TEXT_CHARS = 4096
 
@@ -83,34 +95,72 @@ class LongTailParams(BaseModel):
         "right one time in ten, so 'answer' pays chance hits on long problems as much as "
         "real working; 'steps' pays each right step.",
     )
+    keyed: bool = Field(
+        False,
+        description="Each term carries a letter key (a7b+3c+5) and each working step names "
+        "the key of the term it consumes (c+5=..;): the next term is found by content match "
+        "instead of by counting positions. Needs max_steps <= 24 (26 letters).",
+    )
     roles: dict[str, Role] = Field(
         default_factory=dict,
         description="Agent -> 'plan', 'work' or 'answer'. Default: 'planner' plans, 'solver' "
         "writes the working, every other agent answers.",
     )
 
+    @model_validator(mode="after")
+    def _keys_suffice(self) -> LongTailParams:
+        if self.keyed and self.max_steps > MAX_KEYED_STEPS:
+            raise ValueError(
+                f"max_steps={self.max_steps} with keyed: true needs {self.max_steps + 2} keys; "
+                f"there are {len(_KEYS)} letters, so max_steps must be <= {MAX_KEYED_STEPS}"
+            )
+        return self
 
-def working(terms: list[int]) -> tuple[str, str, int]:
-    """(plan, working, answer) for signed terms ``[7, 3, 5, -2, 8]``."""
+
+def _signed(t: int) -> str:
+    return f"{'+' if t >= 0 else '-'}{abs(t)}"
+
+
+def question(terms: list[int], keyed: bool = False) -> str:
+    """``7+3-2``, or keyed ``a7b+3c-2``: the problem text of signed terms."""
+    if keyed and len(terms) > len(_KEYS):
+        raise WorkloadError(f"{len(terms)} terms need more than the {len(_KEYS)} keys")
+    keys = _KEYS[:len(terms)] if keyed else [""] * len(terms)
+    return keys[0] + str(terms[0]) + "".join(k + _signed(t) for k, t in zip(keys[1:], terms[1:], strict=True))
+
+
+def working(terms: list[int], keyed: bool = False) -> tuple[str, str, int]:
+    """(plan, working, answer) for signed terms ``[7, 3, 5, -2, 8]``; keyed steps name their
+    term's key (``c+5=15;``)."""
     total = terms[0] + terms[1]
-    plan = f"{terms[0]}{'+' if terms[1] >= 0 else '-'}{abs(terms[1])}={total}"
+    plan = f"{terms[0]}{_signed(terms[1])}={total}"
     steps = []
-    for t in terms[2:]:
+    for i, t in enumerate(terms[2:], start=2):
         total += t
-        steps.append(f"{'+' if t >= 0 else '-'}{abs(t)}={total};")
+        steps.append(f"{_KEYS[i] if keyed else ''}{_signed(t)}={total};")
     return plan, "".join(steps) + f"A={total}", total
 
 
-def parse_terms(text: str) -> list[int] | None:
-    """``7+3-2`` -> [7, 3, -2]; None unless it is one-digit terms joined by + and -."""
-    if len(text) > MAX_TEXT_CHARS or not re.fullmatch(r"\d(?:[+-]\d)+", text):
+def parse_terms(text: str, keyed: bool = False) -> list[int] | None:
+    """``7+3-2`` (keyed: ``a7b+3c-2``, keys in order from a) -> [7, 3, -2]; None unless it is
+    one-digit terms joined by + and - in that form."""
+    if len(text) > MAX_TEXT_CHARS:
+        return None
+    if keyed:
+        keys = re.sub(r"[+-]?\d", "", text)
+        if not _KEYS.startswith(keys) or not re.fullmatch(r"a\d(?:[b-z][+-]\d)+", text):
+            return None
+        text = text.translate(_UNKEY)
+    elif not re.fullmatch(r"\d(?:[+-]\d)+", text):
         return None
     return [int(t) for t in _TERM_RE.findall(text)]
 
 
-def work_answer(text: str) -> int | None:
-    """The answer after ``A=`` of well-formed working, else None."""
-    m = _WORK_RE.fullmatch(text.strip()) if len(text) <= MAX_TEXT_CHARS else None
+def work_answer(text: str, keyed: bool = False) -> int | None:
+    """The answer after ``A=`` of well-formed working (keyed: every step starts with a key),
+    else None."""
+    pattern = _KEYED_WORK_RE if keyed else _WORK_RE
+    m = pattern.fullmatch(text.strip()) if len(text) <= MAX_TEXT_CHARS else None
     return int(m.group(1)) if m else None
 
 
@@ -145,7 +195,8 @@ class LongTailWorkload(RuleWorkload):
         )
 
     def split_of(self, text: str) -> Split:
-        frac = hash_fraction(text, _SPLIT_SALT)
+        # Keys are dropped before hashing: a chain lands in one split, keyed or not.
+        frac = hash_fraction(text.translate(_UNKEY), _SPLIT_SALT)
         return "heldout" if frac < self.params.heldout_fraction else "train"
 
     def _terms(self, rng: random.Random) -> list[int]:
@@ -175,12 +226,12 @@ class LongTailWorkload(RuleWorkload):
         for k in range(offset, offset + n):
             for attempt in range(self._MAX_TRIES):
                 terms = self._terms(random.Random(f"{seed}/{split}/{k}/{attempt}"))
-                text = str(terms[0]) + "".join(f"{'+' if t >= 0 else '-'}{abs(t)}" for t in terms[1:])
+                text = question(terms, self.params.keyed)
                 if self.split_of(text) == split:
                     break
             else:  # pragma: no cover - heldout_fraction is bounded away from 0 and 1
                 raise WorkloadError(f"no {split} problem found in {self._MAX_TRIES} tries")
-            plan, work, answer = working(terms)
+            plan, work, answer = working(terms, self.params.keyed)
             out.append(Problem(
                 input_id=f"l{seed}{split[0]}{k}", text=text, answer=str(answer),
                 meta={"plan": plan, "working": work, "steps": len(terms) - 2, "split": split},
@@ -190,7 +241,7 @@ class LongTailWorkload(RuleWorkload):
     # -- scoring ------------------------------------------------------------------------------
 
     def _role_answer(self, agent: str, text: str) -> int | None:
-        return work_answer(text) if self.roles[agent] == "work" else parse_int(text)
+        return work_answer(text, self.params.keyed) if self.roles[agent] == "work" else parse_int(text)
 
     def team_score(self, problem: Problem, outputs: Mapping[str, str]) -> float:
         got = self._role_answer(self.output_agent, outputs.get(self.output_agent, ""))
@@ -230,7 +281,8 @@ class LongTailWorkload(RuleWorkload):
         working (so the answer a downstream agent sees is wrong the way a solver's would be)."""
         if agent not in self.roles:
             raise WorkloadError(f"unknown agent {agent!r}; agents: {self.agents}")
-        terms = parse_terms(problem.text)
+        keyed = self.params.keyed
+        terms = parse_terms(problem.text, keyed)
         if terms is None:
             raise WorkloadError(f"problem {problem.input_id!r}: {problem.text!r} is not a chain")
         slip = rng.choice([-3, -2, -1, 1, 2, 3])
@@ -240,9 +292,9 @@ class LongTailWorkload(RuleWorkload):
             total += t + (slip if i == at else 0)
             total = max(total, 0)
             if i == 1:
-                plan = f"{terms[0]}{'+' if t >= 0 else '-'}{abs(t)}={total}"
+                plan = f"{terms[0]}{_signed(t)}={total}"
             else:
-                steps.append(f"{'+' if t >= 0 else '-'}{abs(t)}={total};")
+                steps.append(f"{_KEYS[i] if keyed else ''}{_signed(t)}={total};")
         role = self.roles[agent]
         if role == "plan":
             return plan
@@ -264,5 +316,5 @@ def working_prefix(text: str, reference: str) -> int:
 
 
 def step_count(text: str) -> int:
-    """Working steps written in `text` (for length-vs-difficulty reports)."""
+    """Working steps written in `text`, keyed or not (for length-vs-difficulty reports)."""
     return len(_STEP_RE.findall(text))
