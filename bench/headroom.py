@@ -35,11 +35,17 @@ def team_samples(meg, workload, engines, problems, seed: int, k: int, batch: int
     return [outs[i * k:(i + 1) * k] for i in range(len(problems))]
 
 
-def weights_file(ckpt: Path, agent: str, version: int | None) -> Path:
+def agent_weights(ckpt: Path, agent: str, version: int | None) -> dict:
+    """An SFT checkpoint's weights (`<ckpt>/<agent>`), or with `version` a run folder's published
+    version (v0 for an agent that published no later one: a frozen agent)."""
+    from flexmarl_core.location import weights_key
+    from flexmarl_core.run import initial_weights
+    from flexmarl_core.worker import as_location, load_weights
+
     if version is None:
-        return ckpt / agent / "model.safetensors"
-    got = ckpt / "weights" / agent / f"v{version}.safetensors"
-    return got if got.is_file() else ckpt / "weights" / agent / "v0.safetensors"
+        return initial_weights(str(ckpt), agent)
+    have = as_location(ckpt).exists(weights_key(agent, version))
+    return load_weights(ckpt, agent, version if have else 0)
 
 
 def main() -> int:
@@ -57,7 +63,6 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
-    from safetensors.torch import load_file
 
     from flexmarl_core.config import load_config
     from flexmarl_core.evaluate import evaluate_team
@@ -73,7 +78,7 @@ def main() -> int:
     engines = {}
     for a in cfg.team.agents:
         model, tok = load_agent_model(a.model, seed=cfg.seed)
-        model.load_state_dict(load_file(str(weights_file(Path(args.ckpt), a.name, args.version))))
+        model.load_state_dict(agent_weights(Path(args.ckpt), a.name, args.version))
         model.eval()
         engines[a.name] = make_inference_engine(a, model, tok)
     probs = wl.problems("heldout", args.heldout, seed=cfg.seed)

@@ -114,7 +114,7 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
         if cfg.agent(agent).model.lora is not None:
             publish_weights(loc, agent, 0, _initial_adapter(cfg, loc, agent))
             continue
-        init = _initial_weights(init_from, agent)
+        init = initial_weights(init_from, agent)
         if init is None:
             source = cfg.agent(agent).share_model_with or agent
             model, _ = load_agent_model(cfg.agent(source).model, seed=cfg.seed)
@@ -147,7 +147,7 @@ def _saved_config(cfg: ExperimentConfig, loc: RunLocation) -> dict[str, Any]:
     return data
 
 
-def _initial_weights(init_from: str | None, agent: str) -> dict[str, Any] | None:
+def initial_weights(init_from: str | None, agent: str) -> dict[str, Any] | None:
     """Weights from `init_from/<agent>` (`train.init_from`, or the warm start), if any."""
     if not init_from:
         return None
@@ -172,7 +172,7 @@ def _publish_bases(cfg: ExperimentConfig, loc: RunLocation, init_from: str | Non
         key = base_key(a.model, cfg.seed)
         if loc.exists(base_weights_key(key)):
             continue
-        init = _initial_weights(init_from, a.name)
+        init = initial_weights(init_from, a.name)
         if init is None:
             init = load_agent_model(a.model, seed=cfg.seed)[0].state_dict()
         publish_base(loc, key, init)
