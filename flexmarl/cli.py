@@ -154,7 +154,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from flexmarl_core.sft import run_sft
 
     cfg = _config(args)
-    out = run_sft(cfg, out_dir=args.out, keep_checks=args.keep_checks)
+    out = run_sft(cfg, out_dir=args.out, keep_checks=args.keep_checks, resume_from=args.resume_from)
     print(f"SFT checkpoints in {out['out_dir']}: held-out accuracy {out['accuracy']:.3f} "
           f"after {out['steps']} steps")
     return 0
@@ -362,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="output folder (default: <run_dir>-sft)")
     s.add_argument("--keep-checks", action="store_true",
                    help="also save the team at every held-out check as OUT/step-<N>")
+    s.add_argument("--resume-from", metavar="CKPT", default=None,
+                   help="continue from a team `flexmarl sft` saved (OUT or OUT/step-<N>) at its step")
     s.set_defaults(fn=cmd_sft)
 
     st = sub.add_parser("store", help="MEG Store tools")

@@ -77,12 +77,17 @@ def run_sft(
     *,
     log: Callable[[str], None] = print,
     keep_checks: bool = False,
+    resume_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train every trainable agent on demonstrations until the team reaches the target.
 
     `keep_checks`: also save the team at every evaluation as `<out>/step-<N>` (a checkpoint
     folder like `<out>` itself, with its `sft.json`), so a start below the target or before the
-    plateau can be picked afterwards without training again."""
+    plateau can be picked afterwards without training again.
+
+    `resume_from`: continue from a saved team (an `<out>` or `<out>/step-<N>` folder): its
+    weights, and its step count from its `sft.json`, so the next steps see the problems an
+    uninterrupted run would. The optimizer's moments are not saved, so they start again."""
     from flexmarl_core.algorithms import token_weight
     from flexmarl_core.inference import make_inference_engine
     from flexmarl_core.models import load_agent_model
@@ -101,6 +106,7 @@ def run_sft(
     # demonstrations in each step); RL then trains each one's adapter on it.
     from flexmarl_core.models.lora import base_key
 
+    resumed = _saved_meta(Path(resume_from)) if resume_from is not None else None
     by_base: dict[str, str] = {}  # base key -> the first agent on it (owns model and trainer)
     for agent in meg.agent_names:
         acfg = cfg.agent(agent)
@@ -113,6 +119,8 @@ def run_sft(
             engines[agent] = engines[owner]  # same weights; prompts make the role
             continue
         model, tok = load_agent_model(acfg.model, seed=cfg.seed)
+        if resume_from is not None:  # before the trainer copies anything from the module
+            model.load_state_dict(_saved_weights(Path(resume_from), agent))
         models[agent], toks[agent] = model, tok
         if acfg.trainable:
             # One process (training_dp=1): the engine below must share the trained module.
@@ -133,8 +141,16 @@ def run_sft(
     rng = random.Random(cfg.seed)
     step, acc, t0 = 0, 0.0, time.time()
     history = []
+    if resume_from is not None:
+        step, acc = resumed
+        history.append({"step": step, "accuracy": acc, "time_s": 0.0, "resumed_from": str(resume_from)})
+        log(f"sft resumed from {resume_from} at step {step} (held-out accuracy {acc:.3f})")
+    resumed_at = step if resume_from is not None else None
     while True:
-        if step % tc.sft_eval_every == 0:
+        if step == resumed_at:  # its check was made when it was saved
+            if acc >= tc.sft_target_accuracy or step >= tc.sft_max_steps:
+                break
+        elif step % tc.sft_eval_every == 0:
             for agent in refresh:
                 engines[agent].update_weights(trainers[agent].weights(), step)
             acc = evaluate_team(meg, workload, engines, heldout, seed=cfg.seed,
@@ -166,6 +182,26 @@ def run_sft(
               "target": tc.sft_target_accuracy}
     _save_team(out, meg.agent_names, models, result)
     return result
+
+
+def _saved_meta(src: Path) -> tuple[int, float]:
+    """Step count and accuracy of a team `run_sft` saved, from its `sft.json`."""
+    meta_path = src / "sft.json"
+    if not meta_path.exists():
+        raise FileNotFoundError(f"sft resume: {meta_path} not found (not a folder `flexmarl sft` saved)")
+    meta = json.loads(meta_path.read_text())
+    if not isinstance(meta.get("steps"), int):
+        raise ValueError(f"sft resume: {meta_path} has no integer field 'steps'")
+    return meta["steps"], float(meta.get("accuracy", 0.0))
+
+
+def _saved_weights(src: Path, agent: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = src / agent / "model.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(f"sft resume: no checkpoint for agent {agent!r} at {path}")
+    return load_file(str(path))
 
 
 def _save_team(out: Path, agents: list[str], models: dict[str, torch.nn.Module],

@@ -71,3 +71,35 @@ def test_sft_keep_checks_saves_the_team_at_every_check(tmp_path):
     last, first = (load_file(str(out / f"step-{s}" / "solver" / "model.safetensors")) for s in (2, 0))
     assert all(last[k].equal(v) for k, v in final.items())
     assert not all(first[k].equal(v) for k, v in final.items())
+
+
+def test_sft_resume_from_a_check_continues_at_its_step(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    first = tmp_path / "sft"
+    common = ["--set", "train.sft_eval_every=1", "--set", "train.sft_eval_size=4",
+              "--set", "train.sft_batch=4", "--set", "train.sft_target_accuracy=1.0"]
+    res = run("sft", str(TINY), "--out", str(first), "--keep-checks", "--set", "train.sft_max_steps=1", *common)
+    assert res.returncode == 0, res.stderr[-2000:]
+    check = first / "step-1"
+    # Resumed at its own last step: nothing to train, the saved team is the check's.
+    same = tmp_path / "same"
+    res = run("sft", str(TINY), "--out", str(same), "--resume-from", str(check),
+              "--set", "train.sft_max_steps=1", *common)
+    assert res.returncode == 0, res.stderr[-2000:]
+    a, b = (load_file(str(d / "solver" / "model.safetensors")) for d in (check, same))
+    assert all(a[k].equal(v) for k, v in b.items())
+    # One more step: the count goes on from the check's, and the weights move.
+    more = tmp_path / "more"
+    res = run("sft", str(TINY), "--out", str(more), "--resume-from", str(check),
+              "--set", "train.sft_max_steps=2", *common)
+    assert res.returncode == 0, res.stderr[-2000:]
+    meta = json.loads((more / "sft.json").read_text())
+    assert meta["steps"] == 2 and meta["history"][0]["resumed_from"] == str(check)
+    c = load_file(str(more / "solver" / "model.safetensors"))
+    assert not all(a[k].equal(v) for k, v in c.items())
+    # Not a saved team: a clear error naming the file.
+    res = run("sft", str(TINY), "--out", str(tmp_path / "x"), "--resume-from", str(tmp_path), *common)
+    assert res.returncode != 0 and "sft.json" in res.stderr
