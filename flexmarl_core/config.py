@@ -94,13 +94,6 @@ class BatchConfig(_Strict):
     micro_batch_inputs: int = Field(
         2, ge=1, description="Inputs per micro-batch; micro-batches are whole GRPO groups."
     )
-    order: Literal["drawn", "longest_first"] = Field(
-        "drawn",
-        description="How an iteration's inputs are dealt into micro-batches: as drawn, or "
-        "longest question first (a predictor of response length), so the long rollouts start "
-        "first, the short ones fill the on-policy barrier's tail, and rows of similar length "
-        "share a sampling batch. The same inputs in both modes; only their grouping changes.",
-    )
 
     @model_validator(mode="after")
     def _divides(self) -> BatchConfig:

@@ -124,8 +124,7 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
     store = MEGStore(cfg.resolved_store_uri())
     n, per_mb = cfg.batch.inputs_per_iteration, cfg.batch.micro_batch_inputs
     for it in range(cfg.train.iterations):
-        problems = micro_batch_order(workload.problems("train", n, seed=cfg.seed, offset=it * n),
-                                     cfg.batch.order)
+        problems = workload.problems("train", n, seed=cfg.seed, offset=it * n)
         store.write_inputs(
             it,
             [
@@ -140,14 +139,6 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
     # a Prefect retry of the flow run checks before resuming instead of preparing again.
     loc.write_text(CONFIG_NAME, yaml.safe_dump(_saved_config(cfg, loc), sort_keys=False))
     return Path(loc.root) if loc.local else loc.uri
-
-
-def micro_batch_order(problems: list[Any], order: str) -> list[Any]:
-    """An iteration's problems in the order they are dealt into micro-batches (`batch.order`):
-    `longest_first` sorts by question length, longest first, ties as drawn."""
-    if order == "longest_first":
-        return sorted(problems, key=lambda p: -len(p.text))  # stable: ties keep their draw order
-    return list(problems)
 
 
 def _saved_config(cfg: ExperimentConfig, loc: RunLocation) -> dict[str, Any]:

@@ -301,24 +301,3 @@ def test_keyed_needs_a_letter_per_term_and_the_learn_config_is_keyed():
     longest = max(len(tok.encode(p.meta["working"], add_special_tokens=False))
                   for p in wl.problems("train", 2000, seed=0))
     assert longest < cfg.agent("solver").sampling.max_new_tokens
-
-
-def test_longest_first_deals_the_longest_questions_into_the_first_micro_batches(tmp_path):
-    """`batch.order: longest_first`: the same inputs as drawn (none lost or repeated), dealt
-    into micro-batches by question length, longest first; each micro-batch reads back whole."""
-    from flexmarl_core import run
-    from flexmarl_core.worker import context
-
-    sets = ["train.iterations=2", "train.warm_start=none", "batch.inputs_per_iteration=16",
-            "batch.micro_batch_inputs=2"]
-    got = {}
-    for order in ("drawn", "longest_first"):
-        cfg = load_config(CONFIG, [*sets, f"run_dir={tmp_path}/{order}", f"batch.order={order}"])
-        ctx = context(str(run.prepare_run(cfg, log=lambda _: None)))
-        got[order] = {it: [[r["text"] for r in ctx.inputs(it, mb)] for mb in range(8)] for it in range(2)}
-    for it in range(2):
-        drawn = [t for mb in got["drawn"][it] for t in mb]
-        dealt = [t for mb in got["longest_first"][it] for t in mb]
-        assert sorted(dealt) == sorted(drawn) and len(set(drawn)) == 16
-        assert dealt == sorted(drawn, key=lambda t: -len(t))
-        assert len(dealt[0]) > len(dealt[-1])  # the power law draws both long and short ones
