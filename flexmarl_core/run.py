@@ -148,14 +148,15 @@ def _saved_config(cfg: ExperimentConfig, loc: RunLocation) -> dict[str, Any]:
 
 
 def initial_weights(init_from: str | None, agent: str) -> dict[str, Any] | None:
-    """Weights from `init_from/<agent>` (`train.init_from`, or the warm start), if any."""
+    """Weights from `init_from/<agent>` (`train.init_from`, the warm start, or a team
+    `flexmarl sft` saved), if any."""
     if not init_from:
         return None
     from safetensors.torch import load_file
 
     path = Path(init_from) / agent / "model.safetensors"
     if not path.exists():
-        raise FileNotFoundError(f"train.init_from: no checkpoint for agent {agent!r} at {path}")
+        raise FileNotFoundError(f"no checkpoint for agent {agent!r} at {path}")
     return load_file(str(path))
 
 

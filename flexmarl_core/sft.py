@@ -91,6 +91,7 @@ def run_sft(
     from flexmarl_core.algorithms import token_weight
     from flexmarl_core.inference import make_inference_engine
     from flexmarl_core.models import load_agent_model
+    from flexmarl_core.run import initial_weights
     from flexmarl_core.training import Sample, make_trainer
     from flexmarl_core.workloads import make_workload
 
@@ -106,7 +107,8 @@ def run_sft(
     # demonstrations in each step); RL then trains each one's adapter on it.
     from flexmarl_core.models.lora import base_key
 
-    resumed = _saved_meta(Path(resume_from)) if resume_from is not None else None
+    # Read first: a folder that is not a saved team fails before any model is built.
+    resumed_at, acc = _saved_meta(Path(resume_from)) if resume_from is not None else (None, 0.0)
     by_base: dict[str, str] = {}  # base key -> the first agent on it (owns model and trainer)
     for agent in meg.agent_names:
         acfg = cfg.agent(agent)
@@ -120,7 +122,7 @@ def run_sft(
             continue
         model, tok = load_agent_model(acfg.model, seed=cfg.seed)
         if resume_from is not None:  # before the trainer copies anything from the module
-            model.load_state_dict(_saved_weights(Path(resume_from), agent))
+            model.load_state_dict(initial_weights(str(resume_from), agent))
         models[agent], toks[agent] = model, tok
         if acfg.trainable:
             # One process (training_dp=1): the engine below must share the trained module.
@@ -139,13 +141,11 @@ def run_sft(
             refresh.append(agent)
     heldout = workload.problems("heldout", min(cfg.workload.heldout_size, tc.sft_eval_size), seed=cfg.seed)
     rng = random.Random(cfg.seed)
-    step, acc, t0 = 0, 0.0, time.time()
+    step, t0 = resumed_at or 0, time.time()
     history = []
-    if resume_from is not None:
-        step, acc = resumed
+    if resumed_at is not None:
         history.append({"step": step, "accuracy": acc, "time_s": 0.0, "resumed_from": str(resume_from)})
         log(f"sft resumed from {resume_from} at step {step} (held-out accuracy {acc:.3f})")
-    resumed_at = step if resume_from is not None else None
     while True:
         if step == resumed_at:  # its check was made when it was saved
             if acc >= tc.sft_target_accuracy or step >= tc.sft_max_steps:
@@ -193,15 +193,6 @@ def _saved_meta(src: Path) -> tuple[int, float]:
     if not isinstance(meta.get("steps"), int):
         raise ValueError(f"sft resume: {meta_path} has no integer field 'steps'")
     return meta["steps"], float(meta.get("accuracy", 0.0))
-
-
-def _saved_weights(src: Path, agent: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    path = src / agent / "model.safetensors"
-    if not path.exists():
-        raise FileNotFoundError(f"sft resume: no checkpoint for agent {agent!r} at {path}")
-    return load_file(str(path))
 
 
 def _save_team(out: Path, agents: list[str], models: dict[str, torch.nn.Module],
