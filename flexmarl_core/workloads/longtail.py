@@ -121,6 +121,11 @@ def _signed(t: int) -> str:
     return f"{'+' if t >= 0 else '-'}{abs(t)}"
 
 
+def _step(i: int, t: int, total: int, keyed: bool) -> str:
+    """One step of working: term i (keyed: with its letter) and the running total after it."""
+    return f"{_KEYS[i] if keyed else ''}{_signed(t)}={total};"
+
+
 def question(terms: list[int], keyed: bool = False) -> str:
     """``7+3-2``, or keyed ``a7b+3c-2``: the problem text of signed terms."""
     if keyed and len(terms) > len(_KEYS):
@@ -137,7 +142,7 @@ def working(terms: list[int], keyed: bool = False) -> tuple[str, str, int]:
     steps = []
     for i, t in enumerate(terms[2:], start=2):
         total += t
-        steps.append(f"{_KEYS[i] if keyed else ''}{_signed(t)}={total};")
+        steps.append(_step(i, t, total, keyed))
     return plan, "".join(steps) + f"A={total}", total
 
 
@@ -294,7 +299,7 @@ class LongTailWorkload(RuleWorkload):
             if i == 1:
                 plan = f"{terms[0]}{_signed(t)}={total}"
             else:
-                steps.append(f"{_KEYS[i] if keyed else ''}{_signed(t)}={total};")
+                steps.append(_step(i, t, total, keyed))
         role = self.roles[agent]
         if role == "plan":
             return plan
