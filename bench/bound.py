@@ -193,6 +193,8 @@ def replay(run_dir: Path, overrides: list[str], dispatch_s: float = 0.02, clock:
         def _prepare(self, op: Op, worker: str) -> tuple[float, dict[str, float]]:
             return 0.0, {}
 
+        _helper_s = _prepare
+
     one = AgentCost(prompt_tokens=1, lengths=LengthDist(1, 0, 1), weight_bytes=0, state_bytes=0)
     cost = CostModel(agents=dict.fromkeys(meg.agent_names, one), dispatch_s=dispatch_s)
     workers = {w.name: dict(w.resources) for w in cfg.cluster.workers}

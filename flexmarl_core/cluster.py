@@ -323,6 +323,7 @@ class DaskExecutor:
         return self.client.submit(
             run_stage_after if after else run_stage_retrying,
             self.run_dir, op, self.retries.get(op.kind, 0), self.retry_delay_s, *after,
+            gradient_only=route.gradient_only,
             key=f"{op.name}-{os.urandom(4).hex()}",
             resources=route.resources or None,
             workers=[route.worker] if route.worker else None,

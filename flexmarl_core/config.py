@@ -129,6 +129,14 @@ class CodesignConfig(_Strict):
         "it runs is chosen when a worker frees, not when it became ready; trainer and reward ops "
         "go ahead of rollouts. For long, uneven rollouts (configs/longtail_team.yaml).",
     )
+    gradient_helpers: bool = Field(
+        False,
+        description="With on_demand_allocation: a train op whose agent's training slot is busy may run on another idle "
+        "training slot: it computes that micro-batch's gradient on a copy of the agent's weights "
+        "of the same version and leaves it at the run's location, and the agent's step adds it "
+        "(the same gradient, summed in another order). Agents on the plain torch backend without "
+        "LoRA, on-policy (max_staleness 0); others train in their slot as before.",
+    )
     balance_threshold: float = Field(
         2.0, gt=1.0, description="Queued-work ratio hottest/coldest agent that triggers a move."
     )

@@ -18,7 +18,8 @@ from flexmarl_core.ops import FusedResult, Op, Route, StageResult, check_after
 
 class ThreadExecutor:
     """`fn(op, worker)` does the op's work on the worker thread; `stage_fn(run_dir)` gives
-    the one that runs the real stages."""
+    the one that runs the real stages. A gradient helper's op (`Route.gradient_only`) is
+    `fn(op, worker, gradient_only=True)`."""
 
     def __init__(self, fn: Callable[[Op, str], StageResult], workers: dict[str, dict[str, float]],
                  *, chains: bool = True, fuses: bool = True) -> None:
@@ -41,10 +42,11 @@ class ThreadExecutor:
             raise OrchestratorError(f"no worker has resources {route.resources}")
         return ok
 
-    def _run(self, op: Op, candidates: list[str], after: Sequence[Future] = ()) -> StageResult:
+    def _run(self, op: Op, candidates: list[str], after: Sequence[Future] = (),
+             gradient_only: bool = False) -> StageResult:
         check_after(op, [f.result() for f in after])  # chained: start once those ended well
         with self._slot(candidates) as w:
-            return self.fn(op, w)
+            return self.fn(op, w, gradient_only=True) if gradient_only else self.fn(op, w)
 
     def _run_fused(self, ops: Sequence[Op], candidates: list[str], after: Sequence[Future] = ()) -> FusedResult:
         check_after(ops[0], [f.result() for f in after])
@@ -66,7 +68,7 @@ class ThreadExecutor:
                 pass
 
     def submit(self, op: Op, route: Route, deps: Sequence[Op] = (), after: Sequence[Future] = ()) -> Future:
-        return self.pool.submit(self._run, op, self._pick(route), after)
+        return self.pool.submit(self._run, op, self._pick(route), after, route.gradient_only)
 
     def submit_fused(self, ops: Sequence[Op], route: Route, deps: Sequence[Sequence[Op]] = (),
                      after: Sequence[Future] = ()) -> Future:
@@ -107,4 +109,4 @@ def stage_fn(run_dir: str) -> Callable[[Op, str], StageResult]:
     """The real stages of the run in `run_dir`, for `ThreadExecutor`."""
     from flexmarl_core.stages import run_stage
 
-    return lambda op, worker: run_stage(str(run_dir), op)
+    return lambda op, worker, gradient_only=False: run_stage(str(run_dir), op, gradient_only=gradient_only)

@@ -42,10 +42,13 @@ class Op:
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Where an op runs: Dask resources it needs and, optionally, one worker it is pinned to."""
+    """Where an op runs: Dask resources it needs and, optionally, one worker it is pinned to.
+    `gradient_only`: a train op run away from its agent's trainer (`codesign.gradient_helpers`):
+    the worker computes the micro-batch's gradient and leaves it for the trainer's step."""
 
     resources: dict[str, float]
     worker: str | None = None
+    gradient_only: bool = False
 
 
 def agent_key(agent: str, metric: str) -> str:

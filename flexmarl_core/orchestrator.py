@@ -233,7 +233,8 @@ class Orchestrator:
                 workers: dict[str, dict[str, float]] | None = None) -> None:
         # the ops of the runs `op` is chained on: they end before it starts
         before = {o for d in pending or () for o, _ in self._running[self._handle[d]].ops}
-        tail, union = self._fuse_tail(op, route, workers, before) if self.fuse else ([], {})
+        fuse = self.fuse and not route.gradient_only  # a helper's chain goes on at the trainer
+        tail, union = self._fuse_tail(op, route, workers, before) if fuse else ([], {})
         after = list(dict.fromkeys(self._handle[d] for d in sorted(pending or ())))
         if tail:
             ops = [op, *(o for o, _ in tail)]
@@ -250,7 +251,7 @@ class Orchestrator:
         for o, r in run.ops:
             self._handle[o] = handle
             self.control.submitted(o, r)
-            if o.kind in TRAINER_KINDS:
+            if o.kind in TRAINER_KINDS and not r.gradient_only:
                 self._trainer_ops[o.agent].add(o)
 
     def _fuse_tail(self, head: Op, route: Route, workers: dict[str, dict[str, float]] | None,
@@ -310,14 +311,17 @@ class Orchestrator:
         for op in self._ready:
             if op in self._handle or op in self._recorded:
                 continue  # fused into a run submitted earlier in this wave, or already done
-            if op.kind in TRAINER_KINDS and self._trainer_ops[op.agent]:
+            # An agent's trainer runs one op at a time; only a gradient helper (an idle slot
+            # computing a train op's gradient, `codesign.gradient_helpers`) goes meanwhile.
+            busy = op.kind in TRAINER_KINDS and bool(self._trainer_ops[op.agent])
+            if busy and not (op.kind == "train" and op.agent in self.control.router.helper_agents):
                 held.append(op)
                 continue
             if op.kind == "rollout" and rewards_pending:
                 held.append(op)
                 continue
             route = self.control.route(op, workers)
-            if route is None:  # late binding: no idle instance yet
+            if route is None or (busy and not route.gradient_only):  # late binding: no idle instance yet
                 held.append(op)
                 continue
             self._submit(op, route, workers=workers)

@@ -119,6 +119,8 @@ class WorkerContext:
     meg: MEG
     engines: dict[str, Any] = field(default_factory=dict)
     trainers: dict[str, Any] = field(default_factory=dict)
+    #: per agent, a trainer that only computes gradients (`helper`)
+    helpers: dict[str, Any] = field(default_factory=dict)
     #: LoRA agents: (base key, inference backend) -> the one engine of every agent on it; base
     #: key -> the trainers' base
     shared_engines: dict[tuple[str, str], Any] = field(default_factory=dict)
@@ -172,7 +174,8 @@ class WorkerContext:
         from flexmarl_core.models import load_agent_model
 
         mcfg = self.cfg.agent(agent).model
-        model, tok = load_agent_model(mcfg, seed=self.cfg.seed)
+        with _MODEL_LOCK:  # transformers' loading patches torch globally: one thread at a time
+            model, tok = load_agent_model(mcfg, seed=self.cfg.seed)
         if mcfg.lora is not None:  # the base the run published (a warm start's, or the preset's)
             from flexmarl_core.models.lora import base_key
 
@@ -302,6 +305,17 @@ class WorkerContext:
             eng.update_weights(self.weights(agent, version), version)
         return eng
 
+    def helper(self, agent: str, version: int) -> Any:
+        """This process's gradient helper for `agent` holding weights `version`: a trainer of
+        the agent's kind that never steps, only lends its forward and backward to train ops
+        that run away from the agent's own trainer (`codesign.gradient_helpers`)."""
+        h = self.helpers.get(agent)
+        if h is None:
+            h = self.helpers[agent] = self._new_trainer(agent)  # weights version 0, no grads
+        if h.version != version:
+            h.set_weights(self.weights(agent, version), version)
+        return h
+
     def trainer(self, agent: str, version: int) -> tuple[Any, dict[str, float]]:
         """This process's trainer for `agent` at `version` (or later: a retried op finds its
         work done), and swap figures when the state had to be swapped in.
@@ -372,6 +386,7 @@ class WorkerContext:
 
 _CONTEXTS: dict[str, WorkerContext] = {}
 _LOCK = threading.Lock()
+_MODEL_LOCK = threading.Lock()
 def holds_engine(run_uri: str, agent: str) -> bool:
     """Whether this process serves the run at `run_uri` with an engine of `agent` (a sync
     pushes new weights only to such processes)."""

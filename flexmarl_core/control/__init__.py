@@ -5,7 +5,7 @@
                                                   (None: hold it, `codesign.late_binding`)
     ControlPlane.route_ahead(op, workers)         the route, if no later decision could change it
     ControlPlane.submitted / finished / observed  keep the work ledger in seconds
-    ControlPlane.decisions                        MoveInstance, TrainSlot, Resubmit, in order
+    ControlPlane.decisions                        MoveInstance, TrainSlot, GradientHelper, Resubmit
 
 Pure Python, no Dask: the orchestrator applies re-tags through its executor, so the same
 policies run against a real cluster, threads, or a simulated clock.
@@ -17,14 +17,20 @@ from collections.abc import Callable, Iterable
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.control.balancer import InstanceBalancer, apply_move, lend_idle, rebalance
-from flexmarl_core.control.decisions import Decision, MoveInstance, Resubmit, TrainSlot
+from flexmarl_core.control.decisions import (
+    Decision,
+    GradientHelper,
+    MoveInstance,
+    Resubmit,
+    TrainSlot,
+)
 from flexmarl_core.control.ledger import DEFAULT_OP_S, WorkLedger
 from flexmarl_core.control.router import OrchestratorError, Router
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
 from flexmarl_core.ops import Op, Route, StageResult
 
 __all__ = [
-    "DEFAULT_OP_S", "ROLLOUT_TAG", "TRAIN_TAG", "ControlPlane", "Decision", "InstanceBalancer",
+    "DEFAULT_OP_S", "ROLLOUT_TAG", "TRAIN_TAG", "ControlPlane", "Decision", "GradientHelper", "InstanceBalancer",
     "MoveInstance", "OrchestratorError", "Resubmit", "Router", "TrainSlot", "WorkLedger",
     "apply_move", "lend_idle", "rebalance", "rollout_tag",
 ]
@@ -49,6 +55,18 @@ def _move_costs(cfg: ExperimentConfig, agents: list[str]) -> dict[str, dict]:
             "base_bytes": {k: size(base_weights_key(k)) for k in set(base_of.values())}}
 
 
+def helper_agents(cfg: ExperimentConfig, agents: list[str]) -> frozenset[str]:
+    """The agents whose train ops may run as gradient helpers (`codesign.gradient_helpers`, with
+    `on_demand_allocation`: it is where a micro-batch trains, not only an iteration): trainable, one torch process holding the whole model (a helper adds a gradient of the
+    flat buffer; DeepSpeed shards it, LoRA trains an adapter), on-policy (a helper loads the
+    weights its samples were drawn with, which are the trainer's)."""
+    cs = cfg.codesign
+    if not (cs.gradient_helpers and cs.on_demand_allocation) or cs.max_staleness:
+        return frozenset()
+    return frozenset(a for a in agents if cfg.agent(a).trainable and cfg.agent(a).model.lora is None
+                     and cfg.agent(a).backend.training == "torch")
+
+
 class ControlPlane:
     def __init__(self, cfg: ExperimentConfig, agents: list[str], clock: Callable[[], float]) -> None:
         self.clock = clock
@@ -56,7 +74,8 @@ class ControlPlane:
         cs = cfg.codesign
         self.late_binding = cs.late_binding and cs.load_balancing
         self.router = Router(load_balancing=cs.load_balancing, on_demand=cs.on_demand_allocation,
-                             late_binding=self.late_binding, num_mb=cfg.batch.num_micro_batches, clock=clock, log=self.decisions)
+                             late_binding=self.late_binding, num_mb=cfg.batch.num_micro_batches, clock=clock,
+                             log=self.decisions, helper_agents=helper_agents(cfg, agents))
         self.ledger = self.router.ledger
         self.balancer = (
             InstanceBalancer(agents=agents, threshold=cs.balance_threshold, est_s=self.ledger.est_s["rollout"],
@@ -91,9 +110,12 @@ class ControlPlane:
         rewards go anywhere; rollouts without load balancing go by tag (Dask places them),
         with it only to an agent's one instance when no instance can move (one agent); trainer
         ops to a slot already chosen for the agent's iteration (static placement, an on-demand
-        slot taken, or one train slot). None: route it when it is ready."""
+        slot taken, or one train slot); never a helper agent's train op (whether a helper takes
+        it depends on the slots' load when it is ready). None: route it when it is ready."""
         if op.kind == "reward":
             return Route({})
+        if op.kind == "train" and op.agent in self.router.helper_agents:
+            return None
         if op.kind == "rollout" and self.router.load_balancing:
             if self.balancer is not None and len(self.balancer.agents) > 1:
                 return None

@@ -57,6 +57,25 @@ class TrainSlot:
 
 
 @dataclass(frozen=True, slots=True)
+class GradientHelper:
+    """`codesign.gradient_helpers`: `agent`'s train op of (`iteration`, `mb`) runs on the idle
+    slot `worker` as a gradient helper, because `slot`, where the agent's trainer is, still has
+    `queued` ops outstanding."""
+
+    decision: ClassVar[str] = "gradient_helper"
+    t: float
+    agent: str
+    iteration: int
+    mb: int
+    worker: str
+    slot: str
+    queued: int
+
+    def as_row(self) -> dict[str, Any]:
+        return {"decision": self.decision, **asdict(self)}
+
+
+@dataclass(frozen=True, slots=True)
 class Resubmit:
     """An op whose worker died is routed and submitted again (every stage is idempotent)."""
 
@@ -70,4 +89,4 @@ class Resubmit:
         return {"decision": self.decision, **asdict(self)}
 
 
-Decision = MoveInstance | TrainSlot | Resubmit
+Decision = MoveInstance | TrainSlot | GradientHelper | Resubmit

@@ -5,7 +5,8 @@ Rollouts go to an instance of their agent: a worker tagged `rollout:<agent>`, el
 tagged `rollout`. With `load_balancing` the instance with the least work is chosen (intra-agent
 balancing; `InstanceBalancer` moves instances between agents); without it, Dask places the task
 among the tagged workers. Trainer ops go to the agent's training slot (`SlotAllocator`);
-rewards anywhere. With `late_binding` a rollout goes only to an instance with nothing
+rewards anywhere. With `gradient_helpers`, a train op whose slot is busy goes to an idle slot
+instead, as a gradient helper (`Route.gradient_only`). With `late_binding` a rollout goes only to an instance with nothing
 outstanding, and `route` returns None (hold it) while there is none: a Dask task queued behind
 a long rollout could not move to the worker that frees first.
 """
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from flexmarl_core.control.allocation import SlotAllocator
-from flexmarl_core.control.decisions import Decision
+from flexmarl_core.control.decisions import Decision, GradientHelper
 from flexmarl_core.control.ledger import WorkLedger
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
 from flexmarl_core.ops import TRAINER_KINDS, Op, Route
@@ -36,8 +37,12 @@ class Router:
         num_mb: int = 1,
         clock: Callable[[], float] = time.time,
         log: list[Decision] | None = None,
+        helper_agents: frozenset[str] = frozenset(),
     ) -> None:
         self.load_balancing = load_balancing
+        #: agents whose train ops may run as gradient helpers (`codesign.gradient_helpers`)
+        self.helper_agents = helper_agents
+        self.clock = clock
         self.late_binding = late_binding and load_balancing
         self.ledger = WorkLedger()
         self.decisions: list[Decision] = [] if log is None else log
@@ -72,5 +77,25 @@ class Router:
             slots = sorted(w for w, r in workers.items() if r.get(TRAIN_TAG, 0) > 0)
             if not slots:
                 raise OrchestratorError(f"{op.name}: no worker has resource tag {TRAIN_TAG!r}; workers: {workers}")
-            return Route({TRAIN_TAG: 1}, self.slots.choose(op, slots))
+            slot = self.slots.choose(op, slots)
+            if op.kind == "train" and op.agent in self.helper_agents:
+                helper = self._helper(op, slot, slots)
+                if helper is not None:
+                    return Route({TRAIN_TAG: 1}, helper, gradient_only=True)
+            return Route({TRAIN_TAG: 1}, slot)
         return Route({})  # reward: cheap, anywhere
+
+    def _helper(self, op: Op, slot: str, slots: list[str]) -> str | None:
+        """An idle slot to compute `op`'s gradient while the trainer's own slot is busy (it
+        would queue there behind its agent's other train ops), else None. Its work moves
+        with it in the ledger."""
+        led = self.ledger
+        idle = [w for w in slots if w != slot and led.outstanding[w] == 0]
+        if led.outstanding[slot] == 0 or not idle:
+            return None
+        worker = min(idle, key=lambda w: (led.work[w], w))
+        secs = led.uncharge(op)
+        led.charge(op, worker, secs if secs is not None else led.estimate("train", op.agent))
+        self.decisions.append(GradientHelper(t=self.clock(), agent=op.agent, iteration=op.iteration, mb=op.mb,
+                                             worker=worker, slot=slot, queued=led.outstanding[slot]))
+        return worker

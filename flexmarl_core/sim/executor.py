@@ -35,6 +35,7 @@ class _Job:
     worker: str
     submitted: float
     base_s: float  #: the op's own work; state-dependent extras are added when it starts
+    gradient_only: bool = False  #: a train op run as a gradient helper (`Route.gradient_only`)
     result: StageResult | None = None
 
 
@@ -55,6 +56,8 @@ class SimExecutor:
         #: per worker: agent -> engine version / trainer version, in LRU order
         self._engines: dict[str, OrderedDict[str, int]] = {w: OrderedDict() for w in workers}
         self._trainers: dict[str, OrderedDict[str, int]] = {w: OrderedDict() for w in workers}
+        #: per worker: agent -> weights version its gradient helper holds
+        self._helpers: dict[str, dict[str, int]] = {w: {} for w in workers}
         self._lengths: dict[tuple[str, int, int, int], np.ndarray] = {}
         b = cfg.batch
         self._seqs = b.micro_batch_inputs * b.group_size
@@ -69,7 +72,7 @@ class SimExecutor:
         if worker not in self.resources:
             raise OrchestratorError(f"{op.name}: route names unknown worker {worker!r}")
         hid = self._seq = self._seq + 1
-        job = _Job(op, worker, self.t, self._base_s(op))
+        job = _Job(op, worker, self.t, self._base_s(op), route.gradient_only)
         self._jobs[hid] = job
         self._backlog[worker] += job.base_s
         if self._running[worker] is None:
@@ -130,7 +133,7 @@ class SimExecutor:
     def _start(self, hid: int, t0: float) -> None:
         job = self._jobs[hid]
         self._running[job.worker] = hid
-        extra, swap = self._prepare(job.op, job.worker)
+        extra, swap = self._helper_s(job.op, job.worker) if job.gradient_only else self._prepare(job.op, job.worker)
         secs = job.base_s + extra
         if job.op.kind == "step":
             swap["swap_out_s"] = self.cost.step_s(job.op.agent)[1]
@@ -185,6 +188,15 @@ class SimExecutor:
         if op.kind == "sync":
             return c.sync_s(op.agent)
         return c.reward_s(self._seqs)
+
+    def _helper_s(self, op: Op, worker: str) -> tuple[float, dict[str, float]]:
+        """A gradient helper's extras: the weights of the op's version where this worker's
+        helper holds another, and handing on a weights-sized gradient (written here, read by
+        the trainer's step)."""
+        helpers = self._helpers[worker]
+        extra = self.cost.load_s(op.agent) if helpers.get(op.agent) != op.iteration else 0.0
+        helpers[op.agent] = op.iteration
+        return extra + 2 * self.cost.load_s(op.agent), {}
 
     def _prepare(self, op: Op, worker: str) -> tuple[float, dict[str, float]]:
         """Seconds the worker's state adds before the op's own work, and swap figures."""

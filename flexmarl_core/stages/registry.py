@@ -22,6 +22,8 @@ from flexmarl_core.worker import WorkerContext, context
 
 StageFn = Callable[[WorkerContext, Op], StageResult]
 STAGES: dict[OpKind, StageFn] = {}
+#: the stages that run an op away from its agent's trainer (`Route.gradient_only`)
+GRADIENT_STAGES: dict[OpKind, StageFn] = {}
 
 
 class ConsistencyError(RuntimeError):
@@ -29,15 +31,17 @@ class ConsistencyError(RuntimeError):
     other than the one that produced it; with staleness k, one more than k versions newer."""
 
 
-def stage(kind: OpKind) -> Callable[[StageFn], StageFn]:
-    """Register the stage of one op kind (a second registration of a kind is an error)."""
+def stage(kind: OpKind, *, gradient_only: bool = False) -> Callable[[StageFn], StageFn]:
+    """Register the stage of one op kind (`gradient_only`: its gradient-helper stage); a second
+    registration of a kind is an error."""
     if kind not in OP_KINDS:
         raise ValueError(f"unknown op kind {kind!r}; kinds: {list(OP_KINDS)}")
+    table = GRADIENT_STAGES if gradient_only else STAGES
 
     def register(fn: StageFn) -> StageFn:
-        if kind in STAGES:
-            raise ValueError(f"stage {kind!r} is already registered ({STAGES[kind].__qualname__})")
-        STAGES[kind] = fn
+        if kind in table:
+            raise ValueError(f"stage {kind!r} is already registered ({table[kind].__qualname__})")
+        table[kind] = fn
         return fn
 
     return register
@@ -68,7 +72,8 @@ def weights_version(ctx: WorkerContext, agent: str, iteration: int) -> int:
     return oldest
 
 
-def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 1.0) -> StageResult:
+def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 1.0, *,
+                       gradient_only: bool = False) -> StageResult:
     """`run_stage`, tried up to `1 + retries` times in this worker. The result lists the failed
     attempts (`StageResult.retries`); when every attempt fails, the last error is raised with
     all attempts as its `flexmarl_attempts`, so the flow can report each one."""
@@ -76,7 +81,7 @@ def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 
     while True:
         t0 = time.time()
         try:
-            res = run_stage(run_dir, op)
+            res = run_stage(run_dir, op, gradient_only=gradient_only)
         except Exception as exc:
             failed.append([t0, time.time(), f"{type(exc).__name__}: {exc}"])
             if len(failed) > retries:
@@ -89,11 +94,11 @@ def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 
 
 
 def run_stage_after(run_dir: str, op: Op, retries: int, delay_s: float,
-                    *after: StageResult | FusedResult) -> StageResult:
+                    *after: StageResult | FusedResult, gradient_only: bool = False) -> StageResult:
     """`run_stage_retrying` for an op chained on others (`after`: their results, which the
     executor waited for; `ops.check_after`)."""
     check_after(op, after)
-    return run_stage_retrying(run_dir, op, retries, delay_s)
+    return run_stage_retrying(run_dir, op, retries, delay_s, gradient_only=gradient_only)
 
 
 def run_fused(run_dir: str, ops: list[Op], retries: list[int], delay_s: float,
@@ -107,10 +112,13 @@ def run_fused(run_dir: str, ops: list[Op], retries: list[int], delay_s: float,
     return FusedResult.run(ops, lambda op: run_stage_retrying(run_dir, op, tries[op], delay_s))
 
 
-def run_stage(run_dir: str, op: Op) -> StageResult:
-    """Run `op`'s stage in this process, measured."""
+def run_stage(run_dir: str, op: Op, *, gradient_only: bool = False) -> StageResult:
+    """Run `op`'s stage in this process, measured (`gradient_only`: a train op as a gradient
+    helper, `GRADIENT_STAGE`)."""
     fault_point(run_dir, op.name)
-    fn = STAGES[op.kind]
+    if gradient_only and op.kind not in GRADIENT_STAGES:
+        raise ValueError(f"{op.name}: no stage runs a {op.kind} op as a gradient helper")
+    fn = GRADIENT_STAGES[op.kind] if gradient_only else STAGES[op.kind]
     t0, c0 = time.time(), time.process_time()
     res = fn(context(run_dir), op)
     res.worker, res.t_start, res.t_end = worker_name(), t0, time.time()

@@ -11,11 +11,11 @@ from typing import Any
 
 from flexmarl_core.algorithms import advantage_scope, compute_advantages
 from flexmarl_core.algorithms.losses import token_weight
-from flexmarl_core.location import trainer_key
+from flexmarl_core.location import gradient_key, trainer_key
 from flexmarl_core.ops import Op, StageResult, agent_key
 from flexmarl_core.stages.registry import ConsistencyError, stage
 from flexmarl_core.training import Sample
-from flexmarl_core.worker import WorkerContext
+from flexmarl_core.worker import WorkerContext, _from_safetensors, save_safetensors
 
 
 def samples_per_step(ctx: WorkerContext, agent: str) -> int:
@@ -63,22 +63,52 @@ def train(ctx: WorkerContext, op: Op) -> StageResult:
         # A retry after the work was done (version moved on, or this micro-batch is in the grads).
         return StageResult(op, skipped=True, swap=swap)
     rows, batch = _micro_batch(ctx, tr, op)
-    scale = loss_scale(ctx, agent)
     with ctx.lock:
         stats, trained, skipped = _accumulate(ctx, tr, agent, batch)
         done.add((it, mb))
     _mark_consumed(ctx, agent, it, mb, rows)
+    return _result(ctx, op, tr.version, rows, stats, trained, skipped, swap)
+
+
+@stage("train", gradient_only=True)
+def train_gradient(ctx: WorkerContext, op: Op) -> StageResult:
+    """A train op away from its agent's trainer (`codesign.gradient_helpers`): this process's
+    copy of the agent's weights of the op's iteration (`WorkerContext.helper`) computes the
+    micro-batch's gradient, which goes to the run's location for the agent's step to add
+    (`_step`): the gradient `train` would have accumulated, summed in another order."""
+    agent, it, mb = op.agent, op.iteration, op.mb
+    key = gradient_key(agent, it, mb)
+    if ctx.loc.exists(trainer_key(agent, it + 1)) or ctx.loc.is_file(key):
+        return StageResult(op, skipped=True)  # a retry after the work was done
+    with ctx.lock:
+        h = ctx.helper(agent, it)
+        rows, batch = _micro_batch(ctx, h, op)
+        try:
+            stats, trained, skipped = _accumulate(ctx, h, agent, batch)
+        finally:
+            grad = h.take_grads()  # also after a failure: the next op starts from zero
+    _mark_consumed(ctx, agent, it, mb, rows)
+    ctx.loc.write_bytes(key, save_safetensors({"grad": grad}))  # last: its presence means done
+    res = _result(ctx, op, it, rows, stats, trained, skipped, {})
+    res.metrics[agent_key(agent, "train/helper_bytes")] = float(grad.numel() * grad.element_size())
+    return res
+
+
+def _result(ctx: WorkerContext, op: Op, version: int, rows: list[tuple[dict[str, Any], float]],
+            stats: dict[str, float], trained: list[Sample], skipped: list[Sample],
+            swap: dict[str, float]) -> StageResult:
+    agent = op.agent
     tokens = int(token_weight(trained))
-    # The trainer's figures are token sums times `scale`: report per-token means of this
-    # micro-batch (an iteration's figure is their token-weighted mean, metrics.py).
-    per_token = 1.0 / (scale * max(tokens, 1))
+    # The trainer's figures are token sums times the loss scale: report per-token means of
+    # this micro-batch (an iteration's figure is their token-weighted mean, metrics.py).
+    per_token = 1.0 / (loss_scale(ctx, agent) * max(tokens, 1))
     metrics = {agent_key(agent, f"train/{k}"): float(v) * per_token for k, v in stats.items()}
     if ctx.cfg.agent(agent).algorithm.skip_zero_advantage:
         metrics[agent_key(agent, "train/skipped_samples")] = float(len(skipped))
         metrics[agent_key(agent, "train/skipped_tokens")] = float(sum(
             len(s.prompt_ids) + len(s.response_ids) for s in skipped))
     if ctx.cfg.codesign.max_staleness:
-        lag = [tr.version - r["policy_version"] for r, _ in rows]  # versions behind the update
+        lag = [version - r["policy_version"] for r, _ in rows]  # versions behind the update
         metrics[agent_key(agent, "staleness")] = sum(lag) / max(len(lag), 1)
     return StageResult(op, samples=len(trained), tokens=tokens, swap=swap, metrics=metrics)
 
@@ -158,28 +188,42 @@ def step(ctx: WorkerContext, op: Op) -> StageResult:
             swap = ctx.checkpoint_trainer(agent) if ctx.checkpoint_due(tr.version) else {}
         return StageResult(op, version=tr.version, skipped=True, swap=swap)
     with ctx.lock:
-        grad_norm, missing = _step(ctx, agent, tr, it)
+        grad_norm, missing, helped = _step(ctx, agent, tr, it)
         swap = ctx.checkpoint_trainer(agent) if ctx.checkpoint_due(tr.version) else {}
     return StageResult(op, version=tr.version, swap=swap, metrics={
         agent_key(agent, "train/grad_norm"): grad_norm,
         agent_key(agent, "recomputed_mbs"): float(len(missing)),
+        agent_key(agent, "helper_mbs"): float(len(helped)),
     })
 
 
-def _step(ctx: WorkerContext, agent: str, tr: Any, it: int, *, replaying: bool = False) -> tuple[float, list[int]]:
-    """Step `tr` from version `it`; micro-batches whose gradients are not in it (they died with
-    another process, the trainer moved, or a replay) are accumulated again from the store: same
-    samples, same gradients. Call with `ctx.lock` held."""
+def _step(ctx: WorkerContext, agent: str, tr: Any, it: int,
+          *, replaying: bool = False) -> tuple[float, list[int], list[int]]:
+    """Step `tr` from version `it`. A micro-batch whose gradient is not in it is added from its
+    gradient helper's file (`train_gradient`) if there is one, else accumulated again from the
+    store (it died with another process, the trainer moved, or a replay): same samples, same
+    gradients. Returns the grad norm, the recomputed and the helpers' micro-batches. Call
+    with `ctx.lock` held."""
     done = ctx.accumulated.setdefault(agent, set())
-    missing = [j for j in range(ctx.cfg.batch.num_micro_batches) if (it, j) not in done]
-    for j in missing:
+    num_mb = ctx.cfg.batch.num_micro_batches
+    missing, helped = [], []
+    for j in (j for j in range(num_mb) if (it, j) not in done):
+        key = gradient_key(agent, it, j)
+        if not replaying and ctx.loc.is_file(key):
+            tr.add_grads(_from_safetensors(ctx.loc.read_bytes(key), ctx.loc.display(key))["grad"])
+            helped.append(j)
+            continue
         rows, batch = _micro_batch(ctx, tr, Op(it, "train", agent, mb=j))
         _accumulate(ctx, tr, agent, batch)
+        missing.append(j)
         if not replaying:
             _mark_consumed(ctx, agent, it, j, rows)
     res = tr.step()
     done.clear()
-    return res.grad_norm, missing
+    if ctx.cfg.codesign.gradient_helpers:
+        for j in range(num_mb):  # their work is in the step now (a replay recomputes them)
+            ctx.loc.delete(gradient_key(agent, it, j))
+    return res.grad_norm, missing, helped
 
 
 def replay(ctx: WorkerContext, agent: str, tr: Any, version: int) -> None:

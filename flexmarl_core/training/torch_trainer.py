@@ -252,6 +252,35 @@ class TorchTrainer(PolicyGradientSteps):
         self._flat_grad.zero_()  # in place: the parameters' .grad stay views of it
         return float(grad_norm)
 
+    # -- gradient helpers (codesign.gradient_helpers) ------------------------------------------
+    def set_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Become a copy of the policy at `version` (its published weights), with no gradient
+        accumulated: a gradient helper, which never steps, only `take_grads`."""
+        with torch.no_grad():
+            self.model.load_state_dict(dict(weights))
+        self._check_views()
+        self._flat_grad.zero_()
+        self._version, self._pending, self._metrics = version, 0, {}
+
+    def take_grads(self) -> torch.Tensor:
+        """The gradient accumulated since the last `take_grads` / step, as one flat fp32
+        tensor in this trainer's layout (a copy), and zero it here."""
+        self._adopt_grads()
+        out = self._flat_grad.clone()
+        self._flat_grad.zero_()
+        self._pending, self._metrics = 0, {}
+        return out
+
+    def add_grads(self, flat: torch.Tensor) -> None:
+        """Add a gradient that a helper took (`take_grads`, same layout) to the accumulated one,
+        as one more micro-batch of this step."""
+        if flat.shape != self._flat_grad.shape or flat.dtype != self._flat_grad.dtype:
+            raise ValueError(f"gradient of shape {tuple(flat.shape)} {flat.dtype} does not fit this "
+                             f"trainer's flat buffer {tuple(self._flat_grad.shape)} {self._flat_grad.dtype}")
+        self._adopt_grads()
+        self._flat_grad.add_(flat.to(self._flat_grad.device))
+        self._pending += 1
+
     # -- flat buffers -------------------------------------------------------------------------
     def _flatten_params(self) -> None:
         """Lay the trainable parameters end to end in one fp32 buffer (`_flat`) and their

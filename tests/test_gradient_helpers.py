@@ -1,0 +1,146 @@
+"""Gradient helpers (`codesign.gradient_helpers`): a train op whose agent's slot is busy runs
+on an idle slot, computes the micro-batch's gradient on a copy of the weights, and the agent's
+step adds it. The control plane's decision, the orchestrator's rule that an agent's trainer
+runs one op at a time, and the real stages: the weights equal those of a run without helpers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flexmarl_core.config import load_config
+from flexmarl_core.control import GradientHelper
+from flexmarl_core.executors import ThreadExecutor, stage_fn
+from flexmarl_core.meg import MEG
+from flexmarl_core.ops import Op, StageResult
+from flexmarl_core.orchestrator import Orchestrator
+from flexmarl_core.plan import Plan
+from tests.test_orchestrator import WORKERS, cfg_of
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def _run(cfg, train_s: float = 0.1):
+    log: list[tuple[Op, str, bool, float, float]] = []
+    lock = threading.Lock()
+
+    def fn(op: Op, worker: str, gradient_only: bool = False) -> StageResult:
+        t0 = time.time()
+        time.sleep(train_s if op.kind == "train" else 0.005)
+        with lock:
+            log.append((op, worker, gradient_only, t0, time.time()))
+        return StageResult(op, worker=worker, t_start=t0, t_end=time.time())
+
+    ex = ThreadExecutor(fn, WORKERS)
+    try:
+        res = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex).run()
+    finally:
+        ex.close()
+    return res, log
+
+
+@pytest.mark.parametrize("helpers", [False, True])
+def test_busy_slot_lends_train_ops_to_an_idle_one(helpers):
+    cfg = cfg_of({"gradient_helpers": helpers}, iterations=2, mbs=4)
+    res, log = _run(cfg)
+    helped = [(o, w) for o, w, g, *_ in log if g]
+    decisions = [d for d in res.decisions if isinstance(d, GradientHelper)]
+    if not helpers:
+        assert not helped and not decisions
+        return
+    assert helped, "no train op ran as a gradient helper while its slot was busy"
+    assert all(o.kind == "train" for o, _ in helped)
+    assert len(decisions) == len(helped)
+    for agent in ("planner", "solver", "verifier"):
+        for it in range(2):
+            own = [(o, w, t0, t1) for o, w, g, t0, t1 in log
+                   if o.agent == agent and o.iteration == it and o.kind in ("train", "step", "sync") and not g]
+            # The trainer's own ops: one worker, one at a time.
+            assert len({w for _, w, *_ in own}) == 1, (agent, it)
+            spans = sorted((t0, t1) for *_, t0, t1 in own)
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), (agent, it)
+            home = own[0][1]
+            for d in decisions:
+                if d.agent == agent and d.iteration == it:
+                    assert d.slot == home and d.worker != home and d.queued >= 1
+            # The step waits for every train op of the iteration, helpers' included.
+            step0 = next(t0 for o, _, _, t0, _ in log if o == Op(it, "step", agent))
+            trains = [t1 for o, _, _, _, t1 in log if o.kind == "train" and o.agent == agent and o.iteration == it]
+            assert len(trains) == 4 and max(trains) <= step0
+
+
+def test_helpers_stay_off_without_on_demand_allocation_or_with_staleness():
+    from flexmarl_core.control import helper_agents
+
+    agents = ["planner", "solver", "verifier"]
+    assert helper_agents(cfg_of({"gradient_helpers": True}), agents) == frozenset(agents)
+    off = cfg_of({"gradient_helpers": True, "on_demand_allocation": False}, iterations=2, mbs=4)
+    assert helper_agents(off, agents) == frozenset()
+    res, log = _run(off)
+    assert not any(g for _, _, g, *_ in log)
+    stale = load_config(TINY, ["codesign.gradient_helpers=true", "codesign.max_staleness=1",
+                               *[f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in agents]])
+    assert helper_agents(stale, agents) == frozenset()
+    frozen = load_config(TINY, ["codesign.gradient_helpers=true", "team.agents.planner.trainable=false"])
+    assert helper_agents(frozen, agents) == frozenset({"solver", "verifier"})
+
+
+def _real_run(tmp_path: Path, name: str, helpers: bool):
+    """Two iterations of the tiny team through the real stages on two in-process workers. With
+    helpers, the solver's first train op of an iteration waits (outside the stage, holding its
+    worker) until a solver helper op has started, so a helper takes the other micro-batch while
+    the trainer's slot is busy."""
+    from flexmarl_core import run
+
+    cfg = load_config(TINY, [f"run_dir={tmp_path}/{name}", "train.iterations=2", "train.evaluate=false",
+                             "batch.inputs_per_iteration=4", "batch.micro_batch_inputs=2",
+                             "workload.reward=tests.reward_fns:varied", "workload.credit=team",
+                             f"codesign.gradient_helpers={str(helpers).lower()}"])
+    run_dir = run.prepare_run(cfg)
+    real = stage_fn(str(run_dir))
+    started = {it: threading.Event() for it in range(2)}
+    helped: list[Op] = []
+    first: set[int] = set()
+
+    def fn(op: Op, worker: str, gradient_only: bool = False) -> StageResult:
+        if gradient_only:
+            helped.append(op)
+            if op.agent == "solver":
+                started[op.iteration].set()
+        elif helpers and op.kind == "train" and op.agent == "solver" and op.iteration not in first:
+            first.add(op.iteration)
+            started[op.iteration].wait(timeout=30)
+        return real(op, worker, gradient_only=gradient_only)
+
+    ex = ThreadExecutor(fn, {"w0": {"rollout": 1, "train": 1}, "w1": {"rollout": 1, "train": 1}})
+    try:
+        out = run.train(cfg, run_dir, ex)
+    finally:
+        ex.close()
+    return cfg, Path(run_dir), out, helped
+
+
+def test_helper_gradients_train_the_same_weights(tmp_path):
+    cfg, plain_dir, _, none = _real_run(tmp_path, "plain", helpers=False)
+    _, help_dir, out, helped = _real_run(tmp_path, "helped", helpers=True)
+    assert not none
+    assert {o.iteration for o in helped if o.agent == "solver"} == {0, 1}, helped
+    steps = [r for r in out["records"] if r.op.kind == "step"]
+    assert sum(r.result.metrics[f"agent/{r.op.agent}/helper_mbs"] for r in steps) == len(helped)
+    # Every helper's gradient was added by its step and then removed.
+    assert not list((help_dir / "gradients").rglob("*.safetensors"))
+    for agent in ("planner", "solver", "verifier"):
+        a = load_file(str(plain_dir / "weights" / agent / "v2.safetensors"))
+        b = load_file(str(help_dir / "weights" / agent / "v2.safetensors"))
+        w0 = load_file(str(plain_dir / "weights" / agent / "v0.safetensors"))
+        assert any(not torch.equal(a[k], w0[k]) for k in a), f"{agent} did not train"
+        # The same gradients summed in another order: fp32 rounding of weights ~1 after two
+        # Adam steps of lr 1e-4, far below the step itself.
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=f"{agent}.{k}")
