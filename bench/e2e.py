@@ -350,6 +350,7 @@ def main() -> int:
     res["tokens_per_s_ratio"] = res["tokens_per_s_codesign"] / res["tokens_per_s_sync"]
     res["balance_moves_per_run_codesign"] = med("codesign", "balance_moves")
     res["train_swaps_per_run_codesign"] = med("codesign", "train_swaps")
+    res["gradient_helpers_per_run_codesign"] = med("codesign", "gradient_helpers")
     # Where the time goes on each mode's critical path (first repeat), and idle worker time.
     for m in ("codesign", "sync"):
         r0 = runs[m][0]
@@ -427,7 +428,8 @@ def main() -> int:
         f"{m} " + ", ".join(f"{k} {v:.2f}" for k, v in d.items()) for m, d in res["peak_rss_gib"].items()))
     print(f"same work in both modes: {res['same_work']}")
     print(f"co-design: {res['balance_moves_per_run_codesign']:.0f} instance moves, "
-          f"{res['train_swaps_per_run_codesign']:.0f} trainer swaps per run")
+          f"{res['train_swaps_per_run_codesign']:.0f} trainer swaps, "
+          f"{res['gradient_helpers_per_run_codesign']:.0f} gradient helpers per run")
     print(f"speedup (sync / codesign E2E): {res['speedup']:.2f}x, {res['speedup'] / res['speedup_bound']:.2f} "
           f"of the bound; util co-design {res['util_codesign']:.2f}, sync {res['util_sync']:.2f}")
     res["speedup_frac_of_bound"] = res["speedup"] / res["speedup_bound"]

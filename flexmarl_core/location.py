@@ -56,7 +56,7 @@ def trainer_key(agent: str, version: int) -> str:
 def gradient_key(agent: str, iteration: int, mb: int) -> str:
     """A gradient helper's gradient of one micro-batch (`codesign.gradient_helpers`), until the
     agent's step of `iteration` adds it."""
-    return f"gradients/{agent}/it{iteration}/mb{mb}.safetensors"
+    return f"gradients/{agent}/it{iteration}-mb{mb}.safetensors"
 
 
 def is_uri(where: str | os.PathLike[str]) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from flexmarl_core.control import Decision, MoveInstance, TrainSlot
+from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
 from flexmarl_core.ops import OpRecord, agent_key
 
 
@@ -100,6 +100,7 @@ def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: in
         m[key] = sum(r.result.swap.get(key, 0.0) for r in ops)
     m["balance_moves"] = sum(1 for d in decisions if isinstance(d, MoveInstance) and prev_end < d.t <= end)
     m["train_swaps"] = sum(1 for d in decisions if isinstance(d, TrainSlot) and d.iteration == it and d.swap)
+    m["gradient_helpers"] = sum(1 for d in decisions if isinstance(d, GradientHelper) and d.iteration == it)
     m.update({f"stage_s/{k}": v for k, v in sorted(stage_s.items())})
     m.update({f"busy_s/{w}": busy.get(w, 0.0) for w in workers})
     m.update(_train_stats(ops))

@@ -19,7 +19,7 @@ from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 from flexmarl.console import IterationProgress
 from flexmarl_core import cluster, run
 from flexmarl_core.config import load_config
-from flexmarl_core.control import MoveInstance, TrainSlot
+from flexmarl_core.control import GradientHelper, MoveInstance, TrainSlot
 from flexmarl_core.meg import MEG
 from flexmarl_core.metrics import run_summary
 from flexmarl_core.plan import Plan
@@ -127,6 +127,7 @@ def train(
         critical_path=out["critical_path"],
         balance_moves=sum(1 for d in out["decisions"] if isinstance(d, MoveInstance)),
         train_swaps=sum(1 for d in out["decisions"] if isinstance(d, TrainSlot) and d.swap),
+        gradient_helpers=sum(1 for d in out["decisions"] if isinstance(d, GradientHelper)),
     )
     if "initial_heldout_accuracy" in summary and "heldout_accuracy" in summary:
         summary["heldout_gain"] = summary["heldout_accuracy"] - summary["initial_heldout_accuracy"]
