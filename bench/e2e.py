@@ -16,7 +16,8 @@ run also reports the sampled length distribution per agent (`lengths`: p50, p90,
 resident memory per worker (`peak_rss_gib`), and the work that never reaches a gradient:
 decode steps of rows finished early (`wasted_decode_frac`) and skipped zero-advantage samples
 (`skipped_train_frac`), with `same_work` checking both modes did exactly the same work.
-With --ablation it also runs each switch off alone (keys `ablation.<switch>`); with --reference,
+With --ablation it also runs each switch off alone (keys `ablation.<switch>`; --also-off SWITCH
+adds one for any `codesign.SWITCH`, e.g. `gradient_helpers`); with --reference,
 the synchronous schedule on a shared worker pool (key `reference.sync_shared_pool`); with
 --staleness K..., the co-design with `codesign.max_staleness=K` and every agent on the
 `decoupled_ppo` loss (keys `staleness.k<K>`: E2E s/it, utilisation, speedup over k = 0, the
@@ -258,6 +259,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--ablation", action="store_true", help="also each switch off alone")
+    ap.add_argument("--also-off", action="append", default=[], metavar="SWITCH",
+                    help="also the co-design with this one codesign.SWITCH off (e.g. gradient_helpers, "
+                         "late_binding: the config's own switches): key ablation.SWITCH")
     ap.add_argument("--reference", action="store_true",
                     help="also the sync schedule on a shared worker pool (no static instances)")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
@@ -281,6 +285,8 @@ def main() -> int:
     from flows.train import train
 
     all_modes = {**modes(args.ablation, args.reference), **staleness_modes(args.config, args.staleness)}
+    for off in args.also_off:
+        all_modes[f"ablation.{off}"] = [*all_modes["codesign"], f"codesign.{off}=false"]
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {m: [] for m in all_modes}
     out_dir = REPO / "runs" / ("bench-e2e" if args.workload in (None, "default") else f"bench-e2e-{args.workload}")

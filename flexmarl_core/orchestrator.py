@@ -321,7 +321,8 @@ class Orchestrator:
                 held.append(op)
                 continue
             route = self.control.route(op, workers)
-            if route is None or (busy and not route.gradient_only):  # late binding: no idle instance yet
+            # None: no idle instance yet (late binding); a busy trainer's op that no helper took waits
+            if route is None or (busy and not route.gradient_only):
                 held.append(op)
                 continue
             self._submit(op, route, workers=workers)
