@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from flexmarl_core.config import load_config
 from flexmarl_core.control import GradientHelper
 from flexmarl_core.executors import ThreadExecutor, stage_fn
+from flexmarl_core.location import gradient_key
 from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op, StageResult
 from flexmarl_core.orchestrator import Orchestrator
@@ -91,11 +92,12 @@ def test_helpers_stay_off_without_on_demand_allocation_or_with_staleness():
     assert helper_agents(frozen, agents) == frozenset({"solver", "verifier"})
 
 
-def _real_run(tmp_path: Path, name: str, helpers: bool):
+def _real_run(tmp_path: Path, name: str, helpers: bool, lose_gradients: bool = False):
     """Two iterations of the tiny team through the real stages on two in-process workers. With
     helpers, the solver's first train op of an iteration waits (outside the stage, holding its
     worker) until a solver helper op has started, so a helper takes the other micro-batch while
-    the trainer's slot is busy."""
+    the trainer's slot is busy. `lose_gradients`: each helper's gradient file is deleted as its
+    op ends, as if the helper's storage lost it."""
     from flexmarl_core import run
 
     cfg = load_config(TINY, [f"run_dir={tmp_path}/{name}", "train.iterations=2", "train.evaluate=false",
@@ -116,7 +118,10 @@ def _real_run(tmp_path: Path, name: str, helpers: bool):
         elif helpers and op.kind == "train" and op.agent == "solver" and op.iteration not in first:
             first.add(op.iteration)
             started[op.iteration].wait(timeout=30)
-        return real(op, worker, gradient_only=gradient_only)
+        res = real(op, worker, gradient_only=gradient_only)
+        if gradient_only and lose_gradients:
+            (Path(run_dir) / gradient_key(op.agent, op.iteration, op.mb)).unlink()
+        return res
 
     ex = ThreadExecutor(fn, {"w0": {"rollout": 1, "train": 1}, "w1": {"rollout": 1, "train": 1}})
     try:
@@ -126,8 +131,20 @@ def _real_run(tmp_path: Path, name: str, helpers: bool):
     return cfg, Path(run_dir), out, helped
 
 
+def _same_weights(a_dir: Path, b_dir: Path) -> None:
+    for agent in ("planner", "solver", "verifier"):
+        a = load_file(str(a_dir / "weights" / agent / "v2.safetensors"))
+        b = load_file(str(b_dir / "weights" / agent / "v2.safetensors"))
+        w0 = load_file(str(a_dir / "weights" / agent / "v0.safetensors"))
+        assert any(not torch.equal(a[k], w0[k]) for k in a), f"{agent} did not train"
+        # The same gradients summed in another order: fp32 rounding of weights ~1 after two
+        # Adam steps of lr 1e-4, far below the step itself.
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=f"{agent}.{k}")
+
+
 def test_helper_gradients_train_the_same_weights(tmp_path):
-    cfg, plain_dir, _, none = _real_run(tmp_path, "plain", helpers=False)
+    _, plain_dir, _, none = _real_run(tmp_path, "plain", helpers=False)
     _, help_dir, out, helped = _real_run(tmp_path, "helped", helpers=True)
     assert not none
     assert {o.iteration for o in helped if o.agent == "solver"} == {0, 1}, helped
@@ -135,12 +152,10 @@ def test_helper_gradients_train_the_same_weights(tmp_path):
     assert sum(r.result.metrics[f"agent/{r.op.agent}/helper_mbs"] for r in steps) == len(helped)
     # Every helper's gradient was added by its step and then removed.
     assert not list((help_dir / "gradients").rglob("*.safetensors"))
-    for agent in ("planner", "solver", "verifier"):
-        a = load_file(str(plain_dir / "weights" / agent / "v2.safetensors"))
-        b = load_file(str(help_dir / "weights" / agent / "v2.safetensors"))
-        w0 = load_file(str(plain_dir / "weights" / agent / "v0.safetensors"))
-        assert any(not torch.equal(a[k], w0[k]) for k in a), f"{agent} did not train"
-        # The same gradients summed in another order: fp32 rounding of weights ~1 after two
-        # Adam steps of lr 1e-4, far below the step itself.
-        for k in a:
-            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=f"{agent}.{k}")
+    _same_weights(plain_dir, help_dir)
+    # A helper whose gradient file is lost: the step recomputes that micro-batch from the store.
+    _, lost_dir, out, helped = _real_run(tmp_path, "lost", helpers=True, lose_gradients=True)
+    steps = [r for r in out["records"] if r.op.kind == "step"]
+    assert helped and sum(r.result.metrics[f"agent/{r.op.agent}/helper_mbs"] for r in steps) == 0
+    assert sum(r.result.metrics[f"agent/{r.op.agent}/recomputed_mbs"] for r in steps) == len(helped)
+    _same_weights(plain_dir, lost_dir)
