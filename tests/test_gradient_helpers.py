@@ -6,7 +6,6 @@ runs one op at a time, and the real stages: the weights equal those of a run wit
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,33 +16,20 @@ from flexmarl_core.config import load_config
 from flexmarl_core.control import GradientHelper
 from flexmarl_core.executors import ThreadExecutor, stage_fn
 from flexmarl_core.location import gradient_key
-from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op, StageResult
-from flexmarl_core.orchestrator import Orchestrator
-from flexmarl_core.plan import Plan
-from tests.test_orchestrator import WORKERS, cfg_of
+from tests.test_orchestrator import cfg_of
+from tests.test_orchestrator import run as run_on_threads
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 
 
-def _run(cfg, train_s: float = 0.1):
-    log: list[tuple[Op, str, bool, float, float]] = []
-    lock = threading.Lock()
-
-    def fn(op: Op, worker: str, gradient_only: bool = False) -> StageResult:
-        t0 = time.time()
-        time.sleep(train_s if op.kind == "train" else 0.005)
-        with lock:
-            log.append((op, worker, gradient_only, t0, time.time()))
-        return StageResult(op, worker=worker, t_start=t0, t_end=time.time())
-
-    ex = ThreadExecutor(fn, WORKERS)
-    try:
-        res = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex).run()
-    finally:
-        ex.close()
-    return res, log
+def _run(cfg):
+    """The orchestrator on threads, train ops slow enough to queue: (result, log of (op, worker,
+    ran as a helper, start, end))."""
+    helpers: list[Op] = []
+    res, log = run_on_threads(cfg, delay=lambda op: 0.1 if op.kind == "train" else 0.005, helpers=helpers)
+    return res, [(o, w, o in helpers, t0, t1) for o, w, t0, t1 in log]
 
 
 @pytest.mark.parametrize("helpers", [False, True])

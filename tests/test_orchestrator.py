@@ -36,15 +36,19 @@ def cfg_of(codesign: dict, iterations: int = 2, mbs: int = 2):
     })
 
 
-def run(cfg, workers=WORKERS, delay=lambda op: 0.01):
+def run(cfg, workers=WORKERS, delay=lambda op: 0.01, helpers: list[Op] | None = None):
+    """The orchestrator on threads with stages that sleep `delay(op)`; the log of (op, worker,
+    start, end). `helpers`: collects the ops run as gradient helpers."""
     log: list[tuple[Op, str, float, float]] = []
     lock = threading.Lock()
 
-    def fn(op: Op, worker: str) -> StageResult:
+    def fn(op: Op, worker: str, gradient_only: bool = False) -> StageResult:
         t0 = time.time()
         time.sleep(delay(op))
         with lock:
             log.append((op, worker, t0, time.time()))
+            if gradient_only and helpers is not None:
+                helpers.append(op)
         return StageResult(op, worker=worker, t_start=t0, t_end=time.time())
 
     ex = ThreadExecutor(fn, workers)
