@@ -57,9 +57,10 @@ def _move_costs(cfg: ExperimentConfig, agents: list[str]) -> dict[str, dict]:
 
 def helper_agents(cfg: ExperimentConfig, agents: list[str]) -> frozenset[str]:
     """The agents whose train ops may run as gradient helpers (`codesign.gradient_helpers`, with
-    `on_demand_allocation`: it is where a micro-batch trains, not only an iteration): trainable, one torch process holding the whole model (a helper adds a gradient of the
-    flat buffer; DeepSpeed shards it, LoRA trains an adapter), on-policy (a helper loads the
-    weights its samples were drawn with, which are the trainer's)."""
+    `on_demand_allocation`: it is where a micro-batch trains, not only an iteration): trainable,
+    one torch process holding the whole model (a helper adds a gradient of the flat buffer;
+    DeepSpeed shards it, LoRA trains an adapter), on-policy (a helper loads the weights its
+    samples were drawn with, which are the trainer's)."""
     cs = cfg.codesign
     if not (cs.gradient_helpers and cs.on_demand_allocation) or cs.max_staleness:
         return frozenset()

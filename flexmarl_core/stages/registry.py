@@ -114,7 +114,7 @@ def run_fused(run_dir: str, ops: list[Op], retries: list[int], delay_s: float,
 
 def run_stage(run_dir: str, op: Op, *, gradient_only: bool = False) -> StageResult:
     """Run `op`'s stage in this process, measured (`gradient_only`: a train op as a gradient
-    helper, `GRADIENT_STAGE`)."""
+    helper, `GRADIENT_STAGES`)."""
     fault_point(run_dir, op.name)
     if gradient_only and op.kind not in GRADIENT_STAGES:
         raise ValueError(f"{op.name}: no stage runs a {op.kind} op as a gradient helper")
