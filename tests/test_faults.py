@@ -134,6 +134,35 @@ def test_worker_killed_mid_stage_run_completes_exactly_once(baseline, dask_clust
         assert sum(o["op"] == "step[solver] it=1" for o in ops) == 1, "the step ran twice"
 
 
+def test_gradient_helpers_on_dask_train_the_same_weights(baseline, dask_cluster, tmp_path):
+    """`codesign.gradient_helpers` on the real cluster: the solver's train ops of iteration 0
+    straggle (`slow@`), so while its trainer holds one, the other micro-batch's gradient is
+    computed by the other worker. Every helper's gradient reaches its step, and the run equals
+    the uninterrupted one without helpers."""
+    run_dir = tmp_path / "run"
+    for mb in (0, 1):
+        marker = Path(faults_dir(run_dir)) / f"slow@train[solver] it=0 mb={mb}"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("4")
+    overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON, "codesign.gradient_helpers=true"]
+    state = _flow(overrides)
+    assert state.is_completed(), state.message
+    cfg = load_config(TINY, overrides)
+    decisions = [json.loads(line) for line in (run_dir / "metrics" / "decisions.jsonl").read_text().splitlines()]
+    helped = [d for d in decisions if d["decision"] == "gradient_helper"]
+    assert any(d["agent"] == "solver" and d["iteration"] == 0 for d in helped), helped
+    ops = [json.loads(line) for line in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines()]
+    steps = [r for r in ops if r["kind"] == "step"]
+    assert sum(r[f"agent/{r['agent']}/helper_mbs"] for r in steps) == len(helped)
+    # Each helper op ran away from the worker that stepped its agent (the trainer's).
+    where = {(r["kind"], r["agent"], r["iteration"], r["mb"]): r["worker"] for r in ops}
+    for d in helped:
+        assert where[("train", d["agent"], d["iteration"], d["mb"])] != where[("step", d["agent"], d["iteration"], -1)]
+    assert_exactly_once(cfg)
+    assert_same_samples(baseline, cfg)
+    assert_same_weights(baseline, cfg)
+
+
 def test_stage_raising_once_is_retried_by_prefect(baseline, dask_cluster, tmp_path):
     """`raise@`: the stage raises once; the task's own retry (retries=2) reruns it in place."""
     victim = "rollout[solver] it=1 mb=0"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from functools import lru_cache
 
 from flexmarl_core.location import FAULTS_SUFFIX, RunLocation, is_uri
@@ -24,6 +25,8 @@ def faults_dir(run_dir: str | os.PathLike[str]) -> str:
       (empty: 1), one per attempt; N above the task's retries fails the op, hence the flow run.
     - `hog@<op>`: the stage allocates memory until the worker is restarted for it, on every
       attempt (an op that can never fit, like an oversized micro-batch); not consumed.
+    - `slow@<op>`: the op first sleeps for the file's number of seconds (empty: 1), once (a
+      straggler: what the scheduler does while one op holds its worker).
 
     Other markers are consumed (removed, or decremented) before they fire, so the rerun goes
     through. For a run on an object store the folder is the prefix `<run uri>.faults/`."""
@@ -48,6 +51,12 @@ def fault_point(run_dir: str, op_name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if os.path.exists(os.path.join(folder, f"hog@{op_name}")):
         _hog()
+    slow = os.path.join(folder, f"slow@{op_name}")
+    if os.path.exists(slow):
+        with open(slow) as f:
+            text = f.read().strip()
+        os.remove(slow)
+        time.sleep(float(text) if text else 1.0)
     once = os.path.join(folder, f"raise@{op_name}")
     if os.path.exists(once):
         os.remove(once)
@@ -78,6 +87,10 @@ def _remote_fault_point(loc: RunLocation, op_name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if f"hog@{op_name}" in names:
         _hog()
+    if f"slow@{op_name}" in names:
+        text = loc.read_text(f"slow@{op_name}").strip()
+        loc.delete(f"slow@{op_name}")
+        time.sleep(float(text) if text else 1.0)
     if f"raise@{op_name}" in names:
         loc.delete(f"raise@{op_name}")
         raise InjectedFault(f"injected fault (raise@) in {op_name}")
@@ -95,8 +108,6 @@ def _remote_fault_point(loc: RunLocation, op_name: str) -> None:
 
 def _hog() -> None:
     """Touch 64 MiB blocks until the Nanny's memory monitor restarts this process."""
-    import time
-
     blocks = []
     while True:
         blocks.append(bytearray(b"x" * (64 << 20)))
