@@ -206,10 +206,11 @@ def _step(ctx: WorkerContext, agent: str, tr: Any, it: int,
     with `ctx.lock` held."""
     done = ctx.accumulated.setdefault(agent, set())
     num_mb = ctx.cfg.batch.num_micro_batches
+    helpers = ctx.cfg.codesign.gradient_helpers
     missing, helped = [], []
     for j in (j for j in range(num_mb) if (it, j) not in done):
         key = gradient_key(agent, it, j)
-        if not replaying and ctx.loc.is_file(key):
+        if helpers and not replaying and ctx.loc.is_file(key):
             tr.add_grads(_from_safetensors(ctx.loc.read_bytes(key), ctx.loc.display(key))["grad"])
             helped.append(j)
             continue
@@ -220,7 +221,7 @@ def _step(ctx: WorkerContext, agent: str, tr: Any, it: int,
             _mark_consumed(ctx, agent, it, j, rows)
     res = tr.step()
     done.clear()
-    if ctx.cfg.codesign.gradient_helpers:
+    if helpers:
         for j in range(num_mb):  # their work is in the step now (a replay recomputes them)
             ctx.loc.delete(gradient_key(agent, it, j))
     return res.grad_norm, missing, helped
