@@ -314,7 +314,7 @@ class Orchestrator:
             # An agent's trainer runs one op at a time; only a gradient helper (an idle slot
             # computing a train op's gradient, `codesign.gradient_helpers`) goes meanwhile.
             busy = op.kind in TRAINER_KINDS and bool(self._trainer_ops[op.agent])
-            if busy and not (op.kind == "train" and op.agent in self.control.router.helper_agents):
+            if busy and not self.control.router.may_help(op):
                 held.append(op)
                 continue
             if op.kind == "rollout" and rewards_pending:

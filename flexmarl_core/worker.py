@@ -28,7 +28,7 @@ from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
 
 from flexmarl_core.config import ExperimentConfig, config_from_text
-from flexmarl_core.location import CONFIG_NAME, RunLocation, trainer_key, weights_key
+from flexmarl_core.location import CONFIG_NAME, RunLocation, gradient_key, trainer_key, weights_key
 from flexmarl_core.meg import MEG
 
 __all__ = ["CONFIG_NAME", "WorkerContext", "context", "load_weights", "publish_weights", "weights_path"]
@@ -102,6 +102,19 @@ def load_weights(run_dir: str | os.PathLike[str] | RunLocation, agent: str, vers
             f"agent {agent!r}: weights version {version} not published at "
             f"{loc.display(weights_key(agent, version))}") from None
     return _from_safetensors(blob, loc.display(weights_key(agent, version)))
+
+
+def publish_gradient(loc: RunLocation, agent: str, iteration: int, mb: int, grad: torch.Tensor) -> None:
+    """A gradient helper's flat gradient of one micro-batch, for the agent's step to add."""
+    loc.write_bytes(gradient_key(agent, iteration, mb), save_safetensors({"grad": grad}))
+
+
+def load_gradient(loc: RunLocation, agent: str, iteration: int, mb: int) -> torch.Tensor | None:
+    """The gradient a helper published for (`iteration`, `mb`), or None if there is none."""
+    key = gradient_key(agent, iteration, mb)
+    if not loc.is_file(key):
+        return None
+    return _from_safetensors(loc.read_bytes(key), loc.display(key))["grad"]
 
 
 def _from_safetensors(blob: bytes, what: str) -> dict[str, torch.Tensor]:

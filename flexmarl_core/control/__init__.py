@@ -115,7 +115,7 @@ class ControlPlane:
         it depends on the slots' load when it is ready). None: route it when it is ready."""
         if op.kind == "reward":
             return Route({})
-        if op.kind == "train" and op.agent in self.router.helper_agents:
+        if self.router.may_help(op):
             return None
         if op.kind == "rollout" and self.router.load_balancing:
             if self.balancer is not None and len(self.balancer.agents) > 1:

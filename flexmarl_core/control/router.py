@@ -78,12 +78,16 @@ class Router:
             if not slots:
                 raise OrchestratorError(f"{op.name}: no worker has resource tag {TRAIN_TAG!r}; workers: {workers}")
             slot = self.slots.choose(op, slots)
-            if op.kind == "train" and op.agent in self.helper_agents:
+            if self.may_help(op):
                 helper = self._helper(op, slot, slots)
                 if helper is not None:
                     return Route({TRAIN_TAG: 1}, helper, gradient_only=True)
             return Route({TRAIN_TAG: 1}, slot)
         return Route({})  # reward: cheap, anywhere
+
+    def may_help(self, op: Op) -> bool:
+        """Whether `op` may run as a gradient helper (a train op of a `helper_agents` agent)."""
+        return op.kind == "train" and op.agent in self.helper_agents
 
     def _helper(self, op: Op, slot: str, slots: list[str]) -> str | None:
         """An idle slot to compute `op`'s gradient while the trainer's own slot is busy (it

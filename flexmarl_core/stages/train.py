@@ -15,7 +15,7 @@ from flexmarl_core.location import gradient_key, trainer_key
 from flexmarl_core.ops import Op, StageResult, agent_key
 from flexmarl_core.stages.registry import ConsistencyError, stage
 from flexmarl_core.training import Sample
-from flexmarl_core.worker import WorkerContext, _from_safetensors, save_safetensors
+from flexmarl_core.worker import WorkerContext, load_gradient, publish_gradient
 
 
 def samples_per_step(ctx: WorkerContext, agent: str) -> int:
@@ -88,7 +88,7 @@ def train_gradient(ctx: WorkerContext, op: Op) -> StageResult:
         finally:
             grad = h.take_grads()  # also after a failure: the next op starts from zero
     _mark_consumed(ctx, agent, it, mb, rows)
-    ctx.loc.write_bytes(key, save_safetensors({"grad": grad}))  # last: its presence means done
+    publish_gradient(ctx.loc, agent, it, mb, grad)  # last: its presence means done
     res = _result(ctx, op, it, rows, stats, trained, skipped, {})
     res.metrics[agent_key(agent, "train/helper_bytes")] = float(grad.numel() * grad.element_size())
     return res
@@ -209,9 +209,9 @@ def _step(ctx: WorkerContext, agent: str, tr: Any, it: int,
     helpers = ctx.cfg.codesign.gradient_helpers
     missing, helped = [], []
     for j in (j for j in range(num_mb) if (it, j) not in done):
-        key = gradient_key(agent, it, j)
-        if helpers and not replaying and ctx.loc.is_file(key):
-            tr.add_grads(_from_safetensors(ctx.loc.read_bytes(key), ctx.loc.display(key))["grad"])
+        grad = load_gradient(ctx.loc, agent, it, j) if helpers and not replaying else None
+        if grad is not None:
+            tr.add_grads(grad)
             helped.append(j)
             continue
         rows, batch = _micro_batch(ctx, tr, Op(it, "train", agent, mb=j))
