@@ -1,0 +1,61 @@
+"""bench/shortfall.py: the factors of a wall-time shortfall, a helper's per-token cost read from
+a run's op log, and the machine's parallel efficiency measured in real processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import shortfall  # noqa: E402
+
+
+def _run(tmp_path: Path) -> Path:
+    metrics = tmp_path / "metrics"
+    metrics.mkdir(parents=True)
+    decisions = [{"decision": "gradient_helper", "agent": "solver", "iteration": 0, "mb": 1},
+                 {"decision": "move_instance", "agent": "solver", "iteration": 0}]
+    ops = [
+        # the trainer's own: 2.0 CPU-s for 1000 tokens; the helper: 1.1 CPU-s for 500
+        {"kind": "train", "agent": "solver", "iteration": 0, "mb": 0, "cpu_s": 2.0, "tokens": 1000},
+        {"kind": "train", "agent": "solver", "iteration": 0, "mb": 1, "cpu_s": 1.1, "tokens": 500},
+        # a retried op found its work done: not a cost of either kind
+        {"kind": "train", "agent": "solver", "iteration": 0, "mb": 1, "cpu_s": 0.3, "tokens": 0, "skipped": True},
+        {"kind": "train", "agent": "planner", "iteration": 0, "mb": 0, "cpu_s": 0.5, "tokens": 100},
+        {"kind": "rollout", "agent": "solver", "iteration": 0, "mb": 1, "cpu_s": 9.0, "tokens": 800},
+        {"kind": "step", "agent": "solver", "iteration": 0, "mb": None, "cpu_s": 0.2, "tokens": 0},
+    ]
+    (metrics / "decisions.jsonl").write_text("\n".join(json.dumps(d) for d in decisions))
+    (metrics / "ops.jsonl").write_text("\n".join(json.dumps(o) for o in ops))
+    return tmp_path
+
+
+def test_helper_token_cost_compares_helper_and_trainer_ops_of_one_agent(tmp_path):
+    cost = shortfall.helper_token_cost(_run(tmp_path))
+    assert set(cost) == {"solver"}  # the planner had no helper
+    assert math.isclose(cost["solver"], (1.1 / 500) / (2.0 / 1000), rel_tol=1e-12)
+
+
+def test_decompose_gives_the_factors_and_the_machine_ceiling():
+    res = {"speedup": 1.90 * 0.9 * 0.96, "speedup_bound": 1.90,
+           "stage_time_ratio_sync_over_codesign": 0.9, "floor_frac_codesign": 0.96}
+    out = shortfall.decompose(res, {"median": 0.94}, {"median": 0.90}, {"solver": 1.08})
+    # the identity the report prints: speedup = bound x ops ratio x floor fraction
+    assert math.isclose(out["speedup_bound"] * out["ops_ratio"] * out["floor_frac_codesign"],
+                        res["speedup"], rel_tol=1e-12)
+    assert math.isclose(out["parallel_efficiency"]["mean"], 0.92, rel_tol=1e-12)
+    assert math.isclose(out["speedup_ceiling_machine"], 1.90 * 0.92, rel_tol=1e-12)
+    assert math.isclose(out["speedup_frac_of_machine_ceiling"], res["speedup"] / (1.90 * 0.92), rel_tol=1e-12)
+    # without a measurement there is no ceiling to report, rather than a made-up one
+    assert "speedup_ceiling_machine" not in shortfall.decompose(res, None, None, {})
+
+
+def test_parallel_efficiency_runs_two_real_processes():
+    res = shortfall.parallel_efficiency("tiny-1m", steps=1, rounds=1)
+    assert len(res["per_round"]) == 1
+    # one process alone / the mean of two at once: finite and positive (two runs that never
+    # overlapped, or one that never ran, would not give a number at all)
+    assert 0.0 < res["median"] < 10.0
