@@ -408,7 +408,8 @@ def main() -> int:
     res["speedup_paired"] = statistics.median(res["speedup_per_repeat"])
     res["speedup_paired_frac_of_bound"] = statistics.median(res["frac_of_bound_per_repeat"])
     res["shortfall"] = shortfall.decompose(res, eff_before, shortfall.parallel_efficiency(rounds=eff_rounds),
-                                           shortfall.helper_token_cost(out_dir / "codesign-0"))
+                                           shortfall.helper_token_cost(
+        [out_dir / f"codesign-{rep}" for rep in range(repeats)]))
     res["idle_frac_per_worker"] = {m: idle_per_worker(out_dir / f"{m}-0") for m in ("codesign", "sync")}
     res["lengths"] = lengths(out_dir / "codesign-0")
     res["peak_rss_gib"] = {m: peak_rss_gib(out_dir / f"{m}-0") for m in ("codesign", "sync")}

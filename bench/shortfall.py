@@ -74,23 +74,26 @@ def parallel_efficiency(preset: str = "tiny-10m", steps: int = 6, rounds: int = 
     return {"preset": preset, "steps": steps, "per_round": per_round, "median": statistics.median(per_round)}
 
 
-def helper_token_cost(run_dir: Path) -> dict[str, float]:
+def helper_token_cost(run_dirs: list[Path]) -> dict[str, float]:
     """Per agent with gradient helpers: CPU seconds per trained token of its helper train ops
-    over those of its trainer's own train ops, in one run (1.0: a helper costs nothing extra)."""
-    metrics = Path(run_dir) / "metrics"
-    helped = set()
-    for line in (metrics / "decisions.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        if d.get("decision") == "gradient_helper":
-            helped.add((d["agent"], d["iteration"], d["mb"]))
+    over those of its trainer's own train ops, summed over `run_dirs` (1.0: a helper costs
+    nothing extra). Sums over every repeat, because one run holds a handful of helper ops and
+    their sizes differ: an op's fixed costs weigh more per token in a short one."""
     cost: dict[tuple[str, bool], list[float]] = {}
-    for line in (metrics / "ops.jsonl").read_text().splitlines():
-        o = json.loads(line)
-        if o["kind"] != "train" or o.get("skipped") or not o.get("tokens"):
-            continue
-        c = cost.setdefault((o["agent"], (o["agent"], o["iteration"], o["mb"]) in helped), [0.0, 0.0])
-        c[0] += o["cpu_s"]
-        c[1] += o["tokens"]
+    for run_dir in run_dirs:
+        metrics = Path(run_dir) / "metrics"
+        helped = set()
+        for line in (metrics / "decisions.jsonl").read_text().splitlines():
+            d = json.loads(line)
+            if d.get("decision") == "gradient_helper":
+                helped.add((d["agent"], d["iteration"], d["mb"]))
+        for line in (metrics / "ops.jsonl").read_text().splitlines():
+            o = json.loads(line)
+            if o["kind"] != "train" or o.get("skipped") or not o.get("tokens"):
+                continue
+            c = cost.setdefault((o["agent"], (o["agent"], o["iteration"], o["mb"]) in helped), [0.0, 0.0])
+            c[0] += o["cpu_s"]
+            c[1] += o["tokens"]
     out = {}
     for (agent, is_helper), (cpu, tokens) in cost.items():
         own = cost.get((agent, False))

@@ -34,9 +34,13 @@ def _run(tmp_path: Path) -> Path:
 
 
 def test_helper_token_cost_compares_helper_and_trainer_ops_of_one_agent(tmp_path):
-    cost = shortfall.helper_token_cost(_run(tmp_path))
+    a, b = _run(tmp_path / "a"), _run(tmp_path / "b")
+    cost = shortfall.helper_token_cost([a])
     assert set(cost) == {"solver"}  # the planner had no helper
     assert math.isclose(cost["solver"], (1.1 / 500) / (2.0 / 1000), rel_tol=1e-12)
+    # two repeats: sums of CPU and tokens over both, not a mean of per-run ratios
+    cost2 = shortfall.helper_token_cost([a, b])
+    assert math.isclose(cost2["solver"], cost["solver"], rel_tol=1e-12)
 
 
 def test_decompose_gives_the_factors_and_the_machine_ceiling():
