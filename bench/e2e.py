@@ -408,7 +408,7 @@ def main() -> int:
     res["speedup_paired"] = statistics.median(res["speedup_per_repeat"])
     res["speedup_paired_frac_of_bound"] = statistics.median(res["frac_of_bound_per_repeat"])
     res["shortfall"] = shortfall.decompose(res, eff_before, shortfall.parallel_efficiency(rounds=eff_rounds),
-                                           shortfall.helper_token_cost(
+                                           shortfall.helper_cost(
         [out_dir / f"codesign-{rep}" for rep in range(repeats)]))
     res["idle_frac_per_worker"] = {m: idle_per_worker(out_dir / f"{m}-0") for m in ("codesign", "sync")}
     res["lengths"] = lengths(out_dir / "codesign-0")
@@ -470,7 +470,8 @@ def main() -> int:
     print(f"shortfall: speedup {res['speedup']:.2f}x = bound {sf['speedup_bound']:.2f}x x ops ratio "
           f"{sf['ops_ratio']:.3f} x floor fraction {sf['floor_frac_codesign']:.3f}; helper train ops cost "
           + (", ".join(f"{a} {v:.2f}x" for a, v in sf["helper_token_cost"].items()) or "-")
-          + " per token of the trainer's own; this machine's parallel efficiency "
+          + f" per token of the trainer's own ({100 * sf['helper_excess_frac']:.1f}% of stage CPU); this machine's "
+          "parallel efficiency "
           f"{sf['parallel_efficiency']['mean']:.3f} (two busy cores vs one) puts a schedule that keeps "
           f"both busy under {sf['speedup_ceiling_machine']:.2f}x: reached "
           f"{sf['speedup_frac_of_machine_ceiling']:.2f} of it")

@@ -74,12 +74,14 @@ def parallel_efficiency(preset: str = "tiny-10m", steps: int = 6, rounds: int = 
     return {"preset": preset, "steps": steps, "per_round": per_round, "median": statistics.median(per_round)}
 
 
-def helper_token_cost(run_dirs: list[Path]) -> dict[str, float]:
-    """Per agent with gradient helpers: CPU seconds per trained token of its helper train ops
-    over those of its trainer's own train ops, summed over `run_dirs` (1.0: a helper costs
-    nothing extra). Sums over every repeat, because one run holds a handful of helper ops and
-    their sizes differ: an op's fixed costs weigh more per token in a short one."""
+def helper_cost(run_dirs: list[Path]) -> dict:
+    """What gradient helpers add to an op, from co-design runs' op logs (summed over
+    `run_dirs`, since one run holds a handful of helper ops of different sizes): per agent, the
+    CPU seconds per trained token of its helper train ops over its trainer's own
+    (`token_cost`, 1.0 = nothing extra), and the CPU the helpers spent beyond their tokens at
+    the trainer's own rate, as a share of all the runs' stage CPU (`excess_frac`)."""
     cost: dict[tuple[str, bool], list[float]] = {}
+    stage_cpu = 0.0
     for run_dir in run_dirs:
         metrics = Path(run_dir) / "metrics"
         helped = set()
@@ -89,27 +91,31 @@ def helper_token_cost(run_dirs: list[Path]) -> dict[str, float]:
                 helped.add((d["agent"], d["iteration"], d["mb"]))
         for line in (metrics / "ops.jsonl").read_text().splitlines():
             o = json.loads(line)
+            stage_cpu += o["cpu_s"]
             if o["kind"] != "train" or o.get("skipped") or not o.get("tokens"):
                 continue
             c = cost.setdefault((o["agent"], (o["agent"], o["iteration"], o["mb"]) in helped), [0.0, 0.0])
             c[0] += o["cpu_s"]
             c[1] += o["tokens"]
-    out = {}
+    token_cost, excess = {}, 0.0
     for (agent, is_helper), (cpu, tokens) in cost.items():
         own = cost.get((agent, False))
         if is_helper and own and own[1]:
-            out[agent] = (cpu / tokens) / (own[0] / own[1])
-    return out
+            rate = own[0] / own[1]
+            token_cost[agent] = (cpu / tokens) / rate
+            excess += cpu - tokens * rate
+    return {"token_cost": token_cost, "excess_frac": excess / stage_cpu if stage_cpu else 0.0}
 
 
-def decompose(res: dict, before: dict | None, after: dict | None, helper_cost: dict[str, float]) -> dict:
+def decompose(res: dict, before: dict | None, after: dict | None, helpers: dict) -> dict:
     """The shortfall of `bench/e2e.py`'s result `res` in its factors, and the ceiling that this
     machine's measured parallel efficiency puts on a schedule that keeps both cores busy."""
     out = {
         "speedup_bound": res["speedup_bound"],
         "ops_ratio": res["stage_time_ratio_sync_over_codesign"],
         "floor_frac_codesign": res["floor_frac_codesign"],
-        "helper_token_cost": helper_cost,
+        "helper_token_cost": helpers.get("token_cost", {}),
+        "helper_excess_frac": helpers.get("excess_frac", 0.0),
     }
     effs = [e["median"] for e in (before, after) if e]
     if effs:

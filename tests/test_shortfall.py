@@ -33,20 +33,25 @@ def _run(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_helper_token_cost_compares_helper_and_trainer_ops_of_one_agent(tmp_path):
+def test_helper_cost_compares_helper_and_trainer_ops_of_one_agent(tmp_path):
     a, b = _run(tmp_path / "a"), _run(tmp_path / "b")
-    cost = shortfall.helper_token_cost([a])
-    assert set(cost) == {"solver"}  # the planner had no helper
-    assert math.isclose(cost["solver"], (1.1 / 500) / (2.0 / 1000), rel_tol=1e-12)
+    cost = shortfall.helper_cost([a])
+    assert set(cost["token_cost"]) == {"solver"}  # the planner had no helper
+    assert math.isclose(cost["token_cost"]["solver"], (1.1 / 500) / (2.0 / 1000), rel_tol=1e-12)
+    # 1.1 CPU-s for 500 tokens where the trainer's rate gives 1.0: 0.1 of 13.1 CPU-s of stages
+    assert math.isclose(cost["excess_frac"], 0.1 / 13.1, rel_tol=1e-9)
     # two repeats: sums of CPU and tokens over both, not a mean of per-run ratios
-    cost2 = shortfall.helper_token_cost([a, b])
-    assert math.isclose(cost2["solver"], cost["solver"], rel_tol=1e-12)
+    cost2 = shortfall.helper_cost([a, b])
+    assert math.isclose(cost2["token_cost"]["solver"], cost["token_cost"]["solver"], rel_tol=1e-12)
+    assert math.isclose(cost2["excess_frac"], cost["excess_frac"], rel_tol=1e-9)
 
 
 def test_decompose_gives_the_factors_and_the_machine_ceiling():
     res = {"speedup": 1.90 * 0.9 * 0.96, "speedup_bound": 1.90,
            "stage_time_ratio_sync_over_codesign": 0.9, "floor_frac_codesign": 0.96}
-    out = shortfall.decompose(res, {"median": 0.94}, {"median": 0.90}, {"solver": 1.08})
+    out = shortfall.decompose(res, {"median": 0.94}, {"median": 0.90},
+                              {"token_cost": {"solver": 1.08}, "excess_frac": 0.02})
+    assert out["helper_token_cost"] == {"solver": 1.08} and out["helper_excess_frac"] == 0.02
     # the identity the report prints: speedup = bound x ops ratio x floor fraction
     assert math.isclose(out["speedup_bound"] * out["ops_ratio"] * out["floor_frac_codesign"],
                         res["speedup"], rel_tol=1e-12)
