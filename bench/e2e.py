@@ -22,8 +22,8 @@ the synchronous schedule on a shared worker pool (key `reference.sync_shared_poo
 --staleness K..., the co-design with `codesign.max_staleness=K` and every agent on the
 `decoupled_ppo` loss (keys `staleness.k<K>`: E2E s/it, utilisation, speedup over k = 0, the
 `codesign` mode).
-`shortfall` (`bench/shortfall.py`) says why the wall speedup is under the bound: its factors
-(speedup = bound x ops ratio x floor fraction), a gradient helper's CPU per token over the
+`shortfall` (`bench/shortfall.py`) says why the wall speedup is under the bound (speedup ~
+bound x ops ratio x floor fraction): a gradient helper's CPU per token over the
 trainer's own, and this machine's parallel efficiency (each of two busy processes' speed over one
 alone, measured before the first run and after the last) with the ceiling it puts on a schedule
 that keeps both cores busy (`speedup_ceiling_machine`).
@@ -467,8 +467,9 @@ def main() -> int:
           + " of the bound " + ", ".join(f"{x:.2f}" for x in res["frac_of_bound_per_repeat"])
           + f"; median {res['speedup_paired']:.2f}x, {res['speedup_paired_frac_of_bound']:.2f} of the bound")
     sf = res["shortfall"]
-    print(f"shortfall: speedup {res['speedup']:.2f}x = bound {sf['speedup_bound']:.2f}x x ops ratio "
-          f"{sf['ops_ratio']:.3f} x floor fraction {sf['floor_frac_codesign']:.3f}; helper train ops cost "
+    print(f"shortfall: speedup {res['speedup']:.2f}x ~ bound {res['speedup_bound']:.2f}x x ops ratio "
+          f"{res['stage_time_ratio_sync_over_codesign']:.3f} x floor fraction {res['floor_frac_codesign']:.3f}; "
+          "helper train ops cost "
           + (", ".join(f"{a} {v:.2f}x" for a, v in sf["helper_token_cost"].items()) or "-")
           + f" per token of the trainer's own ({100 * sf['helper_excess_frac']:.1f}% of stage CPU); this machine's "
           "parallel efficiency "

@@ -52,9 +52,6 @@ def test_decompose_gives_the_factors_and_the_machine_ceiling():
     out = shortfall.decompose(res, {"median": 0.94}, {"median": 0.90},
                               {"token_cost": {"solver": 1.08}, "excess_frac": 0.02})
     assert out["helper_token_cost"] == {"solver": 1.08} and out["helper_excess_frac"] == 0.02
-    # the identity the report prints: speedup = bound x ops ratio x floor fraction
-    assert math.isclose(out["speedup_bound"] * out["ops_ratio"] * out["floor_frac_codesign"],
-                        res["speedup"], rel_tol=1e-12)
     assert math.isclose(out["parallel_efficiency"]["mean"], 0.92, rel_tol=1e-12)
     assert math.isclose(out["speedup_ceiling_machine"], 1.90 * 0.92, rel_tol=1e-12)
     assert math.isclose(out["speedup_frac_of_machine_ceiling"], res["speedup"] / (1.90 * 0.92), rel_tol=1e-12)
