@@ -5,7 +5,8 @@ and the co-design switches. Per iteration `it` and micro-batch `mb` (whole GRPO 
                  ▲                                                                                       │
                  └──────────────────────── rollout(agent@*, it+1, *) waits for it ◄──────────────────────┘
 
-The switches change dependencies only, never the work itself:
+`dependency_parallel` and `async_pipeline` change dependencies only, never the work itself;
+`max_staleness` also changes the work: a rollout may sample with an older weights version.
 
 - `dependency_parallel`: a rollout waits for its parents' *same micro-batch*; off: for the
   parents' whole batch (and rewards wait for every rollout of the iteration).
