@@ -247,12 +247,15 @@ def train(
     executor: Executor,
     *,
     on_op_done: Any = None,
+    on_iteration: Callable[[dict[str, Any]], None] | None = None,
     resume: bool = False,
     plan: Plan | None = None,
 ) -> dict[str, Any]:
     """Run every iteration through the orchestrator; write the metrics as the run goes (each
     iteration's row once it is final) and return them.
 
+    `on_iteration`: called with each iteration's metrics row once it is final (the console's
+    iteration lines), after it is written.
     `resume`: continue an interrupted run in `run_dir` (same config): ops its op log records
     as finished are not run again; every stage is idempotent, so an op that finished but was
     not logged runs again without duplicating samples, and trainers restart from their last
@@ -265,7 +268,13 @@ def train(
     writer = MetricsWriter(loc.scratch_dir(), mirror=None if loc.local else loc)
     plan = plan or Plan.build(cfg, MEG.from_config(cfg.team))
     orch = Orchestrator(plan, cfg, executor, skip=[r.op for r in earlier])
-    tracker = IterationTracker(plan.sizes(), writer.iteration, lambda: len(executor.worker_resources()))
+
+    def emit(row: dict[str, Any]) -> None:
+        writer.iteration(row)
+        if on_iteration:
+            on_iteration(row)
+
+    tracker = IterationTracker(plan.sizes(), emit, lambda: len(executor.worker_resources()))
     if resume:
         tracker.resume(earlier, _reported_iterations(loc))
 

@@ -95,7 +95,8 @@ def train(
         bar = IterationProgress(plan) if progress else None
         try:
             with bar or contextlib.nullcontext():
-                out = run.train(cfg, loc, ex, on_op_done=bar, resume=resume, plan=plan)
+                out = run.train(cfg, loc, ex, on_op_done=bar, on_iteration=bar and bar.iteration,
+                                resume=resume, plan=plan)
         finally:  # the final states held back, whether the run ended well or not
             ex.reporter.flush()
         flow_cpu = time.process_time() - cpu0
