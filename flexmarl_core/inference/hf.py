@@ -128,6 +128,18 @@ class HFInferenceEngine:
     ) -> list[Generation]:
         return self._generate(prompts, sampling, seed)
 
+    def generate_groups(
+        self, groups: Sequence[tuple[Sequence[str] | Sequence[Sequence[int]], SamplingConfig, int]]
+    ) -> list[list[Generation]]:
+        """One decode for several requests `(prompts, sampling, seed)`, each sampled with its
+        own sampling and seed (the tokens it would get alone); their generations in order."""
+        gens = self._generate_groups(groups)
+        out, at = [], 0
+        for prompts, _, _ in groups:
+            out.append(gens[at : at + len(prompts)])
+            at += len(prompts)
+        return out
+
     def _generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],

@@ -113,5 +113,11 @@ class AdapterEngine:
     ) -> list[Generation]:
         return self.shared.generate_mixed(prompts, [self.agent] * len(prompts), sampling, seed)
 
+    def generate_groups(
+        self, groups: Sequence[tuple[Sequence[str] | Sequence[Sequence[int]], SamplingConfig, int]]
+    ) -> list[list[Generation]]:
+        """`HFInferenceEngine.generate_groups` through this agent's adapter."""
+        return self.shared.generate_requests([(self.agent, p, s, seed) for p, s, seed in groups])
+
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         self.shared.update_adapter(self.agent, state_dict, version)

@@ -196,21 +196,35 @@ class VLLMInferenceEngine:
         sampling: SamplingConfig,
         seed: int,
     ) -> list[Generation]:
-        if not prompts:
-            return []
-        prompt_ids = encode_prompts(self.tokenizer, prompts)
-        params = [self._params(sampling, request_seed(seed, i)) for i in range(len(prompt_ids))]
+        return self.generate_groups([(prompts, sampling, seed)])[0]
+
+    def generate_groups(
+        self, groups: Sequence[tuple[Sequence[str] | Sequence[Sequence[int]], SamplingConfig, int]]
+    ) -> list[list[Generation]]:
+        """One `LLM.generate` for several requests `(prompts, sampling, seed)`: each row gets its
+        request's sampling and a seed of its own from the request's (`request_seed`)."""
+        prompt_ids, params, stops = [], [], []
+        for prompts, sampling, seed in groups:
+            ids = encode_prompts(self.tokenizer, prompts) if prompts else []
+            prompt_ids += ids
+            params += [self._params(sampling, request_seed(seed, i)) for i in range(len(ids))]
+            stops += [sampling.stop] * len(ids)
+        if not prompt_ids:
+            return [[] for _ in groups]
         requests = [{"prompt_token_ids": ids} for ids in prompt_ids]
         outs = self._thread.submit(self.llm.generate, requests, params, use_tqdm=False).result()
         eos_set = set(self.eos_ids)
         gens = []
-        for ids, out in zip(prompt_ids, outs, strict=True):
+        for ids, out, stop in zip(prompt_ids, outs, stops, strict=True):
             c = out.outputs[0]
             tokens = list(c.token_ids)
             lps = [float(step[t].logprob) for t, step in zip(tokens, c.logprobs or [], strict=True)]
-            gens.append(finish_generation(self.tokenizer, ids, tokens, lps, sampling.stop, eos_set,
-                                          self._version))
-        return gens
+            gens.append(finish_generation(self.tokenizer, ids, tokens, lps, stop, eos_set, self._version))
+        out_groups, at = [], 0
+        for prompts, _, _ in groups:
+            out_groups.append(gens[at : at + len(prompts)])
+            at += len(prompts)
+        return out_groups
 
     def _params(self, sampling: SamplingConfig, seed: int) -> Any:
         return self._vllm.SamplingParams(
