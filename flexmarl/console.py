@@ -20,13 +20,14 @@ console = Console(width=None if sys.stdout.isatty() else 100)
 
 
 class IterationProgress:
-    """One bar per iteration, advanced as its ops complete (iterations overlap when async).
+    """One bar per iteration, advanced as its ops complete (iterations overlap when async), and
+    one line per iteration once its figures are final (`iteration`, `iteration_line`).
 
     Only the iterations still running and the last one finished keep a bar: rich redraws every
     bar it holds at each refresh, so with every bar kept the display's cost grew with the run
     (150 steps of `configs/overhead.yaml` at a terminal: 0.42 s per iteration with all bars
-    kept, 0.24 s with these; bookkeeping 25% -> 9% of the run's CPU). Off a terminal (a log file, a pipe) nothing would show until the
-    end, so there are no bars: each iteration prints one line when it ends instead.
+    kept, 0.24 s with these; bookkeeping 25% -> 9% of the run's CPU). Off a terminal (a log
+    file, a pipe) there are no bars, only the lines: rich would show nothing until the end.
     """
 
     #: redraws per second (rich's default is 10); each redraws every bar shown
@@ -36,11 +37,13 @@ class IterationProgress:
         terminal = console.is_terminal if terminal is None else terminal
         self.terminal = terminal
         self.progress = Progress(
-            TextColumn("[bold]iteration {task.fields[it]}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("[bold]iteration {task.fields[n]}/{task.fields[of]}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console,
             refresh_per_second=self.REFRESH_PER_S, disable=not terminal,
         )
         self.totals = plan.sizes()
+        #: iterations in the run (the lines and bars count them from 1)
+        self.iterations = len(self.totals)
         self.bars: dict[int, Any] = {}
         self._done: dict[int, int] = {}
         self._last_finished: int | None = None
@@ -58,18 +61,35 @@ class IterationProgress:
         if it in self._finished:  # an op run again after its iteration ended (a lost worker)
             return
         if it not in self.bars:
-            self.bars[it] = self.progress.add_task("", total=self.totals[it], it=it, last="")
+            self.bars[it] = self.progress.add_task("", total=self.totals[it], it=it, n=it + 1,
+                                                   of=self.iterations, last="")
             self._done[it] = 0
         self.progress.update(self.bars[it], advance=1, last=rec.op.name)
         self._done[it] += 1
         if self._done[it] == self.totals[it]:  # finished: it replaces the last finished bar
             self._finished.add(it)
             del self._done[it]
-            if not self.terminal:
-                console.print(f"iteration {it}: {self.totals[it]} ops done ({rec.op.name} last)")
             if self._last_finished is not None:
                 self.progress.remove_task(self.bars.pop(self._last_finished))
             self._last_finished = it
+
+    def iteration(self, row: dict[str, Any]) -> None:
+        """Print iteration `row`'s line (`run.train`'s `on_iteration`): above the bars at a
+        terminal, as a plain line in a log or pipe."""
+        console.print(iteration_line(row, self.iterations), soft_wrap=True, highlight=False)
+
+
+def iteration_line(m: dict[str, Any], iterations: int) -> str:
+    """One iteration's figures in a line a user reads off a terminal or a log, e.g.
+
+        iteration 3/20  E2E 4.21 s  acc 0.412  util 0.87  reward planner 0.500 solver 0.312
+
+    Counted from 1 out of the run's total; E2E seconds of the iteration's window, the team's
+    accuracy on its training inputs, utilisation of the workers, each agent's mean reward."""
+    rewards = " ".join(f"{a} {m[agent_key(a, 'reward')]:.3f}" for a in metric_agents([m]))
+    return (f"iteration {m['iteration'] + 1}/{iterations}  E2E {m['e2e_s']:.2f} s  "
+            f"acc {m['accuracy']:.3f}  util {m['utilization']:.2f}"
+            + (f"  reward {rewards}" if rewards else ""))
 
 
 def summary_table(per_it: list[dict[str, Any]], summary: dict[str, Any]) -> Table:
@@ -83,7 +103,7 @@ def summary_table(per_it: list[dict[str, Any]], summary: dict[str, Any]) -> Tabl
     for a in agents:
         t.add_column(f"R {a}", justify="right", no_wrap=True, min_width=len(a) + 2)
     for m in per_it:
-        t.add_row(str(m["iteration"]), f"{m['e2e_s']:.2f}", f"{m['tokens_per_s']:.0f}",
+        t.add_row(str(m["iteration"] + 1), f"{m['e2e_s']:.2f}", f"{m['tokens_per_s']:.0f}",
                   f"{m['utilization']:.2f}", str(m.get("balance_moves", 0)), str(m.get("train_swaps", 0)),
                   f"{m['accuracy']:.2f}",
                   *[f"{m.get(agent_key(a, 'reward'), float('nan')):.3f}" for a in agents])

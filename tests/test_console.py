@@ -1,14 +1,19 @@
-"""The terminal progress display: its bars stay few however long the run (rich redraws every bar
-it holds at each refresh, so keeping all of them made a long run's display cost grow with it)."""
+"""The terminal output of a run: one line per iteration with its figures (at a terminal and in a
+log alike), and bars that stay few however long the run (rich redraws every bar it holds at each
+refresh, so keeping all of them made a long run's display cost grow with it)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from flexmarl.console import IterationProgress
+import pytest
+
+from flexmarl.console import IterationProgress, iteration_line
 from flexmarl_core.config import load_config
 from flexmarl_core.meg import MEG
-from flexmarl_core.ops import OpRecord, StageResult
+from flexmarl_core.metrics import IterationTracker
+from flexmarl_core.ops import OpRecord, StageResult, agent_key
 from flexmarl_core.plan import Plan
 
 DEFAULT = str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
@@ -57,12 +62,55 @@ def test_overlapping_iterations_each_keep_a_bar_until_they_end():
         assert [t.fields["it"] for t in bar.progress.tasks] == [2]
 
 
-def test_no_bars_off_a_terminal_but_a_line_per_finished_iteration(capsys):
+AGENTS = ("planner", "solver", "verifier")
+
+
+def _timed_records(plan: Plan) -> list[OpRecord]:
+    """Every op of `plan` in dependency order, 0.5 s each on alternating workers of a made-up
+    clock; each reward op scores the team 0.5 and agent i `0.25 * (i + 1)` (the iteration's
+    row then holds exactly those means)."""
+    recs, t = [], 100.0
+    for i, op in enumerate(plan.deps):
+        metrics = {}
+        if op.kind == "reward":
+            metrics = {"team/accuracy": 0.5, **{agent_key(a, "reward"): 0.25 * (j + 1) for j, a in enumerate(AGENTS)}}
+        res = StageResult(op=op, worker=f"w{i % 2}", t_start=t, t_end=t + 0.5, metrics=metrics)
+        recs.append(OpRecord(op=op, submitted=t, finished=t + 0.5, result=res))
+        t += 0.5
+    return recs
+
+
+LINE = re.compile(r"^iteration (\d+)/(\d+)  E2E (\d+\.\d\d) s  acc (\d\.\d{3})  util (\d\.\d\d)  "
+                  r"reward planner (\d\.\d{3}) solver (\d\.\d{3}) verifier (\d\.\d{3})$")
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_each_iteration_prints_its_figures_in_one_line(capsys, terminal):
+    """At a terminal and in a log or pipe alike: `iteration 1/2  E2E ... s  acc ...  util ...
+    reward <agent> ...`, one line per iteration as its row becomes final, counted from 1."""
     plan = _plan(2)
-    with IterationProgress(plan, terminal=False) as bar:
-        assert bar.progress.disable
-        for op in plan.deps:
-            bar(_rec(op))
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iteration ")]
-    assert [line.split(":")[0] for line in lines] == ["iteration 0", "iteration 1"]
-    assert f"{plan.sizes()[0]} ops done" in lines[0]
+    rows: list[dict] = []
+    with IterationProgress(plan, terminal=terminal) as bar:
+        assert bar.progress.disable is not terminal
+        tracker = IterationTracker(plan.sizes(), lambda row: (rows.append(row), bar.iteration(row)), lambda: 2)
+        for rec in _timed_records(plan):
+            bar(rec)
+            tracker.add(rec, None, [])
+    # (At a terminal rich also draws the last bar, `iteration 2/2 ━━━ 34/34`, as the display ends.)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "  E2E " in line]
+    assert [m["iteration"] for m in rows] == [0, 1] and len(lines) == 2
+    for line, m in zip(lines, rows, strict=True):
+        got = LINE.match(line)
+        assert got, line
+        n, of, e2e, acc, util, *rewards = got.groups()
+        assert (int(n), int(of)) == (m["iteration"] + 1, 2)
+        # Each iteration's window: its ops back to back, 0.5 s each, one worker busy at a time.
+        assert float(e2e) == pytest.approx(0.5 * plan.sizes()[m["iteration"]], abs=0.005)
+        assert float(acc) == 0.5 and float(util) == pytest.approx(0.5, abs=0.005)
+        assert [float(r) for r in rewards] == [0.25, 0.5, 0.75]
+        assert line == iteration_line(m, 2) and len(line) <= 100
+
+
+def test_an_iteration_line_without_agent_rewards_says_so_by_leaving_them_out():
+    m = {"iteration": 9, "e2e_s": 12.345, "accuracy": 1.0, "utilization": 0.954}
+    assert iteration_line(m, 10) == "iteration 10/10  E2E 12.35 s  acc 1.000  util 0.95"

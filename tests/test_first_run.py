@@ -48,6 +48,11 @@ def test_terminal_shows_before_and_after_and_no_internal_info(first_run):
     assert re.search(r"held-out team accuracy: \d\.\d{3} before RL -> \d\.\d{3} after \([+-]\d\.\d{3}\)", out), out
     assert "held-out set: 8 generated held-out expressions" in out
     assert "final reward per agent: planner" in out
+    # Piped (as a scheduler or CI runs it): a line per iteration with its figures, no bars.
+    lines = re.findall(r"^iteration (\d+)/(\d+)  E2E \d+\.\d\d s  acc \d\.\d{3}  util \d\.\d\d  "
+                       r"reward planner \d\.\d{3} solver \d\.\d{3} verifier \d\.\d{3}$", res.stdout, re.M)
+    assert lines == [("1", "2"), ("2", "2")], res.stdout[-3000:]
+    assert "━" not in res.stdout
     # Dask's and Prefect's INFO lines went to the run folder's logs, not here.
     assert not [line for line in out.splitlines() if re.search(r"\bINFO\b", line)], out[-3000:]
     assert "Run out-of-band function" in (tmp / "run" / "logs" / "dask-w0.log").read_text()
