@@ -27,10 +27,36 @@ def faults_dir(run_dir: str | os.PathLike[str]) -> str:
       attempt (an op that can never fit, like an oversized micro-batch); not consumed.
     - `slow@<op>`: the op first sleeps for the file's number of seconds (empty: 1), once (a
       straggler: what the scheduler does while one op holds its worker).
+    - `hold@<op>`: the op waits, holding its worker, until `release@<op>` appears (`release`),
+      once; while it waits, `held@<op>` exists (`held_ops`). A test that needs one op to run
+      while another is still busy holds the busy one until it has seen what it needs, instead
+      of betting that a sleep outlasts the other work. Not released within the file's number
+      of seconds (empty: `HOLD_LIMIT_S`), the op raises `InjectedFault`.
 
     Other markers are consumed (removed, or decremented) before they fire, so the rerun goes
     through. For a run on an object store the folder is the prefix `<run uri>.faults/`."""
     return os.fspath(run_dir).rstrip("/") + FAULTS_SUFFIX
+
+
+#: how long a `hold@` op waits for its release by default (a test that forgot it fails, late)
+HOLD_LIMIT_S = 600.0
+#: how often a held op looks for its release
+HOLD_POLL_S = 0.05
+
+
+def held_ops(run_dir: str | os.PathLike[str]) -> set[str]:
+    """The ops that wait on a `hold@` marker now (local run folders)."""
+    folder = faults_dir(run_dir)
+    if not os.path.isdir(folder):
+        return set()
+    return {name[len("held@"):] for name in os.listdir(folder) if name.startswith("held@")}
+
+
+def release(run_dir: str | os.PathLike[str], op_name: str) -> None:
+    """Let the op held by `hold@<op_name>` go on (now, or at once when it starts later)."""
+    folder = faults_dir(run_dir)
+    os.makedirs(folder, exist_ok=True)
+    _create(os.path.join(folder, f"release@{op_name}"), "")
 
 
 @lru_cache(maxsize=8)
@@ -51,6 +77,9 @@ def fault_point(run_dir: str, op_name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if os.path.exists(os.path.join(folder, f"hog@{op_name}")):
         _hog()
+    hold = os.path.join(folder, f"hold@{op_name}")
+    if os.path.exists(hold):
+        _hold(folder, op_name)
     slow = os.path.join(folder, f"slow@{op_name}")
     if os.path.exists(slow):
         with open(slow) as f:
@@ -77,6 +106,42 @@ def fault_point(run_dir: str, op_name: str) -> None:
             raise InjectedFault(f"injected fault (fail@, {left} left) in {op_name}")
 
 
+def _create(path: str, text: str) -> None:
+    """Write `path` whole (temp file + rename): a reader never sees it half-written."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _limit(text: str, op_name: str) -> float:
+    try:
+        return float(text) if text.strip() else HOLD_LIMIT_S
+    except ValueError:
+        raise ValueError(f"hold@{op_name}: the marker holds {text!r}; write a number of seconds "
+                         "(the longest the op waits for its release) or nothing") from None
+
+
+def _hold(folder: str, op_name: str) -> None:
+    """`hold@<op>`: wait for `release@<op>`, saying so with `held@<op>`; then remove all three."""
+    marker = os.path.join(folder, f"hold@{op_name}")
+    held = os.path.join(folder, f"held@{op_name}")
+    released = os.path.join(folder, f"release@{op_name}")
+    with open(marker) as f:
+        limit = _limit(f.read(), op_name)
+    _create(held, str(os.getpid()))
+    deadline = time.monotonic() + limit
+    try:
+        while not os.path.exists(released):
+            if time.monotonic() > deadline:
+                raise InjectedFault(f"injected fault (hold@) in {op_name}: not released within {limit:g} s")
+            time.sleep(HOLD_POLL_S)
+    finally:  # consumed either way: a rerun goes through
+        for path in (marker, released, held):
+            if os.path.exists(path):
+                os.remove(path)
+
+
 def _remote_fault_point(loc: RunLocation, op_name: str) -> None:
     """`fault_point` on an object store: one listing per op, the same markers."""
     names = set(loc.list())
@@ -87,6 +152,8 @@ def _remote_fault_point(loc: RunLocation, op_name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if f"hog@{op_name}" in names:
         _hog()
+    if f"hold@{op_name}" in names:
+        _remote_hold(loc, op_name)
     if f"slow@{op_name}" in names:
         text = loc.read_text(f"slow@{op_name}").strip()
         loc.delete(f"slow@{op_name}")
@@ -104,6 +171,21 @@ def _remote_fault_point(loc: RunLocation, op_name: str) -> None:
             loc.write_text(counted, str(left - 1))
         if left >= 1:
             raise InjectedFault(f"injected fault (fail@, {left} left) in {op_name}")
+
+
+def _remote_hold(loc: RunLocation, op_name: str) -> None:
+    """`_hold` on an object store: one listing per poll."""
+    limit = _limit(loc.read_text(f"hold@{op_name}"), op_name)
+    loc.write_text(f"held@{op_name}", str(os.getpid()))
+    deadline = time.monotonic() + limit
+    try:
+        while f"release@{op_name}" not in set(loc.list()):
+            if time.monotonic() > deadline:
+                raise InjectedFault(f"injected fault (hold@) in {op_name}: not released within {limit:g} s")
+            time.sleep(4 * HOLD_POLL_S)
+    finally:
+        for name in (f"hold@{op_name}", f"release@{op_name}", f"held@{op_name}"):
+            loc.delete(name)
 
 
 def _hog() -> None:
