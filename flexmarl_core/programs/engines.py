@@ -1,0 +1,112 @@
+"""Dispatchers that decode in this process, and the default program host.
+
+- `LocalDispatcher`: the agent's engine in this process (a worker's `WorkerContext`, or a
+  mapping of engines for an evaluation), one decode per batch.
+- `DemoDispatcher`: answers every call with the workload's demonstration for that agent and
+  problem, so a program can run before its agents can write anything (the SFT warm start
+  records the prompts the program really sends).
+- `LocalHost`: the program host when no cluster adapter installed one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from flexmarl_core.inference.api import Generation
+from flexmarl_core.programs.api import (
+    DecodeGroup,
+    DecodeStats,
+    Dispatcher,
+    MachineryError,
+    ProgramHost,
+)
+from flexmarl_core.worker import WorkerContext
+
+
+def generate_groups(engine: Any, groups: Sequence[DecodeGroup]) -> list[list[Generation]]:
+    """One decode of `groups` on `engine` (every engine has `generate_groups`)."""
+    reqs = [([list(g.prompt_ids)] * g.n, g.sampling, g.seed) for g in groups]
+    return engine.generate_groups(reqs)
+
+
+class LocalDispatcher:
+    """Decodes on engines of this process: `engine_at(agent, version)` gives the agent's
+    engine holding that version; `lock` serialises decodes with the other ops of the process."""
+
+    def __init__(self, engine_at: Callable[[str, int], Any], lock: Any = None, instance: str = "local") -> None:
+        self._engine_at = engine_at
+        self._lock = lock if lock is not None else contextlib.nullcontext()
+        self._instance = instance
+
+    @classmethod
+    def of_context(cls, ctx: WorkerContext) -> LocalDispatcher:
+        return cls(ctx.engine, ctx.lock)
+
+    @classmethod
+    def of_engines(cls, engines: Mapping[str, Any]) -> LocalDispatcher:
+        return cls(lambda agent, version: engines[agent])
+
+    def capacity(self, agent: str) -> int:
+        return 1
+
+    def decode(self, agent: str, version: int, groups: Sequence[DecodeGroup],
+               stats: DecodeStats) -> list[list[Generation]]:
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                out = generate_groups(self._engine_at(agent, version), groups)
+        except Exception as exc:
+            raise MachineryError(f"agent {agent!r}: decode of {len(groups)} request(s) failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        stats.seconds, stats.instance = time.perf_counter() - t0, self._instance
+        return out
+
+
+class DemoDispatcher:
+    """Answers each call with `demo(agent, prompt_ids)`: the text the agent should write (the
+    SFT warm start's source). Its tokens carry logprob 0; nothing is sampled."""
+
+    def __init__(self, demo: Callable[[str, Sequence[int]], str], tokenizer: Any, eos_ids: Sequence[int],
+                 version: int = 0) -> None:
+        self._demo, self._tok, self._eos, self._version = demo, tokenizer, list(eos_ids), version
+
+    def capacity(self, agent: str) -> int:
+        return 1 << 20
+
+    def decode(self, agent: str, version: int, groups: Sequence[DecodeGroup],
+               stats: DecodeStats) -> list[list[Generation]]:
+        out = []
+        for g in groups:
+            text = self._demo(agent, g.prompt_ids)
+            ids = self._tok.encode(text, add_special_tokens=False) + self._eos[:1]
+            gen = Generation(prompt_ids=list(g.prompt_ids), response_ids=ids, text=text,
+                             logprobs=[0.0] * len(ids), finish_reason="eos", version=version)
+            out.append([gen] * g.n)
+        stats.instance = "demo"
+        return out
+
+
+class LocalHost:
+    """Everything in this process: nothing to detach from, decodes on this process's engines."""
+
+    @contextlib.contextmanager
+    def detached(self) -> Iterator[None]:
+        yield
+
+    def dispatcher(self, ctx: WorkerContext) -> Dispatcher:
+        return LocalDispatcher.of_context(ctx)
+
+
+_HOST: list[ProgramHost] = []
+
+
+def install_host(host: ProgramHost) -> None:
+    """This process's program host (the cluster adapter installs its own in each worker)."""
+    _HOST[:] = [host]
+
+
+def current_host() -> ProgramHost:
+    return _HOST[0] if _HOST else LocalHost()

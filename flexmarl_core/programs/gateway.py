@@ -1,0 +1,390 @@
+"""flexmarl's OpenAI-compatible endpoint: an HTTP server in this process that answers a
+program's calls from flexmarl's own engines and records every call.
+
+    POST /t/<trajectory>/v1/chat/completions     messages -> the agent's chat template
+    POST /t/<trajectory>/v1/completions          a prompt (text or token ids)
+    GET  /t/<trajectory>/v1/models               the team's agents
+
+A program gets a base URL per trajectory (`Gateway.base_url`) and the run's key; `model=` is
+the agent. The server is Starlette on uvicorn in a daemon thread, bound to loopback on a free
+port, one per process, shared by every program op running here.
+
+Batching: a request waits in its agent's queue until every live trajectory is waiting on a
+call (no one left to add to the batch) or `window_s` has passed since the oldest request, then
+the queue decodes as one batch on an instance of the agent (`Dispatcher.decode`), each request
+with its own sampling and seed. At most `Dispatcher.capacity(agent)` decodes of one agent run at
+once; requests arriving meanwhile form the next batch.
+
+Errors are OpenAI's JSON with a 4xx status (bad body, unknown agent or trajectory, a prompt
+longer than the model's context, a wrong key); the server never stops on one. A decode that
+fails (flexmarl's machinery) is a 503, and the session keeps it: the op fails on it and is
+retried; it is never the program's wrong answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from flexmarl_core.config import SamplingConfig
+from flexmarl_core.inference.api import Generation
+from flexmarl_core.programs.api import (
+    CallRecord,
+    DecodeGroup,
+    DecodeStats,
+    Dispatcher,
+    MachineryError,
+)
+from flexmarl_core.programs.chat import ChatTemplateError, render
+from flexmarl_core.programs.protocol import (
+    ApiError,
+    CallRequest,
+    chat_response,
+    completion_response,
+    parse_chat,
+    parse_completion,
+)
+
+log = logging.getLogger(__name__)
+
+#: a batch waits at most this many windows after its first request
+MAX_WAIT_WINDOWS = 25
+
+
+@dataclass
+class AgentSpec:
+    """What the endpoint needs of one agent: sampling defaults, chat template (Jinja source),
+    tokenizer (the endpoint's own copy) and the model's context length."""
+
+    name: str
+    sampling: SamplingConfig
+    template: str
+    tokenizer: Any
+    max_context: int
+
+    def __post_init__(self) -> None:
+        # Rust tokenizers refuse concurrent use from two threads: the endpoint's thread
+        # tokenizes while an engine in this process decodes with its own.
+        self.tokenizer = copy.deepcopy(self.tokenizer)
+
+
+@dataclass
+class Trajectory:
+    """One run of the program: its calls, in the order they were answered."""
+
+    session: Session
+    input_id: str
+    traj: int
+    mb: int
+    token: str
+    records: list[CallRecord] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)
+    pending: int = 0
+    live: bool = True
+
+
+class Session:
+    """The trajectories of one program op (or one evaluation): their agents, the weights
+    version of each, who decodes, how seeds are derived, and what was measured."""
+
+    def __init__(self, key: str, agents: dict[str, AgentSpec], versions: dict[str, int], dispatcher: Dispatcher,
+                 seed_of: Callable[[str, int, str, int], int], *, window_s: float = 0.02, greedy: bool = False,
+                 fingerprint: str = "flexmarl") -> None:
+        self.key, self.agents, self.versions, self.dispatcher = key, agents, versions, dispatcher
+        self.seed_of, self.window_s, self.greedy, self.fingerprint = seed_of, window_s, greedy, fingerprint
+        self.defaults = {a: s.sampling for a, s in agents.items()}
+        self.trajectories: dict[str, Trajectory] = {}
+        #: the first machinery failure (a decode that could not run)
+        self.error: BaseException | None = None
+        #: per decode: (agent, requests, rows, seconds)
+        self.decodes: list[tuple[str, int, int, float]] = []
+        #: per answered request: seconds in the endpoint beyond waiting for and running its decode
+        self.overheads: list[float] = []
+
+
+@dataclass
+class _Waiting:
+    session: Session
+    group: DecodeGroup
+    future: asyncio.Future
+    t: float
+
+
+class Gateway:
+    """The endpoint of this process (`Gateway.shared()`); sessions come and go."""
+
+    _shared: Gateway | None = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self._tokens: dict[str, Trajectory] = {}
+        self._queues: dict[tuple[int, str, int], list[_Waiting]] = {}
+        self._in_flight: dict[tuple[int, str, int], int] = {}
+        self._timers: set[tuple[int, str, int]] = set()
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="flexmarl-decode")
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self.port = self._sock.getsockname()[1]
+        app = Starlette(routes=[
+            Route("/t/{token}/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/t/{token}/v1/completions", self._completion, methods=["POST"]),
+            Route("/t/{token}/v1/models", self._models, methods=["GET"]),
+        ], exception_handlers={HTTPException: self._http_error})
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                                     timeout_keep_alive=60))
+        self._ready = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        threading.Thread(target=self._serve, name="flexmarl-endpoint", daemon=True).start()
+        if not self._ready.wait(30) or self.loop is None:
+            raise MachineryError(f"the program endpoint did not start on {host}:{self.port}")
+
+    @classmethod
+    def shared(cls) -> Gateway:
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
+
+    def _serve(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._ready.set)
+        self.loop.run_until_complete(self._server.serve(sockets=[self._sock]))
+
+    # -- sessions (any thread) ----------------------------------------------------------------
+    def base_url(self, token: str) -> str:
+        return f"http://{self.host}:{self.port}/t/{token}/v1"
+
+    def open(self, session: Session, input_id: str, traj: int, mb: int) -> Trajectory:
+        """A new trajectory of `session`; its base URL is `base_url(t.token)`."""
+        t = Trajectory(session, input_id, traj, mb, secrets.token_urlsafe(12))
+        session.trajectories[t.token] = t
+        self._call(lambda: self._tokens.__setitem__(t.token, t))
+        return t
+
+    def finish(self, t: Trajectory) -> None:
+        """The program ended this trajectory: it no longer holds a batch back."""
+        def done() -> None:
+            t.live = False
+            self._kick_all()
+        self._call(done)
+
+    def close(self, session: Session) -> None:
+        """Forget `session`'s trajectories once their calls are all answered."""
+        def drop() -> None:
+            for tok in session.trajectories:
+                self._tokens.pop(tok, None)
+        self._call(drop)
+
+    def drain(self, session: Session, timeout: float = 600.0) -> None:
+        """Wait until no call of `session` is in flight (a program may return with one)."""
+        deadline = time.monotonic() + timeout
+        while any(t.pending for t in session.trajectories.values()):
+            if time.monotonic() > deadline:
+                raise MachineryError(f"calls still unanswered after {timeout:.0f} s")
+            time.sleep(0.01)
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        assert self.loop is not None
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                done.set()
+        self.loop.call_soon_threadsafe(run)
+        done.wait()
+
+    # -- HTTP (the loop's thread) --------------------------------------------------------------
+    async def _http_error(self, request: Request, exc: Exception) -> JSONResponse:
+        status = getattr(exc, "status_code", 500)
+        err = ApiError(status, f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'error')}")
+        return JSONResponse(err.body(), status_code=status)
+
+    def _trajectory(self, request: Request) -> Trajectory:
+        t = self._tokens.get(request.path_params["token"])
+        if t is None:
+            raise ApiError(404, "unknown or finished trajectory: use the base URL flexmarl gave this program",
+                           code="unknown_trajectory")
+        auth = request.headers.get("authorization", "")
+        if not secrets.compare_digest(auth.removeprefix("Bearer ").strip(), t.session.key):
+            raise ApiError(401, "Incorrect API key provided: use the key flexmarl gave this program",
+                           type_="invalid_request_error", code="invalid_api_key")
+        return t
+
+    async def _models(self, request: Request) -> JSONResponse:
+        try:
+            t = self._trajectory(request)
+        except ApiError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        data = [{"id": a, "object": "model", "created": 0, "owned_by": "flexmarl"} for a in t.session.agents]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def _chat(self, request: Request) -> JSONResponse:
+        return await self._handle(request, parse_chat, chat_response)
+
+    async def _completion(self, request: Request) -> JSONResponse:
+        return await self._handle(request, parse_completion, completion_response)
+
+    async def _handle(self, request: Request, parse: Callable, respond: Callable) -> JSONResponse:
+        t0 = time.perf_counter()
+        t: Trajectory | None = None
+        try:
+            t = self._trajectory(request)
+            try:
+                body = json.loads(await request.body())
+            except ValueError as exc:
+                raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+            s = t.session
+            req: CallRequest = parse(body, s.defaults)
+            spec = s.agents[req.agent]
+            prompt_ids, prompt_text = self._prompt(req, spec)
+            sampling = req.sampling.model_copy(update={"temperature": 0.0}) if s.greedy else req.sampling
+            first = t.calls.get(req.agent, 0)
+            t.calls[req.agent] = first + req.n
+            seed = req.seed if req.seed is not None else s.seed_of(t.input_id, t.traj, req.agent, first)
+            after, started = tuple(range(len(t.records))), time.time()
+            t.pending += 1
+            t_queued = time.perf_counter()
+            try:
+                gens, stats = await self._submit(s, req.agent, DecodeGroup(tuple(prompt_ids), sampling, seed, req.n))
+            finally:
+                t.pending -= 1
+            ended = time.time()
+            for k, g in enumerate(gens):
+                t.records.append(CallRecord(req.agent, first + k, list(prompt_ids), prompt_text, g, started, ended, after))
+            engine_s = time.perf_counter() - t_queued
+            out = respond(req, len(prompt_ids), gens, spec.tokenizer.decode, s.fingerprint)
+            s.overheads.append(max(time.perf_counter() - t0 - engine_s, 0.0))
+            return JSONResponse(out, headers={"x-flexmarl-decode-ms": f"{stats.seconds * 1e3:.3f}",
+                                              "x-flexmarl-engine-ms": f"{engine_s * 1e3:.3f}"})
+        except ApiError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        except MachineryError as e:
+            if t is not None and t.session.error is None:
+                t.session.error = e
+            return JSONResponse(ApiError(503, str(e), type_="server_error").body(), status_code=503)
+        except Exception as e:  # the endpoint answers every request; the op sees the session's error
+            log.exception("program endpoint: %s %s", request.method, request.url.path)
+            if t is not None and t.session.error is None:
+                t.session.error = MachineryError(f"endpoint failure: {type(e).__name__}: {e}")
+            return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}", type_="server_error").body(),
+                                status_code=500)
+
+    @staticmethod
+    def _prompt(req: CallRequest, spec: AgentSpec) -> tuple[list[int], str]:
+        tok = spec.tokenizer
+        if req.kind == "chat":
+            try:
+                text = render(spec.template, req.messages or [], tok)
+            except ChatTemplateError as e:
+                raise ApiError(400, f"agent {spec.name!r}: {e}", "messages") from None
+            ids = tok.encode(text, add_special_tokens=False)
+        elif isinstance(req.prompt, str):
+            text, ids = req.prompt, tok.encode(req.prompt, add_special_tokens=False)
+        else:
+            ids = list(req.prompt or [])
+            vocab = len(tok)
+            if max(ids) >= vocab:
+                raise ApiError(400, f"'prompt' has token id {max(ids)}, beyond the vocabulary of agent "
+                               f"{spec.name!r} ({vocab} tokens)", "prompt")
+            text = tok.decode(ids, skip_special_tokens=False)
+        if not ids:
+            raise ApiError(400, "the prompt is empty after templating: nothing to continue from",
+                           "messages" if req.kind == "chat" else "prompt")
+        room = spec.max_context - len(ids)
+        if room < req.sampling.max_new_tokens:
+            raise ApiError(400, f"This model's maximum context length is {spec.max_context} tokens; the prompt "
+                           f"has {len(ids)} and max_tokens is {req.sampling.max_new_tokens} (agent {spec.name!r})",
+                           "messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")
+        return ids, text
+
+    # -- batching (the loop's thread) ------------------------------------------------------------
+    def _submit(self, s: Session, agent: str, group: DecodeGroup) -> asyncio.Future:
+        assert self.loop is not None
+        fut = self.loop.create_future()
+        key = (id(s.dispatcher), agent, s.versions[agent])
+        self._queues.setdefault(key, []).append(_Waiting(s, group, fut, time.monotonic()))
+        self._kick(key)
+        return fut
+
+    def _everyone_waits(self) -> bool:
+        return all(t.pending > 0 for t in self._tokens.values() if t.live)
+
+    def _kick_all(self) -> None:
+        for key in list(self._queues):
+            self._kick(key)
+
+    def _kick(self, key: tuple[int, str, int]) -> None:
+        queue = self._queues.get(key)
+        if not queue:
+            return
+        s = queue[0].session
+        if self._in_flight.get(key, 0) >= max(s.dispatcher.capacity(key[1]), 1):
+            return  # the next batch forms while this one decodes
+        # Debounced: a batch waits while requests keep arriving (each within `window_s` of
+        # the last), up to `MAX_WAIT_WINDOWS` windows after its first.
+        now = time.monotonic()
+        wait = min(queue[-1].t + s.window_s, queue[0].t + MAX_WAIT_WINDOWS * s.window_s) - now
+        if wait > 0 and not self._everyone_waits():
+            if key not in self._timers:
+                self._timers.add(key)
+                assert self.loop is not None
+                self.loop.call_later(wait, self._timer, key)
+            return
+        batch = self._queues.pop(key)
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        assert self.loop is not None
+        job = self.loop.run_in_executor(self._pool, self._decode, s.dispatcher, key[1], key[2],
+                                        [w.group for w in batch])
+        job.add_done_callback(lambda j: self._decoded(key, batch, j))
+
+    def _timer(self, key: tuple[int, str, int]) -> None:
+        self._timers.discard(key)
+        self._kick(key)
+
+    @staticmethod
+    def _decode(dispatcher: Dispatcher, agent: str, version: int,
+                groups: list[DecodeGroup]) -> tuple[list[list[Generation]], DecodeStats]:
+        stats = DecodeStats()
+        outs = dispatcher.decode(agent, version, groups, stats)
+        if len(outs) != len(groups) or any(len(o) != g.n for o, g in zip(outs, groups, strict=True)):
+            raise MachineryError(f"agent {agent!r}: the decode returned {[len(o) for o in outs]} generations "
+                                 f"for requests of {[g.n for g in groups]}")
+        return outs, stats
+
+    def _decoded(self, key: tuple[int, str, int], batch: list[_Waiting], job: asyncio.Future) -> None:
+        self._in_flight[key] -= 1
+        exc = job.exception()
+        if exc is None:
+            outs, stats = job.result()
+            batch[0].session.decodes.append((key[1], len(batch), sum(w.group.n for w in batch), stats.seconds))
+        for i, w in enumerate(batch):
+            if w.future.done():
+                continue
+            if exc is None:
+                w.future.set_result((outs[i], stats))
+            else:
+                w.future.set_exception(exc if isinstance(exc, MachineryError) else MachineryError(
+                    f"agent {key[1]!r}: decode failed: {type(exc).__name__}: {exc}"))
+        self._kick_all()

@@ -1,0 +1,178 @@
+"""Loading a team program and running its trajectories against the endpoint.
+
+A program is any function `team(problem: str, client) -> str`, named in the config as
+`module:function` or `path/to/file.py:function`. `client` is a stock `openai.OpenAI`, or an
+`openai.AsyncOpenAI` when the function is `async def`, pointed at flexmarl's endpoint; the
+program picks an agent with `model="<agent>"` and returns the team's answer. It imports
+nothing from flexmarl, so the same script runs against any OpenAI-compatible server.
+
+One op runs its trajectories concurrently: a thread each for a plain function, one event loop
+for an `async def` one. A trajectory whose program raises (or returns something other than a
+string) fails alone: it is named in the result, and its calls are not trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from flexmarl_core.programs.api import ProgramError, TrajectoryResult
+from flexmarl_core.programs.gateway import Gateway, Session, Trajectory
+
+#: one trajectory's work: (input_id, traj, mb, problem text)
+Job = tuple[str, int, int, str]
+
+
+def load_program(spec: str, *, base_dir: str | Path | None = None) -> Callable[..., Any]:
+    """The function `spec` names: `package.module:function` or `path/to/file.py:function`
+    (a relative path from `base_dir`, else the working directory)."""
+    mod_name, sep, fn_name = spec.rpartition(":")
+    if not sep or not mod_name or not fn_name:
+        raise ProgramError(f"team.program {spec!r}: expected 'module:function' or 'path.py:function'")
+    try:
+        if mod_name.endswith(".py"):
+            path = Path(mod_name).expanduser()
+            if not path.is_absolute() and base_dir is not None:
+                path = Path(base_dir) / path
+            if not path.is_file():
+                raise ProgramError(f"team.program {spec!r}: no file {path.absolute()}")
+            name = f"flexmarl_program_{abs(hash(str(path.resolve())))}"
+            module = sys.modules.get(name)
+            if module is None:
+                loader_spec = importlib.util.spec_from_file_location(name, path)
+                assert loader_spec is not None and loader_spec.loader is not None
+                module = importlib.util.module_from_spec(loader_spec)
+                sys.modules[name] = module
+                loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(mod_name)
+    except ProgramError:
+        raise
+    except Exception as exc:
+        raise ProgramError(f"team.program {spec!r}: cannot load {mod_name!r}: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ProgramError(f"team.program {spec!r}: {mod_name!r} has no function {fn_name!r}")
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) != 2:
+        raise ProgramError(f"team.program {spec!r}: the function must take (problem, client); it takes "
+                           f"{[p.name for p in params]}")
+    return fn
+
+
+@dataclass
+class _Timer:
+    """Client-side latency of each call (httpx hooks), paired with its decode seconds."""
+
+    out: list[tuple[float, float]]
+
+    def request(self, request: httpx.Request) -> None:
+        request.extensions["flexmarl_t0"] = time.perf_counter()
+
+    def response(self, response: httpx.Response) -> None:
+        t0 = response.request.extensions.get("flexmarl_t0")
+        if t0 is not None:
+            engine = float(response.headers.get("x-flexmarl-engine-ms", 0.0)) / 1e3
+            self.out.append((time.perf_counter() - t0, engine))
+
+    async def arequest(self, request: httpx.Request) -> None:
+        self.request(request)
+
+    async def aresponse(self, response: httpx.Response) -> None:
+        self.response(response)
+
+
+def _error(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def run_program(fn: Callable[..., Any], jobs: Sequence[Job], session: Session, gateway: Gateway,
+                *, timeout_s: float = 600.0) -> list[TrajectoryResult]:
+    """Every job's trajectory, run concurrently; results in job order."""
+    trajs = [gateway.open(session, input_id, traj, mb) for input_id, traj, mb, _ in jobs]
+    results = [TrajectoryResult(i, tr, mb, None, None) for i, tr, mb, _ in jobs]
+    latencies: list[tuple[float, float]] = []
+    timer = _Timer(latencies)
+    try:
+        if inspect.iscoroutinefunction(fn):
+            asyncio.run(_run_async(fn, jobs, trajs, results, session, gateway, timer, timeout_s))
+        else:
+            _run_threads(fn, jobs, trajs, results, session, gateway, timer, timeout_s)
+        gateway.drain(session)
+    finally:
+        gateway.close(session)
+    for r, t in zip(results, trajs, strict=True):
+        r.records = t.records
+    if results:
+        results[0].latencies = latencies
+    return results
+
+
+def _outcome(res: TrajectoryResult, value: Any) -> None:
+    if isinstance(value, str):
+        res.answer = value
+    else:
+        res.error = f"TypeError: the program returned {type(value).__name__}, not the answer as a str"
+
+
+def _run_threads(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Trajectory],
+                 results: list[TrajectoryResult], session: Session, gateway: Gateway, timer: _Timer,
+                 timeout_s: float) -> None:
+    limits = httpx.Limits(max_connections=max(len(jobs), 1), max_keepalive_connections=max(len(jobs), 1))
+    with httpx.Client(limits=limits, timeout=timeout_s,
+                      event_hooks={"request": [timer.request], "response": [timer.response]}) as http:
+        def one(k: int) -> None:
+            client = openai.OpenAI(base_url=gateway.base_url(trajs[k].token), api_key=session.key,
+                                   http_client=http, max_retries=0)
+            try:
+                _outcome(results[k], fn(jobs[k][3], client))
+            except BaseException as exc:  # the program's own failure: this trajectory only
+                results[k].error = _error(exc)
+            finally:
+                gateway.finish(trajs[k])
+
+        with ThreadPoolExecutor(max_workers=max(len(jobs), 1), thread_name_prefix="flexmarl-program") as pool:
+            list(pool.map(one, range(len(jobs))))
+
+
+async def _run_async(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Trajectory],
+                     results: list[TrajectoryResult], session: Session, gateway: Gateway, timer: _Timer,
+                     timeout_s: float) -> None:
+    limits = httpx.Limits(max_connections=max(len(jobs), 1), max_keepalive_connections=max(len(jobs), 1))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout_s,
+                                 event_hooks={"request": [timer.arequest], "response": [timer.aresponse]}) as http:
+        async def one(k: int) -> None:
+            client = openai.AsyncOpenAI(base_url=gateway.base_url(trajs[k].token), api_key=session.key,
+                                        http_client=http, max_retries=0)
+            try:
+                _outcome(results[k], await fn(jobs[k][3], client))
+            except Exception as exc:
+                results[k].error = _error(exc)
+            finally:
+                await asyncio.to_thread(gateway.finish, trajs[k])
+
+        await asyncio.gather(*(one(k) for k in range(len(jobs))))
+
+
+def check_failures(spec: str, results: Sequence[TrajectoryResult], where: str) -> None:
+    """Every trajectory failed: the program is broken, not unlucky."""
+    if results and all(r.error is not None for r in results):
+        first = results[0]
+        raise ProgramError(f"{where}: every trajectory of team.program {spec!r} failed; e.g. input "
+                           f"{first.input_id} trajectory {first.traj}: {first.error}")
