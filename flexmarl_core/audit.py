@@ -9,6 +9,7 @@ from pathlib import Path
 from flexmarl_core.config import ConfigError, config_from_text
 from flexmarl_core.location import CONFIG_NAME, RunLocation, weights_key
 from flexmarl_core.meg import MEG
+from flexmarl_core.programs.manifest import committed_ids
 from storage import MEGStore, Problem, audit_store
 
 
@@ -47,6 +48,11 @@ def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
     expected: dict[tuple[str, int], list[str]] = {}
     done = completed_iterations(loc, cfg.train.iterations, list(meg.trainable_agents))
     for it in done:
+        if meg.program is not None:  # a program's calls vary: what its ops committed
+            for agent in meg.agent_names:
+                ids = committed_ids(loc, it, range(cfg.batch.num_micro_batches), agent)
+                expected[(agent, it)] = sorted(ids)
+            continue
         ids = store.read_inputs(it).column("input_id").to_pylist()
         for node in meg.instantiate(ids, cfg.batch.group_size):
             expected.setdefault((node.agent, it), []).append(node.sample_id)

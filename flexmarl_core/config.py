@@ -39,8 +39,52 @@ class TeamConfig(_Strict):
     edges: list[EdgeConfig] = Field(default_factory=list, description="Data flow (MEG edges).")
     rounds: int = Field(1, ge=1, le=16, description="Rounds unrolled into the DAG.")
     output: str | None = Field(
-        None, description="Agent whose final output is the team's answer; default: the single sink."
+        None, description="Agent whose final output is the team's answer; default: the single sink "
+        "(a program team: the agent whose score the program's returned answer is; default its last agent)."
     )
+    program: str | None = Field(
+        None,
+        description="The team as a Python program instead of edges and templates: `module:function` or "
+        "`path/to/file.py:function` (relative to the working directory), a function `(problem, client) "
+        "-> answer` that calls its agents through a stock `openai` client (`async def`: an AsyncOpenAI "
+        "client) pointed at flexmarl's OpenAI-compatible endpoint, `model=<agent name>`. Each call is "
+        "recorded as a sample of its agent (docs/programs.md).",
+    )
+    program_groups: Literal["call", "trajectory"] = Field(
+        "call",
+        description="Program teams, where trajectories call an agent a different number of times: how an "
+        "agent's GRPO groups form. call: the k-th calls of the agent in one input's trajectories form a "
+        "group (AT-GRPO's agent-and-turn groups); trajectory: each trajectory's reward is normalised "
+        "over the input's trajectories and every call of the trajectory gets that advantage.",
+    )
+    batch_window_ms: float = Field(
+        20.0, ge=0.0, le=10_000.0,
+        description="Program teams: an agent's queued calls decode together once every running "
+        "trajectory waits on a call, or once no call has arrived for this long (at most 25 windows "
+        "after the first).",
+    )
+
+    @field_validator("program")
+    @classmethod
+    def _program_spec(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        mod, sep, fn = v.rpartition(":")
+        if not sep or not mod or not fn.isidentifier():
+            raise ValueError(f"{v!r}: expected 'module:function' or 'path/to/file.py:function'")
+        if mod.endswith(".py"):  # absolute, so every process of the run finds the same file
+            path = Path(mod).expanduser()
+            if not path.is_file():
+                raise ValueError(f"{v!r}: no file {path.absolute()}")
+            return f"{path.absolute()}:{fn}"
+        return v
+
+    @model_validator(mode="after")
+    def _program_team(self) -> TeamConfig:
+        if self.program is not None and (self.edges or self.rounds != 1):
+            raise ValueError("team.program: a program team calls its agents itself; remove team.edges and "
+                             "team.rounds (the program decides who is called, and how often)")
+        return self
 
     @field_validator("edges", mode="before")
     @classmethod

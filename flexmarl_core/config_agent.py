@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flexmarl_core.config_checks import (
@@ -190,9 +192,17 @@ class BackendConfig(_Strict):
 
 class AgentConfig(_Strict):
     name: str = Field(description="Unique agent name; used in sample ids, store partitions and tags.")
-    template: str = Field(
+    template: str | None = Field(
+        None,
         description="Prompt template. Placeholders: {input} and the name of each parent agent, "
-        "e.g. '{input}\\nplan: {planner}\\nanswer:'."
+        "e.g. '{input}\\nplan: {planner}\\nanswer:'. Required unless the team is a program.",
+    )
+    chat_template: str = Field(
+        "plain",
+        description="Program teams: how a chat request's messages become the prompt. plain: their "
+        "contents concatenated; chatml: <|im_start|>role ... <|im_end|> turns (the local tokenizer's "
+        "format); tokenizer: the model's own chat template; anything else: a Jinja template "
+        "(variables messages, add_generation_prompt, bos_token, eos_token).",
     )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Which model this agent runs.")
     share_model_with: str | None = Field(
@@ -247,3 +257,14 @@ class AgentConfig(_Strict):
     @classmethod
     def _safe_name(cls, v: str) -> str:
         return check_name(v, "agent name", reserved=("input",))
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, v: str) -> str:
+        if v in ("plain", "chatml", "tokenizer"):
+            return v
+        try:  # a custom template: it must compile
+            ImmutableSandboxedEnvironment().from_string(v)
+        except TemplateError as exc:
+            raise ValueError(f"a Jinja template that does not compile: {exc}") from None
+        return v

@@ -53,6 +53,12 @@ def trainer_key(agent: str, version: int) -> str:
     return f"trainers/{agent}/v{version}{STATE_SUFFIX}"
 
 
+def program_key(iteration: int, mb: int) -> str:
+    """A program op's manifest of one micro-batch: the sample ids it committed and the
+    trajectories that failed (`stages/program.py`)."""
+    return f"programs/it{iteration}/mb{mb}.json"
+
+
 def gradient_key(agent: str, iteration: int, mb: int) -> str:
     """A gradient helper's gradient of one micro-batch (`codesign.gradient_helpers`), until the
     agent's step of `iteration` adds it."""

@@ -68,6 +68,8 @@ class MEG:
     edges: list[EdgeConfig]
     rounds: int = 1
     output: str | None = None
+    #: a program team (`team.program`): one node per agent, no edges; the calls are the program's
+    program: str | None = None
     #: unrolled DAG, filled by validate()
     nodes: list[NodeKey] = field(default_factory=list)
     parents: dict[NodeKey, list[NodeKey]] = field(default_factory=dict)
@@ -83,6 +85,7 @@ class MEG:
             edges=list(team.edges),
             rounds=team.rounds,
             output=team.output,
+            program=team.program,
         )
         meg.validate()
         return meg
@@ -98,6 +101,19 @@ class MEG:
                     f"agent {a.name!r}: share_model_with {a.share_model_with!r} is not an agent; "
                     f"agents: {sorted(self.agents)}"
                 )
+        if self.program is not None:
+            # The program decides who is called and how often: each agent is one node whose
+            # calls (turns) it makes; the edges are discovered per call (`programs/capture.py`).
+            self.nodes = [NodeKey(a, 0) for a in self.agents]
+            self.parents = {n: [] for n in self.nodes}
+            self.output = self.output or list(self.agents)[-1]
+            if self.output not in self.agents:
+                raise MEGError(f"team.output {self.output!r} is not an agent; agents: {sorted(self.agents)}")
+            return
+        untemplated = [a for a in self.agents.values() if a.template is None]
+        if untemplated:
+            raise MEGError(f"agent {untemplated[0].name!r} has no template: set team.agents[{untemplated[0].name}]"
+                           ".template, or make the team a program (team.program)")
         for e in self.edges:
             for end in (e.src, e.dst):
                 if end not in self.agents:
@@ -199,12 +215,18 @@ class MEG:
                     ready.append(b)
         return order
 
+    def _template(self, agent: str) -> str:
+        t = self.agents[agent].template
+        if t is None:
+            raise MEGError(f"agent {agent!r} has no template")
+        return t
+
     def _check_templates(self) -> None:
         for agent in self.agents:
             # Any agent with an edge into this one may appear in its template; in a turn where
             # that parent has not run yet (round 0 of a refine loop) it renders as "".
             allowed = {INPUT} | {e.src for e in self.edges if e.dst == agent}
-            bad = sorted(_template_fields(self.agents[agent].template) - allowed)
+            bad = sorted(_template_fields(self._template(agent)) - allowed)
             if bad:
                 raise MEGError(
                     f"agent {agent!r}: template placeholder(s) {bad} are neither 'input' nor a "
@@ -214,7 +236,7 @@ class MEG:
     def _check_reachable(self) -> None:
         reached: set[NodeKey] = set()
         for n in self.nodes:  # nodes are in topological order
-            if INPUT in _template_fields(self.agents[n.agent].template) or any(
+            if INPUT in _template_fields(self._template(n.agent)) or any(
                 p in reached for p in self.parents[n]
             ):
                 reached.add(n)
@@ -274,7 +296,7 @@ class MEG:
         declared = {e.src: "" for e in self.edges if e.dst == agent}
         values = {**declared, INPUT: input_text, **parent_outputs}
         try:
-            return self.agents[agent].template.format_map(values)
+            return self._template(agent).format_map(values)
         except KeyError as exc:
             raise MEGError(
                 f"agent {agent!r}: template needs {exc.args[0]!r} but only {sorted(values)} are available"

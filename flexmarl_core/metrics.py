@@ -22,7 +22,8 @@ def _window_busy(records: Iterable[OpRecord], lo: float, hi: float) -> dict[str,
     busy: dict[str, float] = defaultdict(float)
     for r in records:
         res = r.result
-        busy[res.worker] += max(0.0, min(res.t_end, hi) - max(res.t_start, lo))
+        for w, t0, t1 in res.busy or [(res.worker, res.t_start, res.t_end)]:
+            busy[w] += max(0.0, min(t1, hi) - max(t0, lo))
     return dict(busy)
 
 
@@ -56,7 +57,7 @@ def _train_stats(ops: list[OpRecord]) -> dict[str, float]:
                     weights[k] += res.tokens
         elif r.op.kind == "step":
             out.update({k: v for k, v in res.metrics.items() if k.endswith("/train/grad_norm")})
-        elif r.op.kind == "reward":
+        elif r.op.kind in ("reward", "program"):
             for a, v in res.per_agent("reward").items():
                 rewards[a].append(v)
     out.update({k: sums[k] / weights[k] for k in sums if weights[k] > 0})
@@ -82,8 +83,8 @@ def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: in
     stage_s: dict[str, float] = defaultdict(float)
     for r in ops:
         stage_s[r.op.kind] += r.result.seconds
-    tokens = sum(r.result.tokens for r in ops if r.op.kind == "rollout")
-    acc = [r.result.metrics["team/accuracy"] for r in ops if r.op.kind == "reward"]
+    tokens = sum(r.result.tokens for r in ops if r.op.kind in ("rollout", "program"))
+    acc = [r.result.metrics["team/accuracy"] for r in ops if r.op.kind in ("reward", "program")]
     m: dict[str, Any] = {
         "iteration": it,
         "e2e_s": window,

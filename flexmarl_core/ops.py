@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-OpKind = Literal["rollout", "reward", "train", "step", "sync"]
-OP_KINDS: tuple[OpKind, ...] = ("rollout", "reward", "train", "step", "sync")
+OpKind = Literal["rollout", "reward", "train", "step", "sync", "program"]
+OP_KINDS: tuple[OpKind, ...] = ("rollout", "reward", "train", "step", "sync", "program")
 #: kinds that run on the agent's trainer (one at a time: its state lives in one process)
 TRAINER_KINDS: frozenset[str] = frozenset({"train", "step", "sync"})
 
@@ -81,6 +81,9 @@ class StageResult:
     retries: list[list[Any]] = field(default_factory=list)
     #: the worker process's peak resident memory so far (bytes; 0 where not measured)
     peak_rss: int = 0
+    #: where the op's work ran when not on its own worker: `[worker, t_start, t_end]` each (a
+    #: program op's decodes on its agents' instances); empty: the op's own span
+    busy: list[list[Any]] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:

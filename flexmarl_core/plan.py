@@ -55,6 +55,8 @@ class Plan:
         return plan
 
     def _add_iteration(self, it: int) -> None:
+        if self.meg.program is not None:
+            return self._add_program_iteration(it)
         meg, mbs = self.meg, range(self.num_mb)
         trainable = meg.trainable_agents
         rollouts = {(n.agent, n.turn, j): Op(it, "rollout", n.agent, n.turn, j) for n in meg.nodes for j in mbs}
@@ -90,6 +92,28 @@ class Plan:
                 if self.max_staleness and it > 0:  # the trainer must be at version it
                     self.deps[Op(it, "train", a, mb=j)].append(Op(it - 1, "step", a))
             self.deps[Op(it, "step", a)] = [Op(it, "train", a, mb=j) for j in mbs]
+            self.deps[Op(it, "sync", a)] = [Op(it, "step", a)]
+
+    def _add_program_iteration(self, it: int) -> None:
+        """A program team: `program(it, mb)` runs the micro-batch's trajectories, calling any agent
+        (its calls are the rollouts, its answers are scored in it), so it waits for every
+        trainable agent's weights of the gating iteration. Without `dependency_parallel` one
+        `program(it)` runs the whole batch, as the synchronous baseline rolls out everything
+        before anything trains."""
+        trainable = self.meg.trainable_agents
+        gate = it - 1 - self.max_staleness
+        syncs = [Op(gate, "sync", a) for a in trainable] if gate >= 0 else []
+        progs = [Op(it, "program", mb=j) for j in range(self.num_mb)] if self.dependency_parallel \
+            else [Op(it, "program")]
+        for p in progs:
+            self.deps[p] = list(syncs)
+        for a in trainable:
+            for j in range(self.num_mb):
+                mine = [p for p in progs if p.mb in (j, -1)]
+                self.deps[Op(it, "train", a, mb=j)] = mine if self.async_pipeline else list(progs)
+                if self.max_staleness and it > 0:
+                    self.deps[Op(it, "train", a, mb=j)].append(Op(it - 1, "step", a))
+            self.deps[Op(it, "step", a)] = [Op(it, "train", a, mb=j) for j in range(self.num_mb)]
             self.deps[Op(it, "sync", a)] = [Op(it, "step", a)]
 
     def sizes(self) -> dict[int, int]:

@@ -45,10 +45,13 @@ class DecodeGroup:
 
 @dataclass(slots=True)
 class DecodeStats:
-    """What a dispatcher measured of one decode (seconds; `instance`: where it ran)."""
+    """What a dispatcher measured of one decode: its seconds, where it ran (the instance's
+    worker name) and when (wall clock)."""
 
     seconds: float = 0.0
     instance: str = ""
+    t_start: float = 0.0
+    t_end: float = 0.0
 
 
 @runtime_checkable
@@ -75,8 +78,9 @@ class ProgramHost(Protocol):
         """While the op waits on its calls: let the worker run other ops meanwhile."""
         ...
 
-    def dispatcher(self, ctx: WorkerContext) -> Dispatcher:
-        """The dispatcher of a program op of the run in `ctx`."""
+    def dispatcher(self, ctx: WorkerContext, worker: str) -> Dispatcher:
+        """The dispatcher of a program op of the run in `ctx`, running on `worker` (this
+        process's worker name)."""
         ...
 
 

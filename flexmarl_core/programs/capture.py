@@ -50,9 +50,9 @@ def _continues(s: _Sample, rec: CallRecord) -> bool:
             and rec.prompt_ids[: len(full)] == full)
 
 
-def merge_calls(records: Sequence[CallRecord], decode: Callable[[list[int]], str]) -> list[_Sample]:
-    """The samples of one trajectory's calls (module docstring); `decode(ids)` renders the
-    inserted tokens of a continued sample into its response text."""
+def merge_calls(records: Sequence[CallRecord], decode: Callable[[str, list[int]], str]) -> list[_Sample]:
+    """The samples of one trajectory's calls (module docstring); `decode(agent, ids)` renders
+    the inserted tokens of a continued sample into its response text."""
     samples: list[_Sample] = []
     for i in sorted(range(len(records)), key=lambda i: (records[i].agent, records[i].call)):
         rec, g = records[i], records[i].gen
@@ -66,13 +66,14 @@ def merge_calls(records: Sequence[CallRecord], decode: Callable[[list[int]], str
         prev.response_ids += inserted + list(g.response_ids)
         prev.logprobs += [0.0] * len(inserted) + list(g.logprobs)
         prev.mask += [0] * len(inserted) + mask
-        prev.texts += [decode(inserted), g.text]
+        prev.texts += [decode(rec.agent, inserted), g.text]
         prev.calls.append(rec.call)
         prev.records.append(i)
     return samples
 
 
-def trajectory_rows(res: TrajectoryResult, decode: Callable[[list[int]], str]) -> dict[str, list[dict[str, Any]]]:
+def trajectory_rows(res: TrajectoryResult,
+                    decode: Callable[[str, list[int]], str]) -> dict[str, list[dict[str, Any]]]:
     """Per agent, the sample rows of one trajectory (rewards come later, as status rows)."""
     samples = merge_calls(res.records, decode)
     owner = {i: s for s in samples for i in s.records}

@@ -53,16 +53,6 @@ def template_source(name_or_source: str, tokenizer: Any = None) -> str:
     return name_or_source
 
 
-def check_template(agent: str, name_or_source: str) -> None:
-    """Config-time check: a built-in name, `tokenizer`, or a Jinja template that compiles."""
-    if name_or_source in BUILTIN or name_or_source == "tokenizer":
-        return
-    try:
-        _compile(name_or_source)
-    except TemplateError as exc:
-        raise ChatTemplateError(f"agent {agent!r}: chat_template does not compile: {exc}") from None
-
-
 def render(source: str, messages: Sequence[dict[str, str]], tokenizer: Any = None) -> str:
     """The prompt text of `messages` (already validated: role and string content each)."""
     try:

@@ -42,8 +42,8 @@ class LocalDispatcher:
         self._instance = instance
 
     @classmethod
-    def of_context(cls, ctx: WorkerContext) -> LocalDispatcher:
-        return cls(ctx.engine, ctx.lock)
+    def of_context(cls, ctx: WorkerContext, instance: str) -> LocalDispatcher:
+        return cls(ctx.engine, ctx.lock, instance)
 
     @classmethod
     def of_engines(cls, engines: Mapping[str, Any]) -> LocalDispatcher:
@@ -54,14 +54,15 @@ class LocalDispatcher:
 
     def decode(self, agent: str, version: int, groups: Sequence[DecodeGroup],
                stats: DecodeStats) -> list[list[Generation]]:
-        t0 = time.perf_counter()
         try:
             with self._lock:
+                t0 = time.time()
                 out = generate_groups(self._engine_at(agent, version), groups)
+                stats.t_start, stats.t_end = t0, time.time()
         except Exception as exc:
             raise MachineryError(f"agent {agent!r}: decode of {len(groups)} request(s) failed: "
                                  f"{type(exc).__name__}: {exc}") from exc
-        stats.seconds, stats.instance = time.perf_counter() - t0, self._instance
+        stats.seconds, stats.instance = stats.t_end - stats.t_start, self._instance
         return out
 
 
@@ -96,8 +97,8 @@ class LocalHost:
     def detached(self) -> Iterator[None]:
         yield
 
-    def dispatcher(self, ctx: WorkerContext) -> Dispatcher:
-        return LocalDispatcher.of_context(ctx)
+    def dispatcher(self, ctx: WorkerContext, worker: str) -> Dispatcher:
+        return LocalDispatcher.of_context(ctx, worker)
 
 
 _HOST: list[ProgramHost] = []

@@ -113,8 +113,8 @@ class Session:
         self.trajectories: dict[str, Trajectory] = {}
         #: the first machinery failure (a decode that could not run)
         self.error: BaseException | None = None
-        #: per decode: (agent, requests, rows, seconds)
-        self.decodes: list[tuple[str, int, int, float]] = []
+        #: per decode: (agent, requests, rows, what the dispatcher measured)
+        self.decodes: list[tuple[str, int, int, DecodeStats]] = []
         #: per answered request: seconds in the endpoint beyond waiting for and running its decode
         self.overheads: list[float] = []
 
@@ -378,7 +378,7 @@ class Gateway:
         exc = job.exception()
         if exc is None:
             outs, stats = job.result()
-            batch[0].session.decodes.append((key[1], len(batch), sum(w.group.n for w in batch), stats.seconds))
+            batch[0].session.decodes.append((key[1], len(batch), sum(w.group.n for w in batch), stats))
         for i, w in enumerate(batch):
             if w.future.done():
                 continue
