@@ -92,7 +92,7 @@ class ControlPlane:
         retag: Callable[[str, dict[str, float]], None],
     ) -> dict[str, dict[str, float]]:
         """Inter-agent balancing before a submission wave; the workers' tags afterwards."""
-        if self.balancer is None or not any(op.kind == "rollout" for op in ready):
+        if self.balancer is None or not any(op.kind in ("rollout", "program") for op in ready):
             return workers
         workers, moves = rebalance(self.balancer, ready, running, workers, self.ledger.work, retag,
                                    self.clock())
@@ -144,6 +144,9 @@ class ControlPlane:
         self.ledger.completed.add(res.op)
         if res.t_end:
             self.ledger.observe(res.op, res.seconds - res.swap.get("swap_in_s", 0.0))
+        if res.op.kind == "program" and self.balancer is not None:
+            for agent, secs in res.per_agent("program/decode_s").items():
+                self.balancer.observe(agent, secs)
 
     def resubmitted(self, op: Op, route: Route, exc: BaseException) -> None:
         self.decisions.append(Resubmit(t=self.clock(), op=op.name, worker=route.worker,

@@ -9,6 +9,9 @@ agents). The orchestrator calls the balancer each time it is about to submit wor
 
 (`rebalance` below runs that loop before each submission wave.)
 
+A program team's ops call every agent: each ready or running program op counts as one queued
+unit of every agent, weighed by the agent's decode seconds per program op.
+
 Load is measured in seconds, not task counts, so an agent that writes longer outputs (or is
 called more often) weighs more: queued rollouts x the agent's recent rollout duration, divided
 by its number of instances. When the hottest agent's load exceeds `threshold` times the coldest
@@ -190,6 +193,12 @@ def rebalance(
     for op in ready:
         if op.kind == "rollout":
             queued[op.agent] += 1
+    # A program op calls every agent: it queues one unit of each agent's decode work (the
+    # estimate is the agent's decode seconds per program op); its decodes are pinned to a
+    # worker when they start, so no tag of theirs is ever in use.
+    programs = sum(1 for op, _ in running if op.kind == "program") + sum(1 for op in ready if op.kind == "program")
+    for a in agents if programs else ():
+        queued[a] += programs
     moves = []
     for _ in range(len(rollout_workers) * len(agents)):  # bounded: each move changes a tag
         move = balancer.step(queued, instances, {w: worker_load.get(w, 0.0) for w in rollout_workers},

@@ -70,6 +70,8 @@ def _result(op: Op, got: Any, results: list, session: Any, versions: dict[str, i
         metrics[agent_key(agent, "reward")] = sum(rewards) / max(len(rewards), 1)
     for agent, calls in got.calls.items():
         metrics[agent_key(agent, "calls")] = calls / max(n_ok, 1)
+    for agent in versions:  # what the balancer weighs each agent by (control/balancer.py)
+        metrics[agent_key(agent, "program/decode_s")] = sum(d.seconds for a, _, _, d in session.decodes if a == agent)
     busy = [[d.instance, d.t_start, d.t_end] for _, _, _, d in session.decodes if d.instance]
     return StageResult(op, samples=sum(len(r) for r in got.rows.values()), tokens=tokens,
                        version=max(versions.values(), default=0), metrics=metrics, busy=busy)
