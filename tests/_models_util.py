@@ -86,3 +86,98 @@ def train_one_worker(cfg, **kwargs):
         return run_dir, run.train(cfg, run_dir, ex, **kwargs)
     finally:
         ex.close()
+
+
+class ScriptedLM(torch.nn.Module):
+    """A real tiny transformer steered along scripts: wherever the context so far is a script's
+    prompt plus the first k tokens of its continuation (k >= 0), the logit of the script's next
+    token gets `boost` added. The steer depends on the context's token ids only, so the engine
+    (prefill + KV-cache decode) and a trainer (one pass over the whole sequence) compute the
+    same logits; elsewhere the model is the plain transformer.
+
+    Greedy decoding follows a script exactly once `boost` exceeds the base model's logit range
+    (a random tiny model's logits span well under 1). Sampling at temperature 1 leaves it with
+    probability at most `V * exp(-boost)` per token (V the vocabulary), so a test's margin is
+    written down rather than learned."""
+
+    def __init__(self, base, scripts: list[tuple[list[int], list[int]]], boost: float) -> None:
+        super().__init__()
+        self.base = base
+        self.config = base.config
+        self.generation_config = base.generation_config
+        self.boost = boost
+        #: context (prompt + continuation so far) -> the script's next token
+        self.next: dict[tuple[int, ...], int] = {}
+        for prompt, continuation in scripts:
+            seq = [*prompt, *continuation]
+            for k in range(len(prompt), len(seq)):
+                self.next[tuple(seq[:k])] = seq[k]
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=None, logits_to_keep=0, **kwargs):
+        out = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        past_key_values=past_key_values, use_cache=use_cache,
+                        logits_to_keep=logits_to_keep, **kwargs)
+        ids = input_ids.tolist()
+        if past_key_values is not None:  # a decode step: the contexts ride on the cache
+            rows = past_key_values.script_rows
+            for row, new in zip(rows, ids, strict=True):
+                row += new
+            contexts = [[tuple(row)] for row in rows]
+        else:
+            length = len(ids[0])
+            if isinstance(logits_to_keep, torch.Tensor):
+                kept = logits_to_keep.tolist()
+            else:
+                kept = list(range(length - logits_to_keep if logits_to_keep else 0, length))
+            firsts = [0] * len(ids)
+            if attention_mask is not None:  # left padding: a row's tokens start at its first 1
+                firsts = [m.index(1) for m in attention_mask.tolist()]
+            contexts = [[tuple(row[first : t + 1]) for t in kept] for row, first in zip(ids, firsts, strict=True)]
+            if use_cache:
+                out.past_key_values.script_rows = [list(row[first:]) for row, first in zip(ids, firsts, strict=True)]
+        bias = torch.zeros_like(out.logits)
+        for b, row in enumerate(contexts):
+            for j, ctx in enumerate(row):
+                nxt = self.next.get(ctx)
+                if nxt is not None:
+                    bias[b, j, nxt] = self.boost
+        out.logits = out.logits + bias
+        return out
+
+
+def calling_model(tool_close: str, *, seed: int = 0, gap: float = 0.6):
+    """A tiny model that writes `tool_close` (the calculator's `]`) often whatever its context,
+    so a rollout calls the tool by construction, on any engine that loads its weights.
+
+    Every layer's output projections are zero, so each position's hidden state is its token's
+    embedding and the model is a bigram table; every embedding row carries a shared direction
+    `u`, and the close marker's row `gap` more of it (tied embeddings: that row is also its
+    logit row), so the marker's logit leads every other token's after any token;
+    `calling_floor` gives the least probability of the marker over every context, exactly."""
+    model = tiny_model(seed=seed)
+    tok = tokenizer()
+    close = tok.encode(tool_close, add_special_tokens=False)
+    if len(close) != 1:
+        raise ValueError(f"{tool_close!r} is {len(close)} tokens; the crafted model needs one")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.get_input_embeddings().weight  # (V, H), tied to lm_head
+        u = torch.randn(emb.shape[1], generator=g)
+        u /= u.norm()
+        emb += u
+        emb[close[0]] += gap * u
+    return model
+
+
+def calling_floor(model, token: int, temperature: float) -> float:
+    """min over every context token x of P(token | x) at `temperature`: the model's logits
+    depend on the last token only (see `calling_model`), so this is exact."""
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        ids = torch.arange(vocab).unsqueeze(1)  # (V, 1): each token alone as the context
+        logits = model(input_ids=ids).logits[:, -1].float()  # (V, V)
+    return float(torch.softmax(logits / temperature, dim=-1)[:, token].min())
