@@ -25,6 +25,7 @@ from flexmarl_core.meg import MEG
 from flexmarl_core.stages import faults_dir
 from flexmarl_core.worker import trainer_state_path, weights_path
 from storage import MEGStore
+from tests._holds import Holds
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -135,18 +136,21 @@ def test_worker_killed_mid_stage_run_completes_exactly_once(baseline, dask_clust
 
 
 def test_gradient_helpers_on_dask_train_the_same_weights(baseline, dask_cluster, tmp_path):
-    """`codesign.gradient_helpers` on the real cluster: the solver's train ops of iteration 0
-    straggle (`slow@`), so while its trainer holds one, the other micro-batch's gradient is
-    computed by the other worker. Every helper's gradient reaches its step, and the run equals
-    the uninterrupted one without helpers."""
+    """`codesign.gradient_helpers` on the real cluster: both of the solver's train ops of
+    iteration 0 are held (`hold@`) until they run at the same time, which only a gradient
+    helper allows (an agent's trainer runs one op at a time); the test then releases them.
+    Every helper's gradient reaches its step, and the run equals the uninterrupted one without
+    helpers. With `async_pipeline` off, training waits for every reward of the iteration, so
+    nothing a helper needs can queue behind the held op."""
     run_dir = tmp_path / "run"
-    for mb in (0, 1):
-        marker = Path(faults_dir(run_dir)) / f"slow@train[solver] it=0 mb={mb}"
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text("4")
-    overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON, "codesign.gradient_helpers=true"]
-    state = _flow(overrides)
+    victims = [f"train[solver] it=0 mb={mb}" for mb in (0, 1)]
+    overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON,
+                 "codesign.gradient_helpers=true", "codesign.async_pipeline=false"]
+    with Holds(run_dir, victims, lambda held: held == set(victims)) as holds:
+        state = _flow(overrides)
     assert state.is_completed(), state.message
+    assert holds.seen == set(victims), "the solver's two train ops never ran at the same time"
+    assert holds.fired()
     cfg = load_config(TINY, overrides)
     decisions = [json.loads(line) for line in (run_dir / "metrics" / "decisions.jsonl").read_text().splitlines()]
     helped = [d for d in decisions if d["decision"] == "gradient_helper"]
@@ -161,6 +165,42 @@ def test_gradient_helpers_on_dask_train_the_same_weights(baseline, dask_cluster,
     assert_exactly_once(cfg)
     assert_same_samples(baseline, cfg)
     assert_same_weights(baseline, cfg)
+
+
+def test_hold_marker_holds_an_op_until_it_is_released(tmp_path):
+    """`hold@<op>`: the op waits (saying so with `held@<op>`) until `release@<op>` appears,
+    then goes on with every marker gone; one not released in time raises `InjectedFault`."""
+    import threading
+
+    from flexmarl_core.stages.faults import InjectedFault, fault_point, held_ops, release
+
+    run_dir = str(tmp_path / "run")
+    op = "train[solver] it=0 mb=1"
+    marker = plant_fault(Path(run_dir), "hold", op)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (fault_point(run_dir, op), done.set()))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60
+        while op not in held_ops(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert held_ops(run_dir) == {op} and not done.is_set()
+        fault_point(run_dir, "train[solver] it=0 mb=0")  # other ops pass by
+        release(run_dir, op)
+        assert done.wait(60), "the held op did not go on once released"
+    finally:
+        if not done.is_set():
+            release(run_dir, op)
+        worker.join()
+    assert not list(marker.parent.iterdir()) and held_ops(run_dir) == set()
+    fault_point(run_dir, op)  # consumed: a rerun goes through
+    marker.write_text("0.05")
+    with pytest.raises(InjectedFault, match=r"hold@.*not released within 0.05 s"):
+        fault_point(run_dir, op)
+    assert not list(marker.parent.iterdir())
+    marker.write_text("soon")
+    with pytest.raises(ValueError, match="hold@train.*'soon'.*number of seconds"):
+        fault_point(run_dir, op)
 
 
 def test_stage_raising_once_is_retried_by_prefect(baseline, dask_cluster, tmp_path):
