@@ -7,8 +7,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flexmarl_core.config import TeamConfig
 from flexmarl_core.inference.tools import generate_with_tool, tool_of
 from flexmarl_core.meg import MEG
+from flexmarl_core.programs.team import program_team
 from flexmarl_core.workloads.api import Problem, Workload
 
 if TYPE_CHECKING:
@@ -48,6 +50,9 @@ def _team_outputs(
     meg: MEG, workload: Workload, engines: Mapping[str, Any], problems: Sequence[Problem], seed: int,
     greedy: bool = True,
 ) -> list[dict[str, str]]:
+    if meg.program is not None:  # the program calls its agents: greedy through the endpoint
+        team = TeamConfig(agents=list(meg.agents.values()), program=meg.program, output=meg.output)
+        return program_team(team, seed).evaluate(engines, problems)
     outputs: list[dict[str, str]] = [{} for _ in problems]
     for node in meg.nodes:
         agent = meg.agents[node.agent]

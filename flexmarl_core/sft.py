@@ -27,6 +27,7 @@ from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.evaluate import evaluate_team
 from flexmarl_core.inference.tools import split_demonstration, tool_of
 from flexmarl_core.meg import MEG
+from flexmarl_core.programs.team import program_team
 from flexmarl_core.training.api import TokenBatch
 
 
@@ -163,7 +164,11 @@ def run_sft(
             if acc >= tc.sft_target_accuracy or step >= tc.sft_max_steps:
                 break
         problems = workload.problems("train", tc.sft_batch, seed=cfg.seed + 1, offset=step * tc.sft_batch)
-        demos = demonstrations(meg, workload, problems, rng, tc.sft_perturb)
+        if meg.program is not None:  # the program's own prompts, answered from the demonstrations
+            demos = program_team(cfg.team, cfg.seed).demonstrations(workload, problems, cfg.seed + step,
+                                                                    tc.sft_perturb)
+        else:
+            demos = demonstrations(meg, workload, problems, rng, tc.sft_perturb)
         for agent, tr in trainers.items():
             tok = toks[agent]
             stop = (cfg.agent(agent).sampling.stop or [""])[0]
@@ -171,7 +176,8 @@ def run_sft(
             batch = []
             for prompt, target in demos[agent]:
                 resp, mask = demonstration_tokens(tok, target + stop, tool)
-                batch.append(Sample(prompt_ids=tok(prompt, add_special_tokens=False)["input_ids"],
+                ids = prompt if isinstance(prompt, list) else tok(prompt, add_special_tokens=False)["input_ids"]
+                batch.append(Sample(prompt_ids=ids,
                                     response_ids=resp, logprobs=[0.0] * len(resp), advantage=0.0,
                                     loss_mask=mask))
             tr.accumulate(batch, loss_scale=1.0 / max(token_weight(batch), 1.0))

@@ -41,6 +41,8 @@ class DecodeGroup:
     sampling: SamplingConfig
     seed: int
     n: int = 1
+    #: the call's trajectory, (input_id, traj) (what a demonstration answers for)
+    trajectory: tuple[str, int] = ("", 0)
 
 
 @dataclass(slots=True)

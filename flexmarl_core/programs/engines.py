@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -67,12 +68,15 @@ class LocalDispatcher:
 
 
 class DemoDispatcher:
-    """Answers each call with `demo(agent, prompt_ids)`: the text the agent should write (the
-    SFT warm start's source). Its tokens carry logprob 0; nothing is sampled."""
+    """Answers each call from the workload's demonstrations (the SFT warm start of a program
+    team): `demo(agent, input_id)` gives (target, shown): what the agent should write, and what
+    the program is answered (the target, or a plausible mistake for downstream agents to see).
+    Every call's (agent, prompt ids, target) is kept in `pairs`; nothing is sampled."""
 
-    def __init__(self, demo: Callable[[str, Sequence[int]], str], tokenizer: Any, eos_ids: Sequence[int],
-                 version: int = 0) -> None:
-        self._demo, self._tok, self._eos, self._version = demo, tokenizer, list(eos_ids), version
+    def __init__(self, demo: Callable[[str, str], tuple[str, str]], tokenizers: Mapping[str, Any]) -> None:
+        self._demo, self._toks = demo, tokenizers
+        self.pairs: list[tuple[str, list[int], str]] = []
+        self._lock = threading.Lock()
 
     def capacity(self, agent: str) -> int:
         return 1 << 20
@@ -81,10 +85,12 @@ class DemoDispatcher:
                stats: DecodeStats) -> list[list[Generation]]:
         out = []
         for g in groups:
-            text = self._demo(agent, g.prompt_ids)
-            ids = self._tok.encode(text, add_special_tokens=False) + self._eos[:1]
-            gen = Generation(prompt_ids=list(g.prompt_ids), response_ids=ids, text=text,
-                             logprobs=[0.0] * len(ids), finish_reason="eos", version=version)
+            target, shown = self._demo(agent, g.trajectory[0])
+            with self._lock:
+                self.pairs.append((agent, list(g.prompt_ids), target))
+            ids = self._toks[agent].encode(shown, add_special_tokens=False)
+            gen = Generation(prompt_ids=list(g.prompt_ids), response_ids=ids, text=shown,
+                             logprobs=[0.0] * len(ids), finish_reason="stop", version=version)
             out.append([gen] * g.n)
         stats.instance = "demo"
         return out

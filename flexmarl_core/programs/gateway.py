@@ -267,7 +267,8 @@ class Gateway:
             t.pending += 1
             t_queued = time.perf_counter()
             try:
-                gens, stats = await self._submit(s, req.agent, DecodeGroup(tuple(prompt_ids), sampling, seed, req.n))
+                group = DecodeGroup(tuple(prompt_ids), sampling, seed, req.n, (t.input_id, t.traj))
+                gens, stats = await self._submit(s, req.agent, group)
             finally:
                 t.pending -= 1
             ended = time.time()

@@ -9,6 +9,7 @@ run of the program over a batch of problems (a program op, an evaluation, SFT's 
 from __future__ import annotations
 
 import functools
+import random
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,14 +18,15 @@ from typing import Any
 
 from transformers import AutoConfig
 
-from flexmarl_core.config import AgentConfig, ExperimentConfig
+from flexmarl_core.config import AgentConfig, TeamConfig
 from flexmarl_core.models import base_model_dir, load_agent_model, load_tokenizer
 from flexmarl_core.programs.api import Dispatcher, MachineryError, TrajectoryResult
 from flexmarl_core.programs.capture import last_outputs, trajectory_rows
 from flexmarl_core.programs.chat import template_source
+from flexmarl_core.programs.engines import DemoDispatcher, LocalDispatcher
 from flexmarl_core.programs.gateway import AgentSpec, Gateway, Session
 from flexmarl_core.programs.runner import Job, check_failures, load_program, run_program
-from flexmarl_core.workloads.api import Problem, Workload
+from flexmarl_core.workloads.api import Problem, SupportsPerturbation, Workload
 
 
 def _model_folder(acfg: AgentConfig, seed: int) -> Path:
@@ -59,39 +61,76 @@ class ProgramTeam:
 
     def run(self, jobs: Sequence[Job], dispatcher: Dispatcher, versions: Mapping[str, int],
             seed_of: Callable[[str, int, str, int], int], *, greedy: bool = False,
-            where: str = "program") -> tuple[list[TrajectoryResult], Session]:
+            where: str = "program", all_may_fail: bool = False) -> tuple[list[TrajectoryResult], Session]:
         """Every job's trajectory through this process's endpoint; raises `MachineryError` if a
-        decode failed, `ProgramError` if every trajectory did."""
+        decode failed, `ProgramError` if every trajectory did (unless `all_may_fail`)."""
         session = Session(secrets.token_urlsafe(16), self.agents, dict(versions), dispatcher, seed_of,
                           window_s=self.window_s, greedy=greedy)
         results = run_program(self.fn, jobs, session, Gateway.shared())
         if session.error is not None:
             raise MachineryError(f"{where}: {session.error}") from session.error
-        check_failures(self.spec, results, where)
+        if not all_may_fail:
+            check_failures(self.spec, results, where)
         return results, session
+
+    def outputs(self, res: TrajectoryResult) -> dict[str, str]:
+        """What the workload scores of a trajectory: each agent's last answered text, and the
+        program's answer as the output agent's (a failed trajectory: nothing, a wrong answer)."""
+        if res.error is not None:
+            return {}
+        return {**last_outputs(res), self.output: res.answer or ""}
+
+    def demonstrations(self, workload: Workload, problems: Sequence[Problem], seed: int,
+                       perturb: float) -> dict[str, list[tuple[list[int], str]]]:
+        """(prompt ids, target) pairs per agent: the program run on `problems` while the
+        endpoint answers from the workload's demonstrations, so the prompts are the ones the
+        program really sends. An agent other than the output agent is sometimes answered with
+        a plausible mistake (`perturb`, seeded per problem and agent), so later calls learn
+        from real errors, as a YAML team's SFT shows them downstream."""
+        by_id = {p.input_id: p for p in problems}
+        can_perturb = isinstance(workload, SupportsPerturbation) and perturb > 0
+
+        def demo(agent: str, input_id: str) -> tuple[str, str]:
+            p = by_id[input_id]
+            target = workload.demonstration(p, agent, {})
+            rng = random.Random(f"{seed}:{input_id}:{agent}")
+            if can_perturb and agent != self.output and rng.random() < perturb:
+                return target, workload.perturbation(p, agent, rng)  # type: ignore[attr-defined]
+            return target, target
+
+        d = DemoDispatcher(demo, {a: s.tokenizer for a, s in self.agents.items()})
+        self.run([(p.input_id, 0, 0, p.text) for p in problems], d, {a: 0 for a in self.agents},
+                 lambda *_: 0, where="SFT demonstrations", all_may_fail=True)
+        out: dict[str, list[tuple[list[int], str]]] = {a: [] for a in self.agents}
+        for agent, ids, target in sorted(d.pairs, key=lambda x: (x[0], x[1], x[2])):
+            out[agent].append((ids, target))
+        return out
+
+    def evaluate(self, engines: Mapping[str, Any], problems: Sequence[Problem]) -> list[dict[str, str]]:
+        """Greedy outputs of one trajectory per problem on `engines` (this process's)."""
+        jobs = [(p.input_id, 0, 0, p.text) for p in problems]
+        versions = {a: int(engines[a].version) for a in self.agents}
+        results, _ = self.run(jobs, LocalDispatcher.of_engines(engines), versions, lambda *_: 0, greedy=True,
+                              where="held-out evaluation", all_may_fail=True)
+        return [self.outputs(r) for r in results]
 
     def decode(self, agent: str, ids: list[int]) -> str:
         return self.agents[agent].tokenizer.decode(ids, skip_special_tokens=False)
 
 
 @functools.lru_cache(maxsize=8)
-def _cached(config_json: str) -> ProgramTeam:
-    cfg = ExperimentConfig.model_validate_json(config_json)
-    return _build(cfg)
-
-
-def _build(cfg: ExperimentConfig) -> ProgramTeam:
-    spec = cfg.team.program
-    if spec is None:
+def _cached(team_json: str, seed: int) -> ProgramTeam:
+    team = TeamConfig.model_validate_json(team_json)
+    if team.program is None:
         raise ValueError("not a program team (team.program is unset)")
-    agents = {a.name: agent_spec(a, cfg.seed) for a in cfg.team.agents}
-    output = cfg.team.output or cfg.team.agents[-1].name
-    return ProgramTeam(spec, load_program(spec), agents, cfg.team.batch_window_ms / 1e3, output)
+    agents = {a.name: agent_spec(a, seed) for a in team.agents}
+    output = team.output or team.agents[-1].name
+    return ProgramTeam(team.program, load_program(team.program), agents, team.batch_window_ms / 1e3, output)
 
 
-def program_team(cfg: ExperimentConfig) -> ProgramTeam:
-    """The program team of `cfg`, loaded once per process."""
-    return _cached(cfg.model_dump_json())
+def program_team(team: TeamConfig, seed: int) -> ProgramTeam:
+    """The program team `team` declares (its model folders from `seed`), loaded once per process."""
+    return _cached(team.model_dump_json(), seed)
 
 
 @dataclass
@@ -118,7 +157,7 @@ def score(team: ProgramTeam, workload: Workload, problems: Mapping[str, Problem]
             man["failed"].append({"input_id": res.input_id, "traj": res.traj, "error": res.error[:500]})
             continue
         problem = problems[res.input_id]
-        outputs = {**last_outputs(res), team.output: res.answer or ""}
+        outputs = team.outputs(res)
         rewards = workload.reward(problem, outputs)
         out.correct.append(float(workload.is_correct(problem, outputs)))
         for agent in team.agents:

@@ -16,12 +16,14 @@ import json
 from statistics import median
 from typing import Any
 
+from flexmarl_core.inference.api import Generation
 from flexmarl_core.location import program_key
 from flexmarl_core.ops import Op, StageResult, agent_key
-from flexmarl_core.programs.engines import current_host
+from flexmarl_core.programs.api import DecodeGroup, DecodeStats
+from flexmarl_core.programs.engines import LocalDispatcher, current_host
 from flexmarl_core.programs.team import program_team, score
 from flexmarl_core.stages.registry import stage, stage_seed, weights_version, worker_name
-from flexmarl_core.worker import WorkerContext
+from flexmarl_core.worker import WorkerContext, context
 from flexmarl_core.workloads.api import Problem
 
 
@@ -31,7 +33,7 @@ def program(ctx: WorkerContext, op: Op) -> StageResult:
     mbs = [op.mb] if op.mb >= 0 else list(range(ctx.cfg.batch.num_micro_batches))
     if all(ctx.loc.is_file(program_key(it, j)) for j in mbs):
         return StageResult(op, skipped=True)  # a retry after the op committed
-    team = program_team(ctx.cfg)
+    team = program_team(ctx.cfg.team, ctx.cfg.seed)
     inputs = [(j, inp) for j in mbs for inp in ctx.inputs(it, j)]
     problems = {inp["input_id"]: Problem(inp["input_id"], inp["text"], inp["answer"], inp["meta"]) for _, inp in inputs}
     jobs = [(inp["input_id"], traj, j, inp["text"]) for j, inp in inputs for traj in range(ctx.cfg.batch.group_size)]
@@ -50,6 +52,15 @@ def program(ctx: WorkerContext, op: Op) -> StageResult:
         man = got.manifest.get(j, {"samples": {}, "failed": []})
         ctx.loc.write_text(program_key(it, j), json.dumps({**man, "versions": versions}))
     return _result(op, got, results, session, versions)
+
+
+def decode_on_instance(run_dir: str, agent: str, version: int,
+                       groups: list[DecodeGroup]) -> tuple[list[list[Generation]], DecodeStats]:
+    """A program op's batch of `agent`'s calls, decoded on this worker's engine of the agent
+    (what a cluster's dispatcher runs on the instance it picked)."""
+    stats = DecodeStats()
+    gens = LocalDispatcher.of_context(context(run_dir), worker_name()).decode(agent, version, groups, stats)
+    return gens, stats
 
 
 def _result(op: Op, got: Any, results: list, session: Any, versions: dict[str, int]) -> StageResult:
