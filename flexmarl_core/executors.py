@@ -29,7 +29,8 @@ class ThreadExecutor:
         #: ... and fuse a chain into one run (`submit_fused`), as on Dask
         self.fuses = fuses
         self.resources = {w: dict(r) for w, r in workers.items()}
-        self.slots = {w: threading.Lock() for w in workers}
+        self._busy: set[str] = set()  # workers running an op now
+        self._free = threading.Condition()
         self.pool = ThreadPoolExecutor(max_workers=max(len(workers), 1) * 4)
         self._lock = threading.Lock()
 
@@ -55,17 +56,18 @@ class ThreadExecutor:
 
     @contextmanager
     def _slot(self, candidates: list[str]) -> Iterator[str]:
-        """The first free candidate (least-loaded placement), else the first one once free."""
-        while True:
-            for w in candidates:
-                if self.slots[w].acquire(blocking=False):
-                    try:
-                        yield w
-                    finally:
-                        self.slots[w].release()
-                    return
-            with self.slots[candidates[0]]:
-                pass
+        """The first free candidate (least-loaded placement), else whichever frees first (as a
+        Dask task without a pinned worker goes to the worker that has room)."""
+        with self._free:
+            while (w := next((c for c in candidates if c not in self._busy), None)) is None:
+                self._free.wait()
+            self._busy.add(w)
+        try:
+            yield w
+        finally:
+            with self._free:
+                self._busy.discard(w)
+                self._free.notify_all()
 
     def submit(self, op: Op, route: Route, deps: Sequence[Op] = (), after: Sequence[Future] = ()) -> Future:
         return self.pool.submit(self._run, op, self._pick(route), after, route.gradient_only)
