@@ -6,9 +6,7 @@ PUT. See :meth:`Committer._commit`.
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -16,6 +14,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from .atomic import atomic_file
 from .errors import StoreError
 from .fs import STAGING, StoreFiles, os_reason
 
@@ -101,32 +100,11 @@ class Committer(StoreFiles):
     def _stage_and_rename(
         self, directory: str, name: str, write: Callable[[BinaryIO], object], fsync: bool
     ) -> None:
-        """Local disk: ``write`` a unique temp file under ``_staging/``, rename it into place."""
-        path = f"{directory}/{name}"
-        staging = f"{self.root}/{STAGING}"
-        self._ensure_dir(staging)
+        """Local disk: ``write`` a unique temp file under ``_staging/``, rename it into place
+        (a partition directory deleted by hand meanwhile is made again)."""
         self._ensure_dir(directory)
-        tmp = f"{staging}/{uuid.uuid4().hex}.{name}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                write(f)
-            if fsync:
-                _fsync_path(tmp)
-            try:
-                os.replace(tmp, path)
-            except FileNotFoundError:
-                # The partition directory vanished (deleted by hand); recreate it once.
-                self._known_dirs.discard(directory)
-                self._ensure_dir(directory)
-                os.replace(tmp, path)
-            if fsync:
-                _fsync_path(directory)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:  # never created, or undeletable: keep the original error
-                pass
-            raise
+        with atomic_file(f"{directory}/{name}", tmp_dir=f"{self.root}/{STAGING}", fsync=fsync) as f:
+            write(f)
 
     def clean_staging(self, older_than_s: float = 3600.0) -> list[str]:
         """Delete temp files of writers that died mid-write; returns what was deleted.
@@ -148,11 +126,3 @@ class Committer(StoreFiles):
                 self._delete(info.path)
                 removed.append(self.display(info.path))
         return removed
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

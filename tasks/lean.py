@@ -27,6 +27,8 @@ from typing import Any
 import prefect.context as _pctx
 from distributed import Client, WorkerPlugin
 
+from storage.atomic import atomic_file
+
 
 def _one_cert_file() -> str:
     import certifi
@@ -37,9 +39,8 @@ def _one_cert_file() -> str:
     path = Path(os.environ.get("FLEXMARL_CACHE", Path.home() / ".cache" / "flexmarl")) / "one-ca.pem"
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists() or path.read_text() != first + "\n":
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(first + "\n")
-        os.replace(tmp, path)
+        with atomic_file(path) as f:
+            f.write(f"{first}\n".encode())
     return str(path)
 
 

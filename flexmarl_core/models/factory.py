@@ -30,12 +30,12 @@ from transformers.utils import logging as hf_logging
 
 from flexmarl_core.config import ModelConfig
 from flexmarl_core.models.tokenizer import (
-    atomic_save_dir,
     default_cache_dir,
     get_tokenizer,
     load_tokenizer,
     tokenizer_key,
 )
+from storage.atomic import atomic_folder
 
 # Per-load "Loading weights" / "Writing model shards" bars: workers load models every time an
 # instance moves, and dozens of bars would drown the run's own progress display.
@@ -149,7 +149,8 @@ def load_agent_model(
     if not (path / "model.safetensors").exists():
         tok = get_tokenizer(cache_dir)
         model = build_model(cfg, seed=seed, tokenizer=tok)
-        atomic_save_dir(path, lambda p: save_model(model, tok, p))
+        with atomic_folder(path) as tmp:  # parallel workers never see half a folder
+            save_model(model, tok, tmp)
     return load_model(path)
 
 

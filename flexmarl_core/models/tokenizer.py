@@ -16,8 +16,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +24,8 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+from storage.atomic import atomic_folder
 
 #: bump when the corpus or the recipe changes, so stale caches are not reused
 TOKENIZER_VERSION = 1
@@ -185,26 +185,6 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def atomic_save_dir(target: Path, write) -> None:
-    """Write a folder via a temp sibling + rename, so concurrent workers never see half a folder.
-
-    `write(tmp_path)` fills the folder. If another process won the race, its copy is kept (both
-    are identical because building is deterministic).
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        write(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def get_tokenizer(
     cache_dir: str | os.PathLike[str] | None = None,
     *,
@@ -215,5 +195,6 @@ def get_tokenizer(
     path = default_cache_dir(cache_dir) / tokenizer_key(vocab_size, seed)
     if not (path / "tokenizer.json").exists():
         tok = train_tokenizer(vocab_size, seed)
-        atomic_save_dir(path, lambda p: tok.save_pretrained(str(p)))
+        with atomic_folder(path) as tmp:  # concurrent workers never see half a folder
+            tok.save_pretrained(str(tmp))
     return load_tokenizer(path)

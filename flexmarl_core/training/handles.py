@@ -53,6 +53,7 @@ import torch
 
 from flexmarl_core.location import is_uri as _is_uri
 from flexmarl_core.models.tokenizer import default_cache_dir
+from storage.atomic import atomic_file
 
 Location = Literal["memory", "disk"]
 
@@ -471,14 +472,8 @@ def put(
         return StateHandle("file", where, nbytes)
     else:
         target = Path(where.removeprefix("file://"))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:  # large writes bypass the 8 KiB buffer (no extra copy)
-            _write(f, flat)
-        os.replace(tmp, target)  # readers never see half a file
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(target) as f:  # readers never see half a file
+        _write(f, flat)
     return StateHandle("file", str(target), nbytes)
 
 
