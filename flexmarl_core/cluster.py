@@ -11,10 +11,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import logging
 import os
 import socket
+import tempfile
 import time
+import zipfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,10 +27,13 @@ from typing import Any
 import dask
 import distributed
 from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
+from distributed.comm.addressing import parse_address, parse_host_port
 
 from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
 from flexmarl_core.ops import MEMORY_ENV, FusedResult, MemoryRestart, Op, Route, StageResult
+from flexmarl_core.stages import run_fused, run_stage_after, run_stage_retrying
+from flexmarl_core.worker import holds_engine, install_weight_transport
 
 # A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
 # task run (Dask's default; seen with distributed 2026.8). The orchestrator
@@ -80,8 +87,6 @@ CONNECT_TIMEOUT_S = 5.0
 def check_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
     """Raise ConfigError, naming `cluster.address`, unless `address` parses as a scheduler
     address and (tcp/tls) a TCP connection to it opens within `timeout` seconds."""
-    from distributed.comm.addressing import parse_address, parse_host_port
-
     example = "e.g. tcp://10.0.0.5:8786, or remove cluster.address to start a local cluster"
     try:
         scheme, loc = parse_address(address)
@@ -203,8 +208,6 @@ RUNTIME_MODULES = (
 
 
 def _import_runtime() -> None:
-    import importlib
-
     for mod in RUNTIME_MODULES:
         try:
             importlib.import_module(mod)
@@ -310,6 +313,7 @@ class DaskExecutor:
         self.retries = dict(retries or {})
         self.retry_delay_s = retry_delay_s
         self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
+        client.register_plugin(DaskWeightPushes())  # before any op: syncs push, rollouts take
 
     #: `submit(..., after=futures)` chains an op on running ones (the orchestrator's look-ahead)
     chains = True
@@ -318,8 +322,6 @@ class DaskExecutor:
                after: Sequence[distributed.Future] = ()) -> distributed.Future:
         """`after`: futures of the ops `op` is chained on. Dask runs it once they are done (their
         results, small `StageResult`s, are its ignored arguments); if one fails, so does it."""
-        from flexmarl_core.stages import run_stage_after, run_stage_retrying
-
         return self.client.submit(
             run_stage_after if after else run_stage_retrying,
             self.run_dir, op, self.retries.get(op.kind, 0), self.retry_delay_s, *after,
@@ -337,8 +339,6 @@ class DaskExecutor:
                      after: Sequence[distributed.Future] = ()) -> distributed.Future:
         """One Dask task running `ops` in order where `route` says (`stages.run_fused`); its
         result is a `FusedResult`. `deps`: each op's dependencies (see `submit`)."""
-        from flexmarl_core.stages import run_fused
-
         return self.client.submit(
             run_fused, self.run_dir, list(ops), [self.retries.get(op.kind, 0) for op in ops],
             self.retry_delay_s, *after,
@@ -393,54 +393,62 @@ class DaskExecutor:
 
 
 # -- weight pushes -------------------------------------------------------------------------------
-#: per (run, agent), the future of the last weights this worker broadcast: holding it keeps the
-#: copies alive on the receivers until the next version replaces it
-_PUSHED: dict[tuple[str, str], distributed.Future] = {}
-
-
 def push_key(run_uri: str, agent: str, version: int) -> str:
-    import hashlib  # str hashes differ between processes: the key must not
-
+    # str hashes differ between processes: the key must not
     return f"flexmarl-weights-{hashlib.sha1(run_uri.encode()).hexdigest()[:12]}-{agent}-v{version}"
 
 
 def _holds_engine(run_uri: str, agent: str) -> bool:
-    from flexmarl_core.worker import holds_engine
-
     return holds_engine(run_uri, agent)
 
 
-def push_weights(run_uri: str, agent: str, version: int, blob: bytes) -> dict[str, float]:
-    """From inside a Dask task (the sync stage): broadcast the published weights to the other
-    workers that hold an engine of `agent`, peer to peer (`scatter(broadcast=True)` puts them
-    in this worker's memory and Dask replicates them along a tree), so N instances need not
-    each read the same object from storage. Each receiver takes them from its memory when its
-    next rollout asks for that version (`pushed_weights`); a worker that misses them reads the
-    file as before. Returns what it measured (nothing outside a Dask worker)."""
-    try:
-        worker = distributed.get_worker()
-    except ValueError:
-        return {}
-    client = distributed.get_client()
-    t0 = time.perf_counter()
-    holders = [a for a, yes in client.run(_holds_engine, run_uri, agent).items()
-               if yes and a != worker.address]
-    if not holders:
-        return {"push_targets": 0.0}
-    key = push_key(run_uri, agent, version)
-    fut = client.scatter({key: blob}, workers=holders, broadcast=True, hash=False)[key]
-    _PUSHED[(run_uri, agent)] = fut  # the previous version's copies are released
-    return {"push_targets": float(len(holders)), "push_s": time.perf_counter() - t0}
+class DaskWeightPushes(WorkerPlugin):
+    """The workers' `worker.WeightTransport` on Dask, installed in each worker as it starts
+    (a named plugin: registering it again replaces it; a restarted worker gets it too).
 
+    A sync broadcasts the published weights to the other workers that hold an engine of the
+    agent, peer to peer (`scatter(broadcast=True)` puts them in this worker's memory and Dask
+    replicates them along a tree), so N instances need not each read the same object from
+    storage. Each receiver takes them from its memory when its next rollout asks for that
+    version (`pushed`); a worker that misses them reads the file as before."""
 
-def pushed_weights(run_uri: str, agent: str, version: int) -> bytes | None:
-    """The weights a sync broadcast to this worker, if it holds them (see `push_weights`)."""
-    try:
-        worker = distributed.get_worker()
-    except ValueError:
-        return None
-    blob = worker.data.get(push_key(run_uri, agent, version))
-    return blob if isinstance(blob, bytes) else None
+    name = "flexmarl-weight-pushes"
+
+    def __init__(self) -> None:
+        self.worker: distributed.Worker | None = None
+        #: per (run, agent), the future of the last weights this worker broadcast: holding it
+        #: keeps the copies alive on the receivers until the next version replaces it
+        self._pushed: dict[tuple[str, str], distributed.Future] = {}
+
+    def setup(self, worker: distributed.Worker) -> None:
+        self.worker = worker
+        install_weight_transport(self)
+
+    def teardown(self, worker: distributed.Worker) -> None:
+        install_weight_transport(None)
+        self._pushed.clear()
+
+    def push(self, run_uri: str, agent: str, version: int, blob: bytes) -> dict[str, float]:
+        """From inside the sync's task: broadcast `blob` to the engines' other workers; what it
+        measured."""
+        if self.worker is None:
+            return {}
+        client = distributed.get_client()
+        t0 = time.perf_counter()
+        holders = [a for a, yes in client.run(_holds_engine, run_uri, agent).items()
+                   if yes and a != self.worker.address]
+        if not holders:
+            return {"push_targets": 0.0}
+        key = push_key(run_uri, agent, version)
+        fut = client.scatter({key: blob}, workers=holders, broadcast=True, hash=False)[key]
+        self._pushed[(run_uri, agent)] = fut  # the previous version's copies are released
+        return {"push_targets": float(len(holders)), "push_s": time.perf_counter() - t0}
+
+    def pushed(self, run_uri: str, agent: str, version: int) -> bytes | None:
+        if self.worker is None:
+            return None
+        blob = self.worker.data.get(push_key(run_uri, agent, version))
+        return blob if isinstance(blob, bytes) else None
 
 
 # -- code for the workers ------------------------------------------------------------------------
@@ -452,8 +460,6 @@ def zip_code(folder: Path, out: Path) -> Path:
     """The .py files under `folder` in a zip, named relative to `folder`: its packages and
     modules are importable from the zip's root (`examples/custom_team/reward.py` ->
     `examples.custom_team.reward`)."""
-    import zipfile
-
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
         for path in sorted(folder.rglob("*.py")):
             rel = path.relative_to(folder)
@@ -467,9 +473,6 @@ def upload_code(client: Client, paths: Sequence[str]) -> list[str]:
     plugin, so a worker that joins or restarts later gets it too): a folder goes as a zip of its
     .py files, put first on the worker's `sys.path`; a .py or .zip file as it is. Returns what
     was sent, by name. Call before any task: a worker unpickles a task by importing its code."""
-    import hashlib
-    import tempfile
-
     sent = []
     with tempfile.TemporaryDirectory(prefix="flexmarl-upload-") as tmp:
         for entry in paths:
@@ -482,3 +485,4 @@ def upload_code(client: Client, paths: Sequence[str]) -> list[str]:
             client.upload_file(str(src))  # load: a zip goes on sys.path, its packages imported
             sent.append(src.name)
     return sent
+

@@ -22,10 +22,10 @@ nothing a worker needs is in it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import Any, BinaryIO
 
 import pyarrow.fs as pafs
 
+from storage.atomic import atomic_file
 from storage.fs import open_filesystem
 
 RUN_MARKER = ".flexmarl-run"
@@ -63,6 +64,11 @@ def gradient_key(agent: str, iteration: int, mb: int) -> str:
     """A gradient helper's gradient of one micro-batch (`codesign.gradient_helpers`), until the
     agent's step of `iteration` adds it."""
     return f"gradients/{agent}/it{iteration}-mb{mb}.safetensors"
+
+
+def base_weights_key(key: str) -> str:
+    """Where the shared base of LoRA agents (`models.lora.base_key`) is published, once per run."""
+    return f"bases/{key}.safetensors"
 
 
 def is_uri(where: str | os.PathLike[str]) -> bool:
@@ -176,15 +182,8 @@ class RunLocation:
             with self.fs.open_output_stream(path) as f:
                 yield f  # type: ignore[misc]
             return
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            with open(tmp, "wb") as f:  # large writes bypass the 8 KiB buffer (no extra copy)
-                yield f
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with atomic_file(path) as f:
+            yield f
 
     def write_bytes(self, key: str, data: bytes) -> None:
         with self.open_output(key) as f:
@@ -216,3 +215,16 @@ class RunLocation:
             self.fs.delete_dir(self.root)
         except FileNotFoundError:
             pass
+
+
+def as_location(run_dir: str | os.PathLike[str] | RunLocation) -> RunLocation:
+    """`run_dir` opened as a location (an opened one as it is)."""
+    if isinstance(run_dir, RunLocation):
+        return run_dir
+    return _location(os.fspath(run_dir))
+
+
+@functools.lru_cache(maxsize=16)
+def _location(run_dir: str) -> RunLocation:
+    # Every op names its run by string: one filesystem client per run and process, not per op.
+    return RunLocation(run_dir)

@@ -160,6 +160,11 @@ class FusedResult:
         return out
 
 
+class ConsistencyError(RuntimeError):
+    """A sample would train a policy version it may not: on-policy (`max_staleness` 0), one
+    other than the one that produced it; with staleness k, one more than k versions newer."""
+
+
 class DependencyFailed(RuntimeError):
     """An op chained on a fused run started after an op of that run failed: it does not run."""
 

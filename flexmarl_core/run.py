@@ -21,14 +21,21 @@ from flexmarl_core.location import (
     RUN_MARKER,
     WARM_START_NAME,
     RunLocation,
+    as_location,
+    base_weights_key,
     weights_key,
 )
 from flexmarl_core.meg import MEG
 from flexmarl_core.metrics import IterationTracker, MetricsWriter, critical_path
+from flexmarl_core.models import default_cache_dir, load_agent_model
+from flexmarl_core.models.lora import base_key, initial_adapter_state
 from flexmarl_core.ops import OpRecord, StageResult
 from flexmarl_core.orchestrator import Executor, Orchestrator
 from flexmarl_core.plan import Plan
-from flexmarl_core.worker import as_location, publish_weights
+from flexmarl_core.sft import warm_start
+from flexmarl_core.weights import initial_weights, load_base, publish_base, publish_weights
+from flexmarl_core.workloads import make_workload
+from storage import MEGStore
 
 __all__ = ["CONFIG_NAME", "RUN_MARKER", "WARM_START_NAME", "check_resumable", "check_run_folder",
            "completed_records", "prepare_run", "train"]
@@ -82,10 +89,6 @@ def check_run_folder(run_dir: RunDir, init_from: str | None = None) -> None:
 def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str], None] = print) -> Path | str:
     """Create the run folder: config, initial weights (a warm start, if configured), inputs for
     every iteration. Returns its local path, or its URI for a run on an object store."""
-    from flexmarl_core.models import load_agent_model
-    from flexmarl_core.workloads import make_workload
-    from storage import MEGStore
-
     meg = MEG.from_config(cfg.team)
     workload = make_workload(cfg.workload, cfg.team)  # bad data fails before the folder is touched
     loc = cfg.run_location()
@@ -99,9 +102,6 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
     loc.write_bytes(RUN_MARKER, b"")
     init_from = cfg.train.init_from
     if init_from is None and cfg.train.warm_start == "sft":
-        from flexmarl_core.models.tokenizer import default_cache_dir
-        from flexmarl_core.sft import warm_start
-
         folder, info = warm_start(cfg, default_cache_dir(), log=log)
         init_from = str(folder)
         loc.write_text(WARM_START_NAME, json.dumps(
@@ -147,26 +147,9 @@ def _saved_config(cfg: ExperimentConfig, loc: RunLocation) -> dict[str, Any]:
     return data
 
 
-def initial_weights(init_from: str | None, agent: str) -> dict[str, Any] | None:
-    """Weights from `init_from/<agent>` (`train.init_from`, the warm start, or a team
-    `flexmarl sft` saved), if any."""
-    if not init_from:
-        return None
-    from safetensors.torch import load_file
-
-    path = Path(init_from) / agent / "model.safetensors"
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint for agent {agent!r} at {path}")
-    return load_file(str(path))
-
-
 def _publish_bases(cfg: ExperimentConfig, loc: RunLocation, init_from: str | None) -> None:
     """One base file per distinct LoRA base: from `init_from/<agent>` (a warm start saves the
     base it trained under each agent on it) of the base's first agent, else the preset/folder."""
-    from flexmarl_core.models import load_agent_model
-    from flexmarl_core.models.lora import base_key
-    from flexmarl_core.worker import base_weights_key, publish_base
-
     for a in cfg.team.agents:
         if a.model.lora is None:
             continue
@@ -180,10 +163,6 @@ def _publish_bases(cfg: ExperimentConfig, loc: RunLocation, init_from: str | Non
 
 
 def _initial_adapter(cfg: ExperimentConfig, loc: RunLocation, agent: str) -> dict[str, Any]:
-    from flexmarl_core.models import load_agent_model
-    from flexmarl_core.models.lora import base_key, initial_adapter_state
-    from flexmarl_core.worker import load_base
-
     mcfg = cfg.agent(agent).model
     assert mcfg.lora is not None
     model, _ = load_agent_model(mcfg, seed=cfg.seed)

@@ -13,6 +13,7 @@ which is the paper's "SFT-only" starting point; RL must then add to it.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import random
@@ -23,12 +24,21 @@ from typing import Any
 
 import torch
 
+from flexmarl_core.algorithms import token_weight
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.evaluate import evaluate_team
+from flexmarl_core.inference import make_inference_engine
 from flexmarl_core.inference.tools import split_demonstration, tool_of
 from flexmarl_core.meg import MEG
+from flexmarl_core.models import load_agent_model
+from flexmarl_core.models.lora import base_key
+from flexmarl_core.models.tokenizer import tokenizer_key
 from flexmarl_core.programs.team import program_team
+from flexmarl_core.training import Sample, make_trainer
 from flexmarl_core.training.api import TokenBatch
+from flexmarl_core.weights import initial_weights, save_state_atomic
+from flexmarl_core.workloads import make_workload
+from storage.atomic import atomic_folder
 
 
 def sft_loss(logprobs: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, Mapping[str, Any]]:
@@ -89,13 +99,6 @@ def run_sft(
     `resume_from`: continue from a saved team (an `<out>` or `<out>/step-<N>` folder): its
     weights, and its step count from its `sft.json`, so the next steps see the problems an
     uninterrupted run would. The optimizer's moments are not saved, so they start again."""
-    from flexmarl_core.algorithms import token_weight
-    from flexmarl_core.inference import make_inference_engine
-    from flexmarl_core.models import load_agent_model
-    from flexmarl_core.run import initial_weights
-    from flexmarl_core.training import Sample, make_trainer
-    from flexmarl_core.workloads import make_workload
-
     torch.manual_seed(cfg.seed)
     meg = MEG.from_config(cfg.team)
     workload = make_workload(cfg.workload, cfg.team)
@@ -106,8 +109,6 @@ def run_sft(
     refresh: list[str] = []  # agents whose engine holds a copy of the trained weights
     # LoRA agents on one base SFT that base together (one model, one trainer, every agent's
     # demonstrations in each step); RL then trains each one's adapter on it.
-    from flexmarl_core.models.lora import base_key
-
     # Read first: a folder that is not a saved team fails before any model is built.
     resumed_at, acc = _saved_meta(Path(resume_from)) if resume_from is not None else (None, 0.0)
     by_base: dict[str, str] = {}  # base key -> the first agent on it (owns model and trainer)
@@ -209,8 +210,6 @@ def _save_team(out: Path, agents: list[str], models: dict[str, torch.nn.Module],
 
 
 def _save(path: Path, model: torch.nn.Module) -> None:
-    from flexmarl_core.worker import save_state_atomic
-
     save_state_atomic(path / "model.safetensors", model.state_dict())
 
 
@@ -233,10 +232,6 @@ def warm_start_key(cfg: ExperimentConfig) -> str:
     (and the files both point at), the tokenizer recipe, the seed and the SFT settings; not RL's
     loss, learning rate, batch, switches (`max_staleness` included), cluster or iterations, so
     runs that differ only there share a warm start."""
-    import hashlib
-
-    from flexmarl_core.models.tokenizer import tokenizer_key
-
     wl = cfg.workload
     parts = {
         "version": WARM_START_VERSION, "tokenizer": tokenizer_key(),
@@ -292,21 +287,10 @@ def warm_start(cfg: ExperimentConfig, cache_dir: str | Path, *, log: Callable[[s
     Returns the checkpoint folder (one `<agent>/model.safetensors` each, like `flexmarl sft`)
     and its `sft.json` (held-out accuracy, steps, and `reused`). Made in a temporary folder and
     renamed into place, so a crash never leaves a half-written cache entry."""
-    import shutil
-
     final = warm_start_path(cfg, cache_dir)
-    if (final / "sft.json").exists():
-        info = json.loads((final / "sft.json").read_text())
-        return final, {**info, "out_dir": str(final), "reused": True}
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    info = run_sft(cfg, out_dir=tmp, log=log)
-    try:
-        tmp.replace(final)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (final / "sft.json").exists():
-            raise
-        # another run made the same entry meanwhile: keep theirs
+    reused = (final / "sft.json").exists()
+    if not reused:
+        with atomic_folder(final) as tmp:  # a run that made the same entry meanwhile keeps its own
+            run_sft(cfg, out_dir=tmp, log=log)
     info = json.loads((final / "sft.json").read_text())
-    return final, {**info, "out_dir": str(final), "reused": False}
+    return final, {**info, "out_dir": str(final), "reused": reused}

@@ -4,125 +4,91 @@ the agents' inference engines and trainers, loaded once and kept in memory.
 Tasks carry only the run's location (`run_dir`: a local path or a URI, see `location.py`);
 `context(run_dir)` returns this process's state for that run, building it on first use from
 the files there, so a worker needs no folder shared with the flow process. Weights move
-between processes as versioned files `weights/<agent>/v<k>.safetensors` (written atomically by
-the trainer's sync), so a restarted worker rebuilds any engine from the latest published
-version; a sync also broadcasts the new weights to the other workers holding an engine of the
-agent (`cluster.push_weights`), so N instances do not read one object N times.
+between processes as versioned files (`weights.py`), so a restarted worker rebuilds any engine
+from the latest published version. A cluster may also carry them from a sync to the other
+processes holding an engine of the agent (a `WeightTransport` its adapter installs here, e.g.
+`cluster.DaskWeightPushes`), so N instances do not read one object N times.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
-from safetensors.torch import save_file
 
 from flexmarl_core.config import ExperimentConfig, config_from_text
-from flexmarl_core.location import CONFIG_NAME, RunLocation, gradient_key, trainer_key, weights_key
+from flexmarl_core.inference import InferenceBackend, make_inference_engine
+from flexmarl_core.inference.api import SharedBaseBackend
+from flexmarl_core.inference.coalesce import Coalescer
+from flexmarl_core.location import CONFIG_NAME, RunLocation, as_location, trainer_key, weights_key
 from flexmarl_core.meg import MEG
+from flexmarl_core.models import load_agent_model
+from flexmarl_core.models.lora import SharedBase, base_key
+from flexmarl_core.training import TrainBackend, make_trainer
+from flexmarl_core.training.api import GradientTrainer
+from flexmarl_core.training.factory import make_lora_trainer
+from flexmarl_core.training.handles import dump, load
+from flexmarl_core.updates import replay
+from flexmarl_core.weights import (
+    State,
+    from_safetensors,
+    load_base,
+    load_weights,
+    publish_weights,
+    save_state_atomic,
+    trainer_state_path,
+    weights_path,
+)
+from flexmarl_core.workloads import make_workload
+from flexmarl_core.workloads.api import Workload
+from storage import MEGStore, Store
 
-__all__ = ["CONFIG_NAME", "WorkerContext", "context", "load_weights", "publish_weights", "weights_path"]
-
-
-def as_location(run_dir: str | os.PathLike[str] | RunLocation) -> RunLocation:
-    if isinstance(run_dir, RunLocation):
-        return run_dir
-    return _location(os.fspath(run_dir))
-
-
-@functools.lru_cache(maxsize=16)
-def _location(run_dir: str) -> RunLocation:
-    # Every op names its run by string: one filesystem client per run and process, not per op.
-    return RunLocation(run_dir)
-
-
-def weights_path(run_dir: str | Path, agent: str, version: int) -> Path:
-    """A weights version's file in a run folder on local disk (`location.weights_key` in any)."""
-    return Path(run_dir) / weights_key(agent, version)
-
-
-def trainer_state_path(run_dir: str | Path, agent: str, version: int) -> Path:
-    """A trainer state's file in a run folder on local disk (`location.trainer_key` in any)."""
-    return Path(run_dir) / trainer_key(agent, version)
-
-
-def base_weights_key(key: str) -> str:
-    """Where the shared base of LoRA agents (`models.lora.base_key`) is published, once per run."""
-    return f"bases/{key}.safetensors"
+__all__ = ["CONFIG_NAME", "FilesOnly", "WeightTransport", "WorkerContext", "as_location", "context",
+           "holds_engine", "install_weight_transport", "load_weights", "publish_weights", "save_state_atomic",
+           "trainer_state_path", "weights_path"]
 
 
-def publish_base(run_dir: str | os.PathLike[str] | RunLocation, key: str, state: dict[str, torch.Tensor]) -> None:
-    as_location(run_dir).write_bytes(base_weights_key(key), save_safetensors(_cpu_copy(state)))
+class WeightTransport(Protocol):
+    """How a sync's new weights reach the other processes that hold an engine of the agent,
+    beside the published file (which every process can always read)."""
+
+    def push(self, run_uri: str, agent: str, version: int, blob: bytes) -> dict[str, float]:
+        """From the process that ran the sync: send `blob` (safetensors bytes of `version`) to
+        the others that hold an engine of `agent` (`holds_engine`); what it measured."""
+        ...
+
+    def pushed(self, run_uri: str, agent: str, version: int) -> bytes | None:
+        """The bytes of `version` a sync pushed to this process, if it holds them."""
+        ...
 
 
-def load_base(run_dir: str | os.PathLike[str] | RunLocation, key: str) -> dict[str, torch.Tensor]:
-    loc = as_location(run_dir)
-    return _from_safetensors(loc.read_bytes(base_weights_key(key)), loc.display(base_weights_key(key)))
+class FilesOnly:
+    """The default transport: nothing is pushed; every process reads the published file."""
 
+    def push(self, run_uri: str, agent: str, version: int, blob: bytes) -> dict[str, float]:
+        return {}
 
-def _cpu_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # Clone: tied embeddings share storage and safetensors refuses shared tensors; lm_head must
-    # travel with the rest (a vLLM push without it silently keeps the old output layer).
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-
-
-def save_state_atomic(path: Path, state: dict[str, torch.Tensor]) -> Path:
-    """Write a state dict as safetensors atomically (temp + rename): readers never see half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    save_file(_cpu_copy(state), str(tmp))
-    os.replace(tmp, path)
-    return path
-
-
-def publish_weights(run_dir: str | os.PathLike[str] | RunLocation, agent: str, version: int,
-                    state: dict[str, torch.Tensor]) -> bytes:
-    """Publish one weights version (a retry rewrites the same bytes); its safetensors bytes."""
-    blob = save_safetensors(_cpu_copy(state))
-    as_location(run_dir).write_bytes(weights_key(agent, version), blob)
-    return blob
-
-
-def load_weights(run_dir: str | os.PathLike[str] | RunLocation, agent: str, version: int) -> dict[str, torch.Tensor]:
-    loc = as_location(run_dir)
-    try:
-        blob = loc.read_bytes(weights_key(agent, version))
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"agent {agent!r}: weights version {version} not published at "
-            f"{loc.display(weights_key(agent, version))}") from None
-    return _from_safetensors(blob, loc.display(weights_key(agent, version)))
-
-
-def publish_gradient(loc: RunLocation, agent: str, iteration: int, mb: int, grad: torch.Tensor) -> None:
-    """A gradient helper's flat gradient of one micro-batch, for the agent's step to add."""
-    loc.write_bytes(gradient_key(agent, iteration, mb), save_safetensors({"grad": grad}))
-
-
-def load_gradient(loc: RunLocation, agent: str, iteration: int, mb: int) -> torch.Tensor | None:
-    """The gradient a helper published for (`iteration`, `mb`), or None if there is none."""
-    key = gradient_key(agent, iteration, mb)
-    if not loc.is_file(key):
+    def pushed(self, run_uri: str, agent: str, version: int) -> bytes | None:
         return None
-    return _from_safetensors(loc.read_bytes(key), loc.display(key))["grad"]
 
 
-def _from_safetensors(blob: bytes, what: str) -> dict[str, torch.Tensor]:
-    """Tensors from safetensors bytes (plain data: a JSON header and raw bytes, never code)."""
-    try:
-        return load_safetensors(blob)
-    except Exception as e:  # safetensors raises its own error type for every malformed file
-        raise ValueError(f"{what} is not a safetensors weights file ({type(e).__name__}: {e})") from None
+_TRANSPORT: list[WeightTransport] = [FilesOnly()]
+
+
+def install_weight_transport(transport: WeightTransport | None) -> None:
+    """Use `transport` in this process from now on (None: back to `FilesOnly`). A cluster
+    adapter calls it in each worker as the worker starts."""
+    _TRANSPORT[0] = transport if transport is not None else FilesOnly()
+
+
+def weight_transport() -> WeightTransport:
+    """This process's transport (`install_weight_transport`)."""
+    return _TRANSPORT[0]
 
 
 @dataclass
@@ -130,42 +96,43 @@ class WorkerContext:
     loc: RunLocation
     cfg: ExperimentConfig
     meg: MEG
-    engines: dict[str, Any] = field(default_factory=dict)
-    trainers: dict[str, Any] = field(default_factory=dict)
+    engines: dict[str, InferenceBackend] = field(default_factory=dict)
+    trainers: dict[str, TrainBackend] = field(default_factory=dict)
     #: per agent, a trainer that only computes gradients (`helper`)
-    helpers: dict[str, Any] = field(default_factory=dict)
+    helpers: dict[str, GradientTrainer] = field(default_factory=dict)
     #: LoRA agents: (base key, inference backend) -> the one engine of every agent on it; base
     #: key -> the trainers' base
-    shared_engines: dict[tuple[str, str], Any] = field(default_factory=dict)
-    shared_train_bases: dict[str, Any] = field(default_factory=dict)
+    shared_engines: dict[tuple[str, str], SharedBaseBackend] = field(default_factory=dict)
+    shared_train_bases: dict[str, SharedBase] = field(default_factory=dict)
     #: (base key, inference backend) -> the queue that mixes concurrent rollouts in one decode
-    coalescers: dict[tuple[str, str], Any] = field(default_factory=dict)
+    coalescers: dict[tuple[str, str], Coalescer] = field(default_factory=dict)
     #: per agent, the (iteration, mb) already in the trainer's accumulated gradients
     accumulated: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
     #: iteration -> micro-batch -> input rows (meta parsed); inputs never change once written
     _inputs: dict[int, dict[int, list[dict[str, Any]]]] = field(default_factory=dict)
-    _store: Any = None
-    _workload: Any = None
+    _store: Store | None = None
+    _workload: Workload | None = None
     #: re-entrant: a rollout holding it may replay its trainer (`trainer`), which takes it too
     lock: threading.RLock = field(default_factory=threading.RLock)
     #: weights versions this process took from a sync's push instead of reading the file
     pushed_loads: int = 0
 
     @property
-    def store(self) -> Any:
+    def store(self) -> Store:
         if self._store is None:
-            from storage import MEGStore
-
             self._store = MEGStore(self.cfg.resolved_store_uri())
         return self._store
 
     @property
-    def workload(self) -> Any:
+    def workload(self) -> Workload:
         if self._workload is None:
-            from flexmarl_core.workloads import make_workload
-
             self._workload = make_workload(self.cfg.workload, self.cfg.team)
         return self._workload
+
+    @property
+    def transport(self) -> WeightTransport:
+        """How weights reach this process besides their files (`install_weight_transport`)."""
+        return weight_transport()
 
     def inputs(self, iteration: int, mb: int) -> list[dict[str, Any]]:
         """The inputs of one micro-batch in their original order, read once per iteration."""
@@ -184,78 +151,73 @@ class WorkerContext:
 
     def _fresh_model(self, agent: str) -> tuple[Any, Any]:
         """The agent's model on `cluster.device`: its engine and trainer follow the model."""
-        from flexmarl_core.models import load_agent_model
-
         mcfg = self.cfg.agent(agent).model
         with _MODEL_LOCK:  # transformers' loading patches torch globally: one thread at a time
             model, tok = load_agent_model(mcfg, seed=self.cfg.seed)
         if mcfg.lora is not None:  # the base the run published (a warm start's, or the preset's)
-            from flexmarl_core.models.lora import base_key
-
             model.load_state_dict(load_base(self.loc, base_key(mcfg, self.cfg.seed)))
         return model.to(self.cfg.cluster.device), tok
 
-    def _adapter_engine(self, agent: str, version: int) -> Any:
-        """`agent`'s view of the one engine this process runs for its base (made on first use);
-        an agent new to it brings only its adapter."""
-        from flexmarl_core.inference.lora_engine import SharedBaseEngine
-        from flexmarl_core.models.lora import base_key
-
+    def _shared_engine(self, agent: str) -> SharedBaseBackend:
+        """The one engine this process runs for `agent`'s base (made on first use)."""
         acfg = self.cfg.agent(agent)
         backend = acfg.backend.inference
         key = base_key(acfg.model, self.cfg.seed)
         shared = self.shared_engines.get((key, backend))
-        if shared is None:
-            model, tok = self._fresh_model(agent)
-            if backend == "vllm":  # one vllm.LLM per base, sized for every LoRA agent on it
-                from flexmarl_core.inference.vllm_lora import VLLMSharedBaseEngine
+        if shared is not None:
+            return shared
+        model, tok = self._fresh_model(agent)
+        if backend == "vllm":  # one vllm.LLM per base, sized for every LoRA agent on it
+            from flexmarl_core.inference.vllm_lora import VLLMSharedBaseEngine  # the vllm extra
 
-                peers = [a.model.lora for a in self.cfg.team.agents if a.model.lora is not None
-                         and a.backend.inference == "vllm" and base_key(a.model, self.cfg.seed) == key]
-                shared = VLLMSharedBaseEngine.from_model(model, tok, dtype=acfg.model.dtype, max_loras=len(peers),
-                                                         max_lora_rank=max(s.rank for s in peers))
-            else:
-                dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[acfg.model.dtype]
-                shared = SharedBaseEngine(model.to(dtype), tok)
-            self.shared_engines[(key, backend)] = shared
-        assert acfg.model.lora is not None
-        shared.add(agent, acfg.model.lora, self.weights(agent, version), version)
+            peers = [a.model.lora for a in self.cfg.team.agents if a.model.lora is not None
+                     and a.backend.inference == "vllm" and base_key(a.model, self.cfg.seed) == key]
+            shared = VLLMSharedBaseEngine.from_model(model, tok, dtype=acfg.model.dtype, max_loras=len(peers),
+                                                     max_lora_rank=max(s.rank for s in peers))
+        else:
+            from flexmarl_core.inference.lora_engine import SharedBaseEngine  # the peft extra
+
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[acfg.model.dtype]
+            shared = SharedBaseEngine(model.to(dtype), tok)
+        self.shared_engines[(key, backend)] = shared
+        return shared
+
+    def _adapter_engine(self, agent: str, version: int) -> InferenceBackend:
+        """`agent`'s view of the one engine this process runs for its base; an agent new to it
+        brings only its adapter."""
+        spec = self.cfg.agent(agent).model.lora
+        if spec is None:
+            raise ValueError(f"agent {agent!r} is not a LoRA agent (no model.lora)")
+        shared = self._shared_engine(agent)
+        shared.add(agent, spec, self.weights(agent, version), version)
         return shared.view(agent)
 
-    def coalescer(self, agent: str) -> Any:
+    def coalescer(self, agent: str) -> Coalescer | None:
         """The `inference/coalesce.py` queue shared by the LoRA agents on `agent`'s base in this
         process; None when `codesign.mixed_batch_window_s` is unset or `agent` is not LoRA."""
         window, acfg = self.cfg.codesign.mixed_batch_window_s, self.cfg.agent(agent)
         if window is None or acfg.model.lora is None:
             return None
-        from flexmarl_core.inference.coalesce import Coalescer
-        from flexmarl_core.models.lora import base_key
-
         key = (base_key(acfg.model, self.cfg.seed), acfg.backend.inference)
         with self.lock:
             if key not in self.coalescers:
                 self.coalescers[key] = Coalescer(window, self._shared_engine_at, self.lock)
             return self.coalescers[key]
 
-    def _shared_engine_at(self, agent: str, version: int) -> tuple[Any, bool]:
+    def _shared_engine_at(self, agent: str, version: int) -> tuple[SharedBaseBackend, bool]:
         """The shared-base engine holding `agent`'s adapter `version`, and whether that version
         came from a sync's push (a coalescer's `load`)."""
         pushed = self.pushed_loads
-        view = self.engine(agent, version)
-        return view.shared, self.pushed_loads > pushed
+        self.engine(agent, version)
+        return self._shared_engine(agent), self.pushed_loads > pushed
 
-    def _new_trainer(self, agent: str) -> Any:
+    def _new_trainer(self, agent: str) -> TrainBackend:
         """A trainer at version 0; LoRA agents on one base share this process's copy of it."""
-        from flexmarl_core.training import make_trainer
-
         acfg = self.cfg.agent(agent)
         if acfg.model.lora is None:
             model, _ = self._fresh_model(agent)
             model.load_state_dict(load_weights(self.loc, agent, 0))
             return make_trainer(acfg, model)
-        from flexmarl_core.models.lora import SharedBase, base_key
-        from flexmarl_core.training.factory import make_lora_trainer
-
         key = base_key(acfg.model, self.cfg.seed)
         shared = self.shared_train_bases.get(key)
         if shared is None:
@@ -280,17 +242,14 @@ class WorkerContext:
         every = self.cfg.train.checkpoint_every
         return not self.one_process or version % every == 0 or version >= self.cfg.train.iterations
 
-    def weights(self, agent: str, version: int) -> dict[str, torch.Tensor]:
+    def weights(self, agent: str, version: int) -> State:
         """Weights `version` of `agent`: the copy a sync pushed to this process, the published
         file, or (between checkpoints) this process's trainer at that version, replayed from the
         last checkpoint if need be."""
-        if "distributed" in sys.modules:  # in a Dask worker: a sync may have pushed them here
-            from flexmarl_core.cluster import pushed_weights
-
-            blob = pushed_weights(self.loc.uri, agent, version)
-            if blob is not None:
-                self.pushed_loads += 1
-                return _from_safetensors(blob, f"weights {agent} v{version} pushed by a sync")
+        blob = self.transport.pushed(self.loc.uri, agent, version)
+        if blob is not None:
+            self.pushed_loads += 1
+            return from_safetensors(blob, f"weights {agent} v{version} pushed by a sync")
         key = weights_key(agent, version)
         if version == 0 or self.loc.is_file(key):
             return load_weights(self.loc, agent, version)
@@ -302,14 +261,12 @@ class WorkerContext:
             )
         return tr.weights()
 
-    def engine(self, agent: str, version: int) -> Any:
+    def engine(self, agent: str, version: int) -> InferenceBackend:
         """This process's inference engine for `agent`, holding weights `version`."""
         eng = self.engines.get(agent)
         if eng is None and self.cfg.agent(agent).model.lora is not None:
             eng = self.engines[agent] = self._adapter_engine(agent, version)
         elif eng is None:
-            from flexmarl_core.inference import make_inference_engine
-
             model, tok = self._fresh_model(agent)
             eng = make_inference_engine(self.cfg.agent(agent), model, tok)
             eng.update_weights(self.weights(agent, version), version)
@@ -318,18 +275,22 @@ class WorkerContext:
             eng.update_weights(self.weights(agent, version), version)
         return eng
 
-    def helper(self, agent: str, version: int) -> Any:
+    def helper(self, agent: str, version: int) -> GradientTrainer:
         """This process's gradient helper for `agent` holding weights `version`: a trainer of
         the agent's kind that never steps, only lends its forward and backward to train ops
         that run away from the agent's own trainer (`codesign.gradient_helpers`)."""
         h = self.helpers.get(agent)
         if h is None:
-            h = self.helpers[agent] = self._new_trainer(agent)  # weights version 0, no grads
+            tr = self._new_trainer(agent)  # weights version 0, no grads
+            if not isinstance(tr, GradientTrainer):
+                raise TypeError(f"agent {agent!r}: its trainer ({type(tr).__name__}) cannot lend its "
+                                "gradient (codesign.gradient_helpers needs the plain torch trainer)")
+            h = self.helpers[agent] = tr
         if h.version != version:
             h.set_weights(self.weights(agent, version), version)
         return h
 
-    def trainer(self, agent: str, version: int) -> tuple[Any, dict[str, float]]:
+    def trainer(self, agent: str, version: int) -> tuple[TrainBackend, dict[str, float]]:
         """This process's trainer for `agent` at `version` (or later: a retried op finds its
         work done), and swap figures when the state had to be swapped in.
 
@@ -366,26 +327,20 @@ class WorkerContext:
             swap = {"swap_in_bytes": float(self._load_trainer_state(tr, agent, base))}
             self.accumulated[agent] = set()
         self.trainers[agent] = tr
-        from flexmarl_core.stages.train import replay
-
         with self.lock:
             replay(self, agent, tr, version)
         return tr, {**swap, "swap_in_s": time.perf_counter() - t0}
 
-    def _load_trainer_state(self, tr: Any, agent: str, version: int) -> int:
+    def _load_trainer_state(self, tr: TrainBackend, agent: str, version: int) -> int:
         """Load the checkpointed state `version` of `agent` into `tr`; returns its size."""
-        from flexmarl_core.training.handles import load as load_state
-
         key = trainer_key(agent, version)
         with self.loc.open_input(key) as f:
-            tr.load_state(load_state(f, what=self.loc.display(key)))
+            tr.load_state(load(f, what=self.loc.display(key)))
             return f.tell()
 
     def checkpoint_trainer(self, agent: str) -> dict[str, float]:
         """Swap the trainer state out to the shared tier after a step (atomic file), keeping
         the previous checkpoint (a resumed run may need it) and deleting older ones."""
-        from flexmarl_core.training.handles import dump
-
         tr = self.trainers[agent]
         t0 = time.perf_counter()
         with self.loc.open_output(trainer_key(agent, tr.version)) as f:
@@ -395,11 +350,11 @@ class WorkerContext:
         return {"swap_out_s": time.perf_counter() - t0, "swap_out_bytes": float(nbytes)}
 
 
-
-
 _CONTEXTS: dict[str, WorkerContext] = {}
 _LOCK = threading.Lock()
 _MODEL_LOCK = threading.Lock()
+
+
 def holds_engine(run_uri: str, agent: str) -> bool:
     """Whether this process serves the run at `run_uri` with an engine of `agent` (a sync
     pushes new weights only to such processes)."""

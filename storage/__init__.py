@@ -42,6 +42,7 @@ The class is assembled in ``storage/store.py`` from one module per concern (fs, 
 write, read and fold, compact, audit).
 """
 
+from .api import Store
 from .check import audit_store, check_store, main
 from .errors import Problem, StoreError
 from .schema import (
@@ -68,6 +69,7 @@ __all__ = [
     "STATUS_FIELDS",
     "STATUS_FILE_SCHEMA",
     "MEGStore",
+    "Store",
     "Problem",
     "Rows",
     "StoreError",

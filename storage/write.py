@@ -13,6 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .api import Rows
 from .commit import Committer
 from .fold import KEY, row_keys
 from .schema import (
@@ -26,10 +27,6 @@ from .schema import (
 )
 
 __all__ = ["Rows", "Writer"]
-
-#: Rows to write: a list of dicts (one per row) or an Arrow table.
-Rows = Sequence[Mapping[str, Any]] | pa.Table
-
 
 class Writer(Committer):
     """Writing samples, status changes and inputs."""

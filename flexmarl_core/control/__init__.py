@@ -27,6 +27,7 @@ from flexmarl_core.control.decisions import (
 from flexmarl_core.control.ledger import DEFAULT_OP_S, WorkLedger
 from flexmarl_core.control.router import OrchestratorError, Router
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
+from flexmarl_core.location import base_weights_key, weights_key
 from flexmarl_core.ops import Op, Route, StageResult
 
 __all__ = [
@@ -43,9 +44,7 @@ def _move_costs(cfg: ExperimentConfig, agents: list[str]) -> dict[str, dict]:
     lora = [a for a in agents if cfg.agent(a).model.lora is not None]
     if not lora:
         return {}
-    from flexmarl_core.location import weights_key
-    from flexmarl_core.models.lora import base_key
-    from flexmarl_core.worker import base_weights_key
+    from flexmarl_core.models.lora import base_key  # torch: only for LoRA teams
 
     loc = cfg.run_location()
     base_of = {a: base_key(cfg.agent(a).model, cfg.seed) for a in lora}

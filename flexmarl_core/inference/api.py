@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from flexmarl_core.config import SamplingConfig
+    from flexmarl_core.config import LoraSpec, SamplingConfig
 
 #: why a response ended: EOS token, a stop string, or max_new_tokens
 FinishReason = Literal["eos", "stop", "length"]
@@ -66,4 +66,30 @@ class InferenceBackend(Protocol):
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load new weights (a full state dict, `lm_head.weight` included) tagged `version`."""
+        ...
+
+
+@runtime_checkable
+class SharedBaseBackend(Protocol):
+    """One engine for every LoRA agent on a base (HF or vLLM): a weights version per adapter;
+    each agent sees it through its own `view`."""
+
+    #: agent -> the weights version of its adapter here
+    versions: dict[str, int]
+
+    def add(self, agent: str, spec: LoraSpec, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Give `agent` an adapter (`spec`) holding `state` as `version`."""
+        ...
+
+    def update_adapter(self, agent: str, state: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+    def view(self, agent: str) -> InferenceBackend:
+        """`agent`'s engine on this base."""
+        ...
+
+    def generate_requests(
+        self, requests: Sequence[tuple[str, Sequence[str] | Sequence[Sequence[int]], SamplingConfig, int]]
+    ) -> list[list[Generation]]:
+        """One decode for several (agent, prompts, sampling, seed) requests, each row through its
+        agent's adapter; each request gets the tokens it would get alone."""
         ...

@@ -17,6 +17,7 @@ from typing import Any
 
 from flexmarl_core.location import weights_key
 from flexmarl_core.ops import OP_KINDS, FusedResult, Op, OpKind, StageResult, check_after
+from flexmarl_core.ops import ConsistencyError as ConsistencyError  # where the stages' callers look
 from flexmarl_core.stages.faults import fault_point
 from flexmarl_core.worker import WorkerContext, context
 
@@ -24,11 +25,6 @@ StageFn = Callable[[WorkerContext, Op], StageResult]
 STAGES: dict[OpKind, StageFn] = {}
 #: the stages that run an op away from its agent's trainer (`Route.gradient_only`)
 GRADIENT_STAGES: dict[OpKind, StageFn] = {}
-
-
-class ConsistencyError(RuntimeError):
-    """A sample would train a policy version it may not: on-policy (`max_staleness` 0), one
-    other than the one that produced it; with staleness k, one more than k versions newer."""
 
 
 def stage(kind: OpKind, *, gradient_only: bool = False) -> Callable[[StageFn], StageFn]:

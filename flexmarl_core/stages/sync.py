@@ -3,19 +3,18 @@ checkpoint is due or other processes roll out, `WorkerContext.checkpoint_due`)."
 
 from __future__ import annotations
 
-import sys
-
-from flexmarl_core.ops import Op, StageResult, agent_key
-from flexmarl_core.stages.registry import ConsistencyError, stage
-from flexmarl_core.worker import WorkerContext, publish_weights
+from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
+from flexmarl_core.stages.registry import stage
+from flexmarl_core.weights import publish_weights
+from flexmarl_core.worker import WorkerContext
 
 
 @stage("sync")
 def sync(ctx: WorkerContext, op: Op) -> StageResult:
     """Publish the new version at the run's location (what a restarted or new worker reads),
-    hand it to an engine of this process in memory, and, for a run on object storage and a
-    Dask cluster, broadcast it to the other workers' engines of the agent
-    (`cluster.push_weights`) instead of each of them reading the object."""
+    hand it to an engine of this process in memory, and, for a run on object storage, push it
+    to the other processes' engines of the agent through this worker's transport (on Dask a
+    broadcast, `cluster.DaskWeightPushes`) instead of each of them reading the object."""
     agent, it = op.agent, op.iteration
     tr, _ = ctx.trainer(agent, it + 1)
     if tr.version != it + 1:
@@ -32,10 +31,8 @@ def sync(ctx: WorkerContext, op: Op) -> StageResult:
             eng.update_weights(state, tr.version)
     push: dict[str, float] = {}
     # Only for a remote location: a file on local disk (page cache) reads in milliseconds, less
-    # than a broadcast costs the sync; the Dask module is loaded only in a Dask worker.
-    if blob and not ctx.loc.local and "distributed" in sys.modules:
-        from flexmarl_core.cluster import push_weights
-
-        push = push_weights(ctx.loc.uri, agent, tr.version, blob)
+    # than a broadcast costs the sync.
+    if blob and not ctx.loc.local:
+        push = ctx.transport.push(ctx.loc.uri, agent, tr.version, blob)
     return StageResult(op, version=tr.version, bytes=len(blob),
                        metrics={agent_key(agent, f"sync/{k}"): v for k, v in push.items()})

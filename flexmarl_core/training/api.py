@@ -122,3 +122,21 @@ class TrainBackend(Protocol):
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore a `state()`; afterwards the trainer behaves exactly like the one saved."""
         ...
+
+
+@runtime_checkable
+class GradientTrainer(TrainBackend, Protocol):
+    """A trainer whose gradient can leave it and join another's (`codesign.gradient_helpers`):
+    one process holding the whole model as one flat buffer (the plain torch trainer)."""
+
+    def set_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Hold `weights` as version `version` (a helper that never steps follows the agent)."""
+        ...
+
+    def take_grads(self) -> torch.Tensor:
+        """The flat gradient accumulated so far, and zero it."""
+        ...
+
+    def add_grads(self, flat: torch.Tensor) -> None:
+        """Add a flat gradient (another process's `take_grads`) to the accumulated one."""
+        ...
