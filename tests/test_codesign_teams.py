@@ -43,7 +43,17 @@ TEAMS: dict[str, tuple[str, list[str]]] = {
     "longtail": ("longtail_team.yaml", [*VARIED, "team.agents.solver.model.preset=tiny-1m",
                                         "team.agents.solver.sampling.max_new_tokens=24",
                                         "workload.params.max_steps=4"]),
+    # Program teams: their calls go through the endpoint; sync runs one whole-batch program op,
+    # so its decode batches differ from the co-design's per-micro-batch ones (see ADAM_ROUNDING).
+    "program": ("program_team.yaml", VARIED),
+    "program_retry": ("program_retry.yaml", VARIED),  # 1-3 calls of each agent per trajectory
 }
+#: Program teams decode in batches of other sizes under sync and co-design, so the behaviour
+#: log-probs of the same tokens differ in their last float32 bits, and so do the losses (seen:
+#: 1e-7 relative). Adam divides a gradient by its own root mean square: where a gradient is at
+#: that rounding level its step can differ by up to 2 lr. Such elements are allowed, as long as
+#: they are rare (seen: 1 of 1.25M) and within that bound.
+ADAM_ROUNDING = {"program": 1e-5, "program_retry": 1e-5}
 
 #: the agents whose weights must move in two iterations (default: all)
 TRAINED = {"code": set()}
@@ -63,10 +73,11 @@ def threaded_run(config: str, overrides: list[str], run_dir: Path, codesign: boo
 
 
 def assert_same_runs(a: ExperimentConfig, b: ExperimentConfig, columns: list[str],
-                     trained: set[str] | None = None) -> None:
+                     trained: set[str] | None = None, adam_rounding: float = 0.0) -> None:
     """Same samples (ids, versions, tokens exactly; rewards to float32 resolution) for every
     agent and iteration, every one trained on, and the same final weights, which moved for
-    the agents in `trained` (default: every trainable one)."""
+    the agents in `trained` (default: every trainable one); `adam_rounding`: the share of
+    elements that may differ by up to Adam's bound instead (`ADAM_ROUNDING`)."""
     meg = MEG.from_config(a.team)
     stores = [MEGStore(c.resolved_store_uri()) for c in (a, b)]
     for it in range(ITERATIONS):
@@ -83,6 +94,13 @@ def assert_same_runs(a: ExperimentConfig, b: ExperimentConfig, columns: list[str
         wa, wb = (load_file(str(weights_path(Path(c.resolved_run_dir()), agent, ITERATIONS))) for c in (a, b))
         w0 = load_file(str(weights_path(Path(a.resolved_run_dir()), agent, 0)))
         assert agent not in trained or any(not torch.equal(wa[k], w0[k]) for k in wa), f"{agent} did not train"
+        if adam_rounding:
+            lr = a.agent(agent).algorithm.lr
+            off = [(wb[k] - wa[k]).abs()[~torch.isclose(wb[k], wa[k], rtol=1e-4, atol=1e-6)] for k in wa]
+            n_off, n = sum(o.numel() for o in off), sum(v.numel() for v in wa.values())
+            assert n_off <= adam_rounding * n, f"{agent}: {n_off} of {n} elements differ"
+            assert all(o.numel() == 0 or o.max() <= 2 * lr * ITERATIONS for o in off), agent
+            continue
         for k in wa:
             # Same samples, another accumulation order across workers: float32 sums of weights
             # of magnitude ~0.1-1 after two Adam steps of lr 1e-4.
@@ -123,7 +141,7 @@ def test_codesign_equals_sync_on_each_team(team, tmp_path, request):
     # Where the team's own reward is flat for untrained models no advantage moves a weight, and
     # the samples and rewards carry the check: an untrained coder's programs fail in the
     # sandbox (every code-team reward 0), a random planner never names the first operation.
-    assert_same_runs(sync, codesign, cols, TRAINED.get(team))
+    assert_same_runs(sync, codesign, cols, TRAINED.get(team), ADAM_ROUNDING.get(team, 0.0))
     if team == "tool":
         check_tool_rows(sync, request.getfixturevalue("tool_init")[1])
     if team == "code":
