@@ -17,7 +17,9 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 import time
+import uuid
 import zipfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -32,7 +34,10 @@ from distributed.comm.addressing import parse_address, parse_host_port
 from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
 from flexmarl_core.ops import MEMORY_ENV, FusedResult, MemoryRestart, Op, Route, StageResult
+from flexmarl_core.programs.api import MachineryError
+from flexmarl_core.programs.engines import install_host
 from flexmarl_core.stages import run_fused, run_stage_after, run_stage_retrying
+from flexmarl_core.stages.program import decode_on_instance
 from flexmarl_core.worker import holds_engine, install_weight_transport
 
 # A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
@@ -314,6 +319,7 @@ class DaskExecutor:
         self.retry_delay_s = retry_delay_s
         self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
         client.register_plugin(DaskWeightPushes())  # before any op: syncs push, rollouts take
+        client.register_plugin(DaskPrograms())  # program ops secede and decode on instances
 
     #: `submit(..., after=futures)` chains an op on running ones (the orchestrator's look-ahead)
     chains = True
@@ -486,3 +492,81 @@ def upload_code(client: Client, paths: Sequence[str]) -> list[str]:
             sent.append(src.name)
     return sent
 
+
+# -- program teams -------------------------------------------------------------------------------
+class DaskPrograms(WorkerPlugin):
+    """Installs `DaskProgramHost` in each worker as it starts (named: registering it again
+    replaces it; a restarted worker gets it too)."""
+
+    name = "flexmarl-programs"
+
+    def setup(self, worker: distributed.Worker) -> None:
+        install_host(DaskProgramHost())
+
+
+class DaskProgramHost:
+    """Program ops on Dask: the op secedes from the worker's thread pool while its trajectories
+    wait on their calls (the worker runs other ops meanwhile), and each batch of an agent's
+    calls is a Dask task on one of the agent's instances (`DaskDispatcher`)."""
+
+    @contextmanager
+    def detached(self) -> Iterator[None]:
+        try:
+            distributed.secede()
+        except ValueError:  # not inside a task: nothing to leave
+            yield
+            return
+        try:
+            yield
+        finally:
+            distributed.rejoin()
+
+    def dispatcher(self, ctx: Any, worker: str) -> DaskDispatcher:
+        return DaskDispatcher(ctx.loc.uri, distributed.get_client())
+
+
+class DaskDispatcher:
+    """Decodes an agent's batch on its least-loaded instance: the workers tagged
+    `rollout:<agent>` (else `rollout`) right now, by the decodes this op has outstanding on
+    each. The task is pinned to that worker by address, not by tag, so an instance move while
+    it waits never strands it (the tag goes; the task still runs there)."""
+
+    def __init__(self, run_uri: str, client: Client, tags_ttl_s: float = 0.5) -> None:
+        self.run_uri, self.client, self.tags_ttl_s = run_uri, client, tags_ttl_s
+        self._outstanding: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._tags: tuple[float, dict[str, dict[str, float]]] = (0.0, {})
+
+    def _instances(self, agent: str) -> list[str]:
+        t, tags = self._tags
+        if time.monotonic() - t > self.tags_ttl_s:
+            tags = worker_resources(self.client)
+            self._tags = (time.monotonic(), tags)
+        own = sorted(w for w, r in tags.items() if r.get(rollout_tag(agent), 0) > 0)
+        return own or sorted(w for w, r in tags.items() if r.get(ROLLOUT_TAG, 0) > 0)
+
+    def capacity(self, agent: str) -> int:
+        return max(len(self._instances(agent)), 1)
+
+    def decode(self, agent: str, version: int, groups: Sequence[Any], stats: Any) -> list[list[Any]]:
+        candidates = self._instances(agent)
+        if not candidates:
+            raise MachineryError(f"agent {agent!r}: no worker has resource tag {rollout_tag(agent)!r} or "
+                                 f"{ROLLOUT_TAG!r} to decode its calls")
+        with self._lock:
+            worker = min(candidates, key=lambda w: (self._outstanding.get(w, 0), w))
+            self._outstanding[worker] = self._outstanding.get(worker, 0) + 1
+        try:
+            fut = self.client.submit(decode_on_instance, self.run_uri, agent, version, list(groups),
+                                     workers=[worker], allow_other_workers=False, pure=False,
+                                     key=f"decode-{agent}-v{version}-{uuid.uuid4().hex[:12]}")
+            gens, got = fut.result()
+        except MachineryError:
+            raise
+        except Exception as exc:  # the instance died or the task failed: the op fails and is retried
+            raise MachineryError(f"agent {agent!r}: decode on {worker} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            with self._lock:
+                self._outstanding[worker] -= 1
+        stats.seconds, stats.instance, stats.t_start, stats.t_end = got.seconds, got.instance, got.t_start, got.t_end
+        return gens

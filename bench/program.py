@@ -1,0 +1,109 @@
+"""A team written as a program against the same team in YAML, on the same work.
+
+    python bench/program.py --json OUT [--quick] [--repeats N] [--iterations N] [--set K=V ...]
+
+Runs `configs/default.yaml` (the planner -> solver -> verifier team as a YAML graph) and
+`configs/program_team.yaml` (the same agents, batch, workload and cluster, the team as
+`examples/programs/arith_team.py` calling its agents through flexmarl's OpenAI-compatible
+endpoint) through the training flow `flexmarl train` runs, alternately, from the same starting
+weights (the YAML team's SFT warm start, made on first use and cached). Medians over repeats:
+
+- `tokens_per_s_yaml`, `tokens_per_s_program` and `tokens_per_s_ratio` (program / YAML): sampled
+  tokens per second of the whole iteration (rollout and training), the figure the issue's
+  target (>= 0.8) is about; `tokens_per_s_ratio_per_repeat` pairs the runs of one repeat;
+- `util_yaml`, `util_program`: the workers' busy share (a program op's own span is not busy
+  time; its decodes on the agents' instances are);
+- `e2e_s_per_iteration_yaml`, `e2e_s_per_iteration_program`;
+- `call_overhead_ms_p50`, `call_overhead_ms_p99`: a call's client-side time beyond waiting
+  for and running its decode (HTTP, JSON, templating, tokenising), median over program ops;
+- `requests_per_decode`: how many concurrent calls one decode batch served (a YAML rollout op
+  decodes its micro-batch's 256 prompts at once: the program's calls batch up to that).
+
+`--quick`: 1 repeat of 2 iterations. The load average around each run is in `load`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from flexmarl.prefect_api import ensure_api
+from flexmarl_core.config import load_config
+from flexmarl_core.models.tokenizer import default_cache_dir
+from flexmarl_core.programs.report import program_figures
+from flexmarl_core.sft import warm_start
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {"yaml": REPO / "configs" / "default.yaml", "program": REPO / "configs" / "program_team.yaml"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--quick", action="store_true", help="1 repeat of 2 iterations")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--iterations", type=int, default=None)
+    ap.add_argument("--set", action="append", default=[], help="config overrides for both teams")
+    args = ap.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    iterations = args.iterations or (2 if args.quick else 4)
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.train import train
+
+    api, _ = ensure_api()
+    start, _ = warm_start(load_config(CONFIGS["yaml"], args.set), default_cache_dir(), log=print)
+    out_dir = REPO / "runs" / "bench-program"
+    runs: dict[str, list[dict]] = {m: [] for m in CONFIGS}
+    t0 = time.time()
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        for rep in range(repeats):
+            for mode in (list(CONFIGS) if rep % 2 == 0 else list(CONFIGS)[::-1]):
+                run_dir = out_dir / f"{mode}-{rep}"
+                load = os.getloadavg()[0]
+                state = train(str(CONFIGS[mode]), [f"run_dir={run_dir}", f"train.iterations={iterations}",
+                                                   f"train.init_from={start}", "train.evaluate=false",
+                                                   "train.evaluate_initial=false", *args.set],
+                              progress=False, return_state=True)
+                if not state.is_completed():
+                    print(f"{mode} rep {rep} failed: {state.message}", file=sys.stderr)
+                    return 1
+                s = state.result()["summary"]
+                ops = [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines() if x.strip()]
+                runs[mode].append({**s, **program_figures(ops), "load": [load, os.getloadavg()[0]]})
+                print(f"{mode:8s} rep {rep}: {s['e2e_s_per_iteration']:.2f} s/it, {s['tokens_per_s']:.0f} tok/s, "
+                      f"util {s['utilization']:.2f}", flush=True)
+    med = lambda mode, key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
+    prog = runs["program"]
+    res = {
+        "repeats": repeats, "iterations": iterations, "start": str(start), "overrides": args.set,
+        "tokens_per_s_yaml": med("yaml", "tokens_per_s"), "tokens_per_s_program": med("program", "tokens_per_s"),
+        "tokens_per_s_ratio_per_repeat": [p["tokens_per_s"] / y["tokens_per_s"] for p, y in zip(prog, runs["yaml"], strict=True)],
+        "util_yaml": med("yaml", "utilization"), "util_program": med("program", "utilization"),
+        "e2e_s_per_iteration_yaml": med("yaml", "e2e_s_per_iteration"),
+        "e2e_s_per_iteration_program": med("program", "e2e_s_per_iteration"),
+        "call_overhead_ms_p50": statistics.median(r["call_overhead_ms_p50"] for r in prog),
+        "call_overhead_ms_p99": statistics.median(r["call_overhead_ms_p99"] for r in prog),
+        "requests_per_decode": statistics.median(r["requests_per_decode"] for r in prog),
+        "bench_wall_s": time.time() - t0, "runs": runs,
+    }
+    res["tokens_per_s_ratio"] = res["tokens_per_s_program"] / res["tokens_per_s_yaml"]
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    print(f"\n{'':22s}{'YAML':>10s}{'program':>10s}")
+    for key in ("tokens_per_s", "util", "e2e_s_per_iteration"):
+        print(f"{key:22s}{res[key + '_yaml']:10.3f}{res[key + '_program']:10.3f}")
+    print(f"tokens_per_s_ratio {res['tokens_per_s_ratio']:.3f} (target >= 0.8); call overhead p50 "
+          f"{res['call_overhead_ms_p50']:.1f} ms, p99 {res['call_overhead_ms_p99']:.1f} ms; "
+          f"{res['requests_per_decode']:.1f} requests per decode")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
