@@ -24,24 +24,33 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 
 
-def _run(cfg):
-    """The orchestrator on threads, train ops slow enough to queue: (result, log of (op, worker,
-    ran as a helper, start, end))."""
+def _run(cfg, holds=None):
+    """The orchestrator on threads: (result, log of (op, worker, ran as a helper, start, end))."""
     helpers: list[Op] = []
-    res, log = run_on_threads(cfg, delay=lambda op: 0.1 if op.kind == "train" else 0.005, helpers=helpers)
+    res, log = run_on_threads(cfg, delay=lambda op: 0.05 if op.kind == "train" else 0.005, helpers=helpers,
+                              holds=holds)
     return res, [(o, w, o in helpers, t0, t1) for o, w, t0, t1 in log]
+
+
+def _solver_helped(it: int):
+    return lambda seen: any(o.agent == "solver" and o.iteration == it for o in seen.helpers)
 
 
 @pytest.mark.parametrize("helpers", [False, True])
 def test_busy_slot_lends_train_ops_to_an_idle_one(helpers):
+    """With helpers, the solver's train ops are held until a solver helper of their iteration
+    has started: the trainer's slot is busy with the first one meanwhile, so the others can
+    only go on as helpers (an agent's trainer runs one op at a time)."""
     cfg = cfg_of({"gradient_helpers": helpers}, iterations=2, mbs=4)
-    res, log = _run(cfg)
+    holds = {Op(it, "train", "solver", mb=mb): _solver_helped(it) for it in range(2) for mb in range(4)}
+    res, log = _run(cfg, holds if helpers else None)
     helped = [(o, w) for o, w, g, *_ in log if g]
     decisions = [d for d in res.decisions if isinstance(d, GradientHelper)]
     if not helpers:
         assert not helped and not decisions
         return
-    assert helped, "no train op ran as a gradient helper while its slot was busy"
+    assert sorted(res.released) == sorted(holds), "a solver train op waited for a helper that never came"
+    assert {o.iteration for o, _ in helped if o.agent == "solver"} == {0, 1}
     assert all(o.kind == "train" for o, _ in helped)
     assert len(decisions) == len(helped)
     for agent in ("planner", "solver", "verifier"):

@@ -36,14 +36,70 @@ def cfg_of(codesign: dict, iterations: int = 2, mbs: int = 2):
     })
 
 
-def run(cfg, workers=WORKERS, delay=lambda op: 0.01, helpers: list[Op] | None = None):
+#: how long a held stage waits for what it is held for; past it the stage goes on and the
+#: test's assertion on what should have happened meanwhile fails (it never hangs)
+HOLD_LIMIT_S = 60.0
+
+
+class Seen:
+    """What the threaded run has done so far, for holds: ops submitted (`RecordingExecutor`),
+    ops started, and each started op's worker and whether it ran as a gradient helper."""
+
+    def __init__(self) -> None:
+        self.submitted: set[Op] = set()
+        self.started: dict[Op, str] = {}
+        self.helpers: set[Op] = set()
+        self.changed = threading.Condition()
+
+    def note(self, update) -> None:
+        with self.changed:
+            update()
+            self.changed.notify_all()
+
+    def wait(self, until) -> bool:
+        """Block until `until(self)` holds (True), or `HOLD_LIMIT_S` passes (False)."""
+        with self.changed:
+            return self.changed.wait_for(lambda: until(self), timeout=HOLD_LIMIT_S)
+
+
+class RecordingExecutor(ThreadExecutor):
+    def __init__(self, fn, workers, seen: Seen) -> None:
+        super().__init__(fn, workers)
+        self.seen = seen
+
+    def submit(self, op, route, deps=(), after=()):
+        handle = super().submit(op, route, deps, after)
+        self.seen.note(lambda: self.seen.submitted.add(op))
+        return handle
+
+    def submit_fused(self, ops, route, deps=(), after=()):
+        handle = super().submit_fused(ops, route, deps, after)
+        self.seen.note(lambda: self.seen.submitted.update(ops))
+        return handle
+
+
+def run(cfg, workers=WORKERS, delay=lambda op: 0.01, helpers: list[Op] | None = None, holds=None):
     """The orchestrator on threads with stages that sleep `delay(op)`; the log of (op, worker,
-    start, end). `helpers`: collects the ops run as gradient helpers."""
+    start, end). `helpers`: collects the ops run as gradient helpers. `holds`: {op: until}, an
+    op held at its start until `until(seen)` is true of the run so far (`Seen`); the ops whose
+    hold came true are `res.released`, so a test asserts what its holds waited for."""
     log: list[tuple[Op, str, float, float]] = []
     lock = threading.Lock()
+    seen = Seen()
+    holds = holds or {}
+    released: list[Op] = []
 
     def fn(op: Op, worker: str, gradient_only: bool = False) -> StageResult:
         t0 = time.time()
+
+        def started() -> None:
+            seen.started[op] = worker
+            if gradient_only:
+                seen.helpers.add(op)
+
+        seen.note(started)
+        if op in holds and seen.wait(holds[op]):
+            released.append(op)
         time.sleep(delay(op))
         with lock:
             log.append((op, worker, t0, time.time()))
@@ -51,11 +107,12 @@ def run(cfg, workers=WORKERS, delay=lambda op: 0.01, helpers: list[Op] | None = 
                 helpers.append(op)
         return StageResult(op, worker=worker, t_start=t0, t_end=time.time())
 
-    ex = ThreadExecutor(fn, workers)
+    ex = RecordingExecutor(fn, workers, seen)
     try:
         res = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex).run()
     finally:
         ex.close()
+    res.released = released
     return res, log
 
 
@@ -106,9 +163,12 @@ def test_dependency_parallel_and_async_overlap():
     assert plan.deps[Op(0, "rollout", "solver", 0, 1)] == [Op(0, "rollout", "planner", 0, 1)]
     assert plan.deps[Op(0, "train", "solver", mb=1)] == [Op(0, "reward", mb=1)]
     assert plan.deps[Op(1, "rollout", "planner", 0, 0)] == [Op(0, "sync", "planner")]
-    # Slow planner mb=1: the solver must not wait for it to start mb=0.
-    _, log = run(cfg, delay=lambda op: 0.3 if op == Op(0, "rollout", "planner", 0, 1) else 0.01)
-    assert start(log, Op(0, "rollout", "solver", 0, 0)) < end(log, Op(0, "rollout", "planner", 0, 1))
+    # The planner's mb=1 is held until the solver has started mb=0: the solver must not wait
+    # for it (without dependency parallelism the hold would never be released in time).
+    planner1, solver0 = Op(0, "rollout", "planner", 0, 1), Op(0, "rollout", "solver", 0, 0)
+    res, log = run(cfg, holds={planner1: lambda seen: solver0 in seen.started})
+    assert res.released == [planner1], "the solver's mb=0 waited for the planner's mb=1"
+    assert start(log, solver0) < end(log, planner1)
 
 
 @pytest.mark.parametrize("on_demand", [False, True])
@@ -196,11 +256,18 @@ def test_dedicated_rollout_tags_route_agents():
 
 
 def test_missing_tag_fails_fast_with_the_tag_named():
+    """The first op that needs a tag no worker has ends the run, naming it, when it is routed:
+    nothing waits for a worker that will never come (the run's stages log what they ran)."""
     workers = {"w0": {"rollout:planner": 1, "train": 1}}
-    t0 = time.time()
+    ran: list[Op] = []
+
+    def delay(op: Op) -> float:
+        ran.append(op)
+        return 0.0
+
     with pytest.raises(OrchestratorError, match="rollout:solver"):
-        run(cfg_of(ALL_OFF), workers=workers)
-    assert time.time() - t0 < 10
+        run(cfg_of(ALL_OFF), workers=workers, delay=delay)
+    assert sorted(ran) == sorted(Op(0, "rollout", "planner", 0, mb) for mb in range(2))
 
 
 DEDICATED = {"w0": {"rollout:planner": 1, "rollout:verifier": 1, "train": 1},
@@ -212,8 +279,14 @@ def test_balancer_moves_instances_to_the_hot_agent():
     moves are recorded with loads and cost, and every op still runs exactly once."""
     cfg = cfg_of({"load_balancing": True, "dependency_parallel": True, "async_pipeline": False,
                   "on_demand_allocation": False}, iterations=2, mbs=4)
+    # The planner's first rollout holds w0 until a planner rollout has started on w1, which
+    # only a move can allow (w1 carries no planner tag at first).
+    first = Op(0, "rollout", "planner", 0, 0)
     res, log = run(cfg, workers={w: dict(r) for w, r in DEDICATED.items()},
-                   delay=lambda op: 0.1 if op.kind == "rollout" and op.agent == "planner" else 0.01)
+                   delay=lambda op: 0.1 if op.kind == "rollout" and op.agent == "planner" else 0.01,
+                   holds={first: lambda seen: any(o.agent == "planner" and o.kind == "rollout" and w == "w1"
+                                                  for o, w in seen.started.items())})
+    assert res.released == [first], "no planner rollout ran on w1 while w0 was busy"
     plan = Plan.build(cfg, MEG.from_config(cfg.team))
     assert sorted(o for o, *_ in log) == sorted(plan.ops())
     moves = [d for d in res.decisions if isinstance(d, MoveInstance)]
@@ -252,10 +325,16 @@ def test_late_binding_holds_rollouts_until_an_instance_is_idle(late):
     each rollout to an idle worker only (w0 gets a solver instance), and every op still
     runs once and after its dependencies."""
     cfg = cfg_of({**ALL_ON, "late_binding": late}, iterations=2, mbs=4)
-    slow = {("solver", 0): 0.4}
+    # The long one: the solver's mb=0 holds its worker until the solver's other rollouts of the
+    # iteration have been submitted. Early binding submits them at once, at least two behind
+    # another op (w1 holds mb=0, w0 takes at most one without a queue); late binding only to
+    # an idle instance, one by one, on w0 once it is lent.
+    long = Op(0, "rollout", "solver", 0, 0)
+    others = {Op(0, "rollout", "solver", 0, mb) for mb in (1, 2, 3)}
     res, log = run(cfg, workers={w: dict(r) for w, r in DEDICATED.items()},
-                   delay=lambda op: slow.get((op.agent, op.mb), 0.08) if op.kind == "rollout" and
-                   op.agent == "solver" else 0.01)
+                   delay=lambda op: 0.08 if op.kind == "rollout" and op.agent == "solver" else 0.01,
+                   holds={long: lambda seen: others <= seen.submitted})
+    assert res.released == [long]
     plan = Plan.build(cfg, MEG.from_config(cfg.team))
     assert sorted(o for o, *_ in log) == sorted(plan.ops())
     for o, _, t0, _ in log:
@@ -325,16 +404,26 @@ class LosingExecutor(ThreadExecutor):
 
 
 def run_one_agent(cfg, lose: Op | None = None, delay_s: float = 0.02, fail: Op | None = None,
-                  executor: list | None = None):
+                  executor: list | None = None, until_chained: bool = False):
     """One agent on one worker: every op's route is fixed, so look-ahead chains the whole
     chain rollout -> reward -> train -> step -> sync -> next rollout. `lose`: that op's first
-    run "loses its worker" after the op's delay (its chained child is waiting on it then)."""
+    run "loses its worker" after the op's delay. `until_chained`: each op is held at its start
+    until every op that depends on it has been submitted (chained on it), or `HOLD_LIMIT_S`."""
     log: list[tuple[Op, float, float]] = []
     lock = threading.Lock()
     lost: list[Op] = []
+    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    children = {op: [c for c, ds in plan.deps.items() if op in ds] for op in plan.deps}
+
+    def chained(op: Op) -> bool:
+        subs = [o for sub in list(ex.submissions) for o in sub]
+        return all(c in subs for c in children[op])
 
     def fn(op: Op, worker: str) -> StageResult:
         t0 = time.time()
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        while until_chained and not chained(op) and time.monotonic() < deadline:
+            time.sleep(0.001)
         time.sleep(delay_s)
         if op == lose and not lost:
             lost.append(op)
@@ -362,7 +451,9 @@ def test_look_ahead_chains_ops_whose_route_is_fixed():
     cfg = one_agent_cfg()
     plan = Plan.build(cfg, MEG.from_config(cfg.team))
     for look_ahead in (True, False):
-        res, log = run_one_agent(one_agent_cfg(look_ahead=look_ahead))
+        # With look-ahead each op is held until its children are chained on it (they are
+        # submitted while it runs, however long this loop takes to get there under load).
+        res, log = run_one_agent(one_agent_cfg(look_ahead=look_ahead), until_chained=look_ahead)
         assert sorted(o for o, *_ in log) == sorted(plan.ops())
         ends = {o: t1 for o, _, t1 in log}
         starts = {o: t0 for o, t0, _ in log}
@@ -381,7 +472,10 @@ def test_look_ahead_op_waits_again_when_its_dependency_is_lost():
     """A dependency whose worker is lost is resubmitted; the op chained on its lost run goes
     back to waiting (it is not counted as lost itself) and runs once, after the rerun."""
     lose = Op(1, "train", "solver", mb=0)
-    res, log = run_one_agent(one_agent_cfg(), lose=lose)
+    exs: list = []
+    res, log = run_one_agent(one_agent_cfg(), lose=lose, executor=exs, until_chained=True)
+    # The step was chained on the run that was lost, then submitted again after the rerun.
+    assert sum(Op(1, "step", "solver") in sub for sub in exs[0].submissions) == 2
     cfg = one_agent_cfg()
     plan = Plan.build(cfg, MEG.from_config(cfg.team))
     assert sorted(o for o, *_ in log) == sorted(plan.ops())  # every op succeeded exactly once

@@ -45,20 +45,23 @@ def test_short_op_is_one_event_long_op_shows_pending_while_it_runs(prefect_api):
     from tasks.stages import TaskRunReporter
 
     delay = 0.3
+    now = [100.0]  # the flow's clock, given here: the test does not race the wall clock
 
     @flow
     def reports() -> dict:
-        r = TaskRunReporter(flow_run.get_id(), 1, pending_after_s=delay)
-        t0 = time.time()
+        r = TaskRunReporter(flow_run.get_id(), 1, pending_after_s=delay, clock=lambda: now[0])
+        t0 = now[0]
         r.submitted(SHORT, [], t0)
         r.submitted(LONG, [SHORT], t0)
         r.finished(SHORT, StageResult(SHORT, t_start=t0, t_end=t0 + 0.01))
-        assert r.report_due(time.time()) == t0 + delay  # LONG is not due yet (SHORT's state is held)
-        time.sleep(delay)
-        assert r.report_due(time.time()) is None  # now it is reported (SHORT's before it), nothing waits
+        now[0] += 0.1
+        assert r.report_due(now[0]) == t0 + delay  # LONG is not due yet (SHORT's state is held)
+        now[0] = t0 + delay
+        assert r.report_due(now[0]) is None  # now it is reported (SHORT's before it), nothing waits
         ids = {"short": r.task_run_id(SHORT), "long": r.task_run_id(LONG)}
         seen_while_running = asyncio.run(_state_of(ids["long"]))
-        r.finished(LONG, StageResult(LONG, t_start=t0 + 0.05, t_end=time.time()))
+        now[0] += 1.0
+        r.finished(LONG, StageResult(LONG, t_start=t0 + 0.05, t_end=now[0]))
         r.flush()  # the training flow does this at its end
         return {**ids, "while_running": seen_while_running}
 
