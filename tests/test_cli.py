@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from storage import MEGStore
 
 FLEXMARL = str(Path(sys.executable).with_name("flexmarl"))
@@ -53,6 +55,7 @@ def test_sft_writes_a_checkpoint_per_agent(tmp_path):
     assert "after 2 steps" in res.stdout
 
 
+@pytest.mark.slow  # SFT through the CLI, twice or more
 def test_sft_keep_checks_saves_the_team_at_every_check(tmp_path):
     import json
 
@@ -73,6 +76,7 @@ def test_sft_keep_checks_saves_the_team_at_every_check(tmp_path):
     assert not all(first[k].equal(v) for k, v in final.items())
 
 
+@pytest.mark.slow  # SFT through the CLI, twice or more
 def test_sft_resume_from_a_check_continues_at_its_step(tmp_path):
     import json
 

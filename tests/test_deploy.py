@@ -31,7 +31,7 @@ FLEXMARL = str(Path(sys.executable).with_name("flexmarl"))
 POOL = "flexmarl-local"  # the work pool prefect.yaml names
 ITERATIONS = 1
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.stack]  # a Prefect server and worker of its own
 
 
 def _free_port() -> int:

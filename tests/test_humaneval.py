@@ -19,6 +19,7 @@ def humaneval() -> Path:
     return dataset_folder("humaneval", "HumanEval.jsonl.gz") / "HumanEval.jsonl.gz"
 
 
+@pytest.mark.slow  # 164 programs through the sandbox, twice
 def test_canonical_solutions_pass_all_and_empty_bodies_none(humaneval):
     canonical = grade_humaneval(humaneval, "canonical")
     assert (canonical.passed, canonical.total) == (164, 164), {

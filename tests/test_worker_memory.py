@@ -17,6 +17,7 @@ from flexmarl_core.orchestrator import WorkerMemoryError
 from flexmarl_core.stages import faults_dir
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.stack  # a Dask cluster of its own
 
 
 def test_memory_restart_names_op_agent_and_limit(tmp_path):
