@@ -257,11 +257,9 @@ def test_deepspeed_state_round_trip_is_bit_exact(tmp_path):
     mbs = [random_samples(3, seed=4), random_samples(3, seed=5)]
     a = _ds_trainer(tiny_model())
     _train_step(a, mbs)
-    t0 = time.perf_counter()
     handle = put(a.state(), str(tmp_path / "ds.state"))
     b = _ds_trainer(tiny_model(seed=1))  # different initial weights: everything must come back
     b.load_state(get(handle))
-    swap_s = time.perf_counter() - t0
     assert b.version == a.version == 1
     for k, v in a.weights().items():
         assert torch.equal(b.weights()[k], v), k
@@ -274,7 +272,6 @@ def test_deepspeed_state_round_trip_is_bit_exact(tmp_path):
         a.state()
     with pytest.raises(ValueError, match="format"):
         b.load_state(trainer(tiny_model()).state())
-    assert swap_s < 30
 
 
 @needs_ds
@@ -431,6 +428,8 @@ def test_deepspeed_dp2_dead_helper_raises_naming_the_agent(dp_trainer):
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match=r"agent 'solver'.*rank 1 of 2 exited"):
         _train_step(dp_trainer, [random_samples(4, seed=6)])
+    # Noticed when the rank's pipe closes (well under a second here), not after some timeout:
+    # 30 s is a hang guard with two orders of magnitude to spare, loaded or not.
     assert time.perf_counter() - t0 < 30
     assert all(p.poll() is not None for p in dp_trainer._procs)  # rank 0 stopped too
     with pytest.raises(RuntimeError, match="closed"):

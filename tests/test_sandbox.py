@@ -22,6 +22,11 @@ from flexmarl_core.sandbox import Limits, protections, run_tests
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = Limits(cpu_s=1, wall_s=3, memory_mb=256, output_bytes=1 << 16)
+#: for programs that must end on their CPU limit, or pass: a loaded machine gives a child a
+#: fraction of a core, so 1 CPU-second can take several wall seconds, and a start-up too
+ROOMY = Limits(cpu_s=1, wall_s=30, memory_mb=256, output_bytes=1 << 16)
+#: the parent never waits on a program past its limits: far less than the 60 s one sleeps
+NEVER_WAITS_S = 30
 TESTS = ["assert candidate(1) == 4", "assert candidate(2) == 7", "assert candidate(-3) == -8"]
 RIGHT = "def f(x):\n    return 3 * x + 1\n"
 
@@ -95,15 +100,15 @@ def test_hostile_program_scores_zero_with_its_reason_and_changes_nothing(name, o
     code, reason, word = HOSTILE[name]
     before_outside, before_repo = _tree(outside), _tree(REPO / "flexmarl_core" / "sandbox")
     t0 = time.monotonic()
-    v = run_tests(code.replace("{out}", str(outside)), TESTS, FAST, entry="f")
-    assert time.monotonic() - t0 < FAST.wall_s + 2
+    v = run_tests(code.replace("{out}", str(outside)), TESTS, ROOMY if reason == "cpu_limit" else FAST, entry="f")
+    assert time.monotonic() - t0 < NEVER_WAITS_S
     assert (v.reason, v.passed, v.reward) == (reason, 0, 0.0), v
     assert word in v.detail, v
     assert v.total == len(TESTS) and not any(v.results)
     assert _tree(outside) == before_outside
     assert _tree(REPO / "flexmarl_core" / "sandbox") == before_repo
     # The run carries on: the next program is judged normally.
-    assert run_tests(RIGHT, TESTS, FAST, entry="f").reason == "passed"
+    assert run_tests(RIGHT, TESTS, ROOMY, entry="f").reason == "passed"
 
 
 BENIGN: dict[str, tuple[str, list[str]]] = {
@@ -130,9 +135,9 @@ BENIGN: dict[str, tuple[str, list[str]]] = {
 @pytest.mark.parametrize("name", sorted(BENIGN))
 def test_benign_program_passes(name):
     code, tests = BENIGN[name]
-    v = run_tests(code, tests, FAST, entry="f")
+    v = run_tests(code, tests, ROOMY, entry="f")
     assert (v.reason, v.passed, v.total) == ("passed", len(tests), len(tests)), v
-    assert v.wall_s < 2 and v.memory_mb < 200
+    assert 0 < v.wall_s < ROOMY.wall_s and 0 < v.memory_mb < 200
 
 
 def test_a_program_that_stops_reading_cannot_stall_the_parent():
@@ -143,22 +148,22 @@ def test_a_program_that_stops_reading_cannot_stall_the_parent():
     t0 = time.monotonic()
     v = run_tests(code, ["assert candidate([1]) == 1", "assert candidate(list(range(50000))) == 50000"],
                   FAST, entry="f")
-    assert (v.reason, v.passed) == ("timeout", 0) and time.monotonic() - t0 < FAST.wall_s + 2
+    assert (v.reason, v.passed) == ("timeout", 0) and time.monotonic() - t0 < NEVER_WAITS_S
     big = run_tests(RIGHT.replace("3 * x + 1", "len(x)"), ["assert candidate(list(range(50000))) == 50000"],
-                    FAST, entry="f")
+                    ROOMY, entry="f")
     assert big.reason == "passed", big
 
 
 def test_partial_credit_and_per_test_results():
-    v = run_tests("def f(x):\n    return 3 * x + 1 if x > 0 else 0\n", TESTS, FAST, entry="f")
+    v = run_tests("def f(x):\n    return 3 * x + 1 if x > 0 else 0\n", TESTS, ROOMY, entry="f")
     assert (v.reason, v.passed, v.results) == ("failed", 2, (True, True, False))
     assert v.reward == pytest.approx(2 / 3)
     assert "test 2" in v.detail
 
 
 def test_missing_entry_and_syntax_error():
-    assert run_tests(RIGHT, TESTS, FAST, entry="g").detail.startswith("test 0: CandidateError: NameError")
-    v = run_tests("def f(x) return", TESTS, FAST, entry="f")
+    assert run_tests(RIGHT, TESTS, ROOMY, entry="g").detail.startswith("test 0: CandidateError: NameError")
+    v = run_tests("def f(x) return", TESTS, ROOMY, entry="f")
     assert (v.reason, v.passed) == ("load_error", 0) and "SyntaxError" in v.detail
 
 
@@ -170,7 +175,7 @@ def test_the_os_layer_holds_without_the_audit_hook(monkeypatch):
             "sorted(os.environ), os.getuid())\n")
     paths = [str(REPO / "README.md"), str(Path.home()), "/etc/hostname"]
     v = run_tests(code, [f"r = candidate({paths!r})\nassert r[0][:1] == [False]\n"
-                         "assert not any('SECRET' in k for k in r[1])\nassert r[2] != 0"], FAST, entry="f")
+                         "assert not any('SECRET' in k for k in r[1])\nassert r[2] != 0"], ROOMY, entry="f")
     report = protections()
     if os.geteuid() == 0 and report["network"].startswith("on") and report["filesystem"].startswith("on"):
         assert v.reason == "passed", v
