@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -210,23 +209,33 @@ def test_concurrent_writer_processes(store: MEGStore) -> None:
 
 
 KILLED = r"""
-import base64, random, sys
+import os, sys, time
 import pyarrow as pa
 from storage import MEGStore
 root, n = sys.argv[1], int(sys.argv[2])
-# Incompressible text (os.urandom is slow on some VMs), encoded with a slow codec so the
-# write takes seconds: a wide window to kill it in.
-blob = base64.b64encode(random.Random(0).randbytes(6000 * n)).decode()
-text = [blob[i * 8000:(i + 1) * 8000] for i in range(n)]
+rename = os.replace
+
+
+def held_rename(src, dst, *a, **kw):
+    # The fragment's temp file is whole on disk: say so, then hold here until killed (the
+    # test kills the writer at this point, not at a moment it hopes a slow write is still in).
+    if "_staging" in os.fspath(src):
+        print("renaming", flush=True)
+        while True:
+            time.sleep(1)
+    return rename(src, dst, *a, **kw)
+
+
+os.replace = held_rename
 table = pa.table({
     "input_id": [f"big{i // 4}" for i in range(n)],
     "traj": pa.array([i % 4 for i in range(n)], pa.int32()),
     "turn": pa.array([0] * n, pa.int32()),
     "mb": pa.array([1] * n, pa.int32()),
     "policy_version": pa.array([0] * n, pa.int64()),
-    "response_text": text,
+    "response_text": [f"text {i}" for i in range(n)],
 })
-store = MEGStore(root, compression="gzip")
+store = MEGStore(root)
 print("writing", flush=True)
 store.write_samples("solver", 0, table)
 print("done", flush=True)
@@ -234,27 +243,22 @@ print("done", flush=True)
 
 
 def test_writer_killed_mid_write_leaves_nothing_visible(store: MEGStore) -> None:
+    """A writer killed with its fragment written to the staging folder but not yet renamed
+    into place (held there) leaves nothing a reader sees, only a stale temp file."""
     committed = store.write_samples("solver", 0, make_rows(0))
     staging = Path(store.root) / "_staging"
-    proc = run_python(KILLED, store.root, "8000", stdout=subprocess.PIPE, text=True)
+    proc = run_python(KILLED, store.root, "40", stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "writing"
-        # Kill it once the temp file of the big fragment is on disk and growing.
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            tmps = list(staging.glob("*.tmp"))
-            if tmps and any(t.stat().st_size > 1 << 20 for t in tmps if t.exists()):
-                break
-            time.sleep(0.002)
-        assert proc.poll() is None, "writer finished before it could be killed; write more"
+        assert proc.stdout.readline().strip() == "renaming"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
-    leftovers = list(staging.glob("*.tmp"))
-    assert len(leftovers) == 1 and leftovers[0].stat().st_size > 0  # the partial file
+    leftovers = [p for p in staging.rglob("*") if p.is_file()]
+    assert len(leftovers) == 1 and leftovers[0].stat().st_size > 0  # the unrenamed fragment
 
     # Readers see exactly the committed data, nothing of the killed write.
     part = Path(store.root) / "samples" / "agent=solver" / "iteration=0"
