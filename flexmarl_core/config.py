@@ -1,430 +1,48 @@
 """Experiment configuration: one YAML file per experiment, validated with pydantic.
 
-Every component has its own model; `ExperimentConfig` composes them. All models forbid unknown
-keys, so a typo fails at load time with the file, the field path and what was wrong.
+The one import path for users: the models (`config_models.py`, an agent's in
+`config_agent.py`), the readers (`config_load.py`: files, text, `a.b.c=value` overrides, and
+the checks that need the registries and the team graph) and `ConfigError`, which names the
+file and the field.
 
     cfg = load_config("configs/default.yaml", overrides=["batch.group_size=8"])
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal
+from flexmarl_core.config_agent import (
+    AgentConfig,
+    AlgorithmConfig,
+    BackendConfig,
+    LoraSpec,
+    ModelConfig,
+    SamplingConfig,
+)
+from flexmarl_core.config_checks import PRESET_NAMES, ConfigError, backend_available
+from flexmarl_core.config_load import (
+    check_config,
+    config_from_dict,
+    config_from_text,
+    load_config,
+    parse_overrides,
+)
+from flexmarl_core.config_models import (
+    BatchConfig,
+    ClusterConfig,
+    CodesignConfig,
+    EdgeConfig,
+    ExperimentConfig,
+    StoreConfig,
+    TeamConfig,
+    TrainConfig,
+    WorkerConfig,
+    WorkloadConfig,
+)
 
-from pydantic import Field, field_validator, model_validator
-
-from flexmarl_core.config_agent import AgentConfig as AgentConfig
-from flexmarl_core.config_agent import AlgorithmConfig as AlgorithmConfig
-from flexmarl_core.config_agent import BackendConfig as BackendConfig
-from flexmarl_core.config_agent import LoraSpec as LoraSpec
-from flexmarl_core.config_agent import ModelConfig as ModelConfig
-from flexmarl_core.config_agent import SamplingConfig as SamplingConfig
-from flexmarl_core.config_agent import _Strict
-from flexmarl_core.config_checks import PRESET_NAMES as PRESET_NAMES
-from flexmarl_core.config_checks import ConfigError as ConfigError  # the error users catch
-from flexmarl_core.config_checks import backend_available as backend_available
-from flexmarl_core.config_checks import check_name, check_template
-
-
-class EdgeConfig(_Strict):
-    src: str = Field(description="Agent whose output is fed forward.")
-    dst: str = Field(description="Agent whose prompt receives it.")
-    recurrent: bool = Field(
-        False, description="True: src's output in round r feeds dst in round r+1 (debate/refine)."
-    )
-
-
-class TeamConfig(_Strict):
-    agents: list[AgentConfig] = Field(description="The agents (MEG nodes).")
-    edges: list[EdgeConfig] = Field(default_factory=list, description="Data flow (MEG edges).")
-    rounds: int = Field(1, ge=1, le=16, description="Rounds unrolled into the DAG.")
-    output: str | None = Field(
-        None, description="Agent whose final output is the team's answer; default: the single sink "
-        "(a program team: the agent whose score the program's returned answer is; default its last agent)."
-    )
-    program: str | None = Field(
-        None,
-        description="The team as a Python program instead of edges and templates: `module:function` or "
-        "`path/to/file.py:function` (relative to the working directory), a function `(problem, client) "
-        "-> answer` that calls its agents through a stock `openai` client (`async def`: an AsyncOpenAI "
-        "client) pointed at flexmarl's OpenAI-compatible endpoint, `model=<agent name>`. Each call is "
-        "recorded as a sample of its agent (docs/programs.md).",
-    )
-    program_groups: Literal["call", "trajectory"] = Field(
-        "call",
-        description="Program teams, where trajectories call an agent a different number of times: how an "
-        "agent's GRPO groups form. call: the k-th calls of the agent in one input's trajectories form a "
-        "group (AT-GRPO's agent-and-turn groups); trajectory: each trajectory's reward is normalised "
-        "over the input's trajectories and every call of the trajectory gets that advantage.",
-    )
-    batch_window_ms: float = Field(
-        20.0, ge=0.0, le=10_000.0,
-        description="Program teams: an agent's queued calls decode together once every running "
-        "trajectory waits on a call, or once no call has arrived for this long (at most 25 windows "
-        "after the first).",
-    )
-
-    @field_validator("program")
-    @classmethod
-    def _program_spec(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        mod, sep, fn = v.rpartition(":")
-        if not sep or not mod or not fn.isidentifier():
-            raise ValueError(f"{v!r}: expected 'module:function' or 'path/to/file.py:function'")
-        if mod.endswith(".py"):  # absolute, so every process of the run finds the same file
-            path = Path(mod).expanduser()
-            if not path.is_file():
-                raise ValueError(f"{v!r}: no file {path.absolute()}")
-            return f"{path.absolute()}:{fn}"
-        return v
-
-    @model_validator(mode="after")
-    def _program_team(self) -> TeamConfig:
-        if self.program is not None and (self.edges or self.rounds != 1):
-            raise ValueError("team.program: a program team calls its agents itself; remove team.edges and "
-                             "team.rounds (the program decides who is called, and how often)")
-        return self
-
-    @field_validator("edges", mode="before")
-    @classmethod
-    def _edge_shorthand(cls, v: Any) -> Any:
-        # Allow "planner -> solver" and [planner, solver] as shorthand in YAML.
-        out = []
-        for e in v or []:
-            if isinstance(e, str) and "->" in e:
-                src, dst = (s.strip() for s in e.split("->", 1))
-                out.append({"src": src, "dst": dst})
-            elif isinstance(e, list | tuple) and len(e) == 2:
-                out.append({"src": e[0], "dst": e[1]})
-            else:
-                out.append(e)
-        return out
-
-
-class WorkloadConfig(_Strict):
-    kind: Literal["arithmetic", "gsm8k", "dataset", "callable", "code", "longtail", "calculator"] = Field(
-        "arithmetic", description="Problem source."
-    )
-    path: str | None = Field(None, description="JSONL/Parquet file for kind=dataset or gsm8k.")
-    fields: dict[str, str] = Field(
-        default_factory=lambda: {"input": "question", "answer": "answer"},
-        description="Dataset column for each problem field (input, answer, optional id).",
-    )
-    callable: str | None = Field(
-        None, description="`module:function` yielding problems, for kind=callable."
-    )
-    reward: str | None = Field(
-        None, description="`module:function` team reward override (default: the workload's own)."
-    )
-    agent_rewards: dict[str, str] = Field(
-        default_factory=dict, description="Per-agent `module:function` reward overrides."
-    )
-    credit: Literal["team", "per_agent"] = Field(
-        "team", description="team: every agent gets the team reward; per_agent: each its own."
-    )
-    format_weight: float = Field(
-        0.1, ge=0.0, description="Weight of per-agent format terms added to the reward."
-    )
-    params: dict[str, Any] = Field(
-        default_factory=dict, description="Workload-specific knobs (e.g. arithmetic depth)."
-    )
-    heldout_size: int = Field(128, ge=1, description="Held-out problems for evaluation.")
-
-
-class BatchConfig(_Strict):
-    inputs_per_iteration: int = Field(8, ge=1, description="Problems per training iteration.")
-    group_size: int = Field(4, ge=1, description="Trajectories per input (GRPO group size G).")
-    micro_batch_inputs: int = Field(
-        2, ge=1, description="Inputs per micro-batch; micro-batches are whole GRPO groups."
-    )
-
-    @model_validator(mode="after")
-    def _divides(self) -> BatchConfig:
-        if self.inputs_per_iteration % self.micro_batch_inputs:
-            raise ValueError(
-                f"micro_batch_inputs={self.micro_batch_inputs} must divide "
-                f"inputs_per_iteration={self.inputs_per_iteration}"
-            )
-        return self
-
-    @property
-    def num_micro_batches(self) -> int:
-        return self.inputs_per_iteration // self.micro_batch_inputs
-
-
-class CodesignConfig(_Strict):
-    dependency_parallel: bool = Field(
-        True, description="Downstream agents start a micro-batch as soon as its parents finish it."
-    )
-    load_balancing: bool = Field(
-        True, description="Route to the least-loaded instance; move instances between agents."
-    )
-    async_pipeline: bool = Field(
-        True, description="Agents train per micro-batch and start their next iteration on their own."
-    )
-    on_demand_allocation: bool = Field(
-        True, description="Training slots go to agents whose data is ready; idle states swap out."
-    )
-    late_binding: bool = Field(
-        False,
-        description="With load_balancing: a rollout waits in the orchestrator until an instance of "
-        "its agent has nothing queued (an idle rollout worker is lent to it if none has), so where "
-        "it runs is chosen when a worker frees, not when it became ready; trainer and reward ops "
-        "go ahead of rollouts. For long, uneven rollouts (configs/longtail_team.yaml).",
-    )
-    gradient_helpers: bool = Field(
-        False,
-        description="With on_demand_allocation: a train op whose agent's training slot is busy may run on another idle "
-        "training slot: it computes that micro-batch's gradient on a copy of the agent's weights "
-        "of the same version and leaves it at the run's location, and the agent's step adds it "
-        "(the same gradient, summed in another order). Agents on the plain torch backend without "
-        "LoRA, on-policy (max_staleness 0); others train in their slot as before.",
-    )
-    balance_threshold: float = Field(
-        2.0, gt=1.0, description="Queued-work ratio hottest/coldest agent that triggers a move."
-    )
-    max_staleness: int = Field(
-        0, ge=0, le=64,
-        description="Bounded staleness k: an agent's rollouts of iteration i may use its weights "
-        "of any version >= i - k (0: strictly on-policy). k > 0 needs an off-policy loss "
-        "(algorithm.policy_loss: decoupled_ppo).",
-    )
-    mixed_batch_window_s: float | None = Field(
-        None, ge=0.0, le=10.0,
-        description="LoRA agents: rollouts of agents on one base that run at the same time in a "
-        "worker share one decode (rows of several adapters in one forward pass); the first waits "
-        "up to this long for peers (inference/coalesce.py). Needs a worker that runs several "
-        "rollouts at once (nthreads > 1, rollout tags with room). None: each rollout decodes alone.",
-    )
-
-
-class WorkerConfig(_Strict):
-    name: str = Field(description="Worker name (shows in the Dask dashboard and metrics).")
-    resources: dict[str, float] = Field(
-        default_factory=dict, description="Dask resource tags, e.g. {'rollout:solver': 1, 'train': 1}."
-    )
-    nthreads: int = Field(1, ge=1, description="Threads per worker process.")
-    memory_limit: str = Field("6GiB", description="Dask worker memory limit.")
-
-
-class ClusterConfig(_Strict):
-    address: str | None = Field(
-        None, description="Existing Dask scheduler address; None starts a local cluster."
-    )
-    workers: list[WorkerConfig] = Field(
-        default_factory=lambda: [
-            WorkerConfig(name="w0", resources={"rollout": 1, "train": 1}),
-            WorkerConfig(name="w1", resources={"rollout": 1, "train": 1}),
-        ],
-        description="Local worker processes and their resource tags.",
-    )
-
-    torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each worker.")
-    worker_env: dict[str, str] = Field(
-        default_factory=dict,
-        description="Extra environment variables of the local worker processes (e.g. OpenMP's "
-        "GOMP_SPINCOUNT); not applied to a cluster at `address`.",
-    )
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
-                        description="torch device of the workers' engines and trainers: cpu, cuda, cuda:N.")
-    prefect_api_url: str | None = Field(
-        None, description="Prefect API to report to; None uses PREFECT_API_URL or starts one."
-    )
-    upload: list[str] = Field(
-        default_factory=list,
-        description="Local folders (their .py files, zipped) or .py/.zip files shipped to every Dask "
-        "worker before the run, joining workers too (Dask's upload_file): code the workers lack, e.g. "
-        "your reward module's folder, or the project root where flexmarl is not installed.",
-    )
-    look_ahead: bool = Field(
-        True,
-        description="Submit an op whose route is already fixed as soon as its dependencies are "
-        "submitted, chained on them in Dask, so it starts when they end without a round trip "
-        "through the flow process (orchestrator.py).",
-    )
-    fuse_chains: bool = Field(
-        True,
-        description="Run a chain of ops that would all run on one worker anyway (one agent's "
-        "rollout -> reward -> train -> step -> sync when its routes are fixed) as one Dask task: "
-        "one dispatch instead of one per op; each op keeps its record, task run and retries "
-        "(orchestrator.py).",
-    )
-    pending_after_s: float = Field(
-        2.0, ge=0.0,
-        description="An op's Prefect task run shows Pending once the op has been submitted this "
-        "long; a shorter op sends only its final state (one event instead of two). 0: Pending at "
-        "submission (tasks/stages.py).",
-    )
-    task_run_flush_s: float = Field(
-        2.0, ge=0.0,
-        description="The final states of ops that went well are sent to the Prefect API together "
-        "this often, so the API server records them in bursts instead of waking for every op (the "
-        "UI lags by at most this); retries, failures and Pending go at once. 0: each as it "
-        "happens (tasks/stages.py).",
-    )
-    prefect_lean: bool | Literal["auto"] = Field(
-        "auto",
-        description="Workers read cheap Prefect settings from their own environment (tasks/lean.py), "
-        "for code in them that talks to Prefect (stage ops do not). auto: on for a cluster "
-        "flexmarl starts, off for `address`; true: the remote workers' env has PREFECT_API_URL.",
-    )
-
-    @model_validator(mode="after")
-    def _workers(self) -> ClusterConfig:
-        names = [w.name for w in self.workers]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"duplicate worker name(s) {dupes} in workers; names must be unique")
-        if self.address is None and not self.workers:
-            raise ValueError(
-                "no workers: a local cluster needs at least one in cluster.workers (or set "
-                "cluster.address to use an existing scheduler)"
-            )
-        return self
-
-
-class StoreConfig(_Strict):
-    uri: str = Field(
-        "{run_dir}/store", description="MEG Store location: a path or a pyarrow.fs URI (s3://...)."
-    )
-
-    @field_validator("uri")
-    @classmethod
-    def _template(cls, v: str) -> str:
-        return check_template(v, ("run_dir", "name"))
-
-
-class TrainConfig(_Strict):
-    iterations: int = Field(4, ge=1, description="Training iterations.")
-    checkpoint_every: int = Field(
-        10, ge=1, description="Optimizer steps between full checkpoints (trainer state and weight "
-        "file; the last step always). A resumed run replays the steps since the last one from the "
-        "samples in the MEG Store. On a cluster of more than one worker these files are also how "
-        "weights and trainer states move between processes, so they are written every step there.",
-    )
-    evaluate: bool = Field(True, description="Measure greedy held-out team accuracy after training.")
-    evaluate_initial: bool = Field(
-        False, description="Also measure it before training (the starting point, e.g. SFT-only)."
-    )
-    eval_batch: int | None = Field(
-        None, ge=1, description="Held-out problems decoded at once, grouped by question length "
-        "(held-out and SFT evaluations): a batch decodes until its longest answer ends, so "
-        "where answer length follows the question this saves the short ones' wasted steps. "
-        "Unset: all in one batch.",
-    )
-    sft_target_accuracy: float = Field(
-        0.3, ge=0.0, le=1.0, description="`flexmarl sft` stops once held-out accuracy reaches this."
-    )
-    sft_max_steps: int = Field(2000, ge=1, description="Upper bound on SFT optimizer steps.")
-    sft_lr: float = Field(1e-3, gt=0.0, description="SFT learning rate (models start from scratch).")
-    sft_batch: int = Field(64, ge=1, description="Problems per SFT step (one demonstration chain each).")
-    sft_eval_every: int = Field(25, ge=1, description="SFT steps between held-out evaluations.")
-    sft_eval_size: int = Field(64, ge=1, description="Held-out problems per SFT evaluation.")
-    sft_chunk_tokens: int | None = Field(
-        None, ge=1, description="SFT's training chunk budget (padded tokens per forward/backward; "
-        "see backend.train_chunk_tokens, which it replaces during SFT only). A small budget splits "
-        "demonstrations of very different lengths into chunks sorted by length, so each pads only "
-        "to its own longest: the same gradient for less compute. Unset: the agent's own budget.",
-    )
-    sft_perturb: float = Field(
-        0.2, ge=0.0, le=1.0,
-        description="Chance that a child sees a plausible upstream mistake instead of the demonstration.",
-    )
-    init_from: str | None = Field(
-        None, description="Folder of per-agent starting checkpoints (e.g. the output of `flexmarl sft`)."
-    )
-    warm_start: Literal["none", "sft"] = Field(
-        "none", description="sft: start RL from `flexmarl sft` checkpoints of this config, made on "
-        "first use and cached under $FLEXMARL_CACHE/warm-start (ignored when init_from is set).",
-    )
-
-
-class ExperimentConfig(_Strict):
-    name: str = Field("flexmarl", description="Experiment name (run folders and Prefect names).")
-    seed: int = Field(0, description="Seed for problems, models, sampling and training.")
-    run_dir: str = Field(
-        "runs/{name}",
-        description="Run folder: metrics, checkpoints, default store. A local path, or a pyarrow.fs URI "
-        "(s3://bucket/runs/{name}) that every machine of the run reaches: nothing is then shared by path.",
-    )
-    team: TeamConfig = Field(description="The multi-agent team (MEG).")
-    workload: WorkloadConfig = Field(default_factory=WorkloadConfig, description="Problems and rewards.")
-    batch: BatchConfig = Field(default_factory=BatchConfig, description="Batch sizes.")
-    codesign: CodesignConfig = Field(default_factory=CodesignConfig, description="Co-design switches.")
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where it runs.")
-    store: StoreConfig = Field(default_factory=StoreConfig, description="MEG Store.")
-    train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
-
-    @model_validator(mode="after")
-    def _mixing_needs_lora(self) -> ExperimentConfig:
-        if self.codesign.mixed_batch_window_s is None:
-            return self
-        if not any(a.model.lora for a in self.team.agents):
-            raise ValueError("codesign.mixed_batch_window_s mixes LoRA adapters in one decode, but no "
-                             "agent has model.lora; set model.base and model.lora, or leave it unset")
-        if self.cluster.address is None and all(w.nthreads == 1 for w in self.cluster.workers):
-            raise ValueError("codesign.mixed_batch_window_s: every worker in cluster.workers has nthreads 1, "
-                             "so no two rollouts run at once to share a decode; give a worker nthreads > 1 "
-                             "(and room for two rollouts in its tags), or leave it unset")
-        return self
-
-    @model_validator(mode="after")
-    def _staleness_loss(self) -> ExperimentConfig:
-        k = self.codesign.max_staleness
-        if k == 0:
-            return self
-        from flexmarl_core.algorithms.losses import POLICY_LOSSES  # losses import this module
-
-        for a in self.team.agents:
-            name = a.algorithm.policy_loss
-            if a.trainable and name in POLICY_LOSSES and not POLICY_LOSSES.info(name).get("off_policy"):
-                raise ValueError(
-                    f"codesign.max_staleness={k}: agent {a.name!r} uses policy_loss {name!r}, which "
-                    "assumes on-policy samples; set its algorithm.policy_loss to decoupled_ppo"
-                )
-        return self
-
-    @field_validator("name")
-    @classmethod
-    def _safe_name(cls, v: str) -> str:
-        # The run folder is runs/<name> by default: '../../x' must not put it elsewhere.
-        return check_name(v, "run name")
-
-    @field_validator("run_dir")
-    @classmethod
-    def _run_dir_template(cls, v: str) -> str:
-        return check_template(v, ("name",))
-
-    def resolved_run_dir(self) -> Path:
-        """The run folder on local disk (a URI `run_dir` has none: use `run_location`)."""
-        text = self.run_dir.format(name=self.name)
-        if "://" in text and not text.startswith("file://"):
-            raise ValueError(f"run_dir {text!r} is a URI, not a local folder: use run_location()")
-        return Path(text.removeprefix("file://"))
-
-    def run_location(self) -> Any:
-        """Where the run's files live (`location.RunLocation`): a local folder or a URI."""
-        from flexmarl_core.location import RunLocation
-
-        return RunLocation(self.run_dir.format(name=self.name))
-
-    def resolved_store_uri(self) -> str:
-        run_dir = self.run_dir.format(name=self.name)
-        local = "://" not in run_dir or run_dir.startswith("file://")
-        return self.store.uri.format(run_dir=self.resolved_run_dir() if local else run_dir.rstrip("/"),
-                                     name=self.name)
-
-    def agent(self, name: str) -> AgentConfig:
-        for a in self.team.agents:
-            if a.name == name:
-                return a
-        raise KeyError(f"unknown agent {name!r}; agents: {[a.name for a in self.team.agents]}")
-
-
-# The readers live in their own module; importing them here keeps one import path for users.
-# At the end of the module: config_load needs the models above (a deliberate late import).
-from flexmarl_core.config_load import config_from_dict as config_from_dict  # noqa: E402
-from flexmarl_core.config_load import config_from_text as config_from_text  # noqa: E402
-from flexmarl_core.config_load import load_config as load_config  # noqa: E402
-from flexmarl_core.config_load import parse_overrides as parse_overrides  # noqa: E402
+__all__ = [
+    "PRESET_NAMES", "AgentConfig", "AlgorithmConfig", "BackendConfig", "BatchConfig", "ClusterConfig",
+    "CodesignConfig", "ConfigError", "EdgeConfig", "ExperimentConfig", "LoraSpec", "ModelConfig",
+    "SamplingConfig", "StoreConfig", "TeamConfig", "TrainConfig", "WorkerConfig", "WorkloadConfig",
+    "backend_available", "check_config", "config_from_dict", "config_from_text", "load_config",
+    "parse_overrides",
+]

@@ -1,20 +1,20 @@
-"""Reading experiment configs: YAML files or text, `a.b.c=value` overrides, and validation
-errors that name the file and the field path. The models themselves are in `config.py`, which
-re-exports these functions (`from flexmarl_core.config import load_config`)."""
+"""Reading experiment configs: YAML files or text, `a.b.c=value` overrides, validation errors
+that name the file and the field path, and the checks that need more than the models (the
+algorithm registries, the team graph). The models are in `config_models.py`; import both from
+`flexmarl_core.config`."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
 from flexmarl_core.config_checks import ConfigError
-
-if TYPE_CHECKING:
-    from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.config_models import ExperimentConfig
+from flexmarl_core.meg import MEG, MEGError
 
 
 def _set_path(data: dict[str, Any], dotted: str, value: Any, *, source: str) -> None:
@@ -78,29 +78,43 @@ def config_from_dict(
     for key, value in parse_overrides(overrides or []):
         _set_path(data, key, value, source=source)
     try:
-        from flexmarl_core.config import ExperimentConfig  # config.py re-exports this module
-
         cfg = ExperimentConfig.model_validate(data)
     except ValidationError as exc:
         # One line (the CLI prints errors as one `error:` line), every problem in it.
         problems = [
-            f"{_readable_loc(data, err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+            f"{_readable_loc(data, err['loc'])}{err['msg'].removeprefix('Value error, ')}"
             for err in exc.errors()
         ]
         raise ConfigError(f"{source}: " + "; ".join(problems).replace("\n", " ")) from None
-    # The team graph too (duplicate agents, unknown or cyclic edges, stray template fields), so
-    # `flexmarl train` stops here, before a Prefect server, a cluster or a run folder exists.
-    from flexmarl_core.meg import MEG, MEGError  # meg imports this module
+    check_config(cfg, source=source)
+    return cfg
 
+
+def check_config(cfg: ExperimentConfig, *, source: str = "<config>") -> None:
+    """What the models alone cannot check, so `flexmarl train` stops here, before a Prefect
+    server, a cluster or a run folder exists: the team graph (duplicate agents, unknown or
+    cyclic edges, stray template fields) and the policy losses' registry."""
     try:
         MEG.from_config(cfg.team)
     except MEGError as exc:
         raise ConfigError(f"{source}: team: {exc}") from None
-    return cfg
+    k = cfg.codesign.max_staleness
+    if k == 0:
+        return
+    from flexmarl_core.algorithms.losses import POLICY_LOSSES  # torch: only for stale configs
+
+    for a in cfg.team.agents:
+        name = a.algorithm.policy_loss
+        if a.trainable and name in POLICY_LOSSES and not POLICY_LOSSES.info(name).get("off_policy"):
+            raise ConfigError(
+                f"{source}: codesign.max_staleness={k}: agent {a.name!r} uses policy_loss {name!r}, which "
+                "assumes on-policy samples; set its algorithm.policy_loss to decoupled_ppo"
+            )
 
 
 def _readable_loc(data: Any, loc: tuple[Any, ...]) -> str:
-    """`team.agents.1.sampling` -> `team.agents[solver].sampling` when the item has a name."""
+    """`team.agents.1.sampling` -> `team.agents[solver].sampling: ` when the item has a name
+    (nothing for the root: its messages name their keys themselves)."""
     parts: list[str] = []
     node = data
     for key in loc:
@@ -112,7 +126,7 @@ def _readable_loc(data: Any, loc: tuple[Any, ...]) -> str:
         else:
             parts.append(str(key))
             node = node.get(key) if isinstance(node, dict) else None
-    return ".".join(parts) or "<root>"
+    return f"{'.'.join(parts)}: " if parts else ""
 
 
 def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> ExperimentConfig:

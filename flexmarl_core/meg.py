@@ -19,7 +19,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from flexmarl_core.config import AgentConfig, EdgeConfig, TeamConfig
+from flexmarl_core.config_agent import AgentConfig
+from flexmarl_core.config_models import EdgeConfig, TeamConfig
 
 INPUT = "input"
 

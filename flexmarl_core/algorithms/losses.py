@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 
 from flexmarl_core.algorithms.registry import Registry
-from flexmarl_core.config import AlgorithmConfig
+from flexmarl_core.config_agent import AlgorithmConfig
 from flexmarl_core.training.api import LossFn, MicroBatch, TokenBatch
 
 
