@@ -27,6 +27,10 @@ from flexmarl_core.config import (
 )
 from flexmarl_core.inference import HFInferenceEngine
 from flexmarl_core.models.factory import PRESETS
+from flexmarl_core.programs.chat import BUILTIN
+from flexmarl_core.programs.engines import LocalDispatcher
+from flexmarl_core.programs.gateway import AgentSpec, Gateway, Session
+from flexmarl_core.programs.runner import run_program
 from flexmarl_core.training import Sample, TorchTrainer, global_loss_scale
 from flexmarl_core.training.handles import StateHandle, get, put
 from tests._models_util import random_samples, tiny_model, tokenizer, train_one_worker, trainer
@@ -115,6 +119,36 @@ def test_vllm_greedy_equals_hf_greedy(vllm_engine):
             assert (g.text, g.finish_reason) == (w.text, w.finish_reason)
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs),
                                        atol=logprob_atol(w.logprobs), rtol=0)
+
+
+def _independent_calls(problem, client):
+    """Two calls whose prompts do not depend on an earlier answer (so one near-tie cannot
+    change what the next call is asked)."""
+    ask = lambda agent, prompt: client.completions.create(model=agent, prompt=prompt, max_tokens=12)  # noqa: E731
+    return ask("planner", f"Q:{problem}\nP:").choices[0].text + ask("solver", f"Q:{problem}\nA:").choices[0].text
+
+
+@needs_vllm
+def test_program_endpoint_captures_the_same_calls_on_vllm_as_on_hf(vllm_engine):
+    """The endpoint in front of vLLM and in front of the HF engine: the same program, greedy,
+    records the same prompts and tokens, and logprobs within the engines' fp32 bound."""
+    hf = HFInferenceEngine(tiny_model(), tokenizer())
+    jobs = [(f"p{i}", 0, 0, p.removeprefix("Q:").removesuffix("\nP:")) for i, p in enumerate(PROMPTS)]
+    captured = []
+    for engine in (hf, vllm_engine):
+        specs = {a: AgentSpec(a, _greedy(12), BUILTIN["plain"], tokenizer(), 512) for a in ("planner", "solver")}
+        s = Session("k", specs, {"planner": 0, "solver": 0},
+                    LocalDispatcher.of_engines({"planner": engine, "solver": engine}), lambda *_: 0, greedy=True)
+        res = run_program(_independent_calls, jobs, s, Gateway.shared())
+        assert all(r.error is None for r in res), [r.error for r in res]
+        captured.append({(r.input_id, c.agent, c.call): c for r in res for c in r.records})
+    want, got = captured
+    assert sorted(want) == sorted(got) and len(want) == 2 * len(PROMPTS)
+    for key, w in want.items():
+        g = got[key]
+        assert (g.prompt_ids, g.gen.response_ids, g.gen.text) == (w.prompt_ids, w.gen.response_ids, w.gen.text), key
+        torch.testing.assert_close(torch.tensor(g.gen.logprobs), torch.tensor(w.gen.logprobs),
+                                   atol=logprob_atol(w.gen.logprobs), rtol=0)
 
 
 @needs_vllm
