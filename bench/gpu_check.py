@@ -22,6 +22,11 @@ Checks (each a `checks` entry with `passed`; the run exits 1 when one fails):
   PEFT folder) against the HF `SharedBaseEngine` on the device: a greedy batch mixing three
   agents' adapters gives the same tokens (near-ties aside, as above) and logprobs within the fp32
   bound, and after one agent's adapter is replaced (a weight sync) its rows follow the new one.
+* endpoint/<preset>: a team program's calls through the OpenAI-compatible endpoint
+  (`programs/gateway.py`) in front of the HF engine on the device and, where vLLM imports, in
+  front of vLLM, against the endpoint in front of the HF engine on the CPU: every call recorded
+  with the same prompt, its greedy tokens (near-ties aside) and logprobs within the fp32 bound;
+  an unknown agent refused with OpenAI's 404 (`bench/gpu_check_endpoint.py`).
 * team_run: `flexmarl train configs/tiny.yaml` (Prefect flow, local Dask cluster) for one
   iteration, when prefect, prefect-dask and distributed import. Its workers build their models
   on the device (`cluster.device`: the workers' engines and trainers are built there).
@@ -70,6 +75,7 @@ from flexmarl_core.training import Sample, TorchTrainer, drop, get, put  # noqa:
 CPU = torch.device("cpu")
 LR = 1e-4
 TEAM_RUN_PACKAGES = ("prefect", "prefect_dask", "dask", "distributed")
+ENDPOINT_PACKAGES = ("openai", "starlette", "uvicorn", "jinja2")
 
 
 @dataclass(frozen=True)
@@ -471,6 +477,15 @@ def main(argv: list[str] | None = None) -> int:
 
         run_check(checks, f"vllm_lora/{plan.check_presets[0]}",
                   lambda: check_vllm_lora(lora_model, tok, dev, plan))
+    if missing_modules(ENDPOINT_PACKAGES):
+        skipped["endpoint"] = (f"{', '.join(missing_modules(ENDPOINT_PACKAGES))} not importable: carry the "
+                               "wheels (bash bench/gpu_check.sh --fetch-wheels team)")
+    else:
+        from bench.gpu_check_endpoint import check_endpoint
+
+        endpoint_model = build_model(ModelConfig(preset=plan.check_presets[0]), seed=0, tokenizer=tok)
+        run_check(checks, f"endpoint/{plan.check_presets[0]}",
+                  lambda: check_endpoint(endpoint_model, tok, dev, plan))
     # The swap check after the loop: its model is the largest checked preset's, still bound.
     run_check(checks, f"state_swap/{plan.check_presets[-1]}", lambda m=model: check_swap(m, dev, plan))
     del model
