@@ -49,6 +49,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--set", action="append", default=[], help="config overrides for both teams")
+    ap.add_argument("--init-from", default=None, metavar="DIR",
+                    help="start both teams from these checkpoints (default: the YAML team's SFT warm start)")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
     iterations = args.iterations or (2 if args.quick else 4)
@@ -58,7 +60,8 @@ def main() -> int:
     from flows.train import train
 
     api, _ = ensure_api()
-    start, _ = warm_start(load_config(CONFIGS["yaml"], args.set), default_cache_dir(), log=print)
+    start = Path(args.init_from) if args.init_from else \
+        warm_start(load_config(CONFIGS["yaml"], args.set), default_cache_dir(), log=print)[0]
     out_dir = REPO / "runs" / "bench-program"
     runs: dict[str, list[dict]] = {m: [] for m in CONFIGS}
     t0 = time.time()
