@@ -16,7 +16,8 @@ def sync(ctx: WorkerContext, op: Op) -> StageResult:
     to the other processes' engines of the agent through this worker's transport (on Dask a
     broadcast, `cluster.DaskWeightPushes`) instead of each of them reading the object."""
     agent, it = op.agent, op.iteration
-    tr, _ = ctx.trainer(agent, it + 1)
+    with ctx.lock:  # as in the train stage: a trainer may be made or swapped in here
+        tr, _ = ctx.trainer(agent, it + 1)
     if tr.version != it + 1:
         raise ConsistencyError(f"{op.name}: trainer is at version {tr.version}, expected {it + 1}")
     with ctx.lock:

@@ -31,7 +31,10 @@ __all__ = ["ConsistencyError", "check_staleness", "loss_scale", "skip_zero_advan
 def train(ctx: WorkerContext, op: Op) -> StageResult:
     """Forward + backward of one micro-batch into the agent's accumulated gradients."""
     agent, it, mb = op.agent, op.iteration, op.mb
-    tr, swap = ctx.trainer(agent, it)
+    # Under the lock: a new trainer (or a swapped-in one) changes which adapter of a shared
+    # LoRA base is trainable, which a rollout on another thread of this process also sets.
+    with ctx.lock:
+        tr, swap = ctx.trainer(agent, it)
     done = ctx.accumulated.setdefault(agent, set())
     if tr.version != it or (it, mb) in done:
         # A retry after the work was done (version moved on, or this micro-batch is in the grads).
@@ -94,9 +97,11 @@ def step(ctx: WorkerContext, op: Op) -> StageResult:
     agent, it = op.agent, op.iteration
     if ctx.loc.exists(trainer_key(agent, it + 1)):
         # An earlier attempt stepped and checkpointed (then died or was retried): take that state.
-        tr, _ = ctx.trainer(agent, it + 1)
+        with ctx.lock:
+            tr, _ = ctx.trainer(agent, it + 1)
         return StageResult(op, version=tr.version, skipped=True)
-    tr, _ = ctx.trainer(agent, it)
+    with ctx.lock:
+        tr, _ = ctx.trainer(agent, it)
     if tr.version == it + 1:
         # An earlier attempt stepped but failed to checkpoint: checkpoint, never step twice.
         with ctx.lock:
