@@ -14,8 +14,10 @@ import pytest
 from flexmarl_core import run
 from flexmarl_core.audit import audit_run
 from flexmarl_core.config import load_config
+from flexmarl_core.control import ControlPlane, MoveInstance
 from flexmarl_core.executors import ThreadExecutor, stage_fn
 from flexmarl_core.meg import MEG
+from flexmarl_core.ops import Op, StageResult
 from flexmarl_core.programs.team import program_team
 from flexmarl_core.sft import demonstrations
 from flexmarl_core.updates import advantages
@@ -104,3 +106,23 @@ def test_sft_demonstrations_of_a_program_are_its_own_prompts():
     seen = [tok.decode(ids).split("\nA:")[1].split("\n")[0] for ids, _ in shaken["verifier"]]
     assert any(s not in answers.values() for s in seen)  # mistakes shown downstream
     assert all(t in answers.values() for _, t in shaken["verifier"])  # targets stay right
+
+
+def test_program_ops_move_instances_to_the_agent_whose_calls_take_longest():
+    """The control plane of a program team: each program op reports each agent's decode
+    seconds; queued program ops weigh every agent by them, so an instance moves from the agent
+    whose calls are cheap to the one whose calls are not."""
+    cfg = load_config(str(CONFIGS / "program_team.yaml"), [])
+    plane = ControlPlane(cfg, [a.name for a in cfg.team.agents], clock=lambda: 0.0)
+    res = StageResult(Op(0, "program", mb=0), t_start=0.0, t_end=5.0, metrics={
+        "agent/planner/program/decode_s": 4.0, "agent/solver/program/decode_s": 0.5,
+        "agent/verifier/program/decode_s": 0.5})
+    plane.observed(res)
+    assert plane.balancer.est_s == {"planner": 4.0, "solver": 0.5, "verifier": 0.5}
+    workers = {"w0": {"rollout:planner": 1, "train": 1}, "w1": {"rollout:solver": 1, "rollout:verifier": 1, "train": 1}}
+    retagged: list[tuple[str, dict]] = []
+    ready = [Op(1, "program", mb=j) for j in range(4)]
+    after = plane.place(ready, [], workers, lambda w, tags: retagged.append((w, tags)))
+    assert retagged and retagged[0][0] == "w1" and after["w1"]["rollout:planner"] == 1
+    moves = [d for d in plane.decisions if isinstance(d, MoveInstance)]
+    assert moves and moves[0].to_agent == "planner"
