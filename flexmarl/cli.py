@@ -16,10 +16,15 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import NoReturn
+
+from flexmarl_core.config_checks import ConfigError  # light: no pydantic models at parse time
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,7 +42,6 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - avoids importing pydant
 
 def _resume_config(args: argparse.Namespace) -> None:
     """`train --resume RUN`: the run's own saved config is the config."""
-    from flexmarl_core.config import ConfigError
     from flexmarl_core.location import CONFIG_NAME, RunLocation, is_uri
 
     if args.config is not None:
@@ -56,14 +60,11 @@ def _resume_config(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import os
-
     # Prefect's INFO lines (flow and task run states) stay in its API and UI; the terminal shows
     # the UI link, a line per iteration and the summary. Set before Prefect is imported.
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     from flexmarl.console import console, summary_lines, summary_table
     from flexmarl.prefect_api import ensure_api, ui_url
-    from flexmarl_core.config import ConfigError
 
     if args.resume:
         _resume_config(args)
@@ -96,7 +97,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from flexmarl_core.config import ConfigError
     from flexmarl_core.plots import report
 
     for path in filter(None, [args.run, args.compare]):
@@ -116,7 +116,6 @@ def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentCon
     warm-start checkpoint, an unreachable `cluster.address` or a resume that cannot work fails
     here, as a one-line error, before a Prefect server, a cluster or a half-made run folder
     exists."""
-    from flexmarl_core.config import ConfigError
     from flexmarl_core.workloads import make_workload
 
     make_workload(cfg.workload, cfg.team)
@@ -201,9 +200,6 @@ def cmd_store_audit(args: argparse.Namespace) -> int:
 
 def cmd_humaneval(args: argparse.Namespace) -> int:
     """Grade a model's completions (or the canonical / empty bodies) on a HumanEval file."""
-    import json
-    from dataclasses import asdict
-
     from flexmarl_core.humaneval import HumanEvalError, grade_humaneval, humaneval_path
 
     try:
@@ -234,7 +230,6 @@ def cmd_server_stop(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Every figure printed or written here is simulated, and says so."""
-    from flexmarl_core.config import ConfigError
 
     if args.calibrate:
         if args.config or args.cluster or args.sweep:
@@ -249,7 +244,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _write_json(path: str | None, data: dict) -> None:
-    import json
 
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -425,7 +419,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from flexmarl_core.config import ConfigError
     from flexmarl_core.workloads import WorkloadError
 
     args = build_parser().parse_args(argv)

@@ -15,6 +15,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from flexmarl_core.config_checks import ConfigError
+
 DEFAULT_PORT = 4200
 #: The local server we start runs this much nicer than the run. It turns the flow's events into
 #: task runs from a queue, so on a shared machine it can take the cycles training leaves
@@ -78,8 +80,6 @@ def ensure_api(configured: str | None = None, *, home: Path | None = None) -> tu
     url = configured or current_api_url()
     if url:
         if not _answers(url):
-            from flexmarl_core.config import ConfigError
-
             where = "cluster.prefect_api_url" if configured else "PREFECT_API_URL (environment or Prefect profile)"
             raise ConfigError(
                 f"{where} is {url}, but no Prefect API answers there; start that server, fix "

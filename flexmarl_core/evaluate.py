@@ -7,8 +7,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flexmarl_core.config import TeamConfig
+from flexmarl_core.config import TeamConfig, config_from_text
 from flexmarl_core.inference.tools import generate_with_tool, tool_of
+from flexmarl_core.location import CONFIG_NAME, RunLocation, weights_key
 from flexmarl_core.meg import MEG
 from flexmarl_core.programs.team import program_team
 from flexmarl_core.workloads.api import Problem, Workload
@@ -84,9 +85,6 @@ def evaluation_iteration(run_dir: str | Path, iteration: int | None = None) -> t
     Raises FileNotFoundError naming the run folder or the missing weights file, with the
     versions that do exist (e.g. a run stopped early: evaluate one of those instead).
     """
-    from flexmarl_core.config import config_from_text
-    from flexmarl_core.location import CONFIG_NAME, RunLocation, weights_key
-
     loc = RunLocation(run_dir)
     if not loc.is_file(CONFIG_NAME):
         raise FileNotFoundError(f"{loc.uri}: not a flexmarl run folder (no {CONFIG_NAME})")

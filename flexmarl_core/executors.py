@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 from flexmarl_core.control import OrchestratorError
 from flexmarl_core.ops import FusedResult, Op, Route, StageResult, check_after
+from flexmarl_core.stages import run_stage
 
 
 class ThreadExecutor:
@@ -109,6 +110,4 @@ class ThreadExecutor:
 
 def stage_fn(run_dir: str) -> Callable[[Op, str], StageResult]:
     """The real stages of the run in `run_dir`, for `ThreadExecutor`."""
-    from flexmarl_core.stages import run_stage
-
     return lambda op, worker, gradient_only=False: run_stage(str(run_dir), op, gradient_only=gradient_only)

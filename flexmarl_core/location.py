@@ -26,6 +26,7 @@ import functools
 import hashlib
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,6 +70,14 @@ def gradient_key(agent: str, iteration: int, mb: int) -> str:
 def base_weights_key(key: str) -> str:
     """Where the shared base of LoRA agents (`models.lora.base_key`) is published, once per run."""
     return f"bases/{key}.safetensors"
+
+
+def default_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """This machine's cache folder (models, tokenizers, warm starts, scratch of remote runs):
+    `cache_dir`, else `$FLEXMARL_CACHE`, else `~/.cache/flexmarl`."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get("FLEXMARL_CACHE") or Path.home() / ".cache" / "flexmarl")
 
 
 def is_uri(where: str | os.PathLike[str]) -> bool:
@@ -120,8 +129,6 @@ class RunLocation:
         a remote run a folder under `$FLEXMARL_CACHE/scratch`, keyed by the URI."""
         if self.local:
             return Path(self.root)
-        from flexmarl_core.models.tokenizer import default_cache_dir
-
         tail = re.sub(r"[^A-Za-z0-9._-]+", "_", self.uri.split("://", 1)[1])[-80:]
         digest = hashlib.sha1(self.uri.encode()).hexdigest()[:8]
         return default_cache_dir() / "scratch" / f"{tail}-{digest}"
@@ -206,8 +213,6 @@ class RunLocation:
     def delete_all(self) -> None:
         """Delete everything under this location (a fresh run replacing an old one)."""
         if self.local:
-            import shutil
-
             if os.path.exists(self.root):
                 shutil.rmtree(self.root)
             return

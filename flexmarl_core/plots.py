@@ -19,6 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import matplotlib
+from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from flexmarl_core.metrics import metric_agents
+
 #: one hue family per op kind; agents get shades of it
 KIND_COLOURS = {"rollout": "Blues", "reward": "Greys", "train": "Oranges", "step": "Reds", "sync": "Greens"}
 
@@ -74,8 +81,6 @@ def load_trace(run_dir: str | Path, label: str | None = None) -> RunTrace:
 
 
 def _colour(kind: str, agent: str, agents: Sequence[str]) -> Any:
-    import matplotlib
-
     cmap = matplotlib.colormaps[KIND_COLOURS.get(kind, "Purples")]
     if kind == "reward" or not agents:
         return cmap(0.55)
@@ -85,15 +90,10 @@ def _colour(kind: str, agent: str, agents: Sequence[str]) -> Any:
 
 def timeline(traces: Sequence[RunTrace], path: str | Path, *, title: str = "") -> Path:
     """Draw the runs' lanes on one time axis (each run's time from its own first op)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
     agents = sorted({o["agent"] for t in traces for o in t.ops if o["agent"]})
     lanes = [(t, w) for t in traces for w in t.workers]
-    fig, ax = plt.subplots(figsize=(12, 1.9 + 0.5 * len(lanes)))
+    fig = Figure(figsize=(12, 1.9 + 0.5 * len(lanes)))
+    ax = fig.subplots()
     for y, (t, w) in enumerate(lanes):
         ops = [o for o in t.ops if o["worker"] == w]
         ax.broken_barh([(o["start"], o["end"] - o["start"]) for o in ops], (y - 0.4, 0.8),
@@ -111,8 +111,8 @@ def timeline(traces: Sequence[RunTrace], path: str | Path, *, title: str = "") -
     ax.set_xlim(0, max(t.span for t in traces) * 1.08)
     handles = [Patch(color=_colour(k, agents[len(agents) // 2] if agents else "", agents), label=k)
                for k in KIND_COLOURS]
-    handles += [plt.Line2D([], [], marker="v", color="black", ls="", label="instance move"),
-                plt.Line2D([], [], marker="^", color="crimson", ls="", label="trainer swap")]
+    handles += [Line2D([], [], marker="v", color="black", ls="", label="instance move"),
+                Line2D([], [], marker="^", color="crimson", ls="", label="trainer swap")]
     ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles),
               fontsize=8, frameon=False)
     # The title sits above the legend row (pad: the legend's height in points).
@@ -121,22 +121,15 @@ def timeline(traces: Sequence[RunTrace], path: str | Path, *, title: str = "") -
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, metadata={"flexmarl-lanes": json.dumps([[t.label, w] for t, w in lanes])})
-    plt.close(fig)
     return out
 
 
 def curves(per_it: list[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
     """Per-agent reward and team accuracy, tokens/s, utilisation, by iteration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from flexmarl_core.metrics import metric_agents
-
     its = [m["iteration"] for m in per_it]
     agents = metric_agents(per_it)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig = Figure(figsize=(13, 3.6))
+    axes = fig.subplots(1, 3)
     series = []
     for a in agents:
         axes[0].plot(its, [m.get(f"agent/{a}/reward", float("nan")) for m in per_it], marker="o", label=f"reward {a}")
@@ -160,7 +153,6 @@ def curves(per_it: list[dict[str, Any]], path: str | Path, *, title: str = "") -
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, metadata={"flexmarl-series": json.dumps(series)})
-    plt.close(fig)
     return out
 
 

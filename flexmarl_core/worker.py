@@ -25,6 +25,8 @@ from flexmarl_core.config import ExperimentConfig, config_from_text
 from flexmarl_core.inference import InferenceBackend, make_inference_engine
 from flexmarl_core.inference.api import SharedBaseBackend
 from flexmarl_core.inference.coalesce import Coalescer
+from flexmarl_core.inference.lora_engine import SharedBaseEngine
+from flexmarl_core.inference.vllm_lora import VLLMSharedBaseEngine
 from flexmarl_core.location import CONFIG_NAME, RunLocation, as_location, trainer_key, weights_key
 from flexmarl_core.meg import MEG
 from flexmarl_core.models import load_agent_model
@@ -168,15 +170,11 @@ class WorkerContext:
             return shared
         model, tok = self._fresh_model(agent)
         if backend == "vllm":  # one vllm.LLM per base, sized for every LoRA agent on it
-            from flexmarl_core.inference.vllm_lora import VLLMSharedBaseEngine  # the vllm extra
-
             peers = [a.model.lora for a in self.cfg.team.agents if a.model.lora is not None
                      and a.backend.inference == "vllm" and base_key(a.model, self.cfg.seed) == key]
             shared = VLLMSharedBaseEngine.from_model(model, tok, dtype=acfg.model.dtype, max_loras=len(peers),
                                                      max_lora_rank=max(s.rank for s in peers))
         else:
-            from flexmarl_core.inference.lora_engine import SharedBaseEngine  # the peft extra
-
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[acfg.model.dtype]
             shared = SharedBaseEngine(model.to(dtype), tok)
         self.shared_engines[(key, backend)] = shared

@@ -20,9 +20,12 @@ from flexmarl.console import IterationProgress
 from flexmarl_core import cluster, run
 from flexmarl_core.config import load_config
 from flexmarl_core.control import GradientHelper, MoveInstance, TrainSlot
+from flexmarl_core.location import default_cache_dir
 from flexmarl_core.meg import MEG
 from flexmarl_core.metrics import run_summary
 from flexmarl_core.plan import Plan
+from flexmarl_core.sft import warm_start_path
+from flexmarl_core.workloads import make_workload
 from tasks import lean as lean_tasks
 from tasks import report as report_tasks
 from tasks.executor import PrefectDaskExecutor
@@ -61,9 +64,6 @@ def train(
         log.info("resuming the run in %s", run_dir)
     else:
         if cfg.train.warm_start == "sft" and not cfg.train.init_from:
-            from flexmarl_core.models.tokenizer import default_cache_dir
-            from flexmarl_core.sft import warm_start_path
-
             if not (warm_start_path(cfg, default_cache_dir()) / "sft.json").exists():
                 say("warm start: SFT of this config's team first (a few minutes, once: later runs reuse it)")
         run_dir = report_tasks.prepare_run(cfg, echo=progress)
@@ -108,8 +108,6 @@ def train(
     stage_cpu = sum(m["cpu_s"] for m in out["iterations"])
     summary = run_summary(out["iterations"], out["wall_s"])
     if cfg.train.evaluate_initial or cfg.train.evaluate:
-        from flexmarl_core.workloads import make_workload
-
         summary["heldout_set"] = make_workload(cfg.workload, cfg.team).heldout_description(
             cfg.workload.heldout_size)
     if cfg.train.evaluate_initial:

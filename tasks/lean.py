@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import certifi
 import prefect.context as _pctx
 from distributed import Client, WorkerPlugin
 
@@ -31,8 +32,6 @@ from storage.atomic import atomic_file
 
 
 def _one_cert_file() -> str:
-    import certifi
-
     text = Path(certifi.where()).read_text()
     end = "-----END CERTIFICATE-----"
     first = text[text.index("-----BEGIN CERTIFICATE-----") : text.index(end) + len(end)]

@@ -10,6 +10,7 @@ embedded PNGs, data URIs, which the Prefect UI's markdown shows inline).
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import json
 from typing import Any
@@ -22,6 +23,7 @@ from flexmarl_core import run, stages
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.metrics import metric_agents
 from flexmarl_core.ops import agent_key
+from flexmarl_core.plots import report as draw
 
 #: per-iteration columns shown first, in this order; other metrics (stage_s/*, busy_s/*) follow
 ITERATION_LEAD = ["iteration", "e2e_s", "tokens", "tokens_per_s", "utilization", "accuracy"]
@@ -180,10 +182,6 @@ EMBED_MAX_BYTES = 400_000
 def pictures(name: str, run_dir: str) -> dict[str, str]:
     """CPU/IO: `timeline.png` and `curves.png` in the run folder, and a `-pictures` artifact
     that shows them."""
-    import base64
-
-    from flexmarl_core.plots import report as draw
-
     paths = draw(run_dir)
     lines = [f"# {name}: pictures", "", f"Run folder `{run_dir}`.", ""]
     for kind, path in paths.items():

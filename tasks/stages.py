@@ -44,6 +44,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefect.events import Event
+from prefect.events.worker import EventsWorker
+
 from flexmarl_core.ops import OP_KINDS, Op, StageResult
 
 #: task retries per op kind (a worker that dies is Dask's to rerun, not a retry)
@@ -89,8 +92,6 @@ class TaskRunReporter:
     def __init__(self, flow_run_id: uuid.UUID | str, flow_run_count: int = 1,
                  pending_after_s: float = PENDING_AFTER_S, flush_s: float = FLUSH_S,
                  clock: Callable[[], float] = time.time) -> None:
-        from prefect.events.worker import EventsWorker
-
         self.flow_run_id = str(flow_run_id)
         self.flow_run_count = flow_run_count
         self.pending_after_s = pending_after_s
@@ -188,8 +189,6 @@ class TaskRunReporter:
 
     def _emit(self, op: Op, run: _Run, t: float, type_: str, name: str, *, message: str | None = None,
               details: dict[str, Any] | None = None) -> None:
-        from prefect.events import Event
-
         final = type_ in ("COMPLETED", "FAILED")
         task_run = {
             "name": op.name, "task_key": f"flexmarl-{op.kind}", "dynamic_key": run.dynamic_key,

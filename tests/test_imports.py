@@ -4,7 +4,9 @@ Every import statement of every module of `flexmarl_core`, `storage`, `tasks`, `
 `flexmarl` is an edge to the module it names (imports under `if TYPE_CHECKING:` are left out:
 they never run). A cycle is a set of modules that reach each other along these edges; a
 function-level import that closes one hides the cycle from import time but not from the
-reader, so it counts the same.
+reader, so it counts the same. Importing `pkg.sub` from outside `pkg` also runs
+`pkg/__init__.py` first, so it is an edge to `pkg` too: a cycle through a package's
+re-exports fails at import time as surely as a direct one.
 """
 
 from __future__ import annotations
@@ -71,8 +73,13 @@ def import_graph() -> dict[str, dict[str, int]]:
             parts = name.split(".")
             target = next((".".join(parts[:k]) for k in range(len(parts), 0, -1)
                            if ".".join(parts[:k]) in mods), None)
-            if target is not None and target != mod:
-                edges.setdefault(target, line)
+            if target is None:
+                continue
+            # the packages above the target that `mod` is not inside run their __init__ first
+            parents = [".".join(target.split(".")[:k]) for k in range(1, target.count(".") + 1)]
+            for t in [*parents, target]:
+                if t in mods and t != mod and not (mod == t or mod.startswith(t + ".")):
+                    edges.setdefault(t, line)
         graph[mod] = edges
     return graph
 
@@ -149,6 +156,9 @@ def test_the_graph_sees_function_level_and_relative_imports():
     assert "storage.fs" in graph["storage.commit"]
     # `from pkg import submodule` is an edge to the submodule
     assert "flexmarl_core.stages.train" in graph["flexmarl_core.stages"]
+    # a submodule from outside its package runs the package's __init__ first; a sibling does not
+    assert "flexmarl_core.training" in graph["flexmarl_core.stages.train"]
+    assert "storage" not in graph["storage.commit"]
 
 
 def test_cycles_are_found_through_function_level_imports():

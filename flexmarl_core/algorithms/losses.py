@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from flexmarl_core.algorithms.registry import Registry
-from flexmarl_core.config_agent import AlgorithmConfig
-from flexmarl_core.training.api import LossFn, MicroBatch, TokenBatch
+
+if TYPE_CHECKING:  # contracts only: the trainers import this module
+    from flexmarl_core.config_agent import AlgorithmConfig
+    from flexmarl_core.training.api import LossFn, MicroBatch, TokenBatch
 
 
 class PolicyLossFn(Protocol):

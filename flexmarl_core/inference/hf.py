@@ -318,12 +318,12 @@ def finish_generation(
     if resp and resp[-1] in eos_set:
         reason, body = "eos", resp[:-1]
     text = tokenizer.decode(body, skip_special_tokens=False)
-    cut = _first_stop(text, stops)
+    cut = first_stop(text, stops)
     if cut is not None:
         # Keep the shortest token prefix whose text contains the stop string.
         for k in range(1, len(body) + 1):
             prefix = tokenizer.decode(body[:k], skip_special_tokens=False)
-            at = _first_stop(prefix, stops)
+            at = first_stop(prefix, stops)
             if at is not None:
                 resp, lps, reason = body[:k], lps[:k], "stop"
                 text = prefix[:at]
@@ -338,6 +338,6 @@ def finish_generation(
     )
 
 
-def _first_stop(text: str, stops: list[str]) -> int | None:
+def first_stop(text: str, stops: list[str]) -> int | None:
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return min(hits) if hits else None

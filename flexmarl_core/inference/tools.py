@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from flexmarl_core.inference.api import Generation
+from flexmarl_core.inference.hf import encode_prompts, first_stop
 
 if TYPE_CHECKING:
     from flexmarl_core.config import SamplingConfig
@@ -66,9 +67,6 @@ def generate_with_tool(
     """
     if tool is None:
         return engine.generate(prompts, sampling, seed=seed)
-    from flexmarl_core.inference.hf import _first_stop as first_stop
-    from flexmarl_core.inference.hf import encode_prompts
-
     if not (hasattr(engine, "tokenizer") and hasattr(engine, "eos_ids")):
         raise TypeError(f"{type(engine).__name__} cannot run a tool loop: it needs an engine that "
                         "continues from token ids and exposes `tokenizer` and `eos_ids` (the hf engine)")
@@ -126,15 +124,13 @@ def _finish(tok: Any, engine: Any, prompt: list[int], resp: list[int], lps: list
             mask: list[int], sampling: SamplingConfig, version: int) -> Generation:
     """The whole response under `inference/api.py`'s rules: text cut before the first stop
     string, a final EOS kept in the ids and left out of the text."""
-    from flexmarl_core.inference.hf import _first_stop
-
     eos = set(engine.eos_ids)
     reason = "length"
     body = resp
     if resp and resp[-1] in eos and mask[-1] == 1:
         reason, body = "eos", resp[:-1]
     text = tok.decode(body, skip_special_tokens=False)
-    cut = _first_stop(text, sampling.stop)
+    cut = first_stop(text, sampling.stop)
     if cut is not None:
         reason, text = "stop", text[:cut]
     return Generation(prompt_ids=prompt, response_ids=resp, text=text, logprobs=lps,

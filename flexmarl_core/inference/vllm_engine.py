@@ -41,11 +41,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from flexmarl_core.config import SamplingConfig
 from flexmarl_core.inference.api import Generation
 from flexmarl_core.inference.hf import encode_prompts, finish_generation
+from flexmarl_core.location import default_cache_dir
+from flexmarl_core.models.factory import save_model
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -156,9 +158,6 @@ class VLLMInferenceEngine:
     ) -> VLLMInferenceEngine:
         """An engine holding `model`'s current weights: saved in HF format to a private folder
         (deleted by `close`) that vLLM loads."""
-        from flexmarl_core.models.factory import save_model
-        from flexmarl_core.models.tokenizer import default_cache_dir
-
         root = default_cache_dir(cache_dir) / "vllm"
         root.mkdir(parents=True, exist_ok=True)
         folder = Path(tempfile.mkdtemp(prefix="engine-", dir=root))
@@ -253,8 +252,6 @@ class VLLMInferenceEngine:
 
 def _eos_ids_from_dir(folder: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """EOS ids as the HF engine finds them: the tokenizer's plus the saved generation config's."""
-    from transformers import GenerationConfig
-
     ids = {tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set()
     try:
         gen = GenerationConfig.from_pretrained(str(folder)).eos_token_id

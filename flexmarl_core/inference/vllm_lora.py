@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
 from flexmarl_core.config import LoraSpec, SamplingConfig
@@ -39,6 +40,7 @@ from flexmarl_core.inference.api import Generation
 from flexmarl_core.inference.hf import encode_prompts, finish_generation
 from flexmarl_core.inference.lora_engine import AdapterEngine
 from flexmarl_core.inference.vllm_engine import VLLMInferenceEngine, request_seed
+from flexmarl_core.models.lora import peft_config
 
 #: ranks vLLM's LoRA kernels are built for (`LoRAConfig.max_lora_rank`); 8 is the smallest
 #: every release since 0.4 accepts
@@ -59,10 +61,6 @@ def save_peft_adapter(folder: str | os.PathLike[str], spec: LoraSpec, state: Map
     `adapter_config.json` (PEFT's own writer, from `models.lora.peft_config`) and
     `adapter_model.safetensors`. The state's keys (`base_model.model.<module>.lora_A.weight`)
     are already PEFT's saved names: what `PeftModel.from_pretrained` and vLLM read."""
-    from safetensors.torch import save_file
-
-    from flexmarl_core.models.lora import peft_config
-
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     cfg = peft_config(spec)
@@ -97,7 +95,7 @@ class VLLMSharedBaseEngine(VLLMInferenceEngine):
     def update_adapter(self, agent: str, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Publish `agent`'s adapter `version` to the engine: a new folder and request id; the
         previous one is dropped once the new request exists."""
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # the vllm extra
 
         if agent not in self._specs:
             raise KeyError(f"no adapter for agent {agent!r} on this engine (have {sorted(self._specs)})")

@@ -17,6 +17,7 @@ they are) runs in a forked RNG, never touching the caller's.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 from collections.abc import Mapping
@@ -137,8 +138,6 @@ def _adapter_seed(seed: int, agent: str) -> int:
 def initial_adapter_state(base: torch.nn.Module, spec: LoraSpec, *, seed: int, agent: str) -> dict[str, torch.Tensor]:
     """The adapter `agent` starts from (version 0): PEFT's init seeded by (seed, agent), made
     on a throwaway copy so `base` is left unwrapped."""
-    import copy
-
     shared = SharedBase(copy.deepcopy(base))
     shared.add(agent, spec, seed=seed)
     return shared.adapter_state(agent)

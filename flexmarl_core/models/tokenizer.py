@@ -22,9 +22,10 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from flexmarl_core.location import default_cache_dir
 from storage.atomic import atomic_folder
 
 #: bump when the corpus or the recipe changes, so stale caches are not reused
@@ -162,13 +163,6 @@ def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> PreT
     )
 
 
-def default_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """`cache_dir`, else `$FLEXMARL_CACHE`, else `~/.cache/flexmarl`."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    return Path(os.environ.get("FLEXMARL_CACHE") or Path.home() / ".cache" / "flexmarl")
-
-
 def tokenizer_key(vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> str:
     raw = json.dumps({"v": TOKENIZER_VERSION, "vocab": vocab_size, "seed": seed, "re": PRETOKENIZE_REGEX})
     return f"tokenizer-v{TOKENIZER_VERSION}-{vocab_size}-{hashlib.sha256(raw.encode()).hexdigest()[:10]}"
@@ -180,8 +174,6 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     folders (e.g. sentencepiece-only) go through AutoTokenizer."""
     if (Path(path) / "tokenizer.json").exists():
         return PreTrainedTokenizerFast.from_pretrained(str(path))
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -26,6 +26,7 @@ config samples the same work.
 
 from __future__ import annotations
 
+import heapq
 import math
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -180,8 +181,6 @@ def continuous_decode_s(prompts: np.ndarray, lengths: np.ndarray, a: AgentCost) 
 
 def _queued_decode_s(prompts: np.ndarray, lengths: np.ndarray, a: AgentCost) -> float:
     """More sequences than places: an event loop over finishes (O(n log n))."""
-    import heapq
-
     c = max(int(a.max_concurrency), 1)
     todo = list(range(len(lengths)))
     step_now, t = 0, 0.0

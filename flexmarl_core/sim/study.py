@@ -8,6 +8,7 @@ the experiment config, as for `flexmarl train`.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +95,6 @@ def many_agents(models: Path, chains: int = 10, depth: int = 10) -> ExperimentCo
     """`chains` independent chains of `depth` agents each (every third chain of 32B models,
     the rest 14B; `models` holds their `config.json` folders): the scale test of the control
     plane, 100 agents by default."""
-    import itertools
-
     agents, edges = [], []
     for chain, k in itertools.product(range(chains), range(depth)):
         name, parent = f"a{chain}_{k}", f"a{chain}_{k - 1}" if k else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flexmarl_core.evaluate import evaluate_team
 from flexmarl_core.stages.registry import weights_version
 from flexmarl_core.worker import context
 
@@ -11,8 +12,6 @@ from flexmarl_core.worker import context
 def evaluate(run_dir: str, iteration: int) -> dict[str, Any]:
     """Greedy held-out accuracy of the team with the weights that iteration `iteration` uses
     (`iteration = train.iterations` evaluates the final weights)."""
-    from flexmarl_core.evaluate import evaluate_team
-
     ctx = context(run_dir)
     problems = ctx.workload.problems("heldout", ctx.cfg.workload.heldout_size, seed=ctx.cfg.seed)
     with ctx.lock:

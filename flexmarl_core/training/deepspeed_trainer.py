@@ -33,7 +33,10 @@ CPU they stay in host memory).
 from __future__ import annotations
 
 import datetime
+import inspect
+import io
 import os
+import pickle
 import socket
 import tempfile
 from collections.abc import Mapping
@@ -43,6 +46,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from flexmarl_core.location import default_cache_dir
 from flexmarl_core.training.api import LossFn, LossWeightFn, MicroBatch
 from flexmarl_core.training.collate import collate
 from flexmarl_core.training.torch_trainer import PolicyGradientSteps, response_logprobs
@@ -60,8 +64,6 @@ def free_port() -> int:
 
 def import_deepspeed(cache_dir: str | os.PathLike[str] | None = None) -> Any:
     """Import DeepSpeed with flexmarl's defaults (CPU accelerator without CUDA, cached JIT ops)."""
-    from flexmarl_core.models.tokenizer import default_cache_dir
-
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_cache_dir(cache_dir) / "torch_extensions"))
@@ -143,9 +145,6 @@ def plain_checkpoint(files: Mapping[str, bytes]) -> dict[str, bytes]:
     Raises:
         ValueError: a file that is not plain data, named.
     """
-    import io
-    import pickle
-
     out: dict[str, bytes] = {}
     for rel, data in files.items():
         if rel.endswith(".py"):
@@ -228,8 +227,6 @@ class DeepSpeedTrainer(PolicyGradientSteps):
         self._version = 0
         self._pending = 0
         self._metrics: dict[str, float] = {}
-        import inspect
-
         self._keep_ok = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.dp_world = int(self.engine.dp_world_size)
 
@@ -360,8 +357,6 @@ class DeepSpeedTrainer(PolicyGradientSteps):
         self.engine.reload_states()
 
     def _scratch(self) -> str:
-        from flexmarl_core.models.tokenizer import default_cache_dir
-
         d = default_cache_dir(self._cache_dir) / "deepspeed"
         d.mkdir(parents=True, exist_ok=True)
         return str(d)

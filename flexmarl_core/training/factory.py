@@ -7,8 +7,13 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from flexmarl_core.algorithms.losses import make_loss_fn, token_weight
 from flexmarl_core.config import AgentConfig
 from flexmarl_core.training.api import LossFn, LossWeightFn, TrainBackend
+from flexmarl_core.training.deepspeed_trainer import DeepSpeedTrainer
+from flexmarl_core.training.dp_trainer import DataParallelDeepSpeedTrainer
+from flexmarl_core.training.lora_trainer import LoraTrainer
+from flexmarl_core.training.torch_trainer import TorchTrainer
 
 
 def make_trainer(
@@ -32,9 +37,6 @@ def make_trainer(
     backend = agent.backend.training
     if backend not in ("torch", "deepspeed"):
         raise ValueError(f"agent {agent.name!r}: unknown backend.training={backend!r}; valid: torch, deepspeed")
-    from flexmarl_core.algorithms.losses import make_loss_fn, token_weight
-    from flexmarl_core.training.torch_trainer import TorchTrainer
-
     algo = agent.algorithm
     if algo.kl_coef > 0 and ref_model is None:
         ref_model = copy.deepcopy(model)
@@ -44,12 +46,8 @@ def make_trainer(
         extra = {"chunk_tokens": agent.backend.train_chunk_tokens,
                  "activation_checkpointing": agent.backend.activation_checkpointing}
     if backend == "deepspeed" and agent.backend.training_dp > 1:
-        from flexmarl_core.training.dp_trainer import DataParallelDeepSpeedTrainer
-
         cls, extra = DataParallelDeepSpeedTrainer, {"name": agent.name, "dp": agent.backend.training_dp}
     elif backend == "deepspeed":
-        from flexmarl_core.training.deepspeed_trainer import DeepSpeedTrainer
-
         cls = DeepSpeedTrainer
     return cls(
         model,
@@ -68,9 +66,6 @@ def make_trainer(
 def make_lora_trainer(agent: AgentConfig, shared: Any) -> TrainBackend:
     """A `LoraTrainer` for `agent`'s adapter on `shared` (a `models.lora.SharedBase` holding it),
     with the same loss, normaliser and optimizer settings as `make_trainer`."""
-    from flexmarl_core.algorithms.losses import make_loss_fn, token_weight
-    from flexmarl_core.training.lora_trainer import LoraTrainer
-
     algo = agent.algorithm
     return LoraTrainer(shared, agent.name, loss_fn=make_loss_fn(algo), loss_weight_fn=token_weight,
                        lr=algo.lr, weight_decay=algo.weight_decay, max_grad_norm=algo.max_grad_norm,

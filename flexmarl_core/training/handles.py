@@ -54,6 +54,7 @@ import torch
 from flexmarl_core.location import is_uri as _is_uri
 from flexmarl_core.models.tokenizer import default_cache_dir
 from storage.atomic import atomic_file
+from storage.fs import open_filesystem  # the store's resolution of a URI: AWS_ENDPOINT_URL and all
 
 Location = Literal["memory", "disk"]
 
@@ -429,8 +430,6 @@ def load(f: Any, device: torch.device | str = "cpu", what: str = "state") -> dic
 
 
 def _open_uri(uri: str) -> tuple[Any, str]:
-    from storage.fs import open_filesystem  # the store's resolution: AWS_ENDPOINT_URL and all
-
     fs, path, _ = open_filesystem(uri)
     return fs, path
 

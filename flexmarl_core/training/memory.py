@@ -21,6 +21,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import psutil
+
 from flexmarl_core.ops import MEMORY_ENV
 
 #: Share of the worker's memory limit one chunk may take: the rest holds the engines, the
@@ -49,8 +51,6 @@ def worker_memory_limit() -> int:
     raw = os.environ.get(MEMORY_ENV)
     if raw:
         return int(raw)
-    import psutil
-
     return int(psutil.virtual_memory().total)
 
 

@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol
 
+from pydantic import ValidationError
+
 from flexmarl_core.workloads.answers import (
     MATCH_MODES,
     MatchMode,
@@ -74,8 +76,6 @@ def normalize_split(value: Any, *, where: str) -> Split:
 
 def parse_params(model: Any, params: Mapping[str, Any], kind: str) -> Any:
     """`workload.params` validated by a pydantic `model`; one WorkloadError naming each field."""
-    from pydantic import ValidationError
-
     try:
         return model.model_validate(dict(params))
     except ValidationError as exc:

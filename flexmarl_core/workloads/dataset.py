@@ -26,6 +26,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from flexmarl_core.workloads.api import Problem, WorkloadError
 from flexmarl_core.workloads.base import AnswerPoolWorkload, normalize_split
 
@@ -67,8 +69,6 @@ def read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         except (OSError, UnicodeDecodeError) as exc:
             raise WorkloadError(f"{path}: cannot read: {exc}") from None
     elif name.endswith(PARQUET_SUFFIXES):
-        import pyarrow.parquet as pq  # only when a Parquet file is used
-
         try:
             table = pq.read_table(path)
         except Exception as exc:  # pyarrow raises several types for a bad file
