@@ -93,6 +93,7 @@ def main() -> int:
         "e2e_s_per_iteration_program": med("program", "e2e_s_per_iteration"),
         "call_overhead_ms_p50": statistics.median(r["call_overhead_ms_p50"] for r in prog),
         "call_overhead_ms_p99": statistics.median(r["call_overhead_ms_p99"] for r in prog),
+        "server_overhead_ms_p50": statistics.median(r["server_overhead_ms_p50"] for r in prog),
         "requests_per_decode": statistics.median(r["requests_per_decode"] for r in prog),
         "bench_wall_s": time.time() - t0, "runs": runs,
     }

@@ -77,6 +77,8 @@ def _result(op: Op, got: Any, results: list, session: Any, versions: dict[str, i
     if lat:
         metrics["team/program/call_overhead_ms_p50"] = 1e3 * median(lat)
         metrics["team/program/call_overhead_ms_p99"] = 1e3 * lat[min(int(0.99 * len(lat)), len(lat) - 1)]
+    if session.overheads:  # the endpoint's own share of it (parsing, templating, tokenising, JSON)
+        metrics["team/program/server_overhead_ms_p50"] = 1e3 * median(session.overheads)
     for agent, rewards in got.rewards.items():
         metrics[agent_key(agent, "reward")] = sum(rewards) / max(len(rewards), 1)
     for agent, calls in got.calls.items():
