@@ -14,9 +14,12 @@ process has ONE default torch.distributed world: a worker that already holds a 1
 a 2-process default world would capture the other trainers' collectives.
 
 Helpers are `python -m flexmarl_core.training.dp_trainer` subprocesses (Dask worker processes
-are daemonic and may not start multiprocessing children), each talking to the controller over
-its end of a private socketpair; messages are pickled with plain pickle (tensors travel as
-bytes, no shared-memory handles to outlive).
+are daemonic and may not start multiprocessing children). The controller talks to them over a
+second gloo process group of its own (`ProcessGroupGloo` on a `TCPStore` the controller hosts:
+the controller is its member 0, rank r its member r + 1), made outside torch.distributed's
+default world, so it neither needs nor disturbs the one the caller's process may hold. A call
+is a point-to-point send of its pickled arguments to each rank (tensors travel as bytes, no
+shared-memory handles to outlive) and a receive of each rank's pickled reply.
 
 Same math as the 1-process trainer: each rank's share is scaled by the GLOBAL `loss_scale`, and
 DeepSpeed sums (not averages) the ranks' gradients (`gradient_allreduce_op: sum`, set in
@@ -24,10 +27,11 @@ DeepSpeed sums (not averages) the ranks' gradients (`gradient_allreduce_op: sum`
 per micro-batch (ZeRO-2 reduces gradient partitions inside each backward, a collective): a rank
 whose share is empty backprops zeros. Only the summation order differs from one process.
 
-Failure: every reply is awaited with a deadline (`timeout_s`) while the helpers' liveness is
-polled; a helper that dies, raises or hangs stops all helpers and raises `RuntimeError` naming
-the agent, the rank, and the tail of the rank's log. The ranks' collectives time out too
-(`init_distributed(timeout=...)`), and a helper exits when its controller's socket closes.
+Failure: every reply is awaited with a deadline (`timeout_s`), and a watcher thread polls the
+helpers' liveness; a helper that dies stops all the others (their connections close, so a
+receive from any of them fails at once), and one that raises or hangs does too. The error
+names the agent, the rank, and the tail of the rank's log. The ranks' collectives time out too
+(`init_distributed(timeout=...)`), and a helper exits when its controller's connection closes.
 """
 
 from __future__ import annotations
@@ -37,35 +41,57 @@ import faulthandler
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import weakref
 from collections.abc import Mapping, Sequence
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedModel
 
+from flexmarl_core.location import default_cache_dir
 from flexmarl_core.training.api import LossFn, LossWeightFn, MicroBatch, StepResult
+from flexmarl_core.training.deepspeed_trainer import DeepSpeedTrainer, free_port, init_distributed
 
-_POLL_S = 0.2  #: how often a waiting controller checks that its helpers are alive
+_POLL_S = 0.2  #: how often the watcher checks that the helpers are alive
 _LOG_TAIL = 3000  #: characters of a failed rank's log quoted in the error
+#: a helper waits this long for its controller's next call (between iterations: any time)
+_IDLE = datetime.timedelta(days=30)
 
 
-def _send(conn: Connection, obj: Any) -> None:
-    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+def _control_group(port: int, member: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """The controller's gloo group with its ranks (member 0: the controller, which hosts the
+    store), apart from torch.distributed's default world."""
+    store = dist.TCPStore("127.0.0.1", port, size, member == 0, timeout=timeout, wait_for_workers=False)
+    return dist.ProcessGroupGloo(dist.PrefixStore("flexmarl-dp", store), member, size, timeout)
 
 
-def _recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
+def _send(group: dist.ProcessGroup, dst: int, obj: Any) -> None:
+    """`obj` pickled to member `dst`."""
+    _send_pickled(group, dst, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def _send_pickled(group: dist.ProcessGroup, dst: int, data: bytes) -> None:
+    """A pickle's bytes to member `dst`: their length, then the bytes."""
+    group.send([torch.tensor([len(data)], dtype=torch.int64)], dst, 0).wait()
+    group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], dst, 1).wait()
+
+
+def _recv(group: dist.ProcessGroup, src: int, timeout: datetime.timedelta) -> Any:
+    """The next object member `src` sent (`_send`); raises when it does not come within `timeout`
+    or `src`'s connection closes."""
+    n = torch.zeros(1, dtype=torch.int64)
+    group.recv([n], src, 0).wait(timeout)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8)
+    group.recv([buf], src, 1).wait(timeout)
+    return pickle.loads(buf.numpy().tobytes())
 def split_shares(micro_batch: MicroBatch, n: int) -> list[list[Any]]:
     """`micro_batch` cut into `n` contiguous shares whose sizes differ by at most one (earlier
     ranks take the extra samples; a share may be empty when there are fewer samples than ranks)."""
@@ -130,37 +156,56 @@ class DataParallelDeepSpeedTrainer:
         self._metrics: dict[str, float] = {}
         self._closed = False
         self._procs: list[subprocess.Popen[bytes]] = []
-        self._conns: list[Connection] = []
         self._logs: list[Path] = []
+        self._group: dist.ProcessGroup | None = None
+        #: (rank, exit code) of the first helper the watcher saw exit
+        self._died: tuple[int, int] | None = None
         # Helpers never outlive the controller, even if close() is never called.
-        self._finalizer = weakref.finalize(self, _kill, self._procs, self._conns)
+        self._finalizer = weakref.finalize(self, _kill, self._procs)
         self._start(payload, start_timeout_s)
 
     # -- process management -------------------------------------------------------------------
     def _start(self, payload: bytes, start_timeout_s: float) -> None:
-        from flexmarl_core.training.deepspeed_trainer import free_port
-
         log_dir = Path(tempfile.mkdtemp(prefix=f"dp-{self.name}-", dir=_scratch(self._cache_dir)))
-        port = free_port()
+        world_port, control_port = free_port(), free_port()
         for rank in range(self.dp):
-            ours, theirs = socket.socketpair()
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(world_port), RANK=str(rank),
                        WORLD_SIZE=str(self.dp), LOCAL_RANK=str(rank), PYTHONUNBUFFERED="1")
             env["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, env.get("PYTHONPATH", "")] if p)
             log = log_dir / f"rank{rank}.log"
             with open(log, "wb") as f:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "flexmarl_core.training.dp_trainer", str(theirs.fileno())],
-                    pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=f,
-                    stderr=subprocess.STDOUT,
+                    [sys.executable, "-m", "flexmarl_core.training.dp_trainer", str(control_port),
+                     str(int(self.timeout_s))],
+                    env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
                 )
-            theirs.close()
             self._procs.append(proc)
-            self._conns.append(Connection(ours.detach()))
             self._logs.append(log)
-        for conn in self._conns:
-            conn.send_bytes(payload)
+        self._group = self._join(control_port, start_timeout_s)
+        # The watcher holds the trainer weakly: one dropped without close() is still collected
+        # (and its finalizer stops the helpers).
+        threading.Thread(target=_watch, args=(weakref.ref(self),), name=f"dp-{self.name}-watch",
+                         daemon=True).start()
+        for rank in range(self.dp):
+            self._post(rank, payload, "start", pickled=True)
         self._gather(range(self.dp), "start", start_timeout_s)
+
+    def _join(self, port: int, timeout_s: float) -> dist.ProcessGroup:
+        """The control group, once every helper joined it; a helper that exits first fails the
+        start at once (the rendezvous itself would only time out)."""
+        made: list[Any] = []
+        timeout = datetime.timedelta(seconds=timeout_s)
+        t = threading.Thread(target=lambda: made.append(_catch(_control_group, port, 0, self.dp + 1, timeout)),
+                             daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(_POLL_S)
+            for r, proc in enumerate(self._procs):
+                if proc.poll() is not None:
+                    self._fail(r, f"exited with code {proc.returncode}", "start")
+        if isinstance(made[0], BaseException):
+            self._fail(0, f"did not join the controller's group ({made[0]})", "start")
+        return made[0]
 
     def _fail(self, rank: int, what: str, op: str, *, silent: bool = False) -> None:
         """Stop every helper (peers of a failed rank may be stuck in a collective) and raise."""
@@ -169,7 +214,7 @@ class DataParallelDeepSpeedTrainer:
         if silent and proc.poll() is None:  # have it write its stack into its log first
             proc.send_signal(signal.SIGUSR1)
             time.sleep(1.0)
-        _kill(self._procs, self._conns)
+        _kill(self._procs)
         try:
             tail = self._logs[rank].read_text(errors="replace")[-_LOG_TAIL:]
         except OSError:
@@ -180,27 +225,39 @@ class DataParallelDeepSpeedTrainer:
             f"(rebuild it and load_state to continue). Log {self._logs[rank]}:\n{tail}"
         )
 
+    def _lost(self, rank: int, op: str, exc: BaseException, timeout_s: float) -> None:
+        """A send to or receive from `rank` failed: name the helper that exited first, or the
+        silent one."""
+        if self._died is None:
+            time.sleep(2 * _POLL_S)  # the watcher notices an exit within one poll
+        if self._died is not None:
+            r, code = self._died
+            self._fail(r, f"exited with code {code}", op)
+        if "Timed out" in str(exc):
+            self._fail(rank, f"sent no reply within {timeout_s:.0f} s", op, silent=True)
+        self._fail(rank, f"closed its connection ({exc})", op)
+
+    def _post(self, rank: int, obj: Any, op: str, *, pickled: bool = False) -> None:
+        assert self._group is not None
+        try:
+            if pickled:
+                _send_pickled(self._group, rank + 1, obj)
+            else:
+                _send(self._group, rank + 1, obj)
+        except RuntimeError as exc:  # gloo: the helper's connection is gone
+            self._lost(rank, op, exc, self.timeout_s)
+
     def _gather(self, ranks: Sequence[int] | range, op: str, timeout_s: float | None = None) -> list[Any]:
         """The replies of `ranks`, in order, failing fast on a dead, raising or silent helper."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         out: list[Any] = []
         for rank in ranks:
-            conn = self._conns[rank]
-            while not conn.poll(_POLL_S):
-                for r, proc in enumerate(self._procs):
-                    if proc.poll() is not None:
-                        self._fail(r, f"exited with code {proc.returncode}", op)
-                if time.monotonic() > deadline:
-                    self._fail(rank, f"sent no reply within {timeout_s or self.timeout_s:.0f} s", op,
-                               silent=True)
+            left = max(deadline - time.monotonic(), 0.001)
+            assert self._group is not None
             try:
-                status, value = _recv(conn)
-            except (EOFError, OSError):
-                try:
-                    self._procs[rank].wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
-                self._fail(rank, f"closed its connection (exit code {self._procs[rank].poll()})", op)
+                status, value = _recv(self._group, rank + 1, datetime.timedelta(seconds=left))
+            except RuntimeError as exc:
+                self._lost(rank, op, exc, timeout_s or self.timeout_s)
             if status == "error":
                 # A peer that died makes this rank's collective fail: name the root cause.
                 time.sleep(0.5)
@@ -218,10 +275,7 @@ class DataParallelDeepSpeedTrainer:
         if self._closed:
             raise RuntimeError(f"agent {self.name!r}: data-parallel trainer is closed")
         for rank, args in args_per_rank.items():
-            try:
-                _send(self._conns[rank], (op, args))
-            except OSError:
-                self._fail(rank, "is unreachable", op)
+            self._post(rank, (op, args), op)
         return self._gather(sorted(args_per_rank), op)
 
     def _all(self, op: str, *args: Any) -> list[Any]:
@@ -302,10 +356,10 @@ class DataParallelDeepSpeedTrainer:
         if self._closed:
             return
         self._closed = True
-        for conn in self._conns:
+        for rank in range(self.dp if self._group is not None else 0):
             try:
-                _send(conn, ("close", ()))
-            except OSError:
+                _send(self._group, rank + 1, ("close", ()))
+            except RuntimeError:  # already gone
                 pass
         deadline = time.monotonic() + 30
         for proc in self._procs:
@@ -313,7 +367,7 @@ class DataParallelDeepSpeedTrainer:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        _kill(self._procs, self._conns)
+        _kill(self._procs)
         for log in self._logs:
             log.unlink(missing_ok=True)
         if self._logs:
@@ -323,43 +377,63 @@ class DataParallelDeepSpeedTrainer:
                 pass
 
 
-def _kill(procs: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
+def _watch(ref: weakref.ref[DataParallelDeepSpeedTrainer]) -> None:
+    """Stop every helper once one exits: its peers may be stuck in a collective with it, and a
+    receive from a stopped helper fails at once (the controller then names the first)."""
+    while (tr := ref()) is not None and not tr._closed:
+        for r, proc in enumerate(tr._procs):
+            if proc.poll() is not None:
+                tr._died = (r, int(proc.returncode))
+                _kill(tr._procs)
+                return
+        del tr
+        time.sleep(_POLL_S)
+
+
+def _catch(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as exc:  # handed to the thread that waits for it
+        return exc
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    for conn in conns:
-        conn.close()
 
 
 def _scratch(cache_dir: str | os.PathLike[str] | None) -> str:
-    from flexmarl_core.models.tokenizer import default_cache_dir
-
     d = default_cache_dir(cache_dir) / "deepspeed"
     d.mkdir(parents=True, exist_ok=True)
     return str(d)
 
 
 # -- rank process ------------------------------------------------------------------------------
-def _rank_main(fd: int) -> int:
-    """One rank: build a `DeepSpeedTrainer` in the world the environment describes, then serve
-    the controller's calls until "close" or until its socket closes."""
-    from flexmarl_core.training.deepspeed_trainer import DeepSpeedTrainer, init_distributed
-
+def _rank_main(control_port: int, timeout_s: int) -> int:
+    """One rank: join the controller's group, build a `DeepSpeedTrainer` in the world the
+    environment describes, then serve the controller's calls until "close" or until its
+    connection closes."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the controller's "where are you?"
-    conn = Connection(fd)
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        init = pickle.loads(conn.recv_bytes())
+        group = _control_group(control_port, rank + 1, size + 1, datetime.timedelta(seconds=timeout_s))
+    except RuntimeError:
+        return 1  # the controller is gone
+    try:
+        init = _recv(group, 0, _IDLE)
+    except RuntimeError:
+        return 1
+    try:
         torch.set_num_threads(init["threads"])
         init_distributed(init["cache_dir"], timeout=datetime.timedelta(seconds=init["timeout_s"]))
         trainer = DeepSpeedTrainer(init["model"], ref_model=init["ref_model"], **init["kwargs"])
         del init
-    except EOFError:
-        return 1
     except Exception:
-        _send(conn, ("error", traceback.format_exc()))
+        _send(group, 0, ("error", traceback.format_exc()))
         return 1
-    _send(conn, ("ok", None))
+    _send(group, 0, ("ok", None))
 
     def accumulate(share: list[Any], loss_scale: float) -> dict[str, float]:
         if not share:  # fewer samples than ranks: join the backward's collectives with zeros
@@ -374,17 +448,21 @@ def _rank_main(fd: int) -> int:
     }
     while True:
         try:
-            op, args = _recv(conn)
-        except (EOFError, OSError):  # the controller is gone
+            op, args = _recv(group, 0, _IDLE)
+        except RuntimeError:  # the controller is gone
             return 0
         if op == "close":
             trainer.close()
             return 0
         try:
-            _send(conn, ("ok", ops[op](*args)))
+            reply = ("ok", ops[op](*args))
         except Exception:
-            _send(conn, ("error", traceback.format_exc()))
+            reply = ("error", traceback.format_exc())
+        try:
+            _send(group, 0, reply)
+        except RuntimeError:
+            return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_rank_main(int(sys.argv[1])))
+    sys.exit(_rank_main(int(sys.argv[1]), int(sys.argv[2])))
