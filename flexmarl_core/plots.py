@@ -68,8 +68,9 @@ def load_trace(run_dir: str | Path, label: str | None = None) -> RunTrace:
     if not rows:
         raise FileNotFoundError(f"{metrics / 'ops.jsonl'}: no op log (is {run_dir} a finished or resumed run?)")
     t0 = min(r["t_start"] for r in rows)
-    ops = [{"worker": r["worker"], "kind": r["kind"], "agent": r.get("agent", ""),
-            "start": r["t_start"] - t0, "end": r["t_end"] - t0} for r in rows]
+    # A program op's work is its decodes on the agents' instances (`busy`), not its own span.
+    ops = [{"worker": w, "kind": r["kind"], "agent": r.get("agent", ""), "start": a - t0, "end": b - t0}
+           for r in rows for w, a, b in (r.get("busy") or [(r["worker"], r["t_start"], r["t_end"])])]
     names = metrics / "workers.json"  # decisions name workers by address, ops by name
     by_addr = json.loads(names.read_text()) if names.exists() else {}
     decisions = _jsonl(metrics / "decisions.jsonl")
