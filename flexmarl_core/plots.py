@@ -27,7 +27,8 @@ from matplotlib.patches import Patch
 from flexmarl_core.metrics import metric_agents
 
 #: one hue family per op kind; agents get shades of it
-KIND_COLOURS = {"rollout": "Blues", "reward": "Greys", "train": "Oranges", "step": "Reds", "sync": "Greens"}
+KIND_COLOURS = {"rollout": "Blues", "reward": "Greys", "train": "Oranges", "step": "Reds", "sync": "Greens",
+                "program": "Purples"}
 
 
 @dataclass
@@ -110,8 +111,10 @@ def timeline(traces: Sequence[RunTrace], path: str | Path, *, title: str = "") -
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the run's first op")
     ax.set_xlim(0, max(t.span for t in traces) * 1.08)
-    handles = [Patch(color=_colour(k, agents[len(agents) // 2] if agents else "", agents), label=k)
-               for k in KIND_COLOURS]
+    kinds = {o["kind"] for t in traces for o in t.ops}
+    handles = [Patch(color=_colour(k, agents[len(agents) // 2] if agents else "", agents),
+                     label="program (decodes)" if k == "program" else k)
+               for k in KIND_COLOURS if k in kinds]
     handles += [Line2D([], [], marker="v", color="black", ls="", label="instance move"),
                 Line2D([], [], marker="^", color="crimson", ls="", label="trainer swap")]
     ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles),
