@@ -308,8 +308,9 @@ def set_worker_resources(client: Client, worker: str, resources: dict[str, float
 
 class DaskExecutor:
     """Runs ops as plain Dask tasks: `stages.run_stage_retrying(run_dir, op, ...)` on the worker
-    the route names, each op tried up to `1 + retries[op.kind]` times there. The real run's
-    executor (`tasks/executor.py`) adds the Prefect task runs on top."""
+    the route names, each op tried up to `1 + retries[op.kind]` times there; it chains, fuses
+    and reports memory restarts (`executor_api`). The real run's executor
+    (`tasks/executor.py`) adds the Prefect task runs on top."""
 
     def __init__(self, client: Client, run_dir: str, *, retries: dict[str, int] | None = None,
                  retry_delay_s: float = 1.0) -> None:
@@ -320,9 +321,6 @@ class DaskExecutor:
         self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
         client.register_plugin(DaskWeightPushes())  # before any op: syncs push, rollouts take
         client.register_plugin(DaskPrograms())  # program ops secede and decode on instances
-
-    #: `submit(..., after=futures)` chains an op on running ones (the orchestrator's look-ahead)
-    chains = True
 
     def submit(self, op: Op, route: Route, deps: Sequence[Op] = (),
                after: Sequence[distributed.Future] = ()) -> distributed.Future:
@@ -337,9 +335,6 @@ class DaskExecutor:
             workers=[route.worker] if route.worker else None,
             pure=False,
         )
-
-    #: `submit_fused(ops, route, deps, after)` runs a chain of ops as one Dask task
-    fuses = True
 
     def submit_fused(self, ops: Sequence[Op], route: Route, deps: Sequence[Sequence[Op]] = (),
                      after: Sequence[distributed.Future] = ()) -> distributed.Future:

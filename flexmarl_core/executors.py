@@ -1,7 +1,9 @@
 """In-process executor: ops run on threads standing in for workers, each with resource tags.
 
 It runs the orchestrator without a cluster, for tests of the scheduling logic and for
-single-process use. A "worker" here runs one op at a time, like a 1-thread Dask worker.
+single-process use. A "worker" here runs one op at a time, like a 1-thread Dask worker. It
+chains and fuses ops as the Dask executor does (`executor_api.ChainingExecutor`,
+`FusingExecutor`), so the look-ahead and fusing run here too.
 """
 
 from __future__ import annotations
@@ -22,13 +24,8 @@ class ThreadExecutor:
     the one that runs the real stages. A gradient helper's op (`Route.gradient_only`) is
     `fn(op, worker, gradient_only=True)`."""
 
-    def __init__(self, fn: Callable[[Op, str], StageResult], workers: dict[str, dict[str, float]],
-                 *, chains: bool = True, fuses: bool = True) -> None:
+    def __init__(self, fn: Callable[[Op, str], StageResult], workers: dict[str, dict[str, float]]) -> None:
         self.fn = fn
-        #: the orchestrator may chain ops (`submit(..., after=...)`): its look-ahead runs here too
-        self.chains = chains
-        #: ... and fuse a chain into one run (`submit_fused`), as on Dask
-        self.fuses = fuses
         self.resources = {w: dict(r) for w, r in workers.items()}
         self._busy: set[str] = set()  # workers running an op now
         self._free = threading.Condition()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.hooks import RunHook, TrackIterations, WriteOpLog
 from flexmarl_core.location import (
     CONFIG_NAME,
     RUN_MARKER,
@@ -225,16 +226,15 @@ def train(
     run_dir: RunDir,
     executor: Executor,
     *,
-    on_op_done: Any = None,
-    on_iteration: Callable[[dict[str, Any]], None] | None = None,
+    hooks: Sequence[RunHook] = (),
     resume: bool = False,
     plan: Plan | None = None,
 ) -> dict[str, Any]:
     """Run every iteration through the orchestrator; write the metrics as the run goes (each
     iteration's row once it is final) and return them.
 
-    `on_iteration`: called with each iteration's metrics row once it is final (the console's
-    iteration lines), after it is written.
+    `hooks`: called as each op ends (after the op log and the iteration tracker) and with each
+    iteration's metrics row once it is final and written (the console's iteration lines).
     `resume`: continue an interrupted run in `run_dir` (same config): ops its op log records
     as finished are not run again; every stage is idempotent, so an op that finished but was
     not logged runs again without duplicating samples, and trainers restart from their last
@@ -246,24 +246,17 @@ def train(
     earlier = completed_records(loc) if resume else []
     writer = MetricsWriter(loc.scratch_dir(), mirror=None if loc.local else loc)
     plan = plan or Plan.build(cfg, MEG.from_config(cfg.team))
-    orch = Orchestrator(plan, cfg, executor, skip=[r.op for r in earlier])
 
     def emit(row: dict[str, Any]) -> None:
         writer.iteration(row)
-        if on_iteration:
-            on_iteration(row)
+        for hook in hooks:
+            hook.iteration_done(row)
 
     tracker = IterationTracker(plan.sizes(), emit, lambda: len(executor.worker_resources()))
     if resume:
         tracker.resume(earlier, _reported_iterations(loc))
-
-    def done(rec: OpRecord) -> None:
-        writer.op(rec)
-        tracker.add(rec, orch.in_flight_since(), orch.control.decisions)
-        if on_op_done:
-            on_op_done(rec)
-
-    orch.on_op_done = done
+    orch = Orchestrator(plan, cfg, executor, skip=[r.op for r in earlier],
+                        hooks=[WriteOpLog(writer), TrackIterations(tracker), *hooks])
     try:
         result = orch.run()
         tracker.flush(final=True)

@@ -20,6 +20,7 @@ from flexmarl.console import IterationProgress
 from flexmarl_core import cluster, run
 from flexmarl_core.config import load_config
 from flexmarl_core.control import GradientHelper, MoveInstance, TrainSlot
+from flexmarl_core.hooks import Callbacks
 from flexmarl_core.location import default_cache_dir
 from flexmarl_core.meg import MEG
 from flexmarl_core.metrics import run_summary
@@ -95,7 +96,7 @@ def train(
         bar = IterationProgress(plan) if progress else None
         try:
             with bar or contextlib.nullcontext():
-                out = run.train(cfg, loc, ex, on_op_done=bar, on_iteration=bar and bar.iteration,
+                out = run.train(cfg, loc, ex, hooks=[Callbacks(bar, bar.iteration)] if bar else [],
                                 resume=resume, plan=plan)
         finally:  # the final states held back, whether the run ended well or not
             ex.reporter.flush()

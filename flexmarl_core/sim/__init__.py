@@ -21,6 +21,7 @@ from typing import Any
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.control import Decision, MoveInstance, TrainSlot
+from flexmarl_core.hooks import TrackIterations
 from flexmarl_core.meg import MEG
 from flexmarl_core.metrics import IterationTracker, critical_path, run_summary
 from flexmarl_core.ops import OpRecord
@@ -78,10 +79,9 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
     meg = MEG.from_config(cfg.team)
     plan = Plan.build(cfg, meg)
     ex = SimExecutor(cost, workers, cfg, meg, seed=cfg.seed if seed is None else seed)
-    orch = Orchestrator(plan, cfg, ex)
     rows: list[dict[str, Any]] = []
     tracker = IterationTracker(plan.sizes(), rows.append)
-    orch.on_op_done = lambda rec: tracker.add(rec, orch.in_flight_since(), orch.control.decisions)
+    orch = Orchestrator(plan, cfg, ex, hooks=[TrackIterations(tracker)])
     place_s: list[float] = []
     route_s: list[float] = []
     orch.control.place = _timed(orch.control.place, place_s)  # type: ignore[method-assign]
