@@ -9,6 +9,7 @@ from pathlib import Path
 from flexmarl_core import run
 from flexmarl_core.config import load_config
 from flexmarl_core.executors import ThreadExecutor, stage_fn
+from flexmarl_core.hooks import Callbacks
 from flexmarl_core.ops import OpRecord
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def test_iteration_rows_are_live_and_carry_per_agent_statistics(tmp_path):
     # One worker: two threads building models at once trip transformers (meta-device init).
     ex = ThreadExecutor(stage_fn(str(run_dir)), {"w0": {"rollout": 1, "train": 1}})
     try:
-        out = run.train(cfg, run_dir, ex, on_op_done=on_done)
+        out = run.train(cfg, run_dir, ex, hooks=[Callbacks(on_done)])
     finally:
         ex.close()
     total = out["ops"]

@@ -11,6 +11,7 @@ import pytest
 from flexmarl_core.config import config_from_dict
 from flexmarl_core.control import MoveInstance, Router, TrainSlot
 from flexmarl_core.executors import ThreadExecutor
+from flexmarl_core.hooks import Callbacks
 from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op, StageResult
 from flexmarl_core.orchestrator import Orchestrator, OrchestratorError
@@ -358,7 +359,9 @@ def test_late_binding_submits_trainer_ops_before_rollouts():
     cfg = cfg_of({**ALL_ON, "late_binding": True}, iterations=2, mbs=2)
     ex = ThreadExecutor(lambda op, w: StageResult(op, worker=w), WORKERS)
     try:
-        key = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex)._late_key
+        late = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex).policies.late_binding
+        assert late is not None
+        key = late.key
     finally:
         ex.close()
     ops = [Op(0, "rollout", "verifier", mb=0), Op(0, "rollout", "solver", mb=1), Op(0, "train", "solver", mb=0),
@@ -539,7 +542,7 @@ def test_a_fused_run_whose_op_fails_records_the_ones_before_it():
                         else StageResult(op, worker=w), {"w0": {"rollout": 1, "train": 1}})
     try:
         orch = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex,
-                            on_op_done=lambda rec: done.append(rec.op))
+                            hooks=[Callbacks(lambda rec: done.append(rec.op))])
         with pytest.raises(OrchestratorError, match=r"step\[solver\] it=1 failed: step broke"):
             orch.run()
     finally:
