@@ -27,6 +27,8 @@ from flexmarl_core.config_load import (
     parse_overrides,
 )
 from flexmarl_core.config_models import (
+    REQUIRES,
+    SWITCHES,
     BatchConfig,
     ClusterConfig,
     CodesignConfig,
@@ -37,12 +39,13 @@ from flexmarl_core.config_models import (
     TrainConfig,
     WorkerConfig,
     WorkloadConfig,
+    switch_overrides,
 )
 
 __all__ = [
-    "PRESET_NAMES", "AgentConfig", "AlgorithmConfig", "BackendConfig", "BatchConfig", "ClusterConfig",
+    "PRESET_NAMES", "REQUIRES", "SWITCHES", "AgentConfig", "AlgorithmConfig", "BackendConfig", "BatchConfig", "ClusterConfig",
     "CodesignConfig", "ConfigError", "EdgeConfig", "ExperimentConfig", "LoraSpec", "ModelConfig",
     "SamplingConfig", "StoreConfig", "TeamConfig", "TrainConfig", "WorkerConfig", "WorkloadConfig",
     "backend_available", "check_config", "config_from_dict", "config_from_text", "load_config",
-    "parse_overrides",
+    "parse_overrides", "switch_overrides",
 ]

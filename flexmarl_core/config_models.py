@@ -8,6 +8,7 @@ team graph) are checked where configs are read (`config_load.py`); import all of
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -189,6 +190,38 @@ class CodesignConfig(_Strict):
         "rollouts at once (nthreads > 1, rollout tags with room). None: each rollout decodes alone.",
     )
 
+    @model_validator(mode="after")
+    def _switches_take_effect(self) -> CodesignConfig:
+        # A switch that acts through another one can do nothing without it: refused, not ignored.
+        if self.late_binding and not self.load_balancing:
+            raise ValueError("late_binding=true has no effect with load_balancing=false (late binding "
+                             "picks among the instances the balancer routes to); set load_balancing: true "
+                             "or late_binding: false")
+        if self.gradient_helpers and not self.on_demand_allocation:
+            raise ValueError("gradient_helpers=true has no effect with on_demand_allocation=false (a helper "
+                             "takes a train op to another training slot, and static placement gives each "
+                             "agent one slot); set on_demand_allocation: true or gradient_helpers: false")
+        if self.gradient_helpers and self.max_staleness:
+            raise ValueError(f"gradient_helpers=true has no effect with max_staleness={self.max_staleness} "
+                             "(a helper loads the weights its samples were drawn with, which are the "
+                             "trainer's only on-policy); set max_staleness: 0 or gradient_helpers: false")
+        return self
+
+
+#: The paper's four co-design switches: every one off is the synchronous baseline.
+SWITCHES = ("dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation")
+#: Switches that act through another one (`CodesignConfig` refuses them without it).
+REQUIRES = {"late_binding": "load_balancing", "gradient_helpers": "on_demand_allocation"}
+
+
+def switch_overrides(on: Iterable[str] = (), off: Iterable[str] = ()) -> list[str]:
+    """`a.b=value` overrides turning the named `codesign` switches on and off; a switch that
+    acts through one turned off goes off with it (`REQUIRES`), so `off=SWITCHES` is the
+    synchronous baseline of any config."""
+    off = list(off)
+    out = [f"codesign.{s}=true" for s in on] + [f"codesign.{s}=false" for s in off]
+    return out + [f"codesign.{dep}=false" for dep, base in REQUIRES.items() if base in off and dep not in off]
+
 
 class WorkerConfig(_Strict):
     name: str = Field(description="Worker name (shows in the Dask dashboard and metrics).")
@@ -271,6 +304,12 @@ class ClusterConfig(_Strict):
             raise ValueError(
                 "no workers: a local cluster needs at least one in cluster.workers (or set "
                 "cluster.address to use an existing scheduler)"
+            )
+        if self.address is not None and self.worker_env:
+            raise ValueError(
+                f"worker_env has no effect with address={self.address!r} (it is the environment of "
+                "the worker processes flexmarl starts, not of an existing cluster's); set it where "
+                "that cluster's workers start, or remove it"
             )
         return self
 
@@ -358,6 +397,21 @@ class ExperimentConfig(_Strict):
             raise ValueError("codesign.mixed_batch_window_s: every worker in cluster.workers has nthreads 1, "
                              "so no two rollouts run at once to share a decode; give a worker nthreads > 1 "
                              "(and room for two rollouts in its tags), or leave it unset")
+        return self
+
+    @model_validator(mode="after")
+    def _helpers_take_effect(self) -> ExperimentConfig:
+        if not self.codesign.gradient_helpers:
+            return self
+        if not any(a.trainable and a.model.lora is None and a.backend.training == "torch" for a in self.team.agents):
+            raise ValueError("codesign.gradient_helpers=true has no effect: no agent can lend a gradient "
+                             "(a helper needs a trainable agent on backend.training=torch without "
+                             "model.lora); set gradient_helpers: false")
+        slots = [w.name for w in self.cluster.workers if w.resources.get("train", 0) > 0]
+        if self.cluster.address is None and len(slots) < 2:
+            raise ValueError(f"codesign.gradient_helpers=true has no effect with {len(slots)} training slot(s) "
+                             f"in cluster.workers ({slots}): a helper runs on another idle one; give a "
+                             "second worker the 'train' tag or set gradient_helpers: false")
         return self
 
     @field_validator("name")

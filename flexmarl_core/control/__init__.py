@@ -55,13 +55,11 @@ def _move_costs(cfg: ExperimentConfig, agents: list[str]) -> dict[str, dict]:
 
 
 def helper_agents(cfg: ExperimentConfig, agents: list[str]) -> frozenset[str]:
-    """The agents whose train ops may run as gradient helpers (`codesign.gradient_helpers`, with
-    `on_demand_allocation`: it is where a micro-batch trains, not only an iteration): trainable,
-    one torch process holding the whole model (a helper adds a gradient of the flat buffer;
-    DeepSpeed shards it, LoRA trains an adapter), on-policy (a helper loads the weights its
-    samples were drawn with, which are the trainer's)."""
-    cs = cfg.codesign
-    if not (cs.gradient_helpers and cs.on_demand_allocation) or cs.max_staleness:
+    """The agents whose train ops may run as gradient helpers (`codesign.gradient_helpers`; the
+    config refuses it without `on_demand_allocation` or with staleness): trainable, one torch
+    process holding the whole model (a helper adds a gradient of the flat buffer; DeepSpeed
+    shards it, LoRA trains an adapter)."""
+    if not cfg.codesign.gradient_helpers:
         return frozenset()
     return frozenset(a for a in agents if cfg.agent(a).trainable and cfg.agent(a).model.lora is None
                      and cfg.agent(a).backend.training == "torch")
@@ -72,7 +70,7 @@ class ControlPlane:
         self.clock = clock
         self.decisions: list[Decision] = []
         cs = cfg.codesign
-        self.late_binding = cs.late_binding and cs.load_balancing
+        self.late_binding = cs.late_binding  # the config refuses it without load_balancing
         self.router = Router(load_balancing=cs.load_balancing, on_demand=cs.on_demand_allocation,
                              late_binding=self.late_binding, num_mb=cfg.batch.num_micro_batches, clock=clock,
                              log=self.decisions, helper_agents=helper_agents(cfg, agents))

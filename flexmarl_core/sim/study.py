@@ -12,22 +12,27 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-from flexmarl_core.config import ExperimentConfig, config_from_dict, load_config
+from flexmarl_core.config import (
+    SWITCHES,
+    ExperimentConfig,
+    config_from_dict,
+    load_config,
+    switch_overrides,
+)
 from flexmarl_core.meg import MEG
 from flexmarl_core.sim import LABEL, SimResult, simulate
 from flexmarl_core.sim.calibrate import calibrate, measured_summary
 from flexmarl_core.sim.cluster import SimCluster, cost_model, load_cluster, workers
 
-SWITCHES = ("dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation")
 CODESIGN, SYNC = "co-design", "synchronous baseline"
 
 
 def modes(ablation: bool = True) -> dict[str, list[str]]:
     """Mode name -> the switch overrides that make it."""
-    out = {SYNC: [f"codesign.{s}=false" for s in SWITCHES], CODESIGN: [f"codesign.{s}=true" for s in SWITCHES]}
+    out = {SYNC: switch_overrides(off=SWITCHES), CODESIGN: switch_overrides(on=SWITCHES)}
     if ablation:
         for off in SWITCHES:
-            out[f"{off} off"] = [f"codesign.{s}={'false' if s == off else 'true'}" for s in SWITCHES]
+            out[f"{off} off"] = switch_overrides(on=[s for s in SWITCHES if s != off], off=[off])
     return out
 
 
