@@ -23,10 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from flexmarl_core.control import InstanceBalancer  # noqa: E402
+from flexmarl_core.control import InstanceBalancer
 
 
 def scenario(n_agents: int, n_workers: int, seed: int = 0) -> tuple[InstanceBalancer, dict, dict, dict]:

@@ -8,7 +8,7 @@ Store), alternating the two so machine noise hits both alike.
 Reports E2E seconds per iteration, tokens/s and utilisation (busy / wall over all workers)
 for each mode, their ratios, the share of CPU spent on Prefect + Dask bookkeeping, and the
 co-design's work mix (`train_share`) and what the best schedule could do, each from one run's
-own op log (`bench/bound.py`): `speedup_bound` (sync E2E over the floor of the sync run's ops on
+own op log (`flexmarl_core.analysis.bound`): `speedup_bound` (sync E2E over the floor of the sync run's ops on
 the co-design's graph), `floor_frac_codesign` (the co-design run's floor over its E2E), and
 each worker's idle time by what the other one ran meanwhile (`idle_causes`).
 `--workload NAME` benches a built-in team with the work pinned for it (`WORKLOADS`); every
@@ -22,7 +22,7 @@ the synchronous schedule on a shared worker pool (key `reference.sync_shared_poo
 --staleness K..., the co-design with `codesign.max_staleness=K` and every agent on the
 `decoupled_ppo` loss (keys `staleness.k<K>`: E2E s/it, utilisation, speedup over k = 0, the
 `codesign` mode).
-`shortfall` (`bench/shortfall.py`) says why the wall speedup is under the bound (speedup ~
+`shortfall` (`flexmarl_core.analysis.shortfall`) says why the wall speedup is under the bound (speedup ~
 bound x ops ratio x floor fraction): a gradient helper's CPU per token over the
 trainer's own, and this machine's parallel efficiency (each of two busy processes' speed over one
 alone, measured before the first run and after the last) with the ceiling it puts on a schedule
@@ -38,11 +38,10 @@ import sys
 import time
 from pathlib import Path
 
+from flexmarl_core.analysis import bound, shortfall
+from flexmarl_core.config import SWITCHES, switch_overrides
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-SWITCHES = ["dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation"]
-
 
 SHARED_POOL = ("cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}, "
                "{name: w1, resources: {rollout: 1, train: 1}}]")
@@ -53,7 +52,7 @@ def staleness_modes(config: str, ks: list[int]) -> dict[str, list[str]]:
     from flexmarl_core.config import load_config
 
     agents = [a.name for a in load_config(config).team.agents]
-    on = [f"codesign.{s}=true" for s in SWITCHES]
+    on = switch_overrides(on=SWITCHES)
     return {f"staleness.k{k}": [*on, f"codesign.max_staleness={k}",
                                 *[f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in agents]]
             for k in ks if k > 0}
@@ -61,8 +60,8 @@ def staleness_modes(config: str, ks: list[int]) -> dict[str, list[str]]:
 
 def modes(ablation: bool, reference: bool = False) -> dict[str, list[str]]:
     out = {
-        "codesign": [f"codesign.{s}=true" for s in SWITCHES],
-        "sync": [f"codesign.{s}=false" for s in SWITCHES],
+        "codesign": switch_overrides(on=SWITCHES),
+        "sync": switch_overrides(off=SWITCHES),  # and what acts through them (late binding, helpers)
     }
     if reference:
         # Not the baseline: the synchronous schedule on workers that serve every agent (no
@@ -70,7 +69,7 @@ def modes(ablation: bool, reference: bool = False) -> dict[str, list[str]]:
         out["reference.sync_shared_pool"] = [*out["sync"], SHARED_POOL]
     if ablation:
         for off in SWITCHES:
-            out[f"ablation.{off}"] = [f"codesign.{s}={'false' if s == off else 'true'}" for s in SWITCHES]
+            out[f"ablation.{off}"] = switch_overrides(on=[s for s in SWITCHES if s != off], off=[off])
     return out
 
 
@@ -215,13 +214,11 @@ def work_mix(run_dir: Path, iterations: int, workers: int = 2) -> dict:
 
 
 def bounds(out_dir: Path, repeats: int, iterations: int, workers: int = 2) -> dict:
-    """Each run's floor from its own op log (`bench/bound.py`), medians over the repeats:
+    """Each run's floor from its own op log (`flexmarl_core.analysis.bound`), medians over the repeats:
     `speedup_bound` (sync E2E / the floor of the sync run's ops on the co-design's graph),
     `floor_frac_codesign` (the co-design run's floor / its E2E: how close its schedule came to
     the best one of its own ops), `list_s_codesign` (a greedy schedule of them), the sync /
     co-design stage-time ratio that links the two, and where each worker's idle time went."""
-    import bound
-
     cd = [bound.analyse(out_dir / f"codesign-{rep}", workers) for rep in range(repeats)]
     sy = [bound.analyse(out_dir / f"codesign-{rep}", workers, durations_from=out_dir / f"sync-{rep}")
           for rep in range(repeats)]
@@ -298,8 +295,6 @@ def main() -> int:
     runs: dict[str, list[dict]] = {m: [] for m in all_modes}
     out_dir = REPO / "runs" / ("bench-e2e" if args.workload in (None, "default") else f"bench-e2e-{args.workload}")
     t0 = time.time()
-    import shortfall
-
     # The machine's own figure, before the first run and after the last (it drifts).
     eff_rounds = 1 if args.quick else 2
     eff_before = None if args.quick else shortfall.parallel_efficiency(rounds=eff_rounds)

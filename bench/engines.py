@@ -49,19 +49,16 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flexmarl_core.algorithms import make_loss_fn, token_weight  # noqa: E402
-from flexmarl_core.config import AlgorithmConfig, ModelConfig, SamplingConfig  # noqa: E402
-from flexmarl_core.inference import HFInferenceEngine  # noqa: E402
-from flexmarl_core.models import build_model, get_tokenizer, num_params  # noqa: E402
-from flexmarl_core.training import Sample, TorchTrainer  # noqa: E402
+from flexmarl_core.algorithms import make_loss_fn, token_weight
+from flexmarl_core.config import AlgorithmConfig, ModelConfig, SamplingConfig
+from flexmarl_core.inference import HFInferenceEngine
+from flexmarl_core.models import build_model, get_tokenizer, num_params
+from flexmarl_core.training import Sample, TorchTrainer
 
 GEN_BATCH, GEN_NEW = 32, 64
 TRAIN_BATCH, TRAIN_PROMPT, TRAIN_LEN = 16, 32, 128

@@ -61,16 +61,15 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.engines import TRAIN_LEN, gen_prompts, scale_out_rows, train_batch
+from bench.swap import assert_exact
+from flexmarl_core.algorithms import make_loss_fn, token_weight
+from flexmarl_core.config import AlgorithmConfig, ModelConfig, SamplingConfig
+from flexmarl_core.inference import HFInferenceEngine
+from flexmarl_core.models import build_model, get_tokenizer, num_params
+from flexmarl_core.training import Sample, TorchTrainer, drop, get, put
 
-from bench.engines import TRAIN_LEN, gen_prompts, scale_out_rows, train_batch  # noqa: E402
-from bench.swap import assert_exact  # noqa: E402
-from flexmarl_core.algorithms import make_loss_fn, token_weight  # noqa: E402
-from flexmarl_core.config import AlgorithmConfig, ModelConfig, SamplingConfig  # noqa: E402
-from flexmarl_core.inference import HFInferenceEngine  # noqa: E402
-from flexmarl_core.models import build_model, get_tokenizer, num_params  # noqa: E402
-from flexmarl_core.training import Sample, TorchTrainer, drop, get, put  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 CPU = torch.device("cpu")
 LR = 1e-4

@@ -56,4 +56,6 @@ fi
 export PREFECT_HOME=${PREFECT_HOME:-$PWD/.prefect}
 export FLEXMARL_CACHE=${FLEXMARL_CACHE:-$PWD/.cache/flexmarl}
 export PYTHONUNBUFFERED=1
+# flexmarl is not installed here (the wheels above are its dependencies): the checkout is.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PYTHON" bench/gpu_check.py "$@"

@@ -22,7 +22,6 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def team_samples(meg, workload, engines, problems, seed: int, k: int, batch: int) -> list[list[dict]]:
@@ -38,9 +37,8 @@ def team_samples(meg, workload, engines, problems, seed: int, k: int, batch: int
 def agent_weights(ckpt: Path, agent: str, version: int | None) -> dict:
     """An SFT checkpoint's weights (`<ckpt>/<agent>`), or with `version` a run folder's published
     version (v0 for an agent that published no later one: a frozen agent)."""
-    from flexmarl_core.location import weights_key
-    from flexmarl_core.run import initial_weights
-    from flexmarl_core.worker import as_location, load_weights
+    from flexmarl_core.location import as_location, weights_key
+    from flexmarl_core.weights import initial_weights, load_weights
 
     if version is None:
         return initial_weights(str(ckpt), agent)

@@ -56,10 +56,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from flexmarl_core.config import SWITCHES, switch_overrides
 
-SWITCHES = ["dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation"]
+REPO = Path(__file__).resolve().parents[1]
+
 RL_BATCH = ["batch.inputs_per_iteration=128", "batch.micro_batch_inputs=64"]
 #: a LoRA agent of `lora` mode: adapters on every linear layer; LoRA usually takes ~10x a full
 #: fine-tune's learning rate (the README's advice), chosen before any measurement, not tuned here
@@ -157,10 +157,10 @@ def main() -> int:
             if mode == "lora":  # adapters on the full team's SFT'd models: the same start
                 cfg = load_config(args.config, base)
                 team = lora_team(cfg, hf_bases(load_config(args.config, [f"seed={sft_seed}", *base[1:]]), ckpt))
-            value = "false" if mode == "sync" else "true"
             overrides = [*RL_BATCH, *base, *team, f"run_dir={out_dir}/{mode}-{seed}",
                          f"train.iterations={iterations}", f"train.init_from={ckpt}",
-                         "train.evaluate_initial=true", *[f"codesign.{s}={value}" for s in SWITCHES]]
+                         "train.evaluate_initial=true",
+                         *switch_overrides(**{"off" if mode == "sync" else "on": SWITCHES})]
             if mode == "k1":
                 agents = [a.name for a in load_config(args.config, base).team.agents]
                 overrides += ["codesign.max_staleness=1",

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 ONE_WORKER = ("cluster.workers=[{{name: w0, nthreads: {n}, resources: {{{tags}, train: 1}}}}]")
 

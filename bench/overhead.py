@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 CONFIG = str(REPO / "configs" / "overhead.yaml")
 #: steps of the unmeasured run that warms the API server up

@@ -19,7 +19,6 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 BUCKET = "bench-runs"
 
 

@@ -17,14 +17,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flexmarl_core.sandbox import Limits, protections, run_tests  # noqa: E402
+from flexmarl_core.sandbox import Limits, protections, run_tests
 
 CODE = "def f(x):\n    return x + 1\n"
 TESTS = ["assert candidate(1) == 2"]

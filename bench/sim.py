@@ -22,13 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from flexmarl_core.sim import LABEL  # noqa: E402
-from flexmarl_core.sim.cluster import load_cluster  # noqa: E402
-from flexmarl_core.sim.report import mode_table, timeline_png  # noqa: E402
-from flexmarl_core.sim.study import (  # noqa: E402
+from flexmarl_core.sim import LABEL
+from flexmarl_core.sim.cluster import load_cluster
+from flexmarl_core.sim.report import mode_table, timeline_png
+from flexmarl_core.sim.study import (
     CODESIGN,
     SYNC,
     THOUSAND_DEVICES,
@@ -39,6 +36,8 @@ from flexmarl_core.sim.study import (  # noqa: E402
     run_modes,
     tables,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 SIM = REPO / "configs" / "sim"
 PAPER = SIM / "paper-48x16.yaml"

@@ -33,9 +33,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from storage import MEGStore  # noqa: E402
+from storage import MEGStore
 
 AGENT = "solver"
 G = 4  # trajectories per input; a micro-batch holds mb_size / G whole inputs

@@ -54,11 +54,9 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flexmarl_core.config import AgentConfig, ModelConfig  # noqa: E402
-from flexmarl_core.models import build_model, get_tokenizer, num_params  # noqa: E402
-from flexmarl_core.training import Sample, drop, get, make_trainer, put  # noqa: E402
+from flexmarl_core.config import AgentConfig, ModelConfig
+from flexmarl_core.models import build_model, get_tokenizer, num_params
+from flexmarl_core.training import Sample, drop, get, make_trainer, put
 
 TIERS = ("memory", "disk", "shared", "torch.save")
 TARGET = 0.8

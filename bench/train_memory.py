@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def probe(preset: str, rows: int, tokens: int, budget: int | None) -> dict[str, float]:
