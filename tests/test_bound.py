@@ -1,17 +1,11 @@
-"""bench/bound.py: the floors of a schedule are lower bounds (a tiny graph worked by hand),
+"""flexmarl_core.analysis.bound: the floors of a schedule are lower bounds (a tiny graph worked by hand),
 the greedy schedule respects them, and the trainer rule (an agent's train ops one at a time)
 is part of the chain."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import bound  # noqa: E402
-
-from flexmarl_core.ops import Op  # noqa: E402
+from flexmarl_core.analysis import bound
+from flexmarl_core.ops import Op
 
 
 def _graph():

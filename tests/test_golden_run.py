@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,7 @@ import pytest
 from flexmarl_core.config import load_config
 from flexmarl_core.meg import MEG
 from flexmarl_core.plan import Plan
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _golden  # noqa: E402
+from tests import _golden
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = str(REPO / "configs" / "default.yaml")

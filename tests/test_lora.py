@@ -18,9 +18,7 @@ from flexmarl_core.models import build_model, get_tokenizer  # noqa: E402
 from flexmarl_core.models.lora import SharedBase, initial_adapter_state  # noqa: E402
 from flexmarl_core.training import Sample, get, put  # noqa: E402
 from flexmarl_core.training.factory import make_lora_trainer  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _models_util import cache_dir  # noqa: E402
+from tests._models_util import cache_dir  # noqa: E402
 
 SPEC = LoraSpec(rank=4, alpha=8.0)
 AGENTS = ("planner", "solver")

@@ -1,16 +1,13 @@
-"""bench/shortfall.py: the factors of a wall-time shortfall, a helper's per-token cost read from
+"""flexmarl_core.analysis.shortfall: the factors of a wall-time shortfall, a helper's per-token cost read from
 a run's op log, and the machine's parallel efficiency measured in real processes."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import shortfall  # noqa: E402
+from flexmarl_core.analysis import shortfall
 
 
 def _run(tmp_path: Path) -> Path:
