@@ -167,8 +167,9 @@ def test_warm_start_key_holds_only_what_sft_reads():
 
     key = warm_start_key(load_config(CONFIG))
     # RL-only fields: each staleness k and each RL loss or learning rate reuses one SFT.
-    stale = ["codesign.max_staleness=2"] + [f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo"
-                                             for a in ("planner", "solver", "verifier")]
+    # (Helpers load the on-policy weights only: off, as staleness needs.)
+    stale = ["codesign.max_staleness=2", "codesign.gradient_helpers=false"] + [
+        f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in ("planner", "solver", "verifier")]
     for rl_only in (stale,
                     ["team.agents.planner.algorithm.lr=3e-5", "team.agents.solver.algorithm.clip_eps=0.1"],
                     ["team.agents.solver.algorithm.is_cap=4", "team.agents.solver.sampling.top_p=0.9"],
