@@ -117,7 +117,7 @@ class StageResult:
         )
 
 
-#: Environment variable through which `cluster.py` tells a worker process its memory limit
+#: Environment variable through which `cluster.workers` tells a worker process its memory limit
 #: (bytes); the trainer sizes its chunks from it (`training/memory.py`).
 MEMORY_ENV = "FLEXMARL_WORKER_MEMORY_BYTES"
 

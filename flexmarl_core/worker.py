@@ -6,8 +6,8 @@ Tasks carry only the run's location (`run_dir`: a local path or a URI, see `loca
 the files there, so a worker needs no folder shared with the flow process. Weights move
 between processes as versioned files (`weights.py`), so a restarted worker rebuilds any engine
 from the latest published version. A cluster may also carry them from a sync to the other
-processes holding an engine of the agent (a `WeightTransport` its adapter installs here, e.g.
-`cluster.DaskWeightPushes`), so N instances do not read one object N times.
+processes holding an engine of the agent (`transport.py`), so N instances do not read one
+object N times.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -35,6 +35,7 @@ from flexmarl_core.training import TrainBackend, make_trainer
 from flexmarl_core.training.api import GradientTrainer
 from flexmarl_core.training.factory import make_lora_trainer
 from flexmarl_core.training.handles import dump, load
+from flexmarl_core.transport import WeightTransport, serving, weight_transport
 from flexmarl_core.updates import replay
 from flexmarl_core.weights import (
     State,
@@ -50,47 +51,8 @@ from flexmarl_core.workloads import make_workload
 from flexmarl_core.workloads.api import Workload
 from storage import MEGStore, Store
 
-__all__ = ["CONFIG_NAME", "FilesOnly", "WeightTransport", "WorkerContext", "as_location", "context",
-           "holds_engine", "install_weight_transport", "load_weights", "publish_weights", "save_state_atomic",
-           "trainer_state_path", "weights_path"]
-
-
-class WeightTransport(Protocol):
-    """How a sync's new weights reach the other processes that hold an engine of the agent,
-    beside the published file (which every process can always read)."""
-
-    def push(self, run_uri: str, agent: str, version: int, blob: bytes) -> dict[str, float]:
-        """From the process that ran the sync: send `blob` (safetensors bytes of `version`) to
-        the others that hold an engine of `agent` (`holds_engine`); what it measured."""
-        ...
-
-    def pushed(self, run_uri: str, agent: str, version: int) -> bytes | None:
-        """The bytes of `version` a sync pushed to this process, if it holds them."""
-        ...
-
-
-class FilesOnly:
-    """The default transport: nothing is pushed; every process reads the published file."""
-
-    def push(self, run_uri: str, agent: str, version: int, blob: bytes) -> dict[str, float]:
-        return {}
-
-    def pushed(self, run_uri: str, agent: str, version: int) -> bytes | None:
-        return None
-
-
-_TRANSPORT: list[WeightTransport] = [FilesOnly()]
-
-
-def install_weight_transport(transport: WeightTransport | None) -> None:
-    """Use `transport` in this process from now on (None: back to `FilesOnly`). A cluster
-    adapter calls it in each worker as the worker starts."""
-    _TRANSPORT[0] = transport if transport is not None else FilesOnly()
-
-
-def weight_transport() -> WeightTransport:
-    """This process's transport (`install_weight_transport`)."""
-    return _TRANSPORT[0]
+__all__ = ["CONFIG_NAME", "WorkerContext", "as_location", "context", "load_weights", "publish_weights",
+           "save_state_atomic", "trainer_state_path", "weights_path"]
 
 
 @dataclass
@@ -133,7 +95,7 @@ class WorkerContext:
 
     @property
     def transport(self) -> WeightTransport:
-        """How weights reach this process besides their files (`install_weight_transport`)."""
+        """How weights reach this process besides their files (`transport.py`)."""
         return weight_transport()
 
     def inputs(self, iteration: int, mb: int) -> list[dict[str, Any]]:
@@ -271,6 +233,7 @@ class WorkerContext:
             self.engines[agent] = eng
         elif eng.version != version:
             eng.update_weights(self.weights(agent, version), version)
+        serving(self.loc.uri, agent)  # a sync may push its next weights here
         return eng
 
     def helper(self, agent: str, version: int) -> GradientTrainer:
@@ -351,14 +314,6 @@ class WorkerContext:
 _CONTEXTS: dict[str, WorkerContext] = {}
 _LOCK = threading.Lock()
 _MODEL_LOCK = threading.Lock()
-
-
-def holds_engine(run_uri: str, agent: str) -> bool:
-    """Whether this process serves the run at `run_uri` with an engine of `agent` (a sync
-    pushes new weights only to such processes)."""
-    with _LOCK:
-        ctx = _CONTEXTS.get(run_uri)
-    return ctx is not None and agent in ctx.engines
 
 
 def context(run_dir: str | os.PathLike[str] | RunLocation) -> WorkerContext:

@@ -46,7 +46,7 @@ def bytes_per_token(model_config: Any, *, activation_checkpointing: bool = False
 
 
 def worker_memory_limit() -> int:
-    """This process's memory limit in bytes: the Dask worker's (set by `cluster.py`), else the
+    """This process's memory limit in bytes: the Dask worker's (set by `cluster.workers`), else the
     machine's total memory (a trainer in the flow process, in tests, in `flexmarl sft`)."""
     raw = os.environ.get(MEMORY_ENV)
     if raw:

@@ -1,0 +1,108 @@
+"""`DaskExecutor`: the orchestrator's ops as plain Dask tasks, on the worker the router chose."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import distributed
+from distributed import Client
+
+from flexmarl_core.cluster.plugins import DaskPrograms, DaskWeightPushes
+from flexmarl_core.cluster.workers import (
+    lost_worker,
+    memory_restarts,
+    set_worker_resources,
+    worker_resources,
+)
+from flexmarl_core.ops import FusedResult, MemoryRestart, Op, Route, StageResult
+from flexmarl_core.stages import run_fused, run_stage_after, run_stage_retrying
+
+
+class DaskExecutor:
+    """Runs ops as plain Dask tasks: `stages.run_stage_retrying(run_dir, op, ...)` on the worker
+    the route names, each op tried up to `1 + retries[op.kind]` times there; it chains, fuses
+    and reports memory restarts (`executor_api`). The real run's executor
+    (`tasks/executor.py`) adds the Prefect task runs on top."""
+
+    def __init__(self, client: Client, run_dir: str, *, retries: dict[str, int] | None = None,
+                 retry_delay_s: float = 1.0) -> None:
+        self.client = client
+        self.run_dir = str(run_dir)
+        self.retries = dict(retries or {})
+        self.retry_delay_s = retry_delay_s
+        self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
+        client.register_plugin(DaskWeightPushes())  # before any op: syncs push, rollouts take
+        client.register_plugin(DaskPrograms())  # program ops secede and decode on instances
+
+    def submit(self, op: Op, route: Route, deps: Sequence[Op] = (),
+               after: Sequence[distributed.Future] = ()) -> distributed.Future:
+        """`after`: futures of the ops `op` is chained on. Dask runs it once they are done (their
+        results, small `StageResult`s, are its ignored arguments); if one fails, so does it."""
+        return self.client.submit(
+            run_stage_after if after else run_stage_retrying,
+            self.run_dir, op, self.retries.get(op.kind, 0), self.retry_delay_s, *after,
+            gradient_only=route.gradient_only,
+            key=f"{op.name}-{os.urandom(4).hex()}",
+            resources=route.resources or None,
+            workers=[route.worker] if route.worker else None,
+            pure=False,
+        )
+
+    def submit_fused(self, ops: Sequence[Op], route: Route, deps: Sequence[Sequence[Op]] = (),
+                     after: Sequence[distributed.Future] = ()) -> distributed.Future:
+        """One Dask task running `ops` in order where `route` says (`stages.run_fused`); its
+        result is a `FusedResult`. `deps`: each op's dependencies (see `submit`)."""
+        return self.client.submit(
+            run_fused, self.run_dir, list(ops), [self.retries.get(op.kind, 0) for op in ops],
+            self.retry_delay_s, *after,
+            key=f"{ops[0].name}+{len(ops) - 1}-{os.urandom(4).hex()}",
+            resources=route.resources or None,
+            workers=[route.worker] if route.worker else None,
+            pure=False,
+        )
+
+    def cancel(self, handle: distributed.Future) -> None:
+        handle.cancel()
+
+    def succeeded(self, handle: distributed.Future) -> bool:
+        return handle.status == "finished"
+
+    def wait_any(self, handles: Sequence[distributed.Future], timeout: float | None = None) -> list[Any]:
+        try:
+            done, _ = distributed.wait(list(handles), timeout=timeout, return_when="FIRST_COMPLETED")
+        except TimeoutError:  # Dask raises where concurrent.futures returns nothing done
+            return []
+        return list(done)
+
+    def result(self, handle: distributed.Future) -> StageResult | FusedResult:
+        return handle.result()
+
+    def now(self) -> float:
+        return time.time()
+
+    def worker_resources(self) -> dict[str, dict[str, float]]:
+        # Tags change only when we re-tag (which invalidates) or a worker joins/leaves: a
+        # short-lived cache saves a scheduler round trip per submission wave.
+        now = time.monotonic()
+        if self._tags is None or now - self._tags[0] > 1.0:
+            tags = worker_resources(self.client)
+            if not tags:  # a transient empty view (worker restarting) must not be cached
+                return tags
+            self._tags = (now, tags)
+        return self._tags[1]
+
+    def set_worker_resources(self, worker: str, resources: dict[str, float]) -> None:
+        set_worker_resources(self.client, worker, resources)
+        self._tags = None
+
+    def lost(self, exc: BaseException) -> bool:
+        if lost_worker(exc):
+            self._tags = None  # the worker set changed: route the resubmission on fresh tags
+            return True
+        return False
+
+    def memory_restarts(self, since: float) -> list[MemoryRestart]:
+        return memory_restarts(self.client, since)

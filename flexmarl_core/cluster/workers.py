@@ -1,0 +1,292 @@
+"""The Dask cluster itself: starting a local one whose workers carry their own resource tags
+(`DaskTaskRunner(cluster_kwargs=...)` would give every worker the same ones) or connecting to a
+scheduler address, checking what a config asks of it, re-tagging workers at run time (how the
+load balancer moves an inference instance between agents), their names, CPU and logs, and
+which of their errors mean a worker was lost.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import dask
+import distributed
+from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
+from distributed.comm.addressing import parse_address, parse_host_port
+
+from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
+from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
+from flexmarl_core.ops import MEMORY_ENV, MemoryRestart
+
+# A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
+# task run (Dask's default; seen with distributed 2026.8). The orchestrator
+# checks tags before it submits; this is the backstop, and how a task pinned to a worker that
+# died comes back to the orchestrator to be routed again.
+NO_WORKERS_TIMEOUT = "15s"
+
+#: Errors that mean a task's worker died or vanished, not that the task failed.
+LOST_WORKER_ERRORS: tuple[type[BaseException], ...] = (
+    distributed.scheduler.KilledWorker,
+    distributed.scheduler.NoValidWorkerError,
+    distributed.scheduler.NoWorkerError,  # none running: a restarted worker not back yet
+    distributed.client.FutureCancelledError,
+    distributed.comm.core.CommClosedError,
+)
+
+
+def lost_worker(exc: BaseException) -> bool:
+    return isinstance(exc, LOST_WORKER_ERRORS)
+
+
+#: The topic under which a Nanny logs a worker it restarted for crossing its memory limit
+#: (distributed's NannyMemoryManager: at `distributed.worker.memory.terminate`, 95%).
+MEMORY_RESTART_TOPIC = "worker-restart-memory"
+#: Name and memory limit of every worker address seen (a restarted worker comes back at a new
+#: address, so the dead one's name must be remembered to report it).
+_SEEN: dict[str, tuple[str, int]] = {}
+
+
+def _note_workers(info: dict[str, Any]) -> None:
+    for addr, w in info.items():
+        _SEEN[addr] = (str(w.get("name", addr)), int(w.get("memory_limit") or 0))
+
+
+def memory_restarts(client: Client, since: float = 0.0) -> list[MemoryRestart]:
+    """Workers the Nanny restarted for memory at or after `since` (scheduler clock, seconds)."""
+    _note_workers(client.scheduler_info(n_workers=-1)["workers"])
+    out = []
+    for t, msg in client.get_events(MEMORY_RESTART_TOPIC):
+        if t >= since and isinstance(msg, dict):
+            addr = str(msg.get("worker", ""))
+            name, limit = _SEEN.get(addr, (addr, 0))
+            out.append(MemoryRestart(worker=name, rss=int(msg.get("rss", 0)), limit=limit, t=float(t)))
+    return out
+
+
+#: seconds to wait for a TCP connection to `cluster.address` (Dask's own default is 30 s, then
+#: two tracebacks); a scheduler on a reachable host accepts in milliseconds
+CONNECT_TIMEOUT_S = 5.0
+
+
+def check_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise ConfigError, naming `cluster.address`, unless `address` parses as a scheduler
+    address and (tcp/tls) a TCP connection to it opens within `timeout` seconds."""
+    example = "e.g. tcp://10.0.0.5:8786, or remove cluster.address to start a local cluster"
+    try:
+        scheme, loc = parse_address(address)
+        host, port = parse_host_port(loc, default_port=8786) if scheme in ("tcp", "tls") else ("", 0)
+    except ValueError as exc:
+        raise ConfigError(f"cluster.address {address!r} is not a Dask scheduler address ({exc}); {example}") from None
+    if not host:
+        return  # inproc:// or ucx://: nothing to dial from here
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise ConfigError(
+            f"cluster.address {address!r}: no scheduler reachable at {host}:{port} ({why}, "
+            f"{timeout:g} s connect timeout); start the scheduler or fix the address, {example}"
+        ) from None
+
+
+def check_worker_tags(cfg: ExperimentConfig) -> None:
+    """For a cluster flexmarl starts (`cluster.workers`): raise ConfigError when a `rollout:<agent>`
+    tag names no agent, or an op kind could never be placed (no rollout instance, no `train`
+    slot for trainable agents; without load balancing, which moves instances, an agent with
+    neither its own instance nor a shared `rollout` worker)."""
+    if cfg.cluster.address:
+        return  # the remote workers' tags are not in the config
+    agents = [a.name for a in cfg.team.agents]
+    have: set[str] = set()
+    for w in cfg.cluster.workers:
+        for tag, amount in w.resources.items():
+            name = tag.removeprefix(f"{ROLLOUT_TAG}:")
+            if name != tag and name not in agents:
+                raise ConfigError(
+                    f"cluster.workers[{w.name}].resources: tag {tag!r} names no agent; agents: {agents}"
+                )
+            if amount > 0:
+                have.add(tag)
+    hint = "add it to a worker's resources in cluster.workers"
+    if not any(t == ROLLOUT_TAG or t.startswith(f"{ROLLOUT_TAG}:") for t in have):
+        raise ConfigError(f"cluster.workers: no worker has a {ROLLOUT_TAG!r} or 'rollout:<agent>' tag, so no rollout can run; {hint}")
+    if any(a.trainable for a in cfg.team.agents) and TRAIN_TAG not in have:
+        raise ConfigError(f"cluster.workers: no worker has the {TRAIN_TAG!r} tag, so no agent can train; {hint}")
+    if not cfg.codesign.load_balancing and ROLLOUT_TAG not in have:
+        homeless = [a for a in agents if rollout_tag(a) not in have]
+        if homeless:
+            raise ConfigError(
+                f"cluster.workers: agent(s) {homeless} have no {rollout_tag('<agent>')!r} worker and "
+                f"none is tagged {ROLLOUT_TAG!r} (codesign.load_balancing is off, so no instance "
+                f"moves to them); {hint}"
+            )
+
+
+def start_cluster(
+    cfg: ClusterConfig, *, dashboard: bool = True, env: dict[str, str] | None = None
+) -> tuple[SpecCluster | None, Client]:
+    """A `(cluster, client)` pair: a new local cluster, or (None, client) for `cfg.address`."""
+    # The scheduler runs in this process: its default 20 ms tick and 500 ms system monitor
+    # cost ~0.08 CPU-s per second idle (measured); coarser ticks cut that by ~60%.
+    # Workers sample their task thread's stack every 10 ms for the dashboard's profile tab;
+    # on 2 cores that is measurable CPU for a view nobody reads during training (nannies pass
+    # this config on to the worker processes).
+    dask.config.set({"distributed.scheduler.no-workers-timeout": NO_WORKERS_TIMEOUT,
+                     "distributed.worker.profile.enabled": False,
+                     "logging.distributed": "warning",
+                     "distributed.admin.tick.interval": "100ms",
+                     "distributed.admin.system-monitor.interval": "2s",
+                     # Dask's nannies export MALLOC_TRIM_THRESHOLD_=65536 to their workers. A
+                     # fixed threshold turns off glibc's adaptive mmap threshold, so every
+                     # activation tensor over 128 KiB is a fresh mmap + page faults + munmap:
+                     # rollouts ran 2.7x and training 1.9x slower than in a plain process
+                     # (measured on the default team). None = leave glibc's default.
+                     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                     # A worker's startup banner is logged while it imports distributed, before
+                     # the nanny's `env` applies: only the pre-spawn environment quiets it.
+                     "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "warning"})
+    # Scheduler/nanny INFO lines (connections, retirements) drown the run's own output.
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+    if cfg.address:
+        check_address(cfg.address)  # fail in seconds, by name, not after Dask's 30 s
+        return None, Client(cfg.address)
+    # Worker processes inherit the environment; pin BLAS/torch threads before they start so two
+    # workers on two cores do not oversubscribe.
+    env = {"OMP_NUM_THREADS": str(cfg.torch_threads), "MKL_NUM_THREADS": str(cfg.torch_threads),
+           "FLEXMARL_TORCH_THREADS": str(cfg.torch_threads),
+           "DASK_LOGGING__DISTRIBUTED": "warning", **cfg.worker_env, **(env or {})}
+    workers = {
+        w.name: {
+            "cls": Nanny,
+            "options": {
+                "nthreads": w.nthreads,
+                "resources": dict(w.resources),
+                "memory_limit": w.memory_limit,
+                "name": w.name,
+                "env": {**env, "FLEXMARL_WORKER_NAME": w.name,
+                        # the trainer sizes its chunks from it (training/memory.py)
+                        MEMORY_ENV: str(dask.utils.parse_bytes(w.memory_limit))},
+            },
+        }
+        for w in cfg.workers
+    }
+    scheduler = {
+        "cls": Scheduler,
+        "options": {"dashboard_address": ":0" if dashboard else None, "host": "127.0.0.1"},
+    }
+    cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40)
+    client = Client(cluster)
+    client.wait_for_workers(len(workers), timeout=120)
+    warm_up(client)
+    return cluster, client
+
+
+#: What the stages import on first use. transformers loads its modelling code lazily: without
+#: this, each worker's first rollout paid ~5 s of imports inside the timed run.
+RUNTIME_MODULES = (
+    "flexmarl_core.stages", "storage", "torch", "transformers", "flexmarl_core.models",
+    "flexmarl_core.inference", "flexmarl_core.training", "flexmarl_core.algorithms",
+    "flexmarl_core.workloads", "transformers.models.qwen2.modeling_qwen2",
+)
+
+
+def _import_runtime() -> None:
+    for mod in RUNTIME_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ImportError:  # a warm-up, not a requirement: the stage that needs it will say
+            pass
+
+
+def warm_up(client: Client) -> None:
+    """Import the heavy modules in every worker once, up front, so the first task of each
+    worker does not pay seconds of imports (and the bookkeeping measurement starts clean)."""
+    client.run(_import_runtime)
+
+
+def worker_resources(client: Client) -> dict[str, dict[str, float]]:
+    """Current resource tags of every worker, by address."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    _note_workers(info)
+    return {addr: dict(w.get("resources", {})) for addr, w in info.items()}
+
+
+def _log_to_file(path: Path) -> None:
+    """Dask's INFO and up go to `path`; its stream handlers (the terminal) keep WARNING and up."""
+    lg = logging.getLogger("distributed")
+    for h in list(lg.handlers):
+        if getattr(h, "flexmarl_log_file", False):
+            lg.removeHandler(h)
+            h.close()
+        elif isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            h.setLevel(logging.WARNING)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = logging.FileHandler(path)
+    fh.flexmarl_log_file = True  # type: ignore[attr-defined]
+    fh.setLevel(logging.INFO)
+    fh.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    lg.addHandler(fh)
+    lg.setLevel(logging.INFO)
+
+
+class LogFiles(WorkerPlugin):
+    """Each worker logs Dask's INFO lines to `<folder>/dask-<worker>.log` (WARNING and up
+    still reach the terminal). Named, so registering it again replaces it."""
+
+    name = "flexmarl-log-files"
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def setup(self, worker: Any) -> None:
+        _log_to_file(Path(self.folder) / f"dask-{worker.name}.log")
+
+
+def log_to_files(client: Client, folder: str | Path, *, workers: bool) -> None:
+    """Dask's logs of this process (scheduler, client) and, for a cluster whose workers see
+    `folder` (the local one), of every worker, into files under `folder`."""
+    _log_to_file(Path(folder) / "dask-scheduler.log")
+    if workers:
+        client.register_plugin(LogFiles(str(folder)))
+
+
+def worker_names(client: Client) -> dict[str, str]:
+    """Each worker's name (what its ops report, `w0`), by address (what routing uses)."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return {addr: str(w.get("name", addr)) for addr, w in info.items()}
+
+
+def worker_cpu_s(client: Client) -> float:
+    """CPU seconds used so far by all worker processes (every thread): with the stages' own CPU
+    subtracted, what remains is the bookkeeping of Dask and Prefect."""
+    return float(sum(client.run(time.process_time).values()))
+
+
+@contextmanager
+def cluster_for(cfg: ClusterConfig, env: dict[str, str] | None = None) -> Iterator[Client]:
+    """Start (and afterwards stop) a local cluster, or connect to `cfg.address`."""
+    cluster, client = start_cluster(cfg, env=env)
+    try:
+        yield client
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+async def _set_resources(dask_worker: Any, resources: dict[str, float]) -> None:
+    await dask_worker.set_resources(**resources)
+
+
+def set_worker_resources(client: Client, worker: str, resources: dict[str, float]) -> None:
+    """Re-tag one worker. Tasks submitted afterwards route by the new tags; a tag set to 0 is
+    taken away (tasks already waiting on it do not move, so route at submit time)."""
+    client.run(_set_resources, resources=resources, workers=[worker])
