@@ -8,6 +8,7 @@ import time
 from functools import lru_cache
 
 from flexmarl_core.location import FAULTS_SUFFIX, RunLocation, is_uri
+from storage.atomic import atomic_file
 
 
 class InjectedFault(RuntimeError):
@@ -98,20 +99,15 @@ def fault_point(run_dir: str, op_name: str) -> None:
         if left <= 1:
             os.remove(counted)
         else:  # replace, not rewrite in place: a reader never sees a torn count
-            tmp = f"{counted}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(str(left - 1))
-            os.replace(tmp, counted)
+            _create(counted, str(left - 1))
         if left >= 1:
             raise InjectedFault(f"injected fault (fail@, {left} left) in {op_name}")
 
 
 def _create(path: str, text: str) -> None:
     """Write `path` whole (temp file + rename): a reader never sees it half-written."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    with atomic_file(path) as f:
+        f.write(text.encode())
 
 
 def _limit(text: str, op_name: str) -> float:
