@@ -22,7 +22,7 @@ t0=$(date +%s)
 rc=0
 (cd "$tree" && rm -rf runs/arith-team && PYTHONPATH=$tree PREFECT_HOME=$tree/.prefect \
     FLEXMARL_CACHE=$tree/.cache PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
-    nice -n 5 "$py" -m flexmarl.cli train configs/default.yaml) > "$out/first-run.log" 2>&1 || rc=$?
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} nice -n 5 "$py" -m flexmarl.cli train configs/default.yaml) > "$out/first-run.log" 2>&1 || rc=$?
 t1=$(date +%s)
 end=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -34,7 +34,7 @@ json.dump({"config": "configs/default.yaml", "iterations": rows}, open(f"{sys.ar
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 mem = int(open("/proc/meminfo").readline().split()[1]) / 2**20
 json.dump({
-    "command": "nice -n 5 .venv/bin/flexmarl train configs/default.yaml > bench/results/first-run.log",
+    "command": "OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} nice -n 5 .venv/bin/flexmarl train configs/default.yaml > bench/results/first-run.log",
     "commit": "$sha",
     "start_utc": "$start", "end_utc": "$end", "wall_s": $((t1 - t0)), "exit_code": $rc,
     "load_before": "$load_before", "load_after": "$load_after",
