@@ -62,7 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 RL_BATCH = ["batch.inputs_per_iteration=128", "batch.micro_batch_inputs=64"]
 #: a LoRA agent of `lora` mode: adapters on every linear layer; LoRA usually takes ~10x a full
-#: fine-tune's learning rate (the README's advice), chosen before any measurement, not tuned here
+#: fine-tune's learning rate (docs/lora-staleness.md), chosen before any measurement, not tuned here
 LORA_SPEC = "{rank: 8, alpha: 16}"
 LORA_LR_FACTOR = 10.0
 

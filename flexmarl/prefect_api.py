@@ -21,7 +21,7 @@ DEFAULT_PORT = 4200
 #: The local server we start runs this much nicer than the run. It turns the flow's events into
 #: task runs from a queue, so on a shared machine it can take the cycles training leaves
 #: (between ops, after the run) instead of slicing a core out of every stage; the UI lags by
-#: at most its backlog. Measured with `bench/overhead.py` (README, "The orchestration floor").
+#: at most its backlog. Measured with `bench/overhead.py` (docs/results/overhead.md).
 SERVER_NICE = 10
 
 

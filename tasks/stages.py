@@ -21,7 +21,7 @@ one run, more than one by one in another), so they go one by one on the websocke
 Final states of ops that went well are held back and sent together every `flush_s`
 (`cluster.task_run_flush_s`, 2 s): the server then records them in one burst instead of
 waking for every op, which on a machine whose cores the stages fill cut the run's wall time by
-~4% (`bench/overhead.py`, README). Anything else (Pending, a retry, a failure) goes at once,
+~4% (`bench/overhead.py`, docs/results/overhead.md). Anything else (Pending, a retry, a failure) goes at once,
 with everything held before it, so errors and long ops show without delay; the flow flushes at
 its end whatever happened (`flush`).
 

@@ -36,7 +36,7 @@ RUN = f"s3://{BUCKET}/runs/tiny"
 AGENTS = ("planner", "solver", "verifier")
 KILL_OP = "rollout[solver] it=0 mb=1"  # a worker dies in the middle of iteration 0
 FAIL_OP = "step[planner] it=1"  # fails beyond its retries: the first flow run fails there
-# The dask.yaml the README's "Run on a cluster" recommends for every worker (see cluster.py).
+# The dask.yaml docs/cluster.md recommends for every worker (see flexmarl_core/cluster).
 DASK_YAML = """distributed:
   nanny:
     pre-spawn-environ:

@@ -1,4 +1,4 @@
-"""prefect.yaml as an operator uses it (README, "Run it as a service"), against a real local
+"""prefect.yaml as an operator uses it (docs/operations.md, "Run it as a service"), against a real local
 server: create the work pool, `prefect --no-prompt deploy --all`, start a process worker, run
 the on-demand training deployment with a tiny config and then the evaluation deployment on that
 run, each to Completed.
