@@ -35,9 +35,13 @@ def test_hostile_programs_in_the_workers_score_zero_and_the_workers_live(dask_cl
     cfg = load_config(CODE, [])
     workload = make_workload(cfg.workload, cfg.team)
     problem = workload.problems("train", 1, seed=0)[0]
+    # The right program is judged with room on the wall clock (a loaded machine gives a
+    # sandboxed child a fraction of a core); the hostile ones keep the config's limits.
+    roomy_cfg = load_config(CODE, ["workload.params.wall_s=30"])
+    roomy = make_workload(roomy_cfg.workload, roomy_cfg.team)
 
-    def reward(code: str) -> dict[str, float]:
-        return workload.reward(problem, {"coder": code, "tester": ""})
+    def reward(code: str, judge=workload) -> dict[str, float]:
+        return judge.reward(problem, {"coder": code, "tester": ""})
 
     with distributed.Client(dask_cluster) as client:
         before = set(client.scheduler_info(n_workers=-1)["workers"])
@@ -47,4 +51,4 @@ def test_hostile_programs_in_the_workers_score_zero_and_the_workers_live(dask_cl
         assert time.monotonic() - t0 < 300
         assert [r["coder"] for r in results] == [0.0] * len(HOSTILE_CODERS)
         assert set(client.scheduler_info(n_workers=-1)["workers"]) == before
-        assert client.submit(reward, problem.answer, pure=False).result()["coder"] == 1.0
+        assert client.submit(reward, problem.answer, roomy, pure=False).result()["coder"] == 1.0

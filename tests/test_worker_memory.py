@@ -20,8 +20,15 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.stack  # a Dask cluster of its own
 
 
-def test_memory_restart_names_op_agent_and_limit(tmp_path):
+def test_memory_restart_names_op_agent_and_limit(tmp_path, monkeypatch):
     from flexmarl_core import cluster, run
+    from flexmarl_core.cluster import workers
+
+    # The run ends when the scheduler gives up on the op with no worker left (the cluster's
+    # no-workers-timeout), and the error names the memory restart only if one was recorded by
+    # then: a loaded machine took longer than the product's 15 s to restart the worker process
+    # (torch, transformers) once. 60 s leaves room for that; the run then ends ~45 s later.
+    monkeypatch.setattr(workers, "NO_WORKERS_TIMEOUT", "60s")
 
     one_worker = ("cluster.workers=[{name: w0, memory_limit: 1GiB, "
                   "resources: {rollout: 1, train: 1}}]")
