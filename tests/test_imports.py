@@ -172,3 +172,14 @@ def test_no_import_cycles():
     graph = import_graph()
     found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
+
+
+def test_every_product_folder_is_a_regular_package():
+    """A folder of modules without `__init__.py` imports from a checkout (a namespace package)
+    but not from the zip `cluster.upload` ships to workers: zipimport has no namespace
+    packages, so the worker fails with `No module named ...` mid-run."""
+    missing = sorted(str(d.relative_to(REPO)) for pkg in PACKAGES
+                     for d in [REPO / pkg, *(REPO / pkg).rglob("*")]
+                     if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))
+                     and not (d / "__init__.py").exists())
+    assert not missing, f"folders of modules without __init__.py: {missing}"
