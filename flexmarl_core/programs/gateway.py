@@ -140,7 +140,9 @@ class Gateway:
         self._in_flight: dict[tuple[int, str, int], int] = {}
         self._timers: set[tuple[int, str, int]] = set()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="flexmarl-decode")
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so, and without it a
+        # response (headers, then body) waited ~40 ms for the client's delayed ACK on every call.
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
         self.port = self._sock.getsockname()[1]
