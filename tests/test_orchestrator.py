@@ -247,6 +247,25 @@ def test_on_demand_slots_follow_free_workers():
     assert homes == {"w0"} and static.decisions == []
 
 
+def test_program_ops_run_one_per_rollout_instance():
+    """A program team's micro-batch ops run at most one per rollout instance at once: the rest
+    are held (None) until one ends, so micro-batches finish staggered and train while later ones
+    roll out. A worker without a rollout tag is no instance."""
+    workers = {"w0": {"rollout:planner": 1, "rollout:verifier": 1, "train": 1},
+               "w1": {"rollout:solver": 1, "train": 1}, "w2": {"train": 1}}
+    r = Router(load_balancing=True)
+    progs = [Op(0, "program", mb=j) for j in range(4)]
+    for op in progs[:2]:
+        route = r.route(op, workers)
+        assert route is not None and route.resources == {}
+        r.ledger.submitted(op, route.worker)
+    assert r.route(progs[2], workers) is None
+    assert r.route(Op(0, "train", "planner", mb=0), workers) is not None  # other kinds go on
+    r.ledger.finished(progs[0], None)
+    assert r.route(progs[2], workers) is not None
+    assert r.route(progs[3], {"w0": {"rollout": 1, "train": 1}}) is None  # one shared instance
+
+
 def test_dedicated_rollout_tags_route_agents():
     workers = {"w0": {"rollout:planner": 1, "rollout:verifier": 1, "train": 1},
                "w1": {"rollout:solver": 1, "train": 1}}

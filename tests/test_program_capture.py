@@ -6,6 +6,7 @@ fails is named and left out, unless every trajectory fails."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import openai
@@ -161,3 +162,33 @@ def test_program_team_config_errors_name_the_field(tmp_path):
         load_config(REPO / "configs" / "default.yaml", overrides=["team.agents.planner.template=null"])
     ok = load_config(cfg)
     assert ok.team.program.endswith("examples/programs/arith_team.py:team") and ok.team.program.startswith("/")
+
+
+def test_a_program_loaded_by_several_threads_at_once_is_whole_in_each(tmp_path):
+    """Two program ops of one process load the program together (the ThreadExecutor, a Dask
+    worker's threads): each gets the function, never the module half-run by the other. The
+    module sleeps before defining it, so an unguarded second load would find no function."""
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(0.2)\n\ndef team(problem, client):\n    return problem\n")
+    got: list[object] = []
+
+    def load() -> None:
+        try:
+            got.append(load_program(f"{tmp_path}/slow.py:team").__name__)
+        except ProgramError as exc:
+            got.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert got == ["team"] * 4
+
+
+def test_a_program_that_fails_to_load_is_not_left_half_loaded(tmp_path):
+    bad = tmp_path / "flaky.py"
+    bad.write_text("raise RuntimeError('not yet')\n")
+    with pytest.raises(ProgramError, match="not yet"):
+        load_program(f"{bad}:team")
+    bad.write_text("def team(problem, client):\n    return problem\n")
+    assert load_program(f"{bad}:team").__name__ == "team"

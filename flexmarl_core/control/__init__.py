@@ -109,10 +109,11 @@ class ControlPlane:
         with it only to an agent's one instance when no instance can move (one agent); trainer
         ops to a slot already chosen for the agent's iteration (static placement, an on-demand
         slot taken, or one train slot); never a helper agent's train op (whether a helper takes
-        it depends on the slots' load when it is ready). None: route it when it is ready."""
+        it depends on the slots' load when it is ready), nor a program op (how many run at once
+        depends on the ops running when it is ready). None: route it when it is ready."""
         if op.kind == "reward":
             return Route({})
-        if self.router.may_help(op):
+        if op.kind == "program" or self.router.may_help(op):
             return None
         if op.kind == "rollout" and self.router.load_balancing:
             if self.balancer is not None and len(self.balancer.agents) > 1:

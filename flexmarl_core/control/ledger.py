@@ -32,6 +32,8 @@ class WorkLedger:
     charges: dict[Op, tuple[str, float]] = field(default_factory=dict)
     #: ops already done (in this run, or an earlier attempt when resuming): never charged again
     completed: set[Op] = field(default_factory=set)
+    #: op kind -> ops of that kind submitted and not finished (pinned to a worker or not)
+    running: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def estimate(self, kind: str, agent: str) -> float:
         per_agent = self.est_s.get(kind, {})
@@ -45,6 +47,7 @@ class WorkLedger:
         per_agent[op.agent] = seconds if prev is None else (1 - alpha) * prev + alpha * seconds
 
     def submitted(self, op: Op, worker: str | None) -> None:
+        self.running[op.kind] += 1
         if worker is None:
             return
         self.outstanding[worker] += 1
@@ -52,6 +55,7 @@ class WorkLedger:
             self.charge(op, worker, self.estimate(op.kind, op.agent))
 
     def finished(self, op: Op, worker: str | None) -> None:
+        self.running[op.kind] -= 1
         if worker is not None:
             self.outstanding[worker] -= 1
         self.uncharge(op)

@@ -9,6 +9,10 @@ rewards anywhere. With `gradient_helpers`, a train op whose slot is busy goes to
 instead, as a gradient helper (`Route.gradient_only`). With `late_binding` a rollout goes only to an instance with nothing
 outstanding, and `route` returns None (hold it) while there is none: a Dask task queued behind
 a long rollout could not move to the worker that frees first.
+
+A program team's `program(it, mb)` ops run at most one per rollout instance at once (`route`
+returns None for the rest): started together, a batch's micro-batches would share the CPU and
+all finish late, so no agent could train on one while the others roll out.
 """
 
 from __future__ import annotations
@@ -83,6 +87,12 @@ class Router:
                 if helper is not None:
                     return Route({TRAIN_TAG: 1}, helper, gradient_only=True)
             return Route({TRAIN_TAG: 1}, slot)
+        if op.kind == "program":
+            instances = sum(1 for r in workers.values() if any(t == ROLLOUT_TAG or t.startswith(f"{ROLLOUT_TAG}:")
+                                                                 for t, n in r.items() if n > 0))
+            if self.ledger.running["program"] >= max(instances, 1):
+                return None  # held until a running program op ends
+            return Route({})  # its decodes go to the agents' instances (the program host's dispatcher)
         return Route({})  # reward: cheap, anywhere
 
     def may_help(self, op: Op) -> bool:

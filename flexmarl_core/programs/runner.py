@@ -19,6 +19,7 @@ import importlib.util
 import inspect
 import ssl
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -42,9 +43,19 @@ Job = tuple[str, int, int, str]
 _LIMITS = httpx.Limits(max_connections=8, max_keepalive_connections=8)
 
 
+#: one program loads at a time: a second thread would find the first's module in `sys.modules`
+#: before its code has run (no function yet)
+_LOADING = threading.Lock()
+
+
 def load_program(spec: str, *, base_dir: str | Path | None = None) -> Callable[..., Any]:
     """The function `spec` names: `package.module:function` or `path/to/file.py:function`
     (a relative path from `base_dir`, else the working directory)."""
+    with _LOADING:
+        return _load_program(spec, base_dir)
+
+
+def _load_program(spec: str, base_dir: str | Path | None) -> Callable[..., Any]:
     mod_name, sep, fn_name = spec.rpartition(":")
     if not sep or not mod_name or not fn_name:
         raise ProgramError(f"team.program {spec!r}: expected 'module:function' or 'path.py:function'")
@@ -62,7 +73,11 @@ def load_program(spec: str, *, base_dir: str | Path | None = None) -> Callable[.
                 assert loader_spec is not None and loader_spec.loader is not None
                 module = importlib.util.module_from_spec(loader_spec)
                 sys.modules[name] = module
-                loader_spec.loader.exec_module(module)
+                try:
+                    loader_spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[name]  # a later load tries again instead of finding half a module
+                    raise
         else:
             module = importlib.import_module(mod_name)
     except ProgramError:
