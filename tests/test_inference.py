@@ -75,6 +75,25 @@ def test_stop_strings_truncate_text_and_keep_completing_token():
     assert stop in dec(g.response_ids) and stop not in dec(g.response_ids[:-1])
 
 
+def test_many_one_row_requests_in_one_decode_sample_what_each_samples_alone():
+    """A program endpoint's batch: many single-row requests, each with its own seed, most sharing
+    temperature and top-p (drawn as one batch), some greedy, some with stop strings. Each gets
+    the tokens it gets alone; log-probs differ only in the forward's summation order."""
+    eng = engine()
+    plain = SamplingConfig(temperature=1.0, max_new_tokens=10, stop=["\n"])
+    reqs = [([PROMPTS[k % 4]], plain, 100 + k) for k in range(10)]
+    reqs.insert(3, ([PROMPTS[0]], SamplingConfig(temperature=0.0, max_new_tokens=6), 7))
+    reqs.insert(7, ([PROMPTS[2]], SamplingConfig(temperature=0.8, top_p=0.9, max_new_tokens=8), 8))
+    together = eng.generate_groups(reqs)
+    for (prompts, sampling, seed), gens in zip(reqs, together, strict=True):
+        alone = eng.generate(prompts, sampling, seed)
+        assert [g.response_ids for g in gens] == [g.response_ids for g in alone]
+        assert [(g.text, g.finish_reason) for g in gens] == [(g.text, g.finish_reason) for g in alone]
+        for g, ref in zip(gens, alone, strict=True):  # fp32, |logprob| < 20: summation order only
+            assert max((abs(x - y) for x, y in zip(g.logprobs, ref.logprobs, strict=True)), default=0) < 1e-4
+    assert len({tuple(g[0].response_ids) for g in together[:3]}) > 1  # sampled: seeds differ
+
+
 def test_eos_ends_a_row_and_is_not_in_text():
     model = tiny_model(1)
     eng = HFInferenceEngine(model, tokenizer())

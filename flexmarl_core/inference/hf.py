@@ -54,6 +54,25 @@ def sample_next(
     """(B, V) fp32 logits -> (B,) token ids: greedy at temperature 0, else temperature + top-p."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)
+    return draw(logits, sampling, torch.rand((logits.shape[0], 1), generator=generator, device=logits.device))
+
+
+def _runs(live: Sequence[int], spans: Sequence[tuple[int, int, SamplingConfig, int]]) -> list[list[int]]:
+    """`live` requests cut into runs of neighbours that share temperature and top-p."""
+    out: list[list[int]] = []
+    for j in live:
+        key = (spans[j][2].temperature, spans[j][2].top_p)
+        if out and (spans[out[-1][0]][2].temperature, spans[out[-1][0]][2].top_p) == key:
+            out[-1].append(j)
+        else:
+            out.append([j])
+    return out
+
+
+def draw(logits: torch.Tensor, sampling: SamplingConfig, u: torch.Tensor) -> torch.Tensor:
+    """(B, V) fp32 logits, (B, 1) uniforms in [0, 1) -> (B,) token ids at `sampling`'s temperature
+    and top-p (> 0). Every op is row-wise, so a row's token does not depend on the rows beside it:
+    requests that share a decode draw their own `u` and get what they would get alone."""
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -65,8 +84,7 @@ def sample_next(
     # u by the row total keeps it inside the CDF despite rounding; a zero-probability token is
     # never the first index where the (flat there) CDF reaches u.
     cdf = probs.cumsum(dim=-1)  # (B, V)
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * cdf[:, -1:]
-    return (cdf < u).sum(dim=-1).clamp_(max=probs.shape[-1] - 1)
+    return (cdf < u * cdf[:, -1:]).sum(dim=-1).clamp_(max=probs.shape[-1] - 1)
 
 
 class HFInferenceEngine:
@@ -215,13 +233,20 @@ class HFInferenceEngine:
             rows = torch.arange(bsz, device=dev)  # the batch's rows as indices into all rows
             for step in range(max_new):
                 # 3. sample, score, append: each request over its own rows, with its own generator
+                # (a run of requests with one temperature and top-p draws and scores as one batch)
                 picks, scores, at = [], [], 0
-                for j in live:
-                    lo, hi, s, _ = spans[j]
-                    lg = logits[at : at + hi - lo]
-                    picks.append(sample_next(lg, s, gens[j]))
-                    scores.append(token_logprobs(lg, picks[-1], temps[j]))
-                    at += hi - lo
+                for run in _runs(live, spans):
+                    s = spans[run[0]][2]
+                    n = sum(spans[j][1] - spans[j][0] for j in run)
+                    lg = logits[at : at + n]
+                    if s.temperature == 0:
+                        picks.append(lg.argmax(dim=-1))
+                    else:
+                        u = torch.cat([torch.rand((spans[j][1] - spans[j][0], 1), generator=gens[j], device=dev)
+                                       for j in run])
+                        picks.append(draw(lg, s, u))
+                    scores.append(token_logprobs(lg, picks[-1], temps[run[0]]))
+                    at += n
                 nxt = torch.cat(picks)  # (b,)
                 running = ~done[rows]
                 tokens[rows, step] = torch.where(running, nxt, self.pad_id)
@@ -230,19 +255,19 @@ class HFInferenceEngine:
                 if eos.numel():
                     done[rows] |= running & torch.isin(nxt, eos)
                 done |= lengths >= row_max
-                for j in live:
-                    lo, hi, s, _ = spans[j]
-                    if s.stop:
-                        self._check_stops(tokens, lengths, done, stop_hit, s.stop, windows[j], range(lo, hi))
+                if any(spans[j][2].stop for j in live):
+                    self._check_stops(tokens, lengths, done, stop_hit, [spans[j] for j in live],
+                                         [windows[j] for j in live])
                 if bool(done.all()) or step == max_new - 1:
                     break
                 # A request whose rows have all ended leaves the batch: they would only pad it
                 # (one request never does: it ends with the loop).
-                if any(bool(done[spans[j][0] : spans[j][1]].all()) for j in live):
+                ended = done.tolist()
+                if any(all(ended[spans[j][0] : spans[j][1]]) for j in live):
                     keep, at, still = [], 0, []
                     for j in live:
                         n = spans[j][1] - spans[j][0]
-                        if not bool(done[spans[j][0] : spans[j][1]].all()):
+                        if not all(ended[spans[j][0] : spans[j][1]]):
                             keep += range(at, at + n)
                             still.append(j)
                         at += n
@@ -280,22 +305,26 @@ class HFInferenceEngine:
         lengths: torch.Tensor,
         done: torch.Tensor,
         stop_hit: list[bool],
-        stops: list[str],
-        window: int,
-        among: range | None = None,
+        spans: Sequence[tuple[int, int, SamplingConfig, int]],
+        windows: Sequence[int],
     ) -> None:
-        """Mark rows (of `among`, default all) whose newest tokens complete a stop string
-        (decodes only a short tail)."""
-        rows = (~done).nonzero().flatten().tolist()
-        if among is not None:
-            rows = [r for r in rows if r in among]
+        """Mark the rows of `spans` (requests) whose newest tokens complete one of their own
+        request's stop strings: one short tail decode for every live row at once."""
+        ended = done.tolist()
+        rows, stops, wins = [], [], []
+        for (lo, hi, s, _), w in zip(spans, windows, strict=True):
+            if s.stop:
+                live = [r for r in range(lo, hi) if not ended[r]]
+                rows += live
+                stops += [s.stop] * len(live)
+                wins += [w] * len(live)
         if not rows:
             return
         ends = lengths[rows].tolist()
-        tails = [tokens[r, max(0, e - window) : e].tolist() for r, e in zip(rows, ends, strict=True)]
+        tails = [tokens[r, max(0, e - w) : e].tolist() for r, e, w in zip(rows, ends, wins, strict=True)]
         texts = self.tokenizer.batch_decode(tails, skip_special_tokens=False)
-        for r, text in zip(rows, texts, strict=True):
-            if any(s in text for s in stops):
+        for r, text, st in zip(rows, texts, stops, strict=True):
+            if any(x in text for x in st):
                 done[r] = True
                 stop_hit[r] = True
 
