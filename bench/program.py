@@ -17,7 +17,15 @@ weights (the YAML team's SFT warm start, made on first use and cached). Medians 
 - `call_overhead_ms_p50`, `call_overhead_ms_p99`: a call's client-side time beyond waiting
   for and running its decode (HTTP, JSON, templating, tokenising), median over program ops;
 - `requests_per_decode`: how many concurrent calls one decode batch served (a YAML rollout op
-  decodes its micro-batch's 256 prompts at once: the program's calls batch up to that).
+  decodes its micro-batch's 256 prompts at once: the program's calls batch up to that);
+- `client_cpu_ms_per_call`, `endpoint_cpu_ms_per_call`: CPU one chat call costs beyond its
+  decode, in a stock `openai` client and in the endpoint, measured one call at a time
+  (`programs.report.call_cpu_ms`); `calls_per_iteration`; `yaml_cpu_s_per_iteration` (the YAML
+  run's op CPU); and `tokens_per_s_ratio_bound` = yaml CPU / (yaml CPU + calls x per-call CPU):
+  the ratio a program team could reach on this machine if its calls cost only that on top of
+  the YAML team's work, at equal utilisation. With tiny models a call's decode costs about as
+  much as its HTTP round trip, so this bound, not the endpoint, caps the ratio; it approaches 1
+  as decoding grows (bigger models, longer answers: `--set` a longer `max_new_tokens`).
 
 `--quick`: 1 repeat of 2 iterations. The load average around each run is in `load`.
 """
@@ -35,8 +43,10 @@ from pathlib import Path
 from flexmarl.prefect_api import ensure_api
 from flexmarl_core.config import load_config
 from flexmarl_core.models.tokenizer import default_cache_dir
-from flexmarl_core.programs.report import program_figures
+from flexmarl_core.programs.report import call_cpu_ms, program_figures
+from flexmarl_core.programs.team import program_team
 from flexmarl_core.sft import warm_start
+from flexmarl_core.workloads import make_workload
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"yaml": REPO / "configs" / "default.yaml", "program": REPO / "configs" / "program_team.yaml"}
@@ -79,11 +89,19 @@ def main() -> int:
                     return 1
                 s = state.result()["summary"]
                 ops = [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines() if x.strip()]
-                runs[mode].append({**s, **program_figures(ops), "load": [load, os.getloadavg()[0]]})
+                cpu = sum(o.get("cpu_s", 0.0) for o in ops) / iterations
+                runs[mode].append({**s, **program_figures(ops), "op_cpu_s_per_iteration": cpu,
+                                   "load": [load, os.getloadavg()[0]]})
                 print(f"{mode:8s} rep {rep}: {s['e2e_s_per_iteration']:.2f} s/it, {s['tokens_per_s']:.0f} tok/s, "
                       f"util {s['utilization']:.2f}", flush=True)
     med = lambda mode, key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
     prog = runs["program"]
+    pcfg = load_config(CONFIGS["program"], args.set)
+    problem = make_workload(pcfg.workload, pcfg.team).problems("train", 1, seed=0)[0].text
+    cost = call_cpu_ms(program_team(pcfg.team, pcfg.seed), f"Q:{problem}\nP:")
+    per_traj = statistics.median(sum(r["calls_per_trajectory"].values()) for r in prog)
+    calls = per_traj * pcfg.batch.inputs_per_iteration * pcfg.batch.group_size
+    yaml_cpu = med("yaml", "op_cpu_s_per_iteration")
     res = {
         "repeats": repeats, "iterations": iterations, "start": str(start), "overrides": args.set,
         "tokens_per_s_yaml": med("yaml", "tokens_per_s"), "tokens_per_s_program": med("program", "tokens_per_s"),
@@ -95,6 +113,9 @@ def main() -> int:
         "call_overhead_ms_p99": statistics.median(r["call_overhead_ms_p99"] for r in prog),
         "server_overhead_ms_p50": statistics.median(r["server_overhead_ms_p50"] for r in prog),
         "requests_per_decode": statistics.median(r["requests_per_decode"] for r in prog),
+        "client_cpu_ms_per_call": cost["client"], "endpoint_cpu_ms_per_call": cost["endpoint"],
+        "calls_per_iteration": calls, "yaml_cpu_s_per_iteration": yaml_cpu,
+        "tokens_per_s_ratio_bound": yaml_cpu / (yaml_cpu + calls * (cost["client"] + cost["endpoint"]) / 1e3),
         "bench_wall_s": time.time() - t0, "runs": runs,
     }
     res["tokens_per_s_ratio"] = res["tokens_per_s_program"] / res["tokens_per_s_yaml"]
@@ -106,6 +127,9 @@ def main() -> int:
     print(f"tokens_per_s_ratio {res['tokens_per_s_ratio']:.3f} (target >= 0.8); call overhead p50 "
           f"{res['call_overhead_ms_p50']:.1f} ms, p99 {res['call_overhead_ms_p99']:.1f} ms; "
           f"{res['requests_per_decode']:.1f} requests per decode")
+    print(f"per call beyond its decode: client {res['client_cpu_ms_per_call']:.2f} ms + endpoint "
+          f"{res['endpoint_cpu_ms_per_call']:.2f} ms CPU, {calls:.0f} calls per iteration against "
+          f"{yaml_cpu:.1f} CPU-s of YAML work: ratio bound {res['tokens_per_s_ratio_bound']:.3f}")
     return 0
 
 

@@ -192,3 +192,21 @@ def test_a_program_that_fails_to_load_is_not_left_half_loaded(tmp_path):
         load_program(f"{bad}:team")
     bad.write_text("def team(problem, client):\n    return problem\n")
     assert load_program(f"{bad}:team").__name__ == "team"
+
+
+def test_the_langgraph_example_runs_unchanged():
+    """`examples/programs/langgraph_team.py` (LangGraph over langchain-openai's ChatOpenAI, no
+    flexmarl import) through the endpoint: every trajectory calls planner, solver, verifier in
+    order, its answer is the verifier's text, and the rows come out as for a plain program."""
+    pytest.importorskip("langgraph", reason="the dev extra installs langgraph")
+    agents = ["planner", "solver", "verifier"]
+    engines = {a: HFInferenceEngine(tiny_model(seed=i), tokenizer()) for i, a in enumerate(agents)}
+    specs = {a: AgentSpec(a, SAMPLING, BUILTIN["plain"], tokenizer(), 2048) for a in engines}
+    s = Session("k", specs, dict.fromkeys(engines, 0), LocalDispatcher.of_engines(engines), lambda i, t, a, c: 7 * t + c)
+    team = load_program(f"{REPO}/examples/programs/langgraph_team.py:team")
+    res = run_program(team, [(f"p{k // 2}", k % 2, 0, f"{k}+1*2") for k in range(6)], s, Gateway.shared())
+    assert [r.error for r in res] == [None] * 6
+    for r in res:
+        assert [c.agent for c in r.records] == agents
+        assert r.answer == r.records[-1].gen.text
+        assert set(trajectory_rows(r, tokenizer().decode)) == set(agents)

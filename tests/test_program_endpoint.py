@@ -39,7 +39,7 @@ def endpoint(engines):
     gw = Gateway.shared()
     s = _session(engines)
     t = gw.open(s, "p0", 0, 0)
-    client = openai.OpenAI(base_url=gw.base_url(t.token), api_key="the-key", max_retries=0)
+    client = openai.OpenAI(base_url=gw.base_url, api_key=t.key, max_retries=0)
     yield client, s, t
     gw.finish(t)
     gw.close(s)
@@ -125,11 +125,13 @@ def test_bad_requests_get_openai_errors_and_the_endpoint_goes_on(endpoint):
         wrong.chat.completions.create(model="planner", messages=msgs)
     assert err.value.body["code"] == "invalid_api_key"
     raw = httpx.post(f"{client.base_url}chat/completions", content=b"{not json",
-                     headers={"Authorization": "Bearer the-key", "Content-Type": "application/json"})
+                     headers={"Authorization": f"Bearer {t.key}", "Content-Type": "application/json"})
     assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
-    gone = httpx.post(str(client.base_url).replace(t.token, "no-such-trajectory") + "chat/completions",
-                      json={"model": "planner", "messages": msgs}, headers={"Authorization": "Bearer the-key"})
-    assert gone.status_code == 404 and gone.json()["error"]["code"] == "unknown_trajectory"
+    # Another trajectory's token under this op's key, or this token under another op's key: 401.
+    for key in (f"{s.key}.no-such-trajectory", f"another-op.{t.token}"):
+        gone = httpx.post(f"{client.base_url}chat/completions", json={"model": "planner", "messages": msgs},
+                          headers={"Authorization": f"Bearer {key}"})
+        assert gone.status_code == 401 and gone.json()["error"]["code"] == "invalid_api_key", key
     assert httpx.get(f"{client.base_url}nothing/here").json()["error"]["message"].startswith("GET")
     # Still serving, and none of the refused requests was recorded as a call.
     assert client.chat.completions.create(model="planner", messages=msgs).choices
@@ -145,7 +147,7 @@ def test_concurrent_calls_of_an_agent_decode_together(engines):
     out: list[str] = [""] * 8
 
     def call(k: int) -> None:
-        c = openai.OpenAI(base_url=gw.base_url(trajs[k].token), api_key="the-key", max_retries=0)
+        c = openai.OpenAI(base_url=gw.base_url, api_key=trajs[k].key, max_retries=0)
         out[k] = c.chat.completions.create(model="planner", messages=[{"role": "user", "content": "Q:3+3\nP:"}],
                                            temperature=0).choices[0].message.content
         gw.finish(trajs[k])
@@ -172,10 +174,29 @@ def test_a_failed_decode_is_a_503_kept_by_the_session(engines):
     gw = Gateway.shared()
     s = _session(engines, dispatcher=_Broken())
     t = gw.open(s, "p0", 0, 0)
-    client = openai.OpenAI(base_url=gw.base_url(t.token), api_key="the-key", max_retries=0)
+    client = openai.OpenAI(base_url=gw.base_url, api_key=t.key, max_retries=0)
     with pytest.raises(openai.InternalServerError) as err:
         client.chat.completions.create(model="planner", messages=[{"role": "user", "content": "x"}])
     assert err.value.status_code == 503 and "no engine" in str(err.value)
     assert isinstance(s.error, MachineryError) and t.records == []
     gw.finish(t)
     gw.close(s)
+
+
+def test_every_trajectory_shares_one_base_url_and_a_finished_ones_key_is_refused(engines):
+    """One base URL for the endpoint (a framework that keeps one HTTP client per base URL shares
+    it); the key says whose call it is, and stops working once its op is closed."""
+    gw = Gateway.shared()
+    s = _session(engines)
+    a, b = gw.open(s, "p0", 0, 0), gw.open(s, "p0", 1, 0)
+    assert a.key != b.key
+    msgs = [{"role": "user", "content": "Q:1+1\nP:"}]
+    for t in (a, b):
+        openai.OpenAI(base_url=gw.base_url, api_key=t.key, max_retries=0).chat.completions.create(
+            model="planner", messages=msgs)
+        gw.finish(t)
+    assert [len(a.records), len(b.records)] == [1, 1]
+    gw.close(s)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw.base_url, api_key=a.key, max_retries=0).chat.completions.create(
+            model="planner", messages=msgs)

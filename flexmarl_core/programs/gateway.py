@@ -1,12 +1,15 @@
 """flexmarl's OpenAI-compatible endpoint: an HTTP server in this process that answers a
 program's calls from flexmarl's own engines and records every call.
 
-    POST /t/<trajectory>/v1/chat/completions     messages -> the agent's chat template
-    POST /t/<trajectory>/v1/completions          a prompt (text or token ids)
-    GET  /t/<trajectory>/v1/models               the team's agents
+    POST /v1/chat/completions     messages -> the agent's chat template
+    POST /v1/completions          a prompt (text or token ids)
+    GET  /v1/models               the team's agents
 
-A program gets a base URL per trajectory (`Gateway.base_url`) and the run's key; `model=` is
-the agent. The server is Starlette on uvicorn in a daemon thread, bound to loopback on a free
+A program gets the endpoint's base URL (`Gateway.base_url`) and its trajectory's key
+(`Trajectory.key`: the op's key and the trajectory's token), which says whose call it is;
+`model=` is the agent. One base URL for every trajectory: frameworks that keep one HTTP client
+per base URL (langchain-openai) then share it instead of building one, with its TLS context,
+per trajectory (~35 ms of CPU each). The server is Starlette on uvicorn in a daemon thread, bound to loopback on a free
 port, one per process, shared by every program op running here.
 
 Batching: a request waits in its agent's queue until every live trajectory is waiting on a
@@ -16,9 +19,9 @@ with its own sampling and seed. At most `Dispatcher.capacity(agent)` decodes of 
 once; requests arriving meanwhile form the next batch.
 
 Errors are OpenAI's JSON with a 4xx status (bad body, unknown agent or trajectory, a prompt
-longer than the model's context, a wrong key); the server never stops on one. A decode that
-fails (flexmarl's machinery) is a 503, and the session keeps it: the op fails on it and is
-retried; it is never the program's wrong answer.
+longer than the model's context, a wrong key or a finished trajectory's); the server never
+stops on one. A decode that fails (flexmarl's machinery) is a 503, and the session keeps it:
+the op fails on it and is retried; it is never the program's wrong answer.
 """
 
 from __future__ import annotations
@@ -99,6 +102,11 @@ class Trajectory:
     pending: int = 0
     live: bool = True
 
+    @property
+    def key(self) -> str:
+        """The API key this trajectory's calls carry: its op's key and its own token."""
+        return f"{self.session.key}.{self.token}"
+
 
 class Session:
     """The trajectories of one program op (or one evaluation): their agents, the weights
@@ -147,9 +155,9 @@ class Gateway:
         self._sock.bind((host, 0))
         self.port = self._sock.getsockname()[1]
         app = Starlette(routes=[
-            Route("/t/{token}/v1/chat/completions", self._chat, methods=["POST"]),
-            Route("/t/{token}/v1/completions", self._completion, methods=["POST"]),
-            Route("/t/{token}/v1/models", self._models, methods=["GET"]),
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/completions", self._completion, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
         ], exception_handlers={HTTPException: self._http_error})
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                                      timeout_keep_alive=60))
@@ -173,11 +181,12 @@ class Gateway:
         self.loop.run_until_complete(self._server.serve(sockets=[self._sock]))
 
     # -- sessions (any thread) ----------------------------------------------------------------
-    def base_url(self, token: str) -> str:
-        return f"http://{self.host}:{self.port}/t/{token}/v1"
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
 
     def open(self, session: Session, input_id: str, traj: int, mb: int) -> Trajectory:
-        """A new trajectory of `session`; its base URL is `base_url(t.token)`."""
+        """A new trajectory of `session`; its calls go to `base_url` with `t.key`."""
         t = Trajectory(session, input_id, traj, mb, secrets.token_urlsafe(12))
         session.trajectories[t.token] = t
         self._call(lambda: self._tokens.__setitem__(t.token, t))
@@ -224,14 +233,11 @@ class Gateway:
         return JSONResponse(err.body(), status_code=status)
 
     def _trajectory(self, request: Request) -> Trajectory:
-        t = self._tokens.get(request.path_params["token"])
-        if t is None:
-            raise ApiError(404, "unknown or finished trajectory: use the base URL flexmarl gave this program",
-                           code="unknown_trajectory")
-        auth = request.headers.get("authorization", "")
-        if not secrets.compare_digest(auth.removeprefix("Bearer ").strip(), t.session.key):
-            raise ApiError(401, "Incorrect API key provided: use the key flexmarl gave this program",
-                           type_="invalid_request_error", code="invalid_api_key")
+        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        t = self._tokens.get(key.rpartition(".")[2])
+        if t is None or not secrets.compare_digest(key, t.key):
+            raise ApiError(401, "Incorrect API key provided, or its trajectory has ended: use the key flexmarl "
+                           "gave this program", type_="invalid_request_error", code="invalid_api_key")
         return t
 
     async def _models(self, request: Request) -> JSONResponse:

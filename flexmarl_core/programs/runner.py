@@ -132,9 +132,9 @@ def run_program(fn: Callable[..., Any], jobs: Sequence[Job], session: Session, g
     timer = _Timer(latencies)
     try:
         if inspect.iscoroutinefunction(fn):
-            asyncio.run(_run_async(fn, jobs, trajs, results, session, gateway, timer, timeout_s))
+            asyncio.run(_run_async(fn, jobs, trajs, results, gateway, timer, timeout_s))
         else:
-            _run_threads(fn, jobs, trajs, results, session, gateway, timer, timeout_s)
+            _run_threads(fn, jobs, trajs, results, gateway, timer, timeout_s)
         gateway.drain(session)
     finally:
         gateway.close(session)
@@ -153,14 +153,14 @@ def _outcome(res: TrajectoryResult, value: Any) -> None:
 
 
 def _run_threads(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Trajectory],
-                 results: list[TrajectoryResult], session: Session, gateway: Gateway, timer: _Timer,
+                 results: list[TrajectoryResult], gateway: Gateway, timer: _Timer,
                  timeout_s: float) -> None:
     tls = ssl.create_default_context()  # made once: each client would build its own
 
     def one(k: int) -> None:
         with httpx.Client(timeout=timeout_s, verify=tls, limits=_LIMITS,
                           event_hooks={"request": [timer.request], "response": [timer.response]}) as http:
-            client = openai.OpenAI(base_url=gateway.base_url(trajs[k].token), api_key=session.key,
+            client = openai.OpenAI(base_url=gateway.base_url, api_key=trajs[k].key,
                                    http_client=http, max_retries=0)
             try:
                 _outcome(results[k], fn(jobs[k][3], client))
@@ -174,14 +174,14 @@ def _run_threads(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Trajec
 
 
 async def _run_async(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Trajectory],
-                     results: list[TrajectoryResult], session: Session, gateway: Gateway, timer: _Timer,
+                     results: list[TrajectoryResult], gateway: Gateway, timer: _Timer,
                      timeout_s: float) -> None:
     tls = ssl.create_default_context()
 
     async def one(k: int) -> None:
         async with httpx.AsyncClient(timeout=timeout_s, verify=tls, limits=_LIMITS,
                                      event_hooks={"request": [timer.arequest], "response": [timer.aresponse]}) as http:
-            client = openai.AsyncOpenAI(base_url=gateway.base_url(trajs[k].token), api_key=session.key,
+            client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key=trajs[k].key,
                                         http_client=http, max_retries=0)
             try:
                 _outcome(results[k], await fn(jobs[k][3], client))
