@@ -362,8 +362,14 @@ def _train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
                           timeout=120, cwd=cwd, env=env)
 
 
-@pytest.mark.parametrize(("mutations", "says"), [c[1:] for c in BAD_CONFIGS],
-                         ids=[c[0] for c in BAD_CONFIGS])
+#: bad configs caught only by the CLI's preflight, after it imported torch and the workloads
+#: (~8-10 s a subprocess here): the `slow` tier
+PREFLIGHT = {"unreachable-cluster", "malformed-cluster-address", "unreachable-prefect-api", "tag-names-no-agent",
+             "no-rollout-instance", "no-train-slot", "agent-without-instance"}
+
+
+@pytest.mark.parametrize(("mutations", "says"), [
+    pytest.param(*c[1:], id=c[0], marks=[pytest.mark.slow] if c[0] in PREFLIGHT else []) for c in BAD_CONFIGS])
 def test_bad_config_is_one_error_line_exit_2(tmp_path: Path, mutations: list, says: str) -> None:
     data = copy.deepcopy(TINY_DATA)
     for mutate in mutations:
@@ -405,6 +411,7 @@ def test_unreachable_cluster_fails_in_seconds_by_name() -> None:
         start_cluster(ClusterConfig(address=DEAD))
 
 
+@pytest.mark.slow  # the CLI's preflight in a subprocess
 def test_fresh_run_never_replaces_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     """`run_dir` pointing at a folder of other files: refused by name, the files untouched."""
     (tmp_path / "mine").mkdir()
@@ -417,6 +424,7 @@ def test_fresh_run_never_replaces_a_folder_that_is_not_a_run(tmp_path: Path) -> 
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow  # the CLI's preflight in a subprocess
 def test_a_project_folder_with_a_config_file_is_not_a_run_folder(tmp_path: Path) -> None:
     """A `config.yaml` alone (a project's, not a run's) does not make a folder replaceable."""
     (tmp_path / "proj").mkdir()
@@ -430,6 +438,7 @@ def test_a_project_folder_with_a_config_file_is_not_a_run_folder(tmp_path: Path)
     assert (tmp_path / "proj" / "main.py").exists()
 
 
+@pytest.mark.slow  # the CLI's preflight in a subprocess
 def test_init_from_inside_the_run_folder_is_refused(tmp_path: Path) -> None:
     """A fresh run replaces its run folder: starting checkpoints kept inside it would go too."""
     ckpt = tmp_path / "run" / "sft"

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / "flexmarl_core"
 DASK_ADAPTER = CORE / "cluster"
@@ -44,6 +46,7 @@ def test_core_never_imports_prefect_and_only_the_adapter_imports_dask():
     assert not bad, bad
 
 
+@pytest.mark.slow  # a fresh interpreter per check
 def test_importing_the_run_path_loads_no_prefect_or_dask():
     code = ("import sys; import flexmarl_core.run, flexmarl_core.stages, flexmarl_core.control, "
             "flexmarl_core.executors, flexmarl_core.metrics; "

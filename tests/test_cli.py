@@ -45,6 +45,7 @@ def test_train_rejects_bad_config_naming_file_and_field(tmp_path):
     assert res.returncode == 2 and "codesign.async_pipline" in res.stderr
 
 
+@pytest.mark.slow  # SFT through the CLI in a subprocess
 def test_sft_writes_a_checkpoint_per_agent(tmp_path):
     res = run("sft", str(TINY), "--out", str(tmp_path / "sft"), "--set", "train.sft_max_steps=2",
               "--set", "train.sft_eval_every=1", "--set", "train.sft_eval_size=4",

@@ -44,6 +44,7 @@ THREADED = ("cluster.workers=[{name: w0, nthreads: 2, resources: {rollout:planne
             "{name: w1, resources: {rollout:solver: 1, rollout:verifier: 1}}]")
 
 
+@pytest.mark.slow  # two rollouts held at the batcher's door
 def test_concurrent_rollouts_of_two_agents_share_a_decode_and_sample_what_they_sample_alone(
         tmp_path, monkeypatch):
     """Two runs of the LoRA team through the real stages on the in-process executor: mixing off,

@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from flexmarl_core.analysis import shortfall
 
 
@@ -56,6 +58,7 @@ def test_decompose_gives_the_factors_and_the_machine_ceiling():
     assert "speedup_ceiling_machine" not in shortfall.decompose(res, None, None, {})
 
 
+@pytest.mark.slow  # two spawned processes, measured
 def test_parallel_efficiency_runs_two_real_processes():
     res = shortfall.parallel_efficiency("tiny-1m", steps=1, rounds=1)
     assert len(res["per_round"]) == 1
