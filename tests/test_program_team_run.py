@@ -145,3 +145,23 @@ def test_kill_9_mid_run_then_resume_completes_exactly_once(prefect_api, tmp_path
     assert_committed_once(run_dir)
     names = [json.loads(x)["op"] for x in log.read_text().splitlines() if x.strip()]
     assert all(names.count(n) == 1 for n in names if n.startswith("program")), names
+
+
+def test_an_agent_without_an_instance_for_a_moment_is_waited_for_then_named(monkeypatch):
+    """Tags read mid-move can show an agent no instance: the dispatcher reads them afresh for
+    `move_grace_s` and only then fails, naming the agent and the tag (a machinery error, so the
+    op is retried, never a wrong answer)."""
+    from flexmarl_core.cluster import plugins
+    from flexmarl_core.programs.api import DecodeStats, MachineryError
+
+    reads: list[float] = []
+
+    def resources(client):
+        reads.append(time.monotonic())
+        return {"w0": {"rollout:planner": 1}, "w1": {"rollout:solver": 1, "train": 1}}
+
+    monkeypatch.setattr(plugins, "worker_resources", resources)
+    d = plugins.DaskDispatcher("run", client=None, tags_ttl_s=0.0, move_grace_s=0.6)
+    with pytest.raises(MachineryError, match="agent 'verifier': no worker has resource tag 'rollout:verifier'"):
+        d.decode("verifier", 0, [], DecodeStats())
+    assert len(reads) >= 3 and reads[-1] - reads[0] >= 0.5  # it looked again, for the grace period

@@ -161,8 +161,8 @@ class DaskDispatcher:
     each. The task is pinned to that worker by address, not by tag, so an instance move while
     it waits never strands it (the tag goes; the task still runs there)."""
 
-    def __init__(self, run_uri: str, client: Client, tags_ttl_s: float = 0.5) -> None:
-        self.run_uri, self.client, self.tags_ttl_s = run_uri, client, tags_ttl_s
+    def __init__(self, run_uri: str, client: Client, tags_ttl_s: float = 0.5, move_grace_s: float = 5.0) -> None:
+        self.run_uri, self.client, self.tags_ttl_s, self.move_grace_s = run_uri, client, tags_ttl_s, move_grace_s
         self._outstanding: dict[str, int] = {}
         self._lock = threading.Lock()
         self._tags: tuple[float, dict[str, dict[str, float]]] = (0.0, {})
@@ -180,6 +180,14 @@ class DaskDispatcher:
 
     def decode(self, agent: str, version: int, groups: Sequence[Any], stats: Any) -> list[list[Any]]:
         candidates = self._instances(agent)
+        # An instance move re-tags a worker; read mid-move, the tags can show the agent none for
+        # a moment. Fresh tags for a few seconds before that is an error (seen: the op failed
+        # and its retry ran).
+        deadline = time.monotonic() + self.move_grace_s
+        while not candidates and time.monotonic() < deadline:
+            time.sleep(0.2)
+            self._tags = (0.0, {})
+            candidates = self._instances(agent)
         if not candidates:
             raise MachineryError(f"agent {agent!r}: no worker has resource tag {rollout_tag(agent)!r} or "
                                  f"{ROLLOUT_TAG!r} to decode its calls")
