@@ -22,7 +22,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
 from distributed.comm.addressing import parse_address, parse_host_port
 
 from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
-from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
+from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, is_rollout_tag, rollout_tag
 from flexmarl_core.ops import MEMORY_ENV, MemoryRestart
 
 # A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
@@ -116,7 +116,7 @@ def check_worker_tags(cfg: ExperimentConfig) -> None:
             if amount > 0:
                 have.add(tag)
     hint = "add it to a worker's resources in cluster.workers"
-    if not any(t == ROLLOUT_TAG or t.startswith(f"{ROLLOUT_TAG}:") for t in have):
+    if not any(is_rollout_tag(t) for t in have):
         raise ConfigError(f"cluster.workers: no worker has a {ROLLOUT_TAG!r} or 'rollout:<agent>' tag, so no rollout can run; {hint}")
     if any(a.trainable for a in cfg.team.agents) and TRAIN_TAG not in have:
         raise ConfigError(f"cluster.workers: no worker has the {TRAIN_TAG!r} tag, so no agent can train; {hint}")

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from flexmarl_core.control.allocation import SlotAllocator
 from flexmarl_core.control.decisions import Decision, GradientHelper
 from flexmarl_core.control.ledger import WorkLedger
-from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
+from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, is_rollout_tag, rollout_tag
 from flexmarl_core.ops import TRAINER_KINDS, Op, Route
 
 
@@ -88,8 +88,7 @@ class Router:
                     return Route({TRAIN_TAG: 1}, helper, gradient_only=True)
             return Route({TRAIN_TAG: 1}, slot)
         if op.kind == "program":
-            instances = sum(1 for r in workers.values() if any(t == ROLLOUT_TAG or t.startswith(f"{ROLLOUT_TAG}:")
-                                                                 for t, n in r.items() if n > 0))
+            instances = sum(1 for r in workers.values() if any(is_rollout_tag(t) for t, n in r.items() if n > 0))
             if self.ledger.running["program"] >= max(instances, 1):
                 return None  # held until a running program op ends
             return Route({})  # its decodes go to the agents' instances (the program host's dispatcher)

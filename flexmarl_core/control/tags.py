@@ -13,3 +13,8 @@ TRAIN_TAG = "train"
 
 def rollout_tag(agent: str) -> str:
     return f"{ROLLOUT_TAG}:{agent}"
+
+
+def is_rollout_tag(tag: str) -> bool:
+    """An inference instance's tag: `rollout` (any agent) or `rollout:<agent>`."""
+    return tag == ROLLOUT_TAG or tag.startswith(f"{ROLLOUT_TAG}:")

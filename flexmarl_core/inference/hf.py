@@ -16,6 +16,7 @@ Steps of `generate`:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import groupby
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -59,14 +60,7 @@ def sample_next(
 
 def _runs(live: Sequence[int], spans: Sequence[tuple[int, int, SamplingConfig, int]]) -> list[list[int]]:
     """`live` requests cut into runs of neighbours that share temperature and top-p."""
-    out: list[list[int]] = []
-    for j in live:
-        key = (spans[j][2].temperature, spans[j][2].top_p)
-        if out and (spans[out[-1][0]][2].temperature, spans[out[-1][0]][2].top_p) == key:
-            out[-1].append(j)
-        else:
-            out.append([j])
-    return out
+    return [list(g) for _, g in groupby(live, key=lambda j: (spans[j][2].temperature, spans[j][2].top_p))]
 
 
 def draw(logits: torch.Tensor, sampling: SamplingConfig, u: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ A program gets the endpoint's base URL (`Gateway.base_url`) and its trajectory's
 (`Trajectory.key`: the op's key and the trajectory's token), which says whose call it is;
 `model=` is the agent. One base URL for every trajectory: frameworks that keep one HTTP client
 per base URL (langchain-openai) then share it instead of building one, with its TLS context,
-per trajectory (~35 ms of CPU each). The server is Starlette on uvicorn in a daemon thread, bound to loopback on a free
-port, one per process, shared by every program op running here.
+per trajectory (~35 ms of CPU each). The server is Starlette on uvicorn in a daemon thread,
+bound to loopback on a free port, one per process, shared by every program op running here.
 
 Batching: a request waits in its agent's queue until every live trajectory is waiting on a
 call (no one left to add to the batch) or `window_s` has passed since the oldest request, then
