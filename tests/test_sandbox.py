@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -216,3 +217,79 @@ def test_bad_limits_are_one_line_errors():
         Limits(wall_s=0)
     with pytest.raises(ValueError, match="memory_mb"):
         Limits(memory_mb=8)
+
+
+# -- where the caller stands, threads, a sandbox that cannot start ---------------------------
+
+THREADED = ("import threading\ndef f(x):\n    out = []\n    t = threading.Thread(target=lambda: out.append(3 * x + 1))\n"
+            "    t.start()\n    t.join()\n    return out[0]\n")
+THREAD_BOMB = ("import threading, time\ndef f(x):\n    while True:\n"
+               "        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+
+
+def _cwd_under_home() -> Path:
+    return Path(tempfile.mkdtemp(prefix=".flexmarl-test-cwd-", dir=Path.home()))
+
+
+@pytest.mark.parametrize("where", ["/tmp", "/", "home"])
+def test_the_callers_working_directory_does_not_break_the_sandbox(where, monkeypatch):
+    """The working directory is hidden from the program, whatever it is: /tmp (already a private
+    tmpfs in the program's view: hiding it again hid the interpreter), / (the system), a folder
+    under $HOME. A right program passes from each; a hostile one still scores 0."""
+    folder = _cwd_under_home() if where == "home" else Path(where)
+    try:
+        monkeypatch.chdir(folder)
+        assert run_tests(RIGHT, TESTS, ROOMY, entry="f").reason == "passed"
+        assert run_tests("import os\nos.fork()\n", TESTS, ROOMY, entry="f").reason == "forbidden"
+    finally:
+        if where == "home":
+            shutil.rmtree(folder)
+
+
+def test_an_interpreter_under_a_hidden_folder_is_bound_back():
+    """A venv's base interpreter under a folder the program must not see (pyenv or uv under
+    $HOME): the folder is hidden, the interpreter's own prefix is mounted back read-only."""
+    hidden = os.path.dirname(os.path.realpath(sys.base_prefix))
+    sibling = next((str(p) for p in Path(hidden).iterdir()
+                    if p.resolve() != Path(sys.base_prefix).resolve()), None)
+    limits = Limits(cpu_s=1, wall_s=30, memory_mb=256, hide=(hidden,))
+    assert run_tests(RIGHT, TESTS, limits, entry="f").reason == "passed"
+    if sibling is not None and protections()["filesystem"].startswith("on"):
+        seen = run_tests("import os\ndef g(p):\n    return os.path.exists(p)\n",
+                         [f"assert candidate({sibling!r}) is False"], limits, entry="g")
+        assert seen.reason == "passed", seen
+
+
+def test_threads_a_few_pass_a_bomb_is_contained():
+    """Library code that starts a helper thread passes under the default limit; with
+    `threads=0` it fails; a thread bomb stops at the cap and fails, well inside its wall time."""
+    assert run_tests(THREADED, TESTS, ROOMY, entry="f").reason == "passed"
+    none = run_tests(THREADED, TESTS, Limits(cpu_s=1, wall_s=30, memory_mb=256, threads=0), entry="f")
+    assert (none.reason, none.passed) == ("failed", 0) and "can't start new thread" in none.detail, none
+    if not protections()["processes"].startswith("on"):
+        pytest.skip(f"RLIMIT_NPROC does not bind here: {protections()['processes']}")
+    t0 = time.monotonic()
+    bomb = run_tests(THREAD_BOMB, TESTS, ROOMY, entry="f")
+    assert bomb.passed == 0 and bomb.reason in ("failed", "cpu_limit", "memory_limit"), bomb
+    assert time.monotonic() - t0 < NEVER_WAITS_S
+    assert run_tests("import os\nos.fork()\n", TESTS, ROOMY, entry="f").reason == "forbidden"
+
+
+@pytest.mark.parametrize("limits, says", [
+    (Limits(python="/nonexistent/python3"), "/nonexistent/python3"),
+    (Limits(python="/bin/false"), "exited 1"),
+    (Limits(open_files=3), "cannot start programs"),  # Python cannot open its own libraries
+])
+def test_a_sandbox_that_cannot_start_a_program_raises_and_gives_no_verdict(limits, says):
+    """The interpreter unreachable or a limit it cannot start under: `SandboxError` (not
+    retryable), never a verdict that would score the program 0."""
+    from flexmarl_core.sandbox import SandboxError
+    from flexmarl_core.stages.registry import retryable
+
+    with pytest.raises(SandboxError, match="cannot start programs") as info:
+        run_tests(RIGHT, TESTS, limits, entry="f")
+    assert says in str(info.value)
+    assert not retryable(info.value)
+    wrapped = RuntimeError("reward failed")
+    wrapped.__cause__ = info.value
+    assert not retryable(wrapped) and retryable(RuntimeError("a passing fault"))

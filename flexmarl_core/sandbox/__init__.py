@@ -9,7 +9,7 @@ the verdict is decided in the caller's process (see `runner`). `protections()` s
 protections this machine allows.
 """
 
-from flexmarl_core.sandbox.api import FATAL, Limits, Reason, Verdict
+from flexmarl_core.sandbox.api import FATAL, Limits, Reason, SandboxError, Verdict
 from flexmarl_core.sandbox.runner import CandidateError, protections, run_tests, set_concurrency
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "CandidateError",
     "Limits",
     "Reason",
+    "SandboxError",
     "Verdict",
     "protections",
     "run_tests",

@@ -115,6 +115,12 @@ CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = 1, 2, 4, 32, 4096
 MS_MOVE, MS_REC, MS_PRIVATE = 8192, 16384, 1 << 18
 _SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+#: folders a hidden folder must not cover (the interpreter's libraries, devices, /proc)
+_SYSTEM = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/dev", "/proc", "/sys")
+
+
+def _under(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == r or path.startswith(r + "/") for r in roots)
 
 
 def _others_can_run(python: str, prefix: str) -> bool:
@@ -125,8 +131,11 @@ def _others_can_run(python: str, prefix: str) -> bool:
         while d not in ("", "/"):
             dirs.add(d)
             d = os.path.dirname(d)
-    return (all(os.stat(d).st_mode & 0o001 for d in dirs)
-            and all(os.stat(p).st_mode & 0o005 == 0o005 for p in (python, prefix)))
+    try:
+        return (all(os.stat(d).st_mode & 0o001 for d in dirs)
+                and all(os.stat(p).st_mode & 0o005 == 0o005 for p in (python, prefix)))
+    except OSError:  # a folder on the way is gone from this view: others cannot reach it either
+        return False
 
 
 def _boot(cfg: dict[str, Any]) -> None:
@@ -164,8 +173,11 @@ def _boot(cfg: dict[str, Any]) -> None:
         mounts = sys_ok(mount(prefix, stash, None, MS_BIND | MS_REC, None), "filesystem")
         hidden, unhidden = [], []
         for d in cfg["hide"] if mounts else ():
-            if d == "/" or not os.path.isdir(d):
-                continue  # "/" would hide the system the interpreter needs
+            if d == "/" or not os.path.isdir(d) or _under(d, _SHARED_TMP):
+                continue  # "/" holds the system; the shared temp folders are private already
+            if _under(d, _SYSTEM) or any(_under(s, (d,)) for s in _SYSTEM):
+                unhidden.append(f"{d} (holds the system the interpreter needs)")
+                continue
             if mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755") == 0:
                 hidden.append(d)
             else:
@@ -190,9 +202,7 @@ def _boot(cfg: dict[str, Any]) -> None:
             os.fchown(out, uid, uid)
         except OSError as exc:
             why_not = exc.strerror
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
+    os.set_inheritable(out, True)  # the harness puts it on stdout/stderr once it is up
     os.chdir(work)
     lim = cfg["limits"]
     for name, value in (("RLIMIT_CPU", lim["cpu"]), ("RLIMIT_AS", lim["memory"]),
@@ -216,7 +226,7 @@ def _boot(cfg: dict[str, Any]) -> None:
     else:
         on["user"] = f"off: {why_not} (runs as uid {os.getuid()})"
     if why_not is None:
-        on["processes"] = f"on: RLIMIT_NPROC={lim['processes']} for its own uid"
+        on["processes"] = f"on: RLIMIT_NPROC={lim['processes']} (its process and threads) for its own uid"
     elif os.getuid() == 0:
         on["processes"] = "off: RLIMIT_NPROC does not bind root (the audit hook still stops fork)"
     else:
@@ -225,7 +235,7 @@ def _boot(cfg: dict[str, Any]) -> None:
     write_frame(cfg["resp"], {"boot": on, "work": work, "private": mounts})
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "TMPDIR": work}
     os.execve(cfg["python"], [cfg["python"], "-I", "-S", "-B", "-c", cfg["source"], "harness",
-                              str(cfg["req"]), str(cfg["resp"]), work], env)
+                              str(cfg["req"]), str(cfg["resp"]), work, str(out)], env)
 
 
 # -- harness stage --------------------------------------------------------------------------
@@ -283,7 +293,13 @@ def _make_hook(resp: int, work: str, readable: tuple[str, ...]):  # noqa: ANN202
     return hook
 
 
-def _harness(req: int, resp: int, work: str) -> None:
+def _harness(req: int, resp: int, work: str, out: int) -> None:
+    # Until here a failure (an interpreter that cannot start under the limits) went to the
+    # parent's stderr pipe; from here the program's output goes to its capped file.
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    write_frame(resp, {"ready": True})
     setup = read_frame(req)
     readable = tuple(sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}))
     sys.addaudithook(_make_hook(resp, work, (*readable, "/dev/urandom", "/dev/zero")))
@@ -316,4 +332,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "boot":
         _boot(json.loads(sys.argv[2]))
     else:
-        _harness(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        _harness(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))

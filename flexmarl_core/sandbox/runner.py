@@ -11,6 +11,8 @@ hidden tests, a dataset's `check`); the candidate is not.
 from __future__ import annotations
 
 import builtins
+import errno
+import functools
 import json
 import math
 import os
@@ -27,12 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl_core.sandbox import child
-from flexmarl_core.sandbox.api import FATAL, Limits, Reason, Verdict
+from flexmarl_core.sandbox.api import FATAL, Limits, Reason, SandboxError, Verdict
 
 # From the module's loader, not its __file__: flexmarl may be imported from a zip that
 # `cluster.upload` shipped to a Dask worker.
 _SOURCE = child.__loader__.get_source(child.__name__) or Path(child.__file__).read_text()
 _PYTHON = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+#: how long the interpreter may take to come up; the program's `wall_s` starts after it (a slow
+#: start is the machine's, not the program's)
+START_S = 30.0
+#: tries to start a process when the kernel says EAGAIN/ENOMEM (a passing squeeze)
+_SPAWN_TRIES = 3
 _slots = threading.BoundedSemaphore(os.cpu_count() or 1)
 _slots_lock = threading.Lock()
 
@@ -70,11 +77,31 @@ def _ready(fd: int, event: int, deadline: float) -> bool:
     return bool(poller.poll(left * 1000))
 
 
+@functools.lru_cache(maxsize=8)
+def _interpreter(python: str | None) -> tuple[str, str]:
+    """(interpreter, its base prefix): the boot stage binds the prefix back read-only once the
+    hidden folders are covered. Raises `SandboxError` for an interpreter that does not run."""
+    if python is None:
+        return _PYTHON, os.path.realpath(sys.base_prefix)
+    exe = os.path.realpath(python)
+    try:
+        out = subprocess.run([exe, "-I", "-S", "-c", "import sys; print(sys.base_prefix)"],
+                             capture_output=True, text=True, timeout=START_S, env={})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SandboxError(f"the sandbox cannot start programs: interpreter {python!r}: {exc}") from None
+    if out.returncode != 0 or not out.stdout.strip():
+        raise SandboxError(f"the sandbox cannot start programs: interpreter {python!r} exited "
+                           f"{out.returncode}: {out.stderr.strip()[-300:]}")
+    return exe, os.path.realpath(out.stdout.strip())
+
+
 class _Child:
-    """One sandboxed process and its two pipes (requests in, replies out)."""
+    """One sandboxed process and its two pipes (requests in, replies out). `deadline` bounds
+    the start until `started` moves it to `wall_s` from then."""
 
     def __init__(self, limits: Limits, deadline: float) -> None:
         self.limits, self.deadline = limits, deadline
+        python, prefix = _interpreter(limits.python)
         self.req_r, self.req_w = os.pipe()
         self.resp_r, self.resp_w = os.pipe()
         self.buf = b""
@@ -84,27 +111,40 @@ class _Child:
         uid = 1_000_000 + secrets.randbelow(2**30)
         hide = sorted({str(Path.cwd()), str(Path.home()), "/root", "/home", *limits.hide})
         cfg = {
-            "uid": uid, "req": self.req_r, "resp": self.resp_w, "python": _PYTHON,
-            "prefix": os.path.realpath(sys.base_prefix), "hide": hide, "source": _SOURCE,
-            "disk_bytes": limits.disk_mb << 20,
+            "uid": uid, "req": self.req_r, "resp": self.resp_w, "python": python,
+            "prefix": prefix, "hide": hide, "source": _SOURCE, "disk_bytes": limits.disk_mb << 20,
             "limits": {"cpu": max(1, math.ceil(limits.cpu_s)), "memory": limits.memory_mb << 20,
-                       "processes": limits.processes, "files": limits.open_files,
+                       "processes": limits.processes + limits.threads, "files": limits.open_files,
                        "output": limits.output_bytes},
         }
-        try:
-            self.proc = subprocess.Popen(
-                [_PYTHON, "-I", "-S", "-B", "-c", _SOURCE, "boot", json.dumps(cfg)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                pass_fds=(self.req_r, self.resp_w), start_new_session=True, env={},
-            )
-        except OSError:
-            for fd in (self.req_r, self.req_w, self.resp_r, self.resp_w):
-                os.close(fd)
-            raise
+        for attempt in range(_SPAWN_TRIES):
+            try:
+                self.proc = subprocess.Popen(
+                    [python, "-I", "-S", "-B", "-c", _SOURCE, "boot", json.dumps(cfg)],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                    pass_fds=(self.req_r, self.resp_w), start_new_session=True, env={},
+                )
+                break
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.ENOMEM) and attempt + 1 < _SPAWN_TRIES:
+                    time.sleep(0.1 * 2**attempt)
+                    continue
+                for fd in (self.req_r, self.req_w, self.resp_r, self.resp_w):
+                    os.close(fd)
+                raise SandboxError(f"the sandbox cannot start programs: {python}: {exc}") from None
         os.close(self.req_r)
         os.close(self.resp_w)
         os.set_blocking(self.req_w, False)
         self.boot: dict[str, Any] = {}
+        self.started = False
+
+    def start(self) -> None:
+        """Wait for the boot report and the harness's hello; the program's wall time starts
+        now. A child that dies or hangs before that raises `_Ended` with `started` False."""
+        self.boot = self.recv()
+        self.recv()
+        self.started = True
+        self.deadline = time.monotonic() + self.limits.wall_s
 
     def send(self, obj: Any) -> None:
         """Write one frame, never blocking past the deadline (a program that stops reading
@@ -265,15 +305,11 @@ def run_tests(
         exec(compile(prelude, "<prelude>", "exec"), base)
     with _slots:
         start = time.monotonic()
-        try:
-            ch = _Child(limits, start + limits.wall_s)
-        except OSError as exc:  # no process could be started (EAGAIN, ENOMEM): score 0, go on
-            return Verdict(0, len(tests), "crashed", f"the sandbox did not start: {exc}",
-                           results=(False,) * len(tests))
+        ch = _Child(limits, start + START_S)
         reason: Reason = "passed"
         detail = ""
         try:
-            ch.boot = ch.recv()
+            ch.start()
             ch.send({"code": code})
             loaded = ch.recv()
             if "load_error" in loaded:
@@ -298,10 +334,13 @@ def run_tests(
             status, usage = ch.reap()
     wall = time.monotonic() - start
     cpu = usage.ru_utime + usage.ru_stime
+    if not ch.started:  # the program never ran: no verdict to give
+        why = ch.stderr[-300:] or (detail if reason == "timeout" else _ended_by_status(status, cpu, limits)[1])
+        if reason == "timeout":
+            why = f"the interpreter did not come up within {START_S:g} s ({why})"
+        raise SandboxError(f"the sandbox cannot start programs: {why}")
     if reason == "exited" and ch.killed_for is None:
         reason, detail = _ended_by_status(status, cpu, limits)
-        if not ch.boot:
-            reason, detail = "crashed", f"the sandbox did not start: {ch.stderr[-300:] or detail}"
     if reason in FATAL:
         results = [False] * len(tests)
     elif not all(results):
@@ -320,9 +359,13 @@ def protections() -> dict[str, str]:
     global _protections
     if _protections is None:
         with _slots:
-            ch = _Child(Limits(), time.monotonic() + 10)
             try:
-                boot = ch.recv()
+                ch = _Child(Limits(), time.monotonic() + START_S)
+            except SandboxError as exc:
+                return {"sandbox": f"off: {exc}"}
+            try:
+                ch.start()
+                boot = ch.boot
             except _Ended as end:
                 boot = {"boot": {"sandbox": f"off: did not start ({end.detail})"}}
             ch.kill("passed")

@@ -68,6 +68,17 @@ def weights_version(ctx: WorkerContext, agent: str, iteration: int) -> int:
     return oldest
 
 
+def retryable(exc: BaseException) -> bool:
+    """False for an error that says another try would fail alike (`retryable = False` on it or
+    on an error it was raised from: a sandbox that cannot start programs)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if getattr(seen, "retryable", True) is False:
+            return False
+        seen = seen.__cause__
+    return True
+
+
 def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 1.0, *,
                        gradient_only: bool = False) -> StageResult:
     """`run_stage`, tried up to `1 + retries` times in this worker. The result lists the failed
@@ -80,7 +91,7 @@ def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 
             res = run_stage(run_dir, op, gradient_only=gradient_only)
         except Exception as exc:
             failed.append([t0, time.time(), f"{type(exc).__name__}: {exc}"])
-            if len(failed) > retries:
+            if len(failed) > retries or not retryable(exc):
                 exc.flexmarl_attempts = failed  # type: ignore[attr-defined]
                 raise
             time.sleep(delay_s)

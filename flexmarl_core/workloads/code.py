@@ -75,8 +75,12 @@ class CodeParams(BaseModel):
     cpu_s: float = Field(1.0, gt=0, description="Sandbox CPU seconds per program.")
     wall_s: float = Field(3.0, gt=0, description="Sandbox wall seconds per program.")
     memory_mb: int = Field(256, ge=64, description="Sandbox address space per program.")
+    threads: int = Field(4, ge=0, description="Threads a program may start besides its own "
+                         "(a thread bomb stops there).")
     hide: list[str] = Field(default_factory=list, description="Folders the programs never see "
                             "(the run folder, the store) besides the working directory and home.")
+    python: str | None = Field(None, description="Interpreter the programs run under (default: "
+                               "the worker's base interpreter).")
     max_concurrent: int | None = Field(
         None, ge=1, description="Sandboxed programs at once per worker process (default: cores).")
 
@@ -148,7 +152,8 @@ class CodeWorkload(RuleWorkload):
         others = sorted(set(agents) - set(roles))
         if others:
             raise WorkloadError(f"kind=code has a coder and a tester; agent(s) {others} have no role")
-        self.limits = Limits(cpu_s=p.cpu_s, wall_s=p.wall_s, memory_mb=p.memory_mb, hide=tuple(p.hide))
+        self.limits = Limits(cpu_s=p.cpu_s, wall_s=p.wall_s, memory_mb=p.memory_mb, threads=p.threads,
+                             hide=tuple(p.hide), python=p.python)
         self._cache: dict[tuple[str, str, str], tuple[Verdict, int]] = {}
         self._apply_concurrency()
 
