@@ -138,14 +138,17 @@ def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentCon
                               "machine (the local cluster's workers run here); use cpu")
     if cfg.cluster.address:
         check_address(cfg.cluster.address)
+    from flexmarl_core.location import LocationError, check_reachable
     from flexmarl_core.run import ResumeError, RunFolderError, check_resumable, check_run_folder
 
     try:
+        check_reachable("run_dir", cfg.run_dir.format(name=cfg.name))
+        check_reachable("store.uri", cfg.resolved_store_uri())
         if resume:
             check_resumable(cfg, cfg.run_location())
         else:
             check_run_folder(cfg.run_location(), cfg.train.init_from)
-    except (ResumeError, RunFolderError) as exc:
+    except (LocationError, ResumeError, RunFolderError) as exc:
         raise ConfigError(str(exc)) from None
 
 

@@ -222,6 +222,28 @@ class RunLocation:
             pass
 
 
+class LocationError(ValueError):
+    """A run folder or store on an object store that cannot be reached as configured."""
+
+
+def check_reachable(field: str, uri: str) -> None:
+    """One request to the object store `uri` is on, now: a host that does not resolve, refused
+    credentials, a bucket that does not exist or a scheme pyarrow lacks is a one-line error
+    naming `field`, before a run folder or a cluster exists. A local path passes."""
+    if not is_uri(uri):
+        return
+    try:
+        fs, root, _ = open_filesystem(uri)
+        bucket = root.split("/", 1)[0]
+        missing = fs.get_file_info(bucket).type == pafs.FileType.NotFound
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        text = " ".join(str(exc).split())
+        raise LocationError(f"{field} {uri!r}: cannot reach it: {text[:400]}") from None
+    if missing:
+        raise LocationError(f"{field} {uri!r}: the bucket {bucket!r} does not exist (create it, or "
+                            "check the endpoint: AWS_ENDPOINT_URL)")
+
+
 def as_location(run_dir: str | os.PathLike[str] | RunLocation) -> RunLocation:
     """`run_dir` opened as a location (an opened one as it is)."""
     if isinstance(run_dir, RunLocation):

@@ -1,16 +1,23 @@
 """Faults of flexmarl's own machinery on the real stack (Prefect API, Dask workers, Parquet
 store): a sandbox that cannot start programs stops the run at once, with an error that says
-why, and nothing it touched is stored as a zero reward."""
+why, and nothing it touched is stored as a zero reward; an object store that cannot be reached
+as configured is one error line naming the field, before anything is made."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import socket
 import time
 from pathlib import Path
+
+import pytest
 
 from flexmarl_core.config import load_config
 from flexmarl_core.meg import MEG
 from storage import MEGStore
+from tests.test_bad_input import TINY, _one_error_line, _train
 
 REPO = Path(__file__).resolve().parents[1]
 CODE = str(REPO / "configs" / "code_team.yaml")
@@ -61,3 +68,42 @@ def _task_runs_until(flow_run_id, name: str, done, timeout_s: float = 30.0) -> l
         if (runs and done(runs[0])) or time.monotonic() > deadline:
             return runs
         time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint():
+    """An S3 server on loopback (moto) with no buckets: `http://127.0.0.1:<port>`."""
+    moto_server = pytest.importorskip("moto.server")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+UNRESOLVABLE = "http://no-such-host.invalid:9000"
+
+
+@pytest.mark.slow  # the CLI's preflight in a subprocess
+@pytest.mark.parametrize(("endpoint", "setting", "says"), [
+    (UNRESOLVABLE, "store.uri=s3://bucket/x", "store.uri 's3://bucket/x': cannot reach it: "),
+    (UNRESOLVABLE, "run_dir=s3://bucket/runs/x", "run_dir 's3://bucket/runs/x': cannot reach it: "),
+    (None, "store.uri=ftp://host/x", "store.uri 'ftp://host/x': cannot reach it: Unrecognized filesystem"),
+    ("moto", "store.uri=s3://no-bucket/x", "store.uri 's3://no-bucket/x': the bucket 'no-bucket' does not exist"),
+], ids=["store-host", "run-dir-host", "store-scheme", "store-bucket"])
+def test_an_unreachable_store_is_one_error_line_before_anything_is_made(
+        request, tmp_path: Path, monkeypatch, endpoint: str | None, setting: str, says: str) -> None:
+    if endpoint == "moto":
+        endpoint = request.getfixturevalue("moto_endpoint")
+    if endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("FLEXMARL_CACHE", str(tmp_path / "cache"))
+    line = _one_error_line(_train(tmp_path, str(TINY), "--set", setting), tmp_path)
+    assert says in line, line
+    assert not os.path.exists(tmp_path / "cache" / "scratch")  # no local scratch for a remote run
