@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from flexmarl_core.config_agent import AgentConfig, _Strict
 from flexmarl_core.config_checks import check_name, check_template
+from flexmarl_core.ops import OP_KINDS
 
 
 class EdgeConfig(_Strict):
@@ -232,6 +233,34 @@ class WorkerConfig(_Strict):
     memory_limit: str = Field("6GiB", description="Dask worker memory limit.")
 
 
+class DeadlineConfig(_Strict):
+    """When a running op counts as hung (it neither ends nor fails): it is then cancelled, its
+    worker restarted and the op run again (`orchestrator.Orchestrator`, decision `hung_op`)."""
+
+    factor: float = Field(
+        10.0, gt=1.0,
+        description="Hung after this many times its estimate: the moving average of its kind's "
+        "finished ops for its agent, times the ops queued ahead of it on its worker.",
+    )
+    floor_s: float = Field(300.0, gt=0.0, description="Never hung sooner than this.")
+    per_kind_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Fixed deadlines in seconds by op kind (rollout, reward, train, step, sync, "
+        "program), used instead of factor and floor_s.",
+    )
+
+    @field_validator("per_kind_s")
+    @classmethod
+    def _kinds(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = sorted(set(v) - set(OP_KINDS))
+        if bad:
+            raise ValueError(f"unknown op kind(s) {bad}; kinds: {list(OP_KINDS)}")
+        low = sorted(k for k, s in v.items() if not s > 0)
+        if low:
+            raise ValueError(f"deadline(s) of {low} must be > 0 seconds")
+        return v
+
+
 class ClusterConfig(_Strict):
     address: str | None = Field(
         None, description="Existing Dask scheduler address; None starts a local cluster."
@@ -287,6 +316,8 @@ class ClusterConfig(_Strict):
         "UI lags by at most this); retries, failures and Pending go at once. 0: each as it "
         "happens (tasks/stages.py).",
     )
+    deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig,
+                                      description="When a running op counts as hung.")
     prefect_lean: bool | Literal["auto"] = Field(
         "auto",
         description="Workers read cheap Prefect settings from their own environment (tasks/lean.py), "

@@ -2,7 +2,7 @@
 capabilities it uses when an executor has them. Protocols only.
 
 Implementations: `executors.ThreadExecutor` (threads; chains and fuses), `cluster.DaskExecutor`
-(plain Dask; chains, fuses, reports memory restarts), `tasks.executor.PrefectDaskExecutor` (the
+(plain Dask; chains, fuses, reports memory restarts, abandons hung ops), `tasks.executor.PrefectDaskExecutor` (the
 real run: Dask plus Prefect task runs) and `sim.executor.SimExecutor` (a simulated clock; the
 base contract only). The orchestrator checks a capability with `isinstance`.
 """
@@ -80,4 +80,18 @@ class ReportsMemoryRestarts(Protocol):
     def memory_restarts(self, since: float) -> list[MemoryRestart]:
         """The workers restarted for memory since `since` (executor clock): a lost op with any
         fails as `WorkerMemoryError`, naming the knob that lowers its memory."""
+        ...
+
+
+@runtime_checkable
+class AbandonsHungOps(Protocol):
+    """Can give up on a running op that never returns: cancel it and restart its worker."""
+
+    def running_on(self, handle: Any) -> str | None:
+        """The worker running the op behind `handle` now; None while it waits for one."""
+        ...
+
+    def abandon(self, handle: Any, worker: str) -> str:
+        """Cancel the op behind `handle` and restart `worker`, which runs it (a thread cannot
+        be stopped, its process can); returns the worker's name."""
         ...

@@ -22,6 +22,7 @@ from typing import Any
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.control import ControlPlane, Decision, OrchestratorError
 from flexmarl_core.executor_api import (
+    AbandonsHungOps,
     ChainingExecutor,
     Executor,
     FusingExecutor,
@@ -158,6 +159,8 @@ class Orchestrator:
         else:
             handle = ex.submit(op, route, [d for d in self.plan.deps[op] if d not in self.skip])
         run = Running(op, ex.now(), route, set(pending or ()), tail)
+        run.since = run.submitted
+        run.deadline_s = sum(self.control.deadline(o, r) for o, r in run.ops)
         st.running[handle] = run
         for o, r in run.ops:
             st.handle[o] = handle
@@ -207,7 +210,10 @@ class Orchestrator:
 
     def _collect_finished(self) -> None:
         st = self.state
-        done = self.executor.wait_any(list(st.running))
+        done = self.executor.wait_any(list(st.running), timeout=self._until_hung())
+        if not done:
+            self._abandon_hung()
+            return
         done.sort(key=lambda h: self._order[st.running[h].op])  # dependencies first
         for handle in done:
             if handle not in st.running:
@@ -258,13 +264,49 @@ class Orchestrator:
         if lost and self._resubmits[op] < LOST_WORKER_RESUBMITS:
             # Its worker died: every stage is idempotent and rebuilds its engine or
             # trainer from published weights / checkpoints, so run it again elsewhere.
-            self._resubmits[op] += 1
             self.control.resubmitted(op, dict(run.ops)[op], exc)
-            for o, _ in run.ops:
-                self._drop_chained(o)
-            self.state.ready.append(op)  # a fused run's later ops wait for it again
+            self._requeue(run, op)
             return
         raise OrchestratorError(f"{op.name} failed: {exc}") from exc
+
+    def _requeue(self, run: Running, op: Op) -> None:
+        self._resubmits[op] += 1
+        for o, _ in run.ops:
+            self._drop_chained(o)
+        self.state.ready.append(op)  # a fused run's later ops wait for it again
+
+    def _until_hung(self) -> float | None:
+        """Seconds until the first running op passes its deadline (None: never checked)."""
+        if not isinstance(self.executor, AbandonsHungOps):
+            return None
+        due = min((r.since + r.deadline_s for r in self.state.running.values() if not r.pending),
+                  default=float("inf"))
+        return None if due == float("inf") else max(due - self.executor.now(), 0.0)
+
+    def _abandon_hung(self) -> None:
+        """Every op that runs past its deadline: cancelled, its worker restarted, the op routed
+        and submitted again (idempotent stages make the rerun safe), at most
+        `LOST_WORKER_RESUBMITS` times. One still waiting for a worker is not hung: its clock
+        starts again."""
+        st, ex = self.state, self.executor
+        assert isinstance(ex, AbandonsHungOps)
+        now = ex.now()
+        for handle, run in list(st.running.items()):
+            if run.pending or now < run.since + run.deadline_s or handle not in st.running:
+                continue
+            where = ex.running_on(handle)
+            if where is None:
+                run.since = now
+                continue
+            worker = ex.abandon(handle, where)
+            del st.running[handle]
+            self._unsubmit(handle, run)
+            self.control.hung(run.op, worker, run.deadline_s, now - run.since)
+            if self._resubmits[run.op] >= LOST_WORKER_RESUBMITS:
+                raise OrchestratorError(
+                    f"{run.op.name} hung {self._resubmits[run.op] + 1} times: it ran past its "
+                    f"deadline of {run.deadline_s:.0f} s (cluster.deadlines) on worker {worker}")
+            self._requeue(run, run.op)
 
     def _record(self, rec: OpRecord, ran: set[Op] | frozenset[Op] = frozenset()) -> None:
         """Record a finished op, call the hooks and release its children (`ran`: the ops of
@@ -281,7 +323,10 @@ class Orchestrator:
             st.waiting[c] -= 1
             h = st.handle.get(c)
             if h is not None:
-                st.running[h].pending.discard(op)
+                chained = st.running[h]
+                chained.pending.discard(op)
+                if not chained.pending:
+                    chained.since = self.executor.now()  # it starts now: its deadline too
             elif st.waiting[c] == 0 and c not in self.skip and c not in ran:
                 st.ready.append(c)
 

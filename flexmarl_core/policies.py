@@ -44,6 +44,10 @@ class Running:
     pending: set[Op] = field(default_factory=set)
     #: fused: the ops that run after `op` in the same task, each with its own route
     tail: list[tuple[Op, Route]] = field(default_factory=list)
+    #: seconds after `since` at which it counts as hung (`ControlPlane.deadline`)
+    deadline_s: float = float("inf")
+    #: when its clock started: submission, or when the last op it was chained on ended
+    since: float = 0.0
 
     @property
     def ops(self) -> list[tuple[Op, Route]]:

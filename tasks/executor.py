@@ -73,6 +73,12 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
         self._fused.pop(handle, None)
         super().cancel(handle)
 
+    def abandon(self, handle: distributed.Future, worker: str) -> str:
+        """A hung op: its task run stays, and counts its next run."""
+        self._ops.pop(handle, None)
+        self._fused.pop(handle, None)
+        return super().abandon(handle, worker)
+
     def result(self, handle: distributed.Future) -> StageResult | FusedResult:
         op = self._ops.pop(handle)
         fused = self._fused.pop(handle, None)

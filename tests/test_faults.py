@@ -135,6 +135,31 @@ def test_worker_killed_mid_stage_run_completes_exactly_once(baseline, dask_clust
         assert sum(o["op"] == "step[solver] it=1" for o in ops) == 1, "the step ran twice"
 
 
+def test_hung_op_is_cancelled_its_worker_restarted_and_the_op_rerun(baseline, dask_cluster, tmp_path):
+    """`hang@`: a rollout that never returns. Past its deadline (`cluster.deadlines`: 10 s at
+    least, or 10 times the solver's measured rollout seconds) the orchestrator cancels it,
+    restarts the worker running it and submits it again; the decision log names the op, the
+    worker and the deadline, and the run ends as the undisturbed one."""
+    victim = "rollout[solver] it=1 mb=0"
+    run_dir = tmp_path / "run"
+    marker = plant_fault(run_dir, "hang", victim, "300")  # not cancelled: it fails, late
+    overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON,
+                 "cluster.deadlines.floor_s=10"]
+    state = _flow(overrides)
+    assert state.is_completed(), state.message
+    assert not marker.exists(), "the fault never fired"
+    cfg = load_config(TINY, overrides)
+    assert_exactly_once(cfg)
+    assert_same_weights(baseline, cfg)
+    assert_same_samples(baseline, cfg)
+    decisions = [json.loads(x) for x in (run_dir / "metrics" / "decisions.jsonl").read_text().splitlines()]
+    hung = [d for d in decisions if d["decision"] == "hung_op" and d["op"] == victim]
+    assert len(hung) == 1, decisions
+    assert hung[0]["worker"] in ("w0", "w1") and hung[0]["deadline_s"] >= 10, hung
+    assert hung[0]["waited_s"] >= hung[0]["deadline_s"]
+    assert [o["op"] for o in _ops(run_dir)].count(victim) == 1
+
+
 def test_gradient_helpers_on_dask_train_the_same_weights(baseline, dask_cluster, tmp_path):
     """`codesign.gradient_helpers` on the real cluster: both of the solver's train ops of
     iteration 0 are held (`hold@`) until they run at the same time, which only a gradient

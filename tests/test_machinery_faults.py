@@ -107,3 +107,14 @@ def test_an_unreachable_store_is_one_error_line_before_anything_is_made(
     line = _one_error_line(_train(tmp_path, str(TINY), "--set", setting), tmp_path)
     assert says in line, line
     assert not os.path.exists(tmp_path / "cache" / "scratch")  # no local scratch for a remote run
+
+
+def test_deadlines_name_a_bad_kind_or_value() -> None:
+    from flexmarl_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unknown op kind\(s\) \['rolout'\]"):
+        load_config(str(TINY), ["cluster.deadlines.per_kind_s={rolout: 5}"])
+    with pytest.raises(ConfigError, match=r"deadline\(s\) of \['train'\] must be > 0"):
+        load_config(str(TINY), ["cluster.deadlines.per_kind_s={train: 0}"])
+    cfg = load_config(str(TINY), ["cluster.deadlines.per_kind_s={train: 30}"])
+    assert cfg.cluster.deadlines.per_kind_s == {"train": 30} and cfg.cluster.deadlines.floor_s == 300

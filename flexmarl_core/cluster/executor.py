@@ -15,16 +15,20 @@ from flexmarl_core.cluster.workers import (
     lost_worker,
     memory_restarts,
     set_worker_resources,
+    worker_names,
     worker_resources,
 )
 from flexmarl_core.ops import FusedResult, MemoryRestart, Op, Route, StageResult
 from flexmarl_core.stages import run_fused, run_stage_after, run_stage_retrying
 
+#: how long a hung op's worker may take to restart before the run goes on without waiting
+RESTART_TIMEOUT_S = 60.0
+
 
 class DaskExecutor:
     """Runs ops as plain Dask tasks: `stages.run_stage_retrying(run_dir, op, ...)` on the worker
-    the route names, each op tried up to `1 + retries[op.kind]` times there; it chains, fuses
-    and reports memory restarts (`executor_api`). The real run's executor
+    the route names, each op tried up to `1 + retries[op.kind]` times there; it chains, fuses,
+    reports memory restarts and abandons hung ops (`executor_api`). The real run's executor
     (`tasks/executor.py`) adds the Prefect task runs on top."""
 
     def __init__(self, client: Client, run_dir: str, *, retries: dict[str, int] | None = None,
@@ -66,6 +70,19 @@ class DaskExecutor:
 
     def cancel(self, handle: distributed.Future) -> None:
         handle.cancel()
+
+    def running_on(self, handle: distributed.Future) -> str | None:
+        return next((addr for addr, keys in self.client.processing().items() if handle.key in keys), None)
+
+    def abandon(self, handle: distributed.Future, worker: str) -> str:
+        """Cancel a hung op and restart (through its Nanny) the worker running it: the thread
+        that never returns goes with its process. Other ops on that worker are lost with it
+        and resubmitted as after any worker death."""
+        name = worker_names(self.client).get(worker, worker)
+        handle.cancel()
+        self.client.restart_workers([worker], timeout=RESTART_TIMEOUT_S, raise_for_error=False)
+        self._tags = None  # it comes back at a new address
+        return name
 
     def succeeded(self, handle: distributed.Future) -> bool:
         return handle.status == "finished"

@@ -5,7 +5,7 @@
                                                   (None: hold it, `codesign.late_binding`)
     ControlPlane.route_ahead(op, workers)         the route, if no later decision could change it
     ControlPlane.submitted / finished / observed  keep the work ledger in seconds
-    ControlPlane.decisions                        MoveInstance, TrainSlot, GradientHelper, Resubmit
+    ControlPlane.decisions                        MoveInstance, TrainSlot, GradientHelper, Resubmit, HungOp
 
 Pure Python, no Dask: the orchestrator applies re-tags through its executor, so the same
 policies run against a real cluster, threads, or a simulated clock.
@@ -20,6 +20,7 @@ from flexmarl_core.control.balancer import InstanceBalancer, apply_move, lend_id
 from flexmarl_core.control.decisions import (
     Decision,
     GradientHelper,
+    HungOp,
     MoveInstance,
     Resubmit,
     TrainSlot,
@@ -32,7 +33,7 @@ from flexmarl_core.ops import Op, Route, StageResult
 
 __all__ = [
     "DEFAULT_OP_S", "ROLLOUT_TAG", "TRAIN_TAG", "ControlPlane", "Decision", "GradientHelper", "InstanceBalancer",
-    "MoveInstance", "OrchestratorError", "Resubmit", "Router", "TrainSlot", "WorkLedger",
+    "HungOp", "MoveInstance", "OrchestratorError", "Resubmit", "Router", "TrainSlot", "WorkLedger",
     "apply_move", "lend_idle", "rebalance", "rollout_tag",
 ]
 
@@ -68,6 +69,7 @@ def helper_agents(cfg: ExperimentConfig, agents: list[str]) -> frozenset[str]:
 class ControlPlane:
     def __init__(self, cfg: ExperimentConfig, agents: list[str], clock: Callable[[], float]) -> None:
         self.clock = clock
+        self.deadlines = cfg.cluster.deadlines
         self.decisions: list[Decision] = []
         cs = cfg.codesign
         self.late_binding = cs.late_binding  # the config refuses it without load_balancing
@@ -145,6 +147,20 @@ class ControlPlane:
         if res.op.kind == "program" and self.balancer is not None:
             for agent, secs in res.per_agent("program/decode_s").items():
                 self.balancer.observe(agent, secs)
+
+    def deadline(self, op: Op, route: Route) -> float:
+        """Seconds after which `op`, submitted now on `route`, counts as hung
+        (`cluster.deadlines`): a fixed one for its kind, else `factor` times its estimate and
+        the ops queued ahead of it on its worker, never under `floor_s`."""
+        d = self.deadlines
+        if op.kind in d.per_kind_s:
+            return d.per_kind_s[op.kind]
+        ahead = self.ledger.outstanding.get(route.worker, 0) if route.worker else 0
+        return max(d.floor_s, d.factor * self.ledger.estimate(op.kind, op.agent) * (1 + ahead))
+
+    def hung(self, op: Op, worker: str, deadline_s: float, waited_s: float) -> None:
+        self.decisions.append(HungOp(t=self.clock(), op=op.name, worker=worker,
+                                     deadline_s=round(deadline_s, 3), waited_s=round(waited_s, 3)))
 
     def resubmitted(self, op: Op, route: Route, exc: BaseException) -> None:
         self.decisions.append(Resubmit(t=self.clock(), op=op.name, worker=route.worker,

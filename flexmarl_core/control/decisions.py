@@ -89,4 +89,20 @@ class Resubmit:
         return {"decision": self.decision, **asdict(self)}
 
 
-Decision = MoveInstance | TrainSlot | GradientHelper | Resubmit
+@dataclass(frozen=True, slots=True)
+class HungOp:
+    """An op ran past its deadline (`cluster.deadlines`) without ending or failing: it was
+    cancelled, `worker` (the one running it) restarted, and the op submitted again."""
+
+    decision: ClassVar[str] = "hung_op"
+    t: float
+    op: str
+    worker: str
+    deadline_s: float
+    waited_s: float
+
+    def as_row(self) -> dict[str, Any]:
+        return {"decision": self.decision, **asdict(self)}
+
+
+Decision = MoveInstance | TrainSlot | GradientHelper | Resubmit | HungOp

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from functools import lru_cache
 
@@ -26,6 +27,10 @@ def faults_dir(run_dir: str | os.PathLike[str]) -> str:
       (empty: 1), one per attempt; N above the task's retries fails the op, hence the flow run.
     - `hog@<op>`: the stage allocates memory until the worker is restarted for it, on every
       attempt (an op that can never fit, like an oversized micro-batch); not consumed.
+    - `hang@<op>`: the op neither returns nor fails, once: what `cluster.deadlines` is for
+      (the orchestrator cancels it, restarts its worker and runs it again). A number in the
+      file caps the hang at that many seconds, then the op raises `InjectedFault` (a test
+      whose run missed the hang fails, late, instead of never ending); empty: for good.
     - `slow@<op>`: the op first sleeps for the file's number of seconds (empty: 1), once (a
       straggler: what the scheduler does while one op holds its worker).
     - `hold@<op>`: the op waits, holding its worker, until `release@<op>` appears (`release`),
@@ -78,6 +83,12 @@ def fault_point(run_dir: str, op_name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if os.path.exists(os.path.join(folder, f"hog@{op_name}")):
         _hog()
+    hang = os.path.join(folder, f"hang@{op_name}")
+    if os.path.exists(hang):
+        with open(hang) as f:
+            text = f.read()
+        os.remove(hang)
+        _hang(text, op_name)
     hold = os.path.join(folder, f"hold@{op_name}")
     if os.path.exists(hold):
         _hold(folder, op_name)
@@ -148,6 +159,10 @@ def _remote_fault_point(loc: RunLocation, op_name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if f"hog@{op_name}" in names:
         _hog()
+    if f"hang@{op_name}" in names:
+        text = loc.read_text(f"hang@{op_name}")
+        loc.delete(f"hang@{op_name}")
+        _hang(text, op_name)
     if f"hold@{op_name}" in names:
         _remote_hold(loc, op_name)
     if f"slow@{op_name}" in names:
@@ -182,6 +197,17 @@ def _remote_hold(loc: RunLocation, op_name: str) -> None:
     finally:
         for name in (f"hold@{op_name}", f"release@{op_name}", f"held@{op_name}"):
             loc.delete(name)
+
+
+def _hang(text: str, op_name: str) -> None:
+    """Block this thread quietly (only the worker's restart ends it), for good or `text` s."""
+    try:
+        cap = float(text) if text.strip() else None
+    except ValueError:
+        raise ValueError(f"hang@{op_name}: the marker holds {text!r}; write a number of seconds "
+                         "(the longest the op hangs) or nothing (for good)") from None
+    if not threading.Event().wait(cap):
+        raise InjectedFault(f"injected fault (hang@) in {op_name}: still running after {cap:g} s")
 
 
 def _hog() -> None:
