@@ -345,10 +345,28 @@ class ClusterConfig(_Strict):
         return self
 
 
+class StoreRetryConfig(_Strict):
+    """How reads and writes of an object store (the MEG Store and the run location) retry a
+    transient failure: a 503, a dropped connection, a timeout (`storage/retry.py`)."""
+
+    attempts: int = Field(6, ge=1, description="Tries in all before the operation fails.")
+    base_delay_s: float = Field(0.2, ge=0.0, description="Backoff before try k+1: a random "
+                                "wait up to base_delay_s * 2**k (full jitter) ...")
+    max_delay_s: float = Field(8.0, gt=0.0, description="... and never above this.")
+
+    @model_validator(mode="after")
+    def _order(self) -> StoreRetryConfig:
+        if self.max_delay_s < self.base_delay_s:
+            raise ValueError(f"max_delay_s={self.max_delay_s} is below base_delay_s={self.base_delay_s}")
+        return self
+
+
 class StoreConfig(_Strict):
     uri: str = Field(
         "{run_dir}/store", description="MEG Store location: a path or a pyarrow.fs URI (s3://...)."
     )
+    retries: StoreRetryConfig = Field(default_factory=StoreRetryConfig,
+                                      description="Retries of object-store reads and writes.")
 
     @field_validator("uri")
     @classmethod

@@ -36,7 +36,7 @@ from flexmarl_core.plan import Plan
 from flexmarl_core.sft import warm_start
 from flexmarl_core.weights import initial_weights, load_base, publish_base, publish_weights
 from flexmarl_core.workloads import make_workload
-from storage import MEGStore
+from storage import MEGStore, retry
 
 __all__ = ["CONFIG_NAME", "RUN_MARKER", "WARM_START_NAME", "check_resumable", "check_run_folder",
            "completed_records", "prepare_run", "train"]
@@ -92,6 +92,7 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
     every iteration. Returns its local path, or its URI for a run on an object store."""
     meg = MEG.from_config(cfg.team)
     workload = make_workload(cfg.workload, cfg.team)  # bad data fails before the folder is touched
+    retry.configure(retry.RetryPolicy(**cfg.store.retries.model_dump()))
     loc = cfg.run_location()
     if fresh:
         check_run_folder(loc, cfg.train.init_from)

@@ -49,7 +49,7 @@ from flexmarl_core.weights import (
 )
 from flexmarl_core.workloads import make_workload
 from flexmarl_core.workloads.api import Workload
-from storage import MEGStore, Store
+from storage import MEGStore, Store, retry
 
 __all__ = ["CONFIG_NAME", "WorkerContext", "as_location", "context", "load_weights", "publish_weights",
            "save_state_atomic", "trainer_state_path", "weights_path"]
@@ -331,6 +331,7 @@ def context(run_dir: str | os.PathLike[str] | RunLocation) -> WorkerContext:
                     f"{loc.display(CONFIG_NAME)}: no run config there (is run_dir the same "
                     "location on this worker as in the flow process?)") from None
             cfg = config_from_text(text, source=loc.display(CONFIG_NAME))
+            retry.configure(retry.RetryPolicy(**cfg.store.retries.model_dump()))
             ctx = WorkerContext(loc=loc, cfg=cfg, meg=MEG.from_config(cfg.team))
             _CONTEXTS[loc.uri] = ctx
         return ctx

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
+from .retry import retrying
 from .schema import AGENT_NAME_RE, validate_agent
 
 __all__ = [
@@ -49,7 +50,8 @@ def open_filesystem(
     """Resolve ``uri`` to ``(filesystem, root path inside it, display prefix)``.
 
     ``uri`` is a local path, ``file:///abs/path``, or ``s3://bucket/prefix`` (``gs://`` too).
-    For S3, ``fs_kwargs`` go to ``pyarrow.fs.S3FileSystem`` (``endpoint_override``,
+    A remote filesystem comes wrapped in `storage.retry` (transient failures retried). For
+    S3, ``fs_kwargs`` go to ``pyarrow.fs.S3FileSystem`` (``endpoint_override``,
     ``scheme``, ``access_key``, ``secret_key``, ``region``...); without them pyarrow reads
     the URI query (``?endpoint_override=host:port&scheme=http``), ``AWS_ENDPOINT_URL`` (see
     `s3_endpoint_from_env`) and the other ``AWS_*`` env vars (keys, region).
@@ -65,17 +67,17 @@ def open_filesystem(
     scheme = uri.split("://", 1)[0].lower()
     if scheme == "s3" and fs_kwargs:
         path = uri.split("://", 1)[1].split("?", 1)[0].strip("/")
-        return pafs.S3FileSystem(**fs_kwargs), path, "s3://"
+        return retrying(pafs.S3FileSystem(**fs_kwargs), "s3://"), path, "s3://"
     if fs_kwargs:
         raise ValueError(f"filesystem keyword arguments are only supported for s3://, got {uri!r}")
     if scheme == "s3" and "endpoint_override" not in uri:
         endpoint = s3_endpoint_from_env()
         if endpoint:
             path = uri.split("://", 1)[1].split("?", 1)[0].strip("/")
-            return pafs.S3FileSystem(**endpoint), path, "s3://"
+            return retrying(pafs.S3FileSystem(**endpoint), "s3://"), path, "s3://"
     fs, path = pafs.FileSystem.from_uri(uri)
     prefix = "" if isinstance(fs, pafs.LocalFileSystem) else f"{scheme}://"
-    return fs, path.rstrip("/"), prefix
+    return retrying(fs, prefix), path.rstrip("/"), prefix
 
 
 #: The AWS SDKs' own variables for an S3-compatible endpoint (MinIO, Ceph, moto): pyarrow does
@@ -100,7 +102,7 @@ def commit_mode(fs: pafs.FileSystem, uri: str) -> CommitMode:
     """How ``fs`` can publish a fragment atomically; ValueError if it cannot."""
     if isinstance(fs, pafs.LocalFileSystem):
         return "rename"
-    if fs.type_name in ("s3", "gcs"):
+    if fs.type_name.removeprefix("py::") in ("s3", "gcs"):  # py::: wrapped by storage.retry
         return "put"
     raise ValueError(
         f"unsupported filesystem {fs.type_name!r} for {uri!r}: the store needs "

@@ -90,6 +90,20 @@ def dask_cluster(prefect_api: str) -> Iterator[str]:
         cluster.close()
 
 
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """moto's S3 server on loopback, shared by the session: its endpoint (no buckets: each test
+    module makes its own with `tests._s3.make_bucket`)."""
+    pytest.importorskip("moto.server")
+    from tests._s3 import start_moto
+
+    server, endpoint = start_moto()
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+
+
 def dataset_folder(name: str, *files: str) -> Path:
     """`$FLEXMARL_DATA/<name>`, or skip the test saying what is missing and how to provide it."""
     root = os.environ.get(DATA_ENV)

@@ -1,7 +1,9 @@
 """A run on machines that share nothing but S3: a scheduler and two workers started with Dask's
 own command lines (`dask scheduler`, `dask worker --resources ...`), each process in its own
 empty working directory, HOME, TMPDIR and flexmarl cache, the session's Prefect API, and moto's
-S3 server on loopback holding the run folder and the MEG Store.
+S3 server on loopback holding the run folder and the MEG Store, reached through a seeded fault
+proxy that answers some requests with 503s, drops connections before or after forwarding them
+and delays them (`storage.fault_proxy`; the store and run location retry, `storage.retry`).
 
 The workers get flexmarl's code from the flow through Dask (`cluster.upload` of this checkout:
 they have no PYTHONPATH to it), the scheduler and the flow process through PYTHONPATH; the
@@ -16,9 +18,7 @@ storage alone, and `flexmarl store audit` finds every sample stored exactly once
 from __future__ import annotations
 
 import json
-import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +27,9 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
+
+from storage.fault_proxy import FaultProxy
+from tests._s3 import make_bucket
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -49,27 +52,11 @@ DASK_YAML = """distributed:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server on loopback (a thread of this process, reached over real HTTP)."""
-    moto_server = pytest.importorskip("moto.server")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = _free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        fs = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", access_key="testing",
-                               secret_key="testing", region="us-east-1", allow_bucket_creation=True)
-        fs.create_dir(BUCKET)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
+def s3_endpoint(s3_server: str) -> str:
+    """The session's moto server, with this module's bucket."""
+    make_bucket(s3_server, BUCKET)
+    return s3_server
 
 
 class Machine:
@@ -116,11 +103,25 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
+#: what the fault proxy does to the machines' S3 requests (the test's own go to moto directly)
+S3_FAULTS = {"503": 0.02, "drop": 0.01, "lost_reply": 0.01, "delay": 0.02}
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, s3_endpoint: str, prefect_api: str) -> Iterator[dict]:
+def faulty_s3(s3_endpoint: str) -> Iterator[FaultProxy]:
+    """The endpoint every machine uses: moto behind a seeded fault proxy (`S3_FAULTS`)."""
+    proxy = FaultProxy(s3_endpoint, seed=0, rates=S3_FAULTS, delay_s=0.2).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, faulty_s3: FaultProxy, prefect_api: str) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("machines")
-    sched = Machine(root, "scheduler", s3_endpoint, prefect_api)
-    workers = [Machine(root, f"w{i}", s3_endpoint, prefect_api, code=False) for i in range(2)]
+    sched = Machine(root, "scheduler", faulty_s3.url, prefect_api)
+    workers = [Machine(root, f"w{i}", faulty_s3.url, prefect_api, code=False) for i in range(2)]
     info = sched.home / "scheduler.json"
     procs = [sched.popen(str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
                          "--no-dashboard", "--scheduler-file", str(info), log="scheduler.log")]
@@ -167,7 +168,7 @@ def _s3(endpoint: str) -> pafs.S3FileSystem:
                              secret_key="testing", region="us-east-1")
 
 
-def test_train_on_dask_cli_cluster_with_the_run_on_s3(cluster, s3_endpoint, prefect_api, tmp_path):
+def test_train_on_dask_cli_cluster_with_the_run_on_s3(cluster, s3_endpoint, faulty_s3, prefect_api, tmp_path):
     fs = _s3(s3_endpoint)
     faults = f"{BUCKET}/runs/tiny.faults"
     with fs.open_output_stream(f"{faults}/kill@{KILL_OP}"):
@@ -176,7 +177,7 @@ def test_train_on_dask_cli_cluster_with_the_run_on_s3(cluster, s3_endpoint, pref
         f.write(b"5")  # step has 1 retry: two attempts fail, the op fails, the flow run fails
     before = _worker_pids(cluster["address"])
 
-    flow = Machine(tmp_path, "flow", s3_endpoint, prefect_api)
+    flow = Machine(tmp_path, "flow", faulty_s3.url, prefect_api)
     sets = [f"run_dir={RUN}", f"cluster.address={cluster['address']}", "cluster.prefect_lean=true",
             "train.evaluate=false", f"cluster.upload=[{REPO}]"]
     args = [x for s in sets for x in ("--set", s)]
@@ -199,7 +200,7 @@ def test_train_on_dask_cli_cluster_with_the_run_on_s3(cluster, s3_endpoint, pref
 
     # Resume from a machine that has never seen the run: the config, op log, checkpoints and
     # weights come from S3 only.
-    again = Machine(tmp_path, "flow2", s3_endpoint, prefect_api)
+    again = Machine(tmp_path, "flow2", faulty_s3.url, prefect_api)
     resumed = again.run(sys.executable, "-m", "flexmarl.cli", "train", "--resume", RUN, "--no-progress",
                         timeout=600)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
@@ -222,6 +223,9 @@ def test_train_on_dask_cli_cluster_with_the_run_on_s3(cluster, s3_endpoint, pref
     audit = again.run(sys.executable, "-m", "flexmarl.cli", "store", "audit", RUN, timeout=300)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert "0 error(s)" in audit.stdout
+
+    # Every kind of S3 fault happened to the run's requests, and was survived.
+    assert all(faulty_s3.injected[k] > 0 for k in S3_FAULTS), faulty_s3.injected
 
     # S3 is the only thing shared: no run file ever landed in a worker's or the scheduler's
     # own folders (they hold Dask's scratch space and their own model caches only).

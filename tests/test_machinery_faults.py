@@ -6,9 +6,7 @@ as configured is one error line naming the field, before anything is made."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -70,20 +68,6 @@ def _task_runs_until(flow_run_id, name: str, done, timeout_s: float = 30.0) -> l
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def moto_endpoint():
-    """An S3 server on loopback (moto) with no buckets: `http://127.0.0.1:<port>`."""
-    moto_server = pytest.importorskip("moto.server")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
 UNRESOLVABLE = "http://no-such-host.invalid:9000"
 
 
@@ -97,7 +81,7 @@ UNRESOLVABLE = "http://no-such-host.invalid:9000"
 def test_an_unreachable_store_is_one_error_line_before_anything_is_made(
         request, tmp_path: Path, monkeypatch, endpoint: str | None, setting: str, says: str) -> None:
     if endpoint == "moto":
-        endpoint = request.getfixturevalue("moto_endpoint")
+        endpoint = request.getfixturevalue("s3_server")
     if endpoint:
         monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")

@@ -3,19 +3,13 @@
 
 from __future__ import annotations
 
-import logging
-import socket
 import uuid
-from collections.abc import Iterator
 
 import pyarrow.fs as pafs
 import pytest
 
 from storage import MEGStore, StoreError, check_store
-
-# moto is imported inside the fixture, not at collection: moto.server brings Flask, whose
-# module-level context proxies raise on attribute access, and vLLM's engine start scans every
-# loaded module's objects (tests/test_backends.py runs before this file).
+from tests._s3 import make_bucket, s3_kwargs
 
 BUCKET = "flexmarl-test"
 G = 4
@@ -40,32 +34,11 @@ def make_rows(mb: int, n_inputs: int = 2) -> list[dict]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def s3() -> Iterator[dict]:
-    """Start moto's S3 server on 127.0.0.1 and make a bucket; yields S3FileSystem kwargs."""
-    moto_server = pytest.importorskip("moto.server")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
-    port = _free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    kwargs = {
-        "endpoint_override": f"127.0.0.1:{port}",
-        "scheme": "http",
-        "access_key": "testing",
-        "secret_key": "testing",
-        "region": "us-east-1",
-    }
-    pafs.S3FileSystem(**kwargs, allow_bucket_creation=True).create_dir(BUCKET)
-    try:
-        yield kwargs
-    finally:
-        server.stop()
+def s3(s3_server: str) -> dict:
+    """S3FileSystem kwargs for the session's moto server, with this module's bucket."""
+    make_bucket(s3_server, BUCKET)
+    return s3_kwargs(s3_server)
 
 
 @pytest.fixture
