@@ -83,7 +83,7 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
         op = self._ops.pop(handle)
         fused = self._fused.pop(handle, None)
         try:
-            res = handle.result()
+            res = super().result(handle)
         except Exception as exc:
             if not cluster.lost_worker(exc):  # a lost worker: the orchestrator resubmits the op
                 for o in fused or [op]:  # a fused task that failed as a whole: none of its ops ran

@@ -91,6 +91,24 @@ def dask_cluster(prefect_api: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def baseline_run(prefect_api: str, dask_cluster: str, tmp_path_factory: pytest.TempPathFactory):
+    """The undisturbed tiny-team run the fault tests compare with (`tests._runs`), shared by
+    the session: its config and flow run id."""
+    from flexmarl_core.config import load_config
+    from tests._runs import COMMON, TINY, flow
+
+    overrides = [f"run_dir={tmp_path_factory.mktemp('baseline')}/run", f"cluster.address={dask_cluster}", *COMMON]
+    state = flow(overrides)
+    assert state.is_completed(), state.message
+    return load_config(TINY, overrides), state.state_details.flow_run_id
+
+
+@pytest.fixture(scope="session")
+def baseline(baseline_run):
+    return baseline_run[0]
+
+
+@pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """moto's S3 server on loopback, shared by the session: its endpoint (no buckets: each test
     module makes its own with `tests._s3.make_bucket`)."""

@@ -1,7 +1,7 @@
 """Faults on the real stack: a Dask worker process killed during a rollout and during a
-training micro-step, a stage that raises once (Prefect's task retry), a stage that fails for
-good (Prefect's flow-run retry resumes the run), and the whole training process killed (kill -9)
-and resumed. After each, the store holds every sample exactly once and the final weights equal
+training micro-step, an op that hangs (cancelled past its deadline, its worker restarted), a
+stage that raises once (Prefect's task retry), a stage that fails for good (Prefect's flow-run
+retry resumes the run), and the whole training process killed (kill -9) and resumed. After each, the store holds every sample exactly once and the final weights equal
 an uninterrupted run's. The uninterrupted run's Prefect artifacts are checked here too."""
 
 from __future__ import annotations
@@ -24,94 +24,21 @@ from flexmarl_core.location import RunLocation
 from flexmarl_core.meg import MEG
 from flexmarl_core.stages import faults_dir
 from flexmarl_core.worker import trainer_state_path, weights_path
-from storage import MEGStore
 from tests._holds import Holds
-
-REPO = Path(__file__).resolve().parents[1]
-TINY = str(REPO / "configs" / "tiny.yaml")
-ITERATIONS = 2
-COMMON = ["cluster.prefect_lean=true", "workload.reward=tests.reward_fns:varied", "workload.credit=team",
-          f"train.iterations={ITERATIONS}", "train.evaluate=false"]
-
-
-def _flow(overrides: list[str]):
-    from flows.train import train
-
-    return train(TINY, overrides, progress=False, return_state=True)
-
-
-def assert_exactly_once(cfg) -> None:
-    meg = MEG.from_config(cfg.team)
-    store = MEGStore(cfg.resolved_store_uri())
-    for it in range(cfg.train.iterations):
-        ids = [p["input_id"] for p in store.read_inputs(it).to_pylist()]
-        expected = {n.sample_id for n in meg.instantiate(ids, cfg.batch.group_size)}
-        for agent in meg.agent_names:
-            mine = [s for s in expected if s.split(":")[2] == agent]
-            assert store.audit(agent, it, expected=mine) == [], (agent, it)
-            tbl = store.read_samples(agent, it)
-            assert sorted(tbl.column("sample_id").to_pylist()) == sorted(mine)
-            assert tbl.column("consumed_step").null_count == 0
-
-
-def assert_same_weights(cfg_a, cfg_b) -> None:
-    for agent in MEG.from_config(cfg_a.team).trainable_agents:
-        wa = load_file(str(weights_path(cfg_a.resolved_run_dir(), agent, ITERATIONS)))
-        wb = load_file(str(weights_path(cfg_b.resolved_run_dir(), agent, ITERATIONS)))
-        for k in wa:
-            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6, msg=f"{agent}.{k}")
-
-
-def assert_same_samples(cfg_a, cfg_b) -> None:
-    """Same tokens sampled for every agent and iteration (seeds depend on the op, not the run)."""
-    a, b = MEGStore(cfg_a.resolved_store_uri()), MEGStore(cfg_b.resolved_store_uri())
-    for it in range(ITERATIONS):
-        for agent in MEG.from_config(cfg_a.team).agent_names:
-            ta, tb = (s.read_samples(agent, it).select(["sample_id", "response_ids"]).sort_by("sample_id")
-                      for s in (a, b))
-            assert ta.num_rows == tb.num_rows > 0, (agent, it)
-            assert ta.to_pylist() == tb.to_pylist(), (agent, it)
-
-
-async def _task_runs(flow_run_id):
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    async with get_client() as c:
-        return await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)
-
-
-async def _flow_run(flow_run_id):
-    from prefect import get_client
-
-    async with get_client() as c:
-        return await c.read_flow_run(flow_run_id), await c.read_flow_run_states(flow_run_id)
-
-
-def _ops(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines() if x.strip()]
-
-
-@pytest.fixture(scope="module")
-def baseline_run(prefect_api, dask_cluster, tmp_path_factory):
-    """The uninterrupted run every fault run is compared with: its config and flow run id."""
-    overrides = [f"run_dir={tmp_path_factory.mktemp('baseline')}/run", f"cluster.address={dask_cluster}", *COMMON]
-    state = _flow(overrides)
-    assert state.is_completed(), state.message
-    return load_config(TINY, overrides), state.state_details.flow_run_id
-
-
-@pytest.fixture(scope="module")
-def baseline(baseline_run):
-    return baseline_run[0]
-
-
-def plant_fault(run_dir: Path, kind: str, victim: str, content: str = "") -> Path:
-    """A `<kind>@<victim>` marker beside the run folder (see `stages.faults_dir`)."""
-    marker = Path(faults_dir(run_dir)) / f"{kind}@{victim}"
-    marker.parent.mkdir(parents=True)
-    marker.write_text(content)
-    return marker
+from tests._runs import (
+    COMMON,
+    ITERATIONS,
+    REPO,
+    TINY,
+    assert_exactly_once,
+    assert_same_samples,
+    assert_same_weights,
+    flow,
+    flow_run,
+    ops_log,
+    plant_fault,
+    task_runs,
+)
 
 
 @pytest.mark.parametrize("victim", ["rollout[solver] it=1 mb=0", "train[solver] it=1 mb=1"])
@@ -119,7 +46,7 @@ def test_worker_killed_mid_stage_run_completes_exactly_once(baseline, dask_clust
     run_dir = tmp_path / "run"
     marker = plant_fault(run_dir, "kill", victim)
     overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON]
-    state = _flow(overrides)
+    state = flow(overrides)
     assert state.is_completed(), state.message
     assert not marker.exists(), "the fault never fired"
     cfg = load_config(TINY, overrides)
@@ -145,7 +72,7 @@ def test_hung_op_is_cancelled_its_worker_restarted_and_the_op_rerun(baseline, da
     marker = plant_fault(run_dir, "hang", victim, "300")  # not cancelled: it fails, late
     overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON,
                  "cluster.deadlines.floor_s=10"]
-    state = _flow(overrides)
+    state = flow(overrides)
     assert state.is_completed(), state.message
     assert not marker.exists(), "the fault never fired"
     cfg = load_config(TINY, overrides)
@@ -157,7 +84,7 @@ def test_hung_op_is_cancelled_its_worker_restarted_and_the_op_rerun(baseline, da
     assert len(hung) == 1, decisions
     assert hung[0]["worker"] in ("w0", "w1") and hung[0]["deadline_s"] >= 10, hung
     assert hung[0]["waited_s"] >= hung[0]["deadline_s"]
-    assert [o["op"] for o in _ops(run_dir)].count(victim) == 1
+    assert [o["op"] for o in ops_log(run_dir)].count(victim) == 1
 
 
 def test_gradient_helpers_on_dask_train_the_same_weights(baseline, dask_cluster, tmp_path):
@@ -172,7 +99,7 @@ def test_gradient_helpers_on_dask_train_the_same_weights(baseline, dask_cluster,
     overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON,
                  "codesign.gradient_helpers=true", "codesign.async_pipeline=false"]
     with Holds(run_dir, victims, lambda held: held == set(victims)) as holds:
-        state = _flow(overrides)
+        state = flow(overrides)
     assert state.is_completed(), state.message
     assert holds.seen == set(victims), "the solver's two train ops never ran at the same time"
     assert holds.fired()
@@ -234,7 +161,7 @@ def test_stage_raising_once_is_retried_by_prefect(baseline, dask_cluster, tmp_pa
     run_dir = tmp_path / "run"
     marker = plant_fault(run_dir, "raise", victim)
     overrides = [f"run_dir={run_dir}", f"cluster.address={dask_cluster}", *COMMON]
-    state = _flow(overrides)
+    state = flow(overrides)
     assert state.is_completed(), state.message
     assert not marker.exists(), "the fault never fired"
     cfg = load_config(TINY, overrides)
@@ -242,11 +169,11 @@ def test_stage_raising_once_is_retried_by_prefect(baseline, dask_cluster, tmp_pa
     assert_same_weights(baseline, cfg)
     assert_same_samples(baseline, cfg)
     # The orchestrator saw one op that succeeded: the retry happened inside the task run.
-    assert [o["op"] for o in _ops(run_dir)].count(victim) == 1
+    assert [o["op"] for o in ops_log(run_dir)].count(victim) == 1
     # The server records task runs from events in batches: poll briefly for the retried one.
     deadline = time.time() + 30
     while True:
-        runs = [r for r in asyncio.run(_task_runs(state.state_details.flow_run_id)) if r.name == victim]
+        runs = [r for r in asyncio.run(task_runs(state.state_details.flow_run_id)) if r.name == victim]
         if (runs and runs[0].state.is_completed() and runs[0].run_count >= 2) or time.time() > deadline:
             break
         time.sleep(0.5)
@@ -266,11 +193,11 @@ def test_flow_run_retry_resumes_the_run(baseline, dask_cluster, tmp_path):
     state = train.with_options(retries=1)(TINY, overrides, progress=False, return_state=True)
     assert state.is_completed(), state.message
     assert not marker.exists(), "the fault never fired"
-    fr, states = asyncio.run(_flow_run(state.state_details.flow_run_id))
+    fr, states = asyncio.run(flow_run(state.state_details.flow_run_id))
     assert fr.run_count == 2, fr.run_count
     # Attempt 1 ended when the flow run went back to a scheduled (AwaitingRetry) state.
     retried_at = min(s.timestamp for s in states if s.is_scheduled() and s.name == "AwaitingRetry").timestamp()
-    ops = _ops(run_dir)
+    ops = ops_log(run_dir)
     first = [o for o in ops if o["finished"] < retried_at]
     assert any(o["iteration"] == 0 for o in first), "attempt 1 completed no op: nothing to resume"
     assert victim not in {o["op"] for o in first}
@@ -281,7 +208,7 @@ def test_flow_run_retry_resumes_the_run(baseline, dask_cluster, tmp_path):
     # Completed ops were not rerun: each op once, except training of an iteration whose step
     # had not happened in attempt 1 (its gradients lived in memory; see completed_records).
     names = [o["op"] for o in ops]
-    assert set(names) == {o["op"] for o in _ops(baseline.resolved_run_dir())}
+    assert set(names) == {o["op"] for o in ops_log(baseline.resolved_run_dir())}
     stepped = {(o["agent"], o["iteration"]) for o in first if o["kind"] == "step"}
     repeated = [o for o in ops if names.count(o["op"]) > 1]
     assert all(o["kind"] == "train" and (o["agent"], o["iteration"]) not in stepped for o in repeated), \
@@ -402,7 +329,7 @@ def test_kill_9_between_checkpoints_then_resume_replays(prefect_api, dask_cluste
     import shutil
 
     base = [f"run_dir={tmp_path}/baseline", f"cluster.address={dask_cluster}", *COMMON, *SCHEDULED]
-    state = _flow(base)
+    state = flow(base)
     assert state.is_completed(), state.message
     run_dir = tmp_path / "run"
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO)}

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +20,15 @@ import pytest
 from flexmarl_core.config import load_config
 from flexmarl_core.meg import MEG
 from storage import MEGStore
+from tests._runs import (
+    COMMON,
+    assert_exactly_once,
+    assert_same_samples,
+    assert_same_weights,
+    flow,
+    ops_log,
+    plant_fault,
+)
 from tests.test_bad_input import TINY, _one_error_line, _train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,3 +116,92 @@ def test_deadlines_name_a_bad_kind_or_value() -> None:
         load_config(str(TINY), ["cluster.deadlines.per_kind_s={train: 0}"])
     cfg = load_config(str(TINY), ["cluster.deadlines.per_kind_s={train: 30}"])
     assert cfg.cluster.deadlines.per_kind_s == {"train": 30} and cfg.cluster.deadlines.floor_s == 300
+
+
+def _dask_processes(port: int, env: dict[str, str], log_dir: Path) -> list[subprocess.Popen]:
+    """`dask scheduler` on `port` and two `dask worker`s, as a user starts them; returns once
+    both workers joined."""
+    from distributed import Client
+
+    bin_dir = Path(sys.executable).parent
+
+    def start(name: str, *cmd: str) -> subprocess.Popen:
+        out = open(log_dir / f"{name}.log", "a")  # noqa: SIM115 - the process owns it
+        return subprocess.Popen([str(bin_dir / "dask"), *cmd], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    address = f"tcp://127.0.0.1:{port}"
+    procs = [start("scheduler", "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard")]
+    procs += [start(f"w{i}", "worker", address, "--name", f"w{i}", "--nthreads", "1",
+                    "--resources", "rollout=1,train=1") for i in range(2)]
+    try:
+        with Client(address, timeout=60) as c:
+            c.wait_for_workers(2, timeout=120)
+    except BaseException:
+        _kill(procs)
+        raise
+    return procs
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=30)
+
+
+def test_scheduler_lost_mid_run_stops_clearly_and_resume_completes(baseline, prefect_api, tmp_path):
+    """The `dask scheduler` process of an external cluster is killed mid-iteration (while a
+    rollout of iteration 1 is held): the run stops at once with an error that says what was
+    lost and how to resume. With a scheduler and workers started again at the same address,
+    `--resume` completes the run: every sample exactly once, the undisturbed run's weights."""
+    import shutil
+
+    from flexmarl_core.stages.faults import held_ops
+    from flows.train import train
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": prefect_api,
+           "OMP_NUM_THREADS": "1", "FLEXMARL_TORCH_THREADS": "1"}
+    run_dir = tmp_path / "run"
+    victim = "rollout[solver] it=1 mb=0"
+    holds = plant_fault(run_dir, "hold", victim, "600").parent
+    overrides = [f"run_dir={run_dir}", f"cluster.address=tcp://127.0.0.1:{port}", *COMMON]
+    procs = _dask_processes(port, env, tmp_path)
+    killed = threading.Event()
+
+    def kill_when_held() -> None:
+        deadline = time.monotonic() + 600
+        while victim not in held_ops(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(procs[0].pid, signal.SIGKILL)  # the scheduler only: its workers are left behind
+        killed.set()
+
+    watcher = threading.Thread(target=kill_when_held, daemon=True)
+    watcher.start()
+    try:
+        state = flow(overrides)
+        watcher.join(timeout=5)
+        assert killed.is_set(), "the held rollout was never reached"
+        assert state.is_failed(), state
+        assert "SchedulerLostError: lost the Dask scheduler" in state.message, state.message
+        assert f"flexmarl train --resume {run_dir}" in state.message, state.message
+    finally:
+        _kill(procs)
+    done = [o["op"] for o in ops_log(run_dir)]
+    assert victim not in done and any(o.startswith("step[") for o in done)  # stopped mid-run
+    shutil.rmtree(holds)
+    procs = _dask_processes(port, env, tmp_path)  # the user starts the cluster again
+    try:
+        resumed = train(str(run_dir / "config.yaml"), [], progress=False, resume=True, return_state=True)
+        assert resumed.is_completed(), resumed.message
+    finally:
+        _kill(procs)
+    cfg = load_config(str(run_dir / "config.yaml"))
+    assert_exactly_once(cfg)
+    assert_same_weights(baseline, cfg)
+    assert_same_samples(baseline, cfg)

@@ -9,6 +9,7 @@ from typing import Any
 
 import distributed
 from distributed import Client
+from distributed.client import CancelledError
 
 from flexmarl_core.cluster.plugins import DaskPrograms, DaskWeightPushes
 from flexmarl_core.cluster.workers import (
@@ -18,8 +19,14 @@ from flexmarl_core.cluster.workers import (
     worker_names,
     worker_resources,
 )
+from flexmarl_core.control import OrchestratorError
 from flexmarl_core.ops import FusedResult, MemoryRestart, Op, Route, StageResult
 from flexmarl_core.stages import run_fused, run_stage_after, run_stage_retrying
+
+
+class SchedulerLostError(OrchestratorError):
+    """The client lost the Dask scheduler mid-run: every op in flight is gone with it."""
+
 
 #: how long a hung op's worker may take to restart before the run goes on without waiting
 RESTART_TIMEOUT_S = 60.0
@@ -92,11 +99,27 @@ class DaskExecutor:
             done, _ = distributed.wait(list(handles), timeout=timeout, return_when="FIRST_COMPLETED")
         except TimeoutError:  # Dask raises where concurrent.futures returns nothing done
             return []
+        except CancelledError as exc:
+            self._check_scheduler(exc)
+            raise
         return list(done)
 
     def result(self, handle: distributed.Future) -> StageResult | FusedResult:
-        return handle.result()
+        try:
+            return handle.result()
+        except CancelledError as exc:
+            self._check_scheduler(exc)
+            raise
 
+    def _check_scheduler(self, exc: BaseException | None = None) -> None:
+        """Dask cancels every future when its client loses the scheduler, and the scheduler's
+        task state is gone with it: the run stops, saying how to resume."""
+        if self.client.status == "running" and "scheduler-connection-lost" not in str(exc or ""):
+            return
+        address = getattr(self.client.scheduler, "address", "")
+        raise SchedulerLostError(
+            f"lost the Dask scheduler {address} mid-run: start it and its workers again, then "
+            f"`flexmarl train --resume {self.run_dir}` (finished ops are kept)") from exc
     def now(self) -> float:
         return time.time()
 
@@ -116,10 +139,15 @@ class DaskExecutor:
         self._tags = None
 
     def lost(self, exc: BaseException) -> bool:
+        self._check_scheduler()
         if lost_worker(exc):
             self._tags = None  # the worker set changed: route the resubmission on fresh tags
             return True
         return False
 
     def memory_restarts(self, since: float) -> list[MemoryRestart]:
-        return memory_restarts(self.client, since)
+        try:
+            return memory_restarts(self.client, since)
+        except OSError as exc:  # a comm that cannot reach the scheduler (CommClosedError too)
+            self._check_scheduler(exc)
+            raise

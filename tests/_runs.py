@@ -1,0 +1,88 @@
+"""Runs of the tiny team on the real stack that fault tests compare: the undisturbed run's
+settings (`COMMON`), the flow, fault markers, and the checks that a disturbed run stored every
+sample exactly once and ended with the undisturbed run's samples and weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from flexmarl_core.meg import MEG
+from flexmarl_core.stages import faults_dir
+from flexmarl_core.worker import weights_path
+from storage import MEGStore
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+ITERATIONS = 2
+COMMON = ["cluster.prefect_lean=true", "workload.reward=tests.reward_fns:varied", "workload.credit=team",
+          f"train.iterations={ITERATIONS}", "train.evaluate=false"]
+
+
+def flow(overrides: list[str]):
+    from flows.train import train
+
+    return train(TINY, overrides, progress=False, return_state=True)
+
+
+def assert_exactly_once(cfg) -> None:
+    meg = MEG.from_config(cfg.team)
+    store = MEGStore(cfg.resolved_store_uri())
+    for it in range(cfg.train.iterations):
+        ids = [p["input_id"] for p in store.read_inputs(it).to_pylist()]
+        expected = {n.sample_id for n in meg.instantiate(ids, cfg.batch.group_size)}
+        for agent in meg.agent_names:
+            mine = [s for s in expected if s.split(":")[2] == agent]
+            assert store.audit(agent, it, expected=mine) == [], (agent, it)
+            tbl = store.read_samples(agent, it)
+            assert sorted(tbl.column("sample_id").to_pylist()) == sorted(mine)
+            assert tbl.column("consumed_step").null_count == 0
+
+
+def assert_same_weights(cfg_a, cfg_b) -> None:
+    for agent in MEG.from_config(cfg_a.team).trainable_agents:
+        wa = load_file(str(weights_path(cfg_a.resolved_run_dir(), agent, ITERATIONS)))
+        wb = load_file(str(weights_path(cfg_b.resolved_run_dir(), agent, ITERATIONS)))
+        for k in wa:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6, msg=f"{agent}.{k}")
+
+
+def assert_same_samples(cfg_a, cfg_b) -> None:
+    """Same tokens sampled for every agent and iteration (seeds depend on the op, not the run)."""
+    a, b = MEGStore(cfg_a.resolved_store_uri()), MEGStore(cfg_b.resolved_store_uri())
+    for it in range(ITERATIONS):
+        for agent in MEG.from_config(cfg_a.team).agent_names:
+            ta, tb = (s.read_samples(agent, it).select(["sample_id", "response_ids"]).sort_by("sample_id")
+                      for s in (a, b))
+            assert ta.num_rows == tb.num_rows > 0, (agent, it)
+            assert ta.to_pylist() == tb.to_pylist(), (agent, it)
+
+
+async def task_runs(flow_run_id):
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async with get_client() as c:
+        return await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)
+
+
+async def flow_run(flow_run_id):
+    from prefect import get_client
+
+    async with get_client() as c:
+        return await c.read_flow_run(flow_run_id), await c.read_flow_run_states(flow_run_id)
+
+
+def ops_log(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines() if x.strip()]
+
+
+def plant_fault(run_dir: Path, kind: str, victim: str, content: str = "") -> Path:
+    """A `<kind>@<victim>` marker beside the run folder (see `stages.faults_dir`)."""
+    marker = Path(faults_dir(run_dir)) / f"{kind}@{victim}"
+    marker.parent.mkdir(parents=True)
+    marker.write_text(content)
+    return marker
