@@ -34,6 +34,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+#: Prefect client retries of the flow run's own API calls (exponential backoff: ~4 minutes)
+API_RETRIES = 7
+
+
 def _config(args: argparse.Namespace):  # noqa: ANN202 - avoids importing pydantic models at parse time
     from flexmarl_core.config import load_config
 
@@ -63,6 +67,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Prefect's INFO lines (flow and task run states) stay in its API and UI; the terminal shows
     # the UI link, a line per iteration and the summary. Set before Prefect is imported.
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    # Training never waits on the API (task-run events are buffered and resent by Prefect's
+    # events client), but the flow run's own states are API calls: 7 retries back off for
+    # 2+4+...+128 s, so an API server away for up to ~4 minutes is ridden out.
+    os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", str(API_RETRIES))
     from flexmarl.console import console, summary_lines, summary_table
     from flexmarl.prefect_api import ensure_api, ui_url
 
@@ -75,14 +83,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
         console.print(f"started a local Prefect server at {ui_url(api)} (stop: flexmarl server stop)")
+    import httpx
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.train import train
 
     # Settings may have been loaded before ensure_api set the env var: pin the API explicitly.
     with temporary_settings(updates={PREFECT_API_URL: api}):
-        state = train(args.config, args.set, progress=not args.no_progress, resume=bool(args.resume),
-                      return_state=True)
+        try:
+            state = train(args.config, args.set, progress=not args.no_progress, resume=bool(args.resume),
+                          return_state=True)
+        except httpx.TransportError as exc:  # the API stayed away past every retry
+            console.print(f"[red]run stopped: the Prefect API at {api} did not answer "
+                          f"({type(exc).__name__}: {exc}); what finished is stored: start the API, "
+                          f"then `flexmarl train --resume {cfg.run_location().uri}`")
+            return 1
     flow_run_id = getattr(state, "state_details", None) and state.state_details.flow_run_id
     if not state.is_completed():
         if flow_run_id:

@@ -205,3 +205,94 @@ def test_scheduler_lost_mid_run_stops_clearly_and_resume_completes(baseline, pre
     assert_exactly_once(cfg)
     assert_same_weights(baseline, cfg)
     assert_same_samples(baseline, cfg)
+
+
+#: how long the Prefect API server is away (the outage the operations guide promises to ride out)
+OUTAGE_S = 60.0
+
+
+def _prefect_server(home: Path, port: int, log: Path) -> subprocess.Popen:
+    """A Prefect server process of the test's own (its database in `home`), answering."""
+    import urllib.request
+
+    env = {**os.environ, "PREFECT_HOME": str(home)}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host",
+                             "127.0.0.1", "--port", str(port)], env=env, stdout=open(log, "a"),  # noqa: SIM115
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
+            return proc
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                _kill([proc])
+                raise RuntimeError(f"the Prefect server did not start: {log.read_text()[-2000:]}") from None
+            time.sleep(0.5)
+
+
+def test_api_server_away_for_a_minute_mid_run_training_goes_on(baseline, tmp_path):
+    """The Prefect API server is killed in iteration 0 and started again `OUTAGE_S` later.
+    Training goes on meanwhile (ops finish during the outage), the run completes with the
+    undisturbed run's samples and weights, and afterwards the API holds a completed task run
+    for every op: the reports were buffered and sent once the API was back."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flexmarl_core.stages.faults import held_ops, release
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home, log = tmp_path / "prefect", tmp_path / "prefect-server.log"
+    api = f"http://127.0.0.1:{port}/api"
+    run_dir = tmp_path / "run"
+    victim = "rollout[solver] it=0 mb=1"
+    plant_fault(run_dir, "hold", victim, "600")
+    env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_HOME": str(home), "PYTHONPATH": str(REPO)}
+    server = _prefect_server(home, port, log)
+    sets = [x for o in [f"run_dir={run_dir}", *COMMON] for x in ("--set", o)]
+    proc = subprocess.Popen([sys.executable, "-m", "flexmarl.cli", "train", str(TINY), *sets, "--no-progress"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while victim not in held_ops(run_dir) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert victim in held_ops(run_dir), "the held rollout was never reached"
+        _kill([server])
+        away = time.time()
+        release(run_dir, victim)
+        time.sleep(OUTAGE_S)
+        back = time.time()
+        server = _prefect_server(home, port, log)
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        ops = ops_log(run_dir)
+        assert any(away < o["finished"] < back for o in ops), "no op finished while the API was away"
+        cfg = load_config(str(run_dir / "config.yaml"))
+        assert_exactly_once(cfg)
+        assert_same_weights(baseline, cfg)
+        assert_same_samples(baseline, cfg)
+
+        async def completed() -> set[str]:
+            async with get_client() as c:
+                (run,) = await c.read_flow_runs()  # the server's own database: this run only
+                assert run.state.is_completed(), run.state
+                runs = await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
+                                              limit=200)
+                return {r.name for r in runs if r.state.is_completed()}
+
+        want = {o["op"] for o in ops}
+        deadline = time.monotonic() + 60
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            while not want <= (got := asyncio.run(completed())) and time.monotonic() < deadline:
+                time.sleep(1)
+        assert want <= got, sorted(want - got)[:10]
+    finally:
+        _kill([server])
