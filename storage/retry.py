@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-__all__ = ["RetryPolicy", "RetryingHandler", "StoreIOError", "configure", "policy", "transient"]
+__all__ = ["RetryPolicy", "RetryingHandler", "StoreIOError", "configure", "policy", "retried", "transient"]
 
 T = TypeVar("T")
 
@@ -50,6 +50,13 @@ class RetryPolicy:
 
 _policy = RetryPolicy()
 _rng = random.Random()
+#: transient failures retried in this process so far (what ops report as `store/retries`)
+_retried = 0
+
+
+def retried() -> int:
+    """How many transient failures this process has retried so far."""
+    return _retried
 
 
 def configure(new: RetryPolicy) -> None:
@@ -96,6 +103,8 @@ def call(operation: str, where: str, fn: Callable[[], T]) -> T:
                 text = " ".join(str(exc).split())[:300]
                 raise StoreIOError(f"{where}: {operation} failed {p.attempts} times (store.retries."
                                    f"attempts): {text}") from exc
+            global _retried
+            _retried += 1  # a plain int under the GIL: a lost increment miscounts, never breaks
             time.sleep(p.delay(k, _rng))
     raise AssertionError("unreachable")
 

@@ -5,7 +5,8 @@
                                                   (None: hold it, `codesign.late_binding`)
     ControlPlane.route_ahead(op, workers)         the route, if no later decision could change it
     ControlPlane.submitted / finished / observed  keep the work ledger in seconds
-    ControlPlane.decisions                        MoveInstance, TrainSlot, GradientHelper, Resubmit, HungOp
+    ControlPlane.decisions                        MoveInstance, TrainSlot, GradientHelper, Resubmit, HungOp,
+                                                  StoreRetries
 
 Pure Python, no Dask: the orchestrator applies re-tags through its executor, so the same
 policies run against a real cluster, threads, or a simulated clock.
@@ -23,6 +24,7 @@ from flexmarl_core.control.decisions import (
     HungOp,
     MoveInstance,
     Resubmit,
+    StoreRetries,
     TrainSlot,
 )
 from flexmarl_core.control.ledger import DEFAULT_OP_S, WorkLedger
@@ -33,7 +35,7 @@ from flexmarl_core.ops import Op, Route, StageResult
 
 __all__ = [
     "DEFAULT_OP_S", "ROLLOUT_TAG", "TRAIN_TAG", "ControlPlane", "Decision", "GradientHelper", "InstanceBalancer",
-    "HungOp", "MoveInstance", "OrchestratorError", "Resubmit", "Router", "TrainSlot", "WorkLedger",
+    "HungOp", "MoveInstance", "OrchestratorError", "Resubmit", "Router", "StoreRetries", "TrainSlot", "WorkLedger",
     "apply_move", "lend_idle", "rebalance", "rollout_tag",
 ]
 
@@ -142,6 +144,9 @@ class ControlPlane:
         """A finished op's measurement: it feeds the duration estimates and is never charged
         again. Swap-in time is the move's cost, not the op's: kept out of the estimate."""
         self.ledger.completed.add(res.op)
+        if res.metrics.get("store/retries"):
+            self.decisions.append(StoreRetries(t=self.clock(), op=res.op.name, worker=res.worker,
+                                               retries=int(res.metrics["store/retries"])))
         if res.t_end:
             self.ledger.observe(res.op, res.seconds - res.swap.get("swap_in_s", 0.0))
         if res.op.kind == "program" and self.balancer is not None:

@@ -105,4 +105,19 @@ class HungOp:
         return {"decision": self.decision, **asdict(self)}
 
 
-Decision = MoveInstance | TrainSlot | GradientHelper | Resubmit | HungOp
+@dataclass(frozen=True, slots=True)
+class StoreRetries:
+    """`op` ended well after its worker retried `retries` transient object-store failures
+    (`store.retries`) while it ran."""
+
+    decision: ClassVar[str] = "store_retries"
+    t: float
+    op: str
+    worker: str
+    retries: int
+
+    def as_row(self) -> dict[str, Any]:
+        return {"decision": self.decision, **asdict(self)}
+
+
+Decision = MoveInstance | TrainSlot | GradientHelper | Resubmit | HungOp | StoreRetries

@@ -20,6 +20,7 @@ from flexmarl_core.ops import OP_KINDS, FusedResult, Op, OpKind, StageResult, ch
 from flexmarl_core.ops import ConsistencyError as ConsistencyError  # where the stages' callers look
 from flexmarl_core.stages.faults import fault_point
 from flexmarl_core.worker import WorkerContext, context
+from storage import retry
 
 StageFn = Callable[[WorkerContext, Op], StageResult]
 STAGES: dict[OpKind, StageFn] = {}
@@ -126,8 +127,10 @@ def run_stage(run_dir: str, op: Op, *, gradient_only: bool = False) -> StageResu
     if gradient_only and op.kind not in GRADIENT_STAGES:
         raise ValueError(f"{op.name}: no stage runs a {op.kind} op as a gradient helper")
     fn = GRADIENT_STAGES[op.kind] if gradient_only else STAGES[op.kind]
-    t0, c0 = time.time(), time.process_time()
+    t0, c0, r0 = time.time(), time.process_time(), retry.retried()
     res = fn(context(run_dir), op)
+    if retry.retried() > r0:  # object-store faults this op rode out (or a concurrent one did)
+        res.metrics["store/retries"] = float(retry.retried() - r0)
     res.worker, res.t_start, res.t_end = worker_name(), t0, time.time()
     res.cpu_s = time.process_time() - c0
     # Linux reports ru_maxrss in KiB: the process's peak, what Dask's memory monitor watches.

@@ -1,0 +1,236 @@
+"""Chaos: the default team on the real stack (a Prefect API server of its own, flexmarl's local
+Dask cluster, the run folder and MEG Store on S3 behind `storage.fault_proxy`) with faults of
+the machinery injected at seeded points, against the same run undisturbed.
+
+    .venv/bin/python bench/chaos.py --json runs/bench/chaos.json [--quick] [--seed 0]
+
+Faults: 4 worker kills (`kill@` on seeded rollout and train ops), a Prefect API outage
+(`--outage-s`, from a seeded iteration on), a burst of S3 errors (every request answered 503
+for a while, from another seeded iteration), one hung op (`hang@`, caught by
+`cluster.deadlines`). Checks: the audit finds no duplicate and no missing sample; the final
+weights equal the undisturbed run's (rtol 1e-4, atol 1e-6, as the resume tests); every kill shows as a
+`resubmit` of its op in the decision log, the hang as `hung_op`, the S3 burst as
+`store_retries`; the API outage, which the run never sees, as every op's task run completed in
+the API afterwards. JSON keys: `faults_injected`, `faults_survived`, `audit_errors`,
+`weights_tolerance_ratio` (at most 1: equal within rtol 1e-4, atol 1e-6), `wall_s_undisturbed`, `wall_s_chaos`, `wall_cost_ratio`, `decisions`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKET = "bench-chaos"
+os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "7")  # as `flexmarl train` sets it
+
+
+def prefect_server(home: Path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host",
+                             "127.0.0.1", "--port", str(port)], env={**os.environ, "PREFECT_HOME": str(home)},
+                            stdout=open(home / "server.log", "a"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                            start_new_session=True)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
+            return proc
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"the Prefect server did not start; see {home / 'server.log'}") from None
+            time.sleep(0.5)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def ops_of(loc) -> list[dict]:  # noqa: ANN001 - a RunLocation
+    try:
+        return [json.loads(x) for x in loc.read_text("metrics/ops.jsonl").splitlines() if x.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def run(config: str, overrides: list[str]) -> float:
+    from flows.train import train
+
+    t0 = time.time()
+    state = train(config, overrides, progress=False, return_state=True)
+    if not state.is_completed():
+        raise SystemExit(f"run failed: {state.message}")
+    return time.time() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--quick", action="store_true", help="6 iterations of a smaller batch, a 20 s outage")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--iterations", type=int, default=None)
+    ap.add_argument("--outage-s", type=float, default=None)
+    ap.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
+    args = ap.parse_args()
+    iterations = args.iterations or (6 if args.quick else 30)
+    outage = args.outage_s if args.outage_s is not None else (20.0 if args.quick else 60.0)
+    rng = random.Random(args.seed)
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from _s3 import start_s3
+
+    from flexmarl_core.audit import audit_run
+    from flexmarl_core.location import RunLocation
+    from storage.fault_proxy import FaultProxy
+
+    moto = start_s3(BUCKET)  # sets AWS_ENDPOINT_URL to moto; the runs go through the proxy
+    direct = os.environ["AWS_ENDPOINT_URL"]
+    proxy = FaultProxy(direct, seed=args.seed).start()
+    os.environ["AWS_ENDPOINT_URL"] = proxy.url  # before any cluster starts: its workers inherit it
+    home = Path(tempfile.mkdtemp(prefix="flexmarl-chaos-prefect-"))
+    port = 4300 + rng.randrange(500)
+    api = f"http://127.0.0.1:{port}/api"
+    server = prefect_server(home, port)
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    tag = uuid.uuid4().hex[:6]
+    base = [f"train.iterations={iterations}", "train.warm_start=none", "train.evaluate=false",
+            "cluster.deadlines.floor_s=20", "train.checkpoint_every=1"]
+    if args.quick:
+        base += ["batch.inputs_per_iteration=32", "batch.micro_batch_inputs=8"]
+    calm_uri, chaos_uri = (f"s3://{BUCKET}/{tag}/{k}" for k in ("calm", "chaos"))
+
+    def peek(uri: str) -> RunLocation:  # the bench's own reads go to moto directly
+        host = direct.removeprefix("http://")
+        return RunLocation(f"{uri}?endpoint_override={host}&scheme=http&region=us-east-1")
+
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            wall_calm = run(args.config, [f"run_dir={calm_uri}", *base])
+            calm_ops = ops_of(peek(calm_uri))
+            pool = sorted({o["op"] for o in calm_ops if o["kind"] in ("rollout", "train") and o["iteration"] >= 1})
+            by_it: dict[int, list[str]] = {}
+            for name in pool:
+                by_it.setdefault(int(name.split(" it=")[1].split()[0]), []).append(name)
+            its = rng.sample(sorted(by_it), k=min(5, len(by_it)))
+            kills = [rng.choice(by_it[i]) for i in its[:4]]
+            hang = rng.choice([n for n in by_it[its[4 % len(its)]] if n not in kills and n.startswith("rollout")]
+                              or [n for n in pool if n not in kills])
+            it_api, it_s3 = rng.sample(range(1, iterations), k=2)
+            faults = RunLocation(chaos_uri).sibling(".faults")
+            for name in kills:
+                faults.write_text(f"kill@{name}", "")
+            faults.write_text(f"hang@{hang}", "")
+            seen = {"api": None, "s3": None}
+
+            def watch() -> None:
+                loc = peek(chaos_uri)
+                nonlocal server
+                while seen["api"] is None or seen["s3"] is None:
+                    top = max((o["iteration"] for o in ops_of(loc)), default=-1)
+                    if seen["s3"] is None and top >= it_s3:
+                        proxy.burst(60, "503")
+                        seen["s3"] = time.time()
+                    if seen["api"] is None and top >= it_api:
+                        seen["api"] = time.time()
+                        kill(server)
+                        time.sleep(outage)
+                        server = prefect_server(home, port)
+                    if done.is_set():
+                        return
+                    time.sleep(0.5)
+
+            done = threading.Event()
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            try:
+                wall_chaos = run(args.config, [f"run_dir={chaos_uri}", *base])
+            finally:
+                done.set()
+                watcher.join(timeout=outage + 240)
+            chaos_loc = peek(chaos_uri)
+            decisions = [json.loads(x) for x in chaos_loc.read_text("metrics/decisions.jsonl").splitlines() if x.strip()]
+            task_runs = asyncio.run(_completed_task_runs())
+        _, problems = audit_run(chaos_uri)
+        audit_errors = sum(p.severity == "error" for p in problems)
+        diff = _weights_diff(peek(calm_uri), chaos_loc, iterations)
+    finally:
+        kill(server)
+        proxy.stop()
+        moto.stop()
+
+    resubmitted = {d["op"] for d in decisions if d["decision"] == "resubmit"}
+    fired = {f"kill@{k}": k in resubmitted for k in kills}
+    fired[f"hang@{hang}"] = any(d["decision"] == "hung_op" and d["op"] == hang for d in decisions)
+    fired["s3 burst"] = seen["s3"] is not None and any(d["decision"] == "store_retries" for d in decisions)
+    fired["api outage"] = seen["api"] is not None and {o["op"] for o in ops_of(chaos_loc)} <= task_runs
+    out = {
+        "seed": args.seed, "iterations": iterations, "quick": args.quick, "outage_s": outage,
+        "faults_injected": len(fired), "faults_survived": sum(fired.values()), "faults": fired,
+        "audit_errors": audit_errors, "weights_tolerance_ratio": round(diff, 4),
+        "wall_s_undisturbed": round(wall_calm, 1), "wall_s_chaos": round(wall_chaos, 1),
+        "wall_cost_ratio": round(wall_chaos / wall_calm, 3),
+        "decisions": {k: sum(d["decision"] == k for d in decisions) for k in
+                      ("resubmit", "hung_op", "store_retries", "move_instance", "train_slot")},
+        "proxy_injected": dict(proxy.injected),
+    }
+    print(f"{'fault':<44} survived")
+    for k, v in fired.items():
+        print(f"{k:<44} {v}")
+    print(f"audit errors {audit_errors}; weights {diff:.3f} of the tolerance; wall {wall_calm:.0f} s undisturbed, "
+          f"{wall_chaos:.0f} s with faults ({out['wall_cost_ratio']:.2f}x)")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    ok = audit_errors == 0 and diff <= 1.0 and all(fired.values())
+    return 0 if ok else 1
+
+
+async def _completed_task_runs() -> set[str]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async with get_client() as c:
+        await asyncio.sleep(5)  # the last events reach the server
+        runs = sorted(await c.read_flow_runs(), key=lambda r: r.start_time or r.created)
+        got: set[str] = set()
+        offset = 0
+        while True:
+            page = await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[-1].id])),
+                                          limit=200, offset=offset)
+            got |= {r.name for r in page if r.state and r.state.is_completed()}
+            if len(page) < 200:
+                return got
+            offset += 200
+
+
+def _weights_diff(a, b, version: int) -> float:  # noqa: ANN001 - RunLocations
+    """The largest |b - a| / (atol + rtol |a|) over every agent's final weights: at most 1 means
+    equal within the resume tests' tolerance (rtol 1e-4, atol 1e-6)."""
+    from safetensors.torch import load
+
+    worst = 0.0
+    for agent in a.list("weights", dirs=True):
+        wa, wb = (load(loc.read_bytes(f"weights/{agent}/v{version}.safetensors")) for loc in (a, b))
+        for k, t in wa.items():
+            if t.numel():
+                worst = max(worst, float(((wb[k] - t).abs() / (1e-6 + 1e-4 * t.abs())).max()))
+    return worst
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
