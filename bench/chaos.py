@@ -169,6 +169,7 @@ def main() -> int:
         _, problems = audit_run(chaos_uri)
         audit_errors = sum(p.severity == "error" for p in problems)
         diff = _weights_diff(peek(calm_uri), chaos_loc, iterations)
+        chaos_ops = {o["op"] for o in ops_of(chaos_loc)}
     finally:
         kill(server)
         proxy.stop()
@@ -178,7 +179,7 @@ def main() -> int:
     fired = {f"kill@{k}": k in resubmitted for k in kills}
     fired[f"hang@{hang}"] = any(d["decision"] == "hung_op" and d["op"] == hang for d in decisions)
     fired["s3 burst"] = seen["s3"] is not None and any(d["decision"] == "store_retries" for d in decisions)
-    fired["api outage"] = seen["api"] is not None and {o["op"] for o in ops_of(chaos_loc)} <= task_runs
+    fired["api outage"] = seen["api"] is not None and chaos_ops <= task_runs
     out = {
         "seed": args.seed, "iterations": iterations, "quick": args.quick, "outage_s": outage,
         "faults_injected": len(fired), "faults_survived": sum(fired.values()), "faults": fired,

@@ -86,6 +86,7 @@ def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 
     attempts (`StageResult.retries`); when every attempt fails, the last error is raised with
     all attempts as its `flexmarl_attempts`, so the flow can report each one."""
     failed: list[list[Any]] = []
+    r0 = retry.retried()
     while True:
         t0 = time.time()
         try:
@@ -98,6 +99,8 @@ def run_stage_retrying(run_dir: str, op: Op, retries: int = 0, delay_s: float = 
             time.sleep(delay_s)
             continue
         res.retries = failed
+        if retry.retried() > r0:  # object-store faults its attempts rode out (or a concurrent op's)
+            res.metrics["store/retries"] = float(retry.retried() - r0)
         return res
 
 
@@ -127,10 +130,8 @@ def run_stage(run_dir: str, op: Op, *, gradient_only: bool = False) -> StageResu
     if gradient_only and op.kind not in GRADIENT_STAGES:
         raise ValueError(f"{op.name}: no stage runs a {op.kind} op as a gradient helper")
     fn = GRADIENT_STAGES[op.kind] if gradient_only else STAGES[op.kind]
-    t0, c0, r0 = time.time(), time.process_time(), retry.retried()
+    t0, c0 = time.time(), time.process_time()
     res = fn(context(run_dir), op)
-    if retry.retried() > r0:  # object-store faults this op rode out (or a concurrent one did)
-        res.metrics["store/retries"] = float(retry.retried() - r0)
     res.worker, res.t_start, res.t_end = worker_name(), t0, time.time()
     res.cpu_s = time.process_time() - c0
     # Linux reports ru_maxrss in KiB: the process's peak, what Dask's memory monitor watches.
