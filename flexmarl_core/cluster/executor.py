@@ -24,6 +24,12 @@ from flexmarl_core.ops import FusedResult, MemoryRestart, Op, Route, StageResult
 from flexmarl_core.stages import run_fused, run_stage_after, run_stage_retrying
 
 
+def _executing(dask_worker: Any) -> list[str]:
+    """Keys of the tasks a worker's threads run now (seceded ones too)."""
+    state = dask_worker.state
+    return [ts.key for ts in (*state.executing, *state.long_running)]
+
+
 class SchedulerLostError(OrchestratorError):
     """The client lost the Dask scheduler mid-run: every op in flight is gone with it."""
 
@@ -79,7 +85,17 @@ class DaskExecutor:
         handle.cancel()
 
     def running_on(self, handle: distributed.Future) -> str | None:
-        return next((addr for addr, keys in self.client.processing().items() if handle.key in keys), None)
+        """The worker executing the op now. The scheduler's `processing` also lists tasks
+        queued on a worker behind others (a hung op holds its worker's thread): the worker
+        itself says which run."""
+        addr = next((a for a, keys in self.client.processing().items() if handle.key in keys), None)
+        if addr is None:
+            return None
+        try:
+            running = self.client.run(_executing, workers=[addr]).get(addr, [])
+        except (OSError, KeyError):  # gone meanwhile: lost, which its result will say
+            return None
+        return addr if handle.key in running else None
 
     def abandon(self, handle: distributed.Future, worker: str) -> str:
         """Cancel a hung op and restart (through its Nanny) the worker running it: the thread
