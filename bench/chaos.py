@@ -5,8 +5,8 @@ the machinery injected at seeded points, against the same run undisturbed.
     .venv/bin/python bench/chaos.py --json runs/bench/chaos.json [--quick] [--seed 0]
 
 Faults: 4 worker kills (`kill@` on seeded rollout and train ops), a Prefect API outage
-(`--outage-s`, from a seeded iteration on), a burst of S3 errors (every request answered 503
-for a while, from another seeded iteration), one hung op (`hang@`, caught by
+(`--outage-s`, from a seeded iteration on), a burst of S3 errors (the next `BURST` requests
+answered 503, from another seeded iteration), one hung op (`hang@`, caught by
 `cluster.deadlines`). Checks: the audit finds no duplicate and no missing sample; the final
 weights equal the undisturbed run's (rtol 1e-4, atol 1e-6, as the resume tests); every kill shows as a
 `resubmit` of its op in the decision log, the hang as `hung_op`, the S3 burst as
@@ -35,6 +35,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "bench-chaos"
 os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "7")  # as `flexmarl train` sets it
+#: consecutive S3 requests answered 503: past the SDK's own 3 tries (so flexmarl's retries act),
+#: short of the 18 requests one call may make under the default store.retries (6 x 3)
+BURST = 15
 
 
 def prefect_server(home: Path, port: int) -> subprocess.Popen:
@@ -146,7 +149,7 @@ def main() -> int:
                 while seen["api"] is None or seen["s3"] is None:
                     top = max((o["iteration"] for o in ops_of(loc)), default=-1)
                     if seen["s3"] is None and top >= it_s3:
-                        proxy.burst(60, "503")
+                        proxy.burst(BURST, "503")
                         seen["s3"] = time.time()
                     if seen["api"] is None and top >= it_api:
                         seen["api"] = time.time()
