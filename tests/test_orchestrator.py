@@ -340,15 +340,16 @@ def _queued_rollouts(res) -> list[str]:
 
 @pytest.mark.parametrize("late", [False, True])
 def test_late_binding_holds_rollouts_until_an_instance_is_idle(late):
-    """One long solver micro-batch and three short ones on static instances (the solver has
-    w1 only). Early binding queues solver rollouts behind the long one; late binding submits
-    each rollout to an idle worker only (w0 gets a solver instance), and every op still
-    runs once and after its dependencies."""
-    cfg = cfg_of({**ALL_ON, "late_binding": late}, iterations=2, mbs=4)
+    """One long solver micro-batch and three short ones; the solver starts with w1 only.
+    Early binding, on static instances (no balancing: nothing could lend w0 a solver instance
+    between the planner parents' ends, so the schedule cannot dodge the queue), queues solver
+    rollouts behind the long one; late binding (it needs balancing) submits each rollout to an
+    idle worker only (w0 gets a solver instance). Every op still runs once and after its
+    dependencies."""
+    cfg = cfg_of({**ALL_ON, "late_binding": late, "load_balancing": late}, iterations=2, mbs=4)
     # The long one: the solver's mb=0 holds its worker until the solver's other rollouts of the
-    # iteration have been submitted. Early binding submits them at once, at least two behind
-    # another op (w1 holds mb=0, w0 takes at most one without a queue); late binding only to
-    # an idle instance, one by one, on w0 once it is lent.
+    # iteration have been submitted. Early binding submits them as their parents end, behind
+    # mb=0 on w1; late binding only to an idle instance, one by one, on w0 once it is lent.
     long = Op(0, "rollout", "solver", 0, 0)
     others = {Op(0, "rollout", "solver", 0, mb) for mb in (1, 2, 3)}
     res, log = run(cfg, workers={w: dict(r) for w, r in DEDICATED.items()},
