@@ -163,6 +163,7 @@ def main() -> int:
             done = threading.Event()
             watcher = threading.Thread(target=watch, daemon=True)
             watcher.start()
+            t_chaos = time.time()
             try:
                 wall_chaos = run(args.config, [f"run_dir={chaos_uri}", *base])
             finally:
@@ -170,11 +171,11 @@ def main() -> int:
                 watcher.join(timeout=outage + 240)
             chaos_loc = peek(chaos_uri)
             decisions = [json.loads(x) for x in chaos_loc.read_text("metrics/decisions.jsonl").splitlines() if x.strip()]
-            task_runs = asyncio.run(_completed_task_runs())
+            chaos_ops = {o["op"] for o in ops_of(chaos_loc)}
+            task_runs = asyncio.run(_completed_task_runs(chaos_ops))
         _, problems = audit_run(chaos_uri)
         audit_errors = sum(p.severity == "error" for p in problems)
         diff = _weights_diff(peek(calm_uri), chaos_loc, iterations)
-        chaos_ops = {o["op"] for o in ops_of(chaos_loc)}
     finally:
         kill(server)
         proxy.stop()
@@ -193,6 +194,8 @@ def main() -> int:
         "wall_s_undisturbed": round(wall_calm, 1), "wall_s_chaos": round(wall_chaos, 1),
         "wall_cost_ratio": round(wall_chaos / wall_calm, 3),
         "hung_ops": [d["op"] for d in decisions if d["decision"] == "hung_op"],
+        "api_outage_at_s": None if seen["api"] is None else round(seen["api"] - t_chaos, 1),
+        "task_runs_missing": sorted(chaos_ops - task_runs)[:10],
         "decisions": {k: sum(d["decision"] == k for d in decisions) for k in
                       ("resubmit", "hung_op", "store_retries", "move_instance", "train_slot")},
         "proxy_injected": dict(proxy.injected),
@@ -208,22 +211,28 @@ def main() -> int:
     return 0 if ok else 1
 
 
-async def _completed_task_runs() -> set[str]:
+async def _completed_task_runs(want: set[str], patience_s: float = 120.0) -> set[str]:
+    """The names of the last flow run's completed task runs, polled until they cover `want`
+    (events buffered during an outage reach the server some seconds after it is back)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + patience_s
     async with get_client() as c:
-        await asyncio.sleep(5)  # the last events reach the server
         runs = sorted(await c.read_flow_runs(), key=lambda r: r.start_time or r.created)
-        got: set[str] = set()
-        offset = 0
         while True:
-            page = await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[-1].id])),
-                                          limit=200, offset=offset)
-            got |= {r.name for r in page if r.state and r.state.is_completed()}
-            if len(page) < 200:
+            got: set[str] = set()
+            offset = 0
+            while True:
+                page = await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[-1].id])),
+                                              limit=200, offset=offset)
+                got |= {r.name for r in page if r.state and r.state.is_completed()}
+                if len(page) < 200:
+                    break
+                offset += 200
+            if want <= got or time.monotonic() > deadline:
                 return got
-            offset += 200
+            await asyncio.sleep(2)
 
 
 def _weights_diff(a, b, version: int) -> float:  # noqa: ANN001 - RunLocations
