@@ -219,6 +219,7 @@ def cmd_store_audit(args: argparse.Namespace) -> int:
 def cmd_humaneval(args: argparse.Namespace) -> int:
     """Grade a model's completions (or the canonical / empty bodies) on a HumanEval file."""
     from flexmarl_core.humaneval import HumanEvalError, grade_humaneval, humaneval_path
+    from flexmarl_core.sandbox import SandboxError
 
     try:
         source = args.completions or ("canonical" if args.canonical else "empty")
@@ -227,6 +228,9 @@ def cmd_humaneval(args: argparse.Namespace) -> int:
     except HumanEvalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except SandboxError as exc:  # no verdict at all: never a column of zeros
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     for task_id, v in report.verdicts.items():
         if v.reason != "passed" and args.verbose:
             print(f"{task_id}: {v.reason}: {v.detail}")
