@@ -23,14 +23,13 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "bench-chaos"
@@ -38,30 +37,6 @@ os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "7")  # as `flexmarl train` 
 #: consecutive S3 requests answered 503: past the SDK's own 3 tries (so flexmarl's retries act),
 #: short of the 18 requests one call may make under the default store.retries (6 x 3)
 BURST = 15
-
-
-def prefect_server(home: Path, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host",
-                             "127.0.0.1", "--port", str(port)], env={**os.environ, "PREFECT_HOME": str(home)},
-                            stdout=open(home / "server.log", "a"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                            start_new_session=True)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
-            return proc
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"the Prefect server did not start; see {home / 'server.log'}") from None
-            time.sleep(0.5)
-
-
-def kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
 
 
 def ops_of(loc) -> list[dict]:  # noqa: ANN001 - a RunLocation
@@ -99,6 +74,7 @@ def main() -> int:
     sys.path.insert(0, str(REPO / "bench"))
     from _s3 import start_s3
 
+    from flexmarl.prefect_api import start_server, stop_server
     from flexmarl_core.audit import audit_run
     from flexmarl_core.location import RunLocation
     from storage.fault_proxy import FaultProxy
@@ -108,9 +84,8 @@ def main() -> int:
     proxy = FaultProxy(direct, seed=args.seed).start()
     os.environ["AWS_ENDPOINT_URL"] = proxy.url  # before any cluster starts: its workers inherit it
     home = Path(tempfile.mkdtemp(prefix="flexmarl-chaos-prefect-"))
-    port = 4300 + rng.randrange(500)
-    api = f"http://127.0.0.1:{port}/api"
-    server = prefect_server(home, port)
+    api = start_server(home, 4300 + rng.randrange(500))
+    port = urlsplit(api).port
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     tag = uuid.uuid4().hex[:6]
@@ -145,7 +120,6 @@ def main() -> int:
 
             def watch() -> None:
                 loc = peek(chaos_uri)
-                nonlocal server
                 while seen["api"] is None or seen["s3"] is None:
                     top = max((o["iteration"] for o in ops_of(loc)), default=-1)
                     if seen["s3"] is None and top >= it_s3:
@@ -153,9 +127,10 @@ def main() -> int:
                         seen["s3"] = time.time()
                     if seen["api"] is None and top >= it_api:
                         seen["api"] = time.time()
-                        kill(server)
+                        stop_server(home, signal.SIGKILL)
                         time.sleep(outage)
-                        server = prefect_server(home, port)
+                        if start_server(home, port) != api:
+                            raise RuntimeError(f"the Prefect server came back elsewhere than {api}")
                     if done.is_set():
                         return
                     time.sleep(0.5)
@@ -177,7 +152,7 @@ def main() -> int:
         audit_errors = sum(p.severity == "error" for p in problems)
         diff = _weights_diff(peek(calm_uri), chaos_loc, iterations)
     finally:
-        kill(server)
+        stop_server(home, signal.SIGKILL)
         proxy.stop()
         moto.stop()
 

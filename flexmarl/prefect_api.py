@@ -7,6 +7,7 @@ to the same API instead of each worker starting a temporary server of its own (~
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from flexmarl_core.config_checks import ConfigError
 
@@ -127,15 +129,21 @@ def start_server(home: Path, port: int = DEFAULT_PORT) -> str:
     raise RuntimeError(f"prefect server did not become healthy at {url} in 180 s; see {home / 'server.log'}")
 
 
-def stop_server(home: Path | None = None) -> bool:
+def stop_server(home: Path | None = None, sig: int = signal.SIGTERM) -> bool:
+    """Signal the server `start_server` started in `home` (SIGKILL: a drill's sudden loss) and
+    wait up to 10 s for its port to be free, so a new one can start there."""
     home = home or Path(os.environ.get("PREFECT_HOME", Path.cwd() / ".prefect"))
     pidfile = home / "flexmarl-server.pid"
     if not pidfile.exists():
         return False
-    pid = int(pidfile.read_text().split()[0])
+    pid_text, url = (pidfile.read_text().split() + [""])[:2]
     try:
-        os.killpg(pid, 15)
+        os.killpg(int(pid_text), sig)
     except ProcessLookupError:
         pass
     pidfile.unlink()
+    port = urlsplit(url).port
+    deadline = time.time() + 10
+    while port and not _port_free(port) and time.time() < deadline:
+        time.sleep(0.1)
     return True

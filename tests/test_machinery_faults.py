@@ -211,26 +211,6 @@ def test_scheduler_lost_mid_run_stops_clearly_and_resume_completes(baseline, pre
 OUTAGE_S = 60.0
 
 
-def _prefect_server(home: Path, port: int, log: Path) -> subprocess.Popen:
-    """A Prefect server process of the test's own (its database in `home`), answering."""
-    import urllib.request
-
-    env = {**os.environ, "PREFECT_HOME": str(home)}
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host",
-                             "127.0.0.1", "--port", str(port)], env=env, stdout=open(log, "a"),  # noqa: SIM115
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
-            return proc
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                _kill([proc])
-                raise RuntimeError(f"the Prefect server did not start: {log.read_text()[-2000:]}") from None
-            time.sleep(0.5)
-
-
 def test_api_server_away_for_a_minute_mid_run_training_goes_on(baseline, tmp_path):
     """The Prefect API server is killed in iteration 0 and started again `OUTAGE_S` later.
     Training goes on meanwhile (ops finish during the outage), the run completes with the
@@ -240,18 +220,19 @@ def test_api_server_away_for_a_minute_mid_run_training_goes_on(baseline, tmp_pat
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from flexmarl.prefect_api import start_server, stop_server
     from flexmarl_core.stages.faults import held_ops, release
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    home, log = tmp_path / "prefect", tmp_path / "prefect-server.log"
+    home = tmp_path / "prefect"
     api = f"http://127.0.0.1:{port}/api"
     run_dir = tmp_path / "run"
     victim = "rollout[solver] it=0 mb=1"
     plant_fault(run_dir, "hold", victim, "600")
     env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_HOME": str(home), "PYTHONPATH": str(REPO)}
-    server = _prefect_server(home, port, log)
+    assert start_server(home, port) == api
     sets = [x for o in [f"run_dir={run_dir}", *COMMON] for x in ("--set", o)]
     proc = subprocess.Popen([sys.executable, "-m", "flexmarl.cli", "train", str(TINY), *sets, "--no-progress"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -261,12 +242,12 @@ def test_api_server_away_for_a_minute_mid_run_training_goes_on(baseline, tmp_pat
         while victim not in held_ops(run_dir) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert victim in held_ops(run_dir), "the held rollout was never reached"
-        _kill([server])
+        stop_server(home, signal.SIGKILL)
         away = time.time()
         release(run_dir, victim)
         time.sleep(OUTAGE_S)
         back = time.time()
-        server = _prefect_server(home, port, log)
+        assert start_server(home, port) == api  # the same port: the run's API URL
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-3000:]
     finally:
@@ -295,4 +276,4 @@ def test_api_server_away_for_a_minute_mid_run_training_goes_on(baseline, tmp_pat
                 time.sleep(1)
         assert want <= got, sorted(want - got)[:10]
     finally:
-        _kill([server])
+        stop_server(home, signal.SIGKILL)
