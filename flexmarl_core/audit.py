@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from flexmarl_core.config import ConfigError, config_from_text
+from flexmarl_core.critic import critic_names
 from flexmarl_core.location import CONFIG_NAME, RunLocation, weights_key
 from flexmarl_core.meg import MEG
 from flexmarl_core.programs.manifest import committed_ids
@@ -37,7 +38,8 @@ def completed_iterations(run_dir: str | Path | RunLocation, iterations: int, tra
 def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
     """(store URI, problems) of a run folder: `audit_store` with the sample_ids each completed
     iteration must hold (from its inputs and the team graph), and, for trainable agents,
-    samples of a completed iteration that no update consumed."""
+    samples of a completed iteration that no update consumed (or, with gae, no critic valued);
+    an iteration counts as completed once its critics synced too."""
     loc = RunLocation(run_dir)
     if not loc.is_file(CONFIG_NAME):
         raise ConfigError(f"{loc.uri}: neither a MEG store nor a run folder (no {CONFIG_NAME})")
@@ -46,7 +48,8 @@ def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
     uri = cfg.resolved_store_uri()
     store = MEGStore(uri, create=False)
     expected: dict[tuple[str, int], list[str]] = {}
-    done = completed_iterations(loc, cfg.train.iterations, list(meg.trainable_agents))
+    critics = critic_names(cfg)
+    done = completed_iterations(loc, cfg.train.iterations, [*meg.trainable_agents, *critics])
     for it in done:
         if meg.program is not None:  # a program's calls vary: what its ops committed
             for agent in meg.agent_names:
@@ -57,9 +60,17 @@ def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
         for node in meg.instantiate(ids, cfg.batch.group_size):
             expected.setdefault((node.agent, it), []).append(node.sample_id)
     problems = audit_store(uri, expected)
+    valued = {a for agents in critics.values() for a in agents}
     for agent in meg.trainable_agents:
         for it in done:
-            tbl = store.read_samples(agent, it, columns=["sample_id", "consumed_step"])
+            tbl = store.read_samples(agent, it, columns=["sample_id", "consumed_step", "value"])
+            if agent in valued:  # its advantages came from a critic: every sample was valued
+                bare = tbl.filter(tbl.column("value").is_null())
+                if bare.num_rows:
+                    problems.append(Problem(
+                        "unvalued", store.display(store.partition_dir("samples", agent, it)),
+                        f"{bare.num_rows} samples of completed iteration {it} have no critic value, "
+                        f"e.g. {bare.column('sample_id').to_pylist()[:5]}"))
             idle = tbl.filter(tbl.column("consumed_step").is_null())
             if idle.num_rows:
                 problems.append(Problem(

@@ -14,6 +14,7 @@ from flexmarl_core.config_agent import (
     AgentConfig,
     AlgorithmConfig,
     BackendConfig,
+    CriticConfig,
     LoraSpec,
     ModelConfig,
     SamplingConfig,
@@ -44,7 +45,7 @@ from flexmarl_core.config_models import (
 
 __all__ = [
     "PRESET_NAMES", "REQUIRES", "SWITCHES", "AgentConfig", "AlgorithmConfig", "BackendConfig", "BatchConfig", "ClusterConfig",
-    "CodesignConfig", "ConfigError", "EdgeConfig", "ExperimentConfig", "LoraSpec", "ModelConfig",
+    "CodesignConfig", "CriticConfig", "ConfigError", "EdgeConfig", "ExperimentConfig", "LoraSpec", "ModelConfig",
     "SamplingConfig", "StoreConfig", "TeamConfig", "TrainConfig", "WorkerConfig", "WorkloadConfig",
     "backend_available", "check_config", "config_from_dict", "config_from_text", "load_config",
     "parse_overrides", "switch_overrides",

@@ -116,7 +116,7 @@ class SamplingConfig(_Strict):
 
 class AlgorithmConfig(_Strict):
     advantage: str = Field(
-        "grpo", description="Advantage estimator by registry name: grpo, grpo_nostd, rloo, reinforce_pp."
+        "grpo", description="Advantage estimator by registry name: grpo, grpo_nostd, rloo, reinforce_pp, gae (PPO with the critic of `critic`)."
     )
     policy_loss: str = Field("clipped", description="Policy loss by registry name.")
     clip_eps: float = Field(0.2, gt=0.0, description="PPO ratio clip epsilon.")
@@ -268,3 +268,24 @@ class AgentConfig(_Strict):
         except TemplateError as exc:
             raise ValueError(f"a Jinja template that does not compile: {exc}") from None
         return v
+
+
+class CriticConfig(_Strict):
+    """The value model of agents with `algorithm.advantage: gae` (`flexmarl_core/critic.py`)."""
+
+    shared: bool = Field(
+        True, description="true: one critic for the team (MARFT), named `critic`; false: one per "
+        "agent (MARTI, IPPO-style), named `critic-<agent>`.")
+    base: str | None = Field(
+        None, description="Shared critic: the agent whose initial weights its frozen base copies "
+        "(default: the first trainable agent); per-agent critics copy their own agent's.")
+    head_hidden: int = Field(
+        64, ge=0, description="Width of the trainable value head's hidden layer (0: one linear layer).")
+    per_token: bool = Field(
+        False, description="false: one value per call (APPO); true: one per response token (TPPO).")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="GAE discount along the call order.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
+    value_clip: float | None = Field(
+        0.2, gt=0.0, description="PPO value-loss clip around the value the advantages used (null: unclipped).")
+    lr: float = Field(1e-3, gt=0.0, description="AdamW learning rate of the value head.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm of the value head.")

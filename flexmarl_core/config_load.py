@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from flexmarl_core.config_checks import ConfigError
 from flexmarl_core.config_models import ExperimentConfig
+from flexmarl_core.critic import critic_problems
 from flexmarl_core.meg import MEG, MEGError
 
 
@@ -93,11 +94,13 @@ def config_from_dict(
 def check_config(cfg: ExperimentConfig, *, source: str = "<config>") -> None:
     """What the models alone cannot check, so `flexmarl train` stops here, before a Prefect
     server, a cluster or a run folder exists: the team graph (duplicate agents, unknown or
-    cyclic edges, stray template fields) and the policy losses' registry."""
+    cyclic edges, stray template fields), the critic's needs and the policy losses' registry."""
     try:
         MEG.from_config(cfg.team)
     except MEGError as exc:
         raise ConfigError(f"{source}: team: {exc}") from None
+    for problem in critic_problems(cfg):
+        raise ConfigError(f"{source}: {problem}")
     k = cfg.codesign.max_staleness
     if k == 0:
         return

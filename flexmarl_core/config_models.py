@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from flexmarl_core.config_agent import AgentConfig, _Strict
+from flexmarl_core.config_agent import AgentConfig, CriticConfig, _Strict
 from flexmarl_core.config_checks import check_name, check_template
 from flexmarl_core.ops import OP_KINDS
 
@@ -434,6 +434,7 @@ class ExperimentConfig(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where it runs.")
     store: StoreConfig = Field(default_factory=StoreConfig, description="MEG Store.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="Value model (agents with gae).")
 
     @model_validator(mode="after")
     def _mixing_needs_lora(self) -> ExperimentConfig:

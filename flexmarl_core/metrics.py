@@ -56,7 +56,7 @@ def _train_stats(ops: list[OpRecord]) -> dict[str, float]:
                     sums[k] += v * res.tokens
                     weights[k] += res.tokens
         elif r.op.kind == "step":
-            out.update({k: v for k, v in res.metrics.items() if k.endswith("/train/grad_norm")})
+            out.update({k: v for k, v in res.metrics.items() if k.endswith(("/train/grad_norm", "/explained_var"))})
         elif r.op.kind in ("reward", "program"):
             for a, v in res.per_agent("reward").items():
                 rewards[a].append(v)

@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-OpKind = Literal["rollout", "reward", "train", "step", "sync", "program"]
-OP_KINDS: tuple[OpKind, ...] = ("rollout", "reward", "train", "step", "sync", "program")
-#: kinds that run on the agent's trainer (one at a time: its state lives in one process)
-TRAINER_KINDS: frozenset[str] = frozenset({"train", "step", "sync"})
+OpKind = Literal["rollout", "reward", "train", "step", "sync", "program", "value"]
+OP_KINDS: tuple[OpKind, ...] = ("rollout", "reward", "train", "step", "sync", "program", "value")
+#: kinds that run on the agent's (or critic's) trainer (one at a time: its state lives in one
+#: process); `value` is a critic's forward over a micro-batch (`flexmarl_core/critic.py`)
+TRAINER_KINDS: frozenset[str] = frozenset({"train", "step", "sync", "value"})
 
 
 @dataclass(frozen=True, slots=True, order=True)

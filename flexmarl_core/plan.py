@@ -13,6 +13,9 @@ and the co-design switches. Per iteration `it` and micro-batch `mb` (whole GRPO 
 - `async_pipeline`: training of a micro-batch waits only for its rewards and an agent's next
   iteration only for its own weight sync (plus its parents); off: training waits for the whole
   rollout phase and iteration it+1 waits for every agent's sync of it (the synchronous baseline).
+- critics (agents with `algorithm.advantage: gae`, `critic.py`): `value(c, it, mb)` after the
+  micro-batch's reward, `train(c, it, mb)`, `step(c, it)`, `sync(c, it)`; an agent's train op
+  of a micro-batch also waits for the critics' values of that micro-batch.
 - `max_staleness` k > 0 (bounded staleness): iteration it's rollouts wait for the syncs of
   iteration it-1-k instead of it-1 (weights version >= it-k exist), so rollouts run up to k
   iterations ahead of training; a train op then waits for its agent's previous step itself
@@ -24,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.critic import critic_names
 from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op, OpKind
 
@@ -38,6 +42,8 @@ class Plan:
     dependency_parallel: bool
     async_pipeline: bool
     max_staleness: int = 0
+    #: critic -> the agents it values (`critic.critic_names`); empty without gae
+    critics: dict[str, list[str]] = field(default_factory=dict)
     deps: dict[Op, list[Op]] = field(default_factory=dict)
 
     @classmethod
@@ -49,6 +55,7 @@ class Plan:
             dependency_parallel=cfg.codesign.dependency_parallel,
             async_pipeline=cfg.codesign.async_pipeline,
             max_staleness=cfg.codesign.max_staleness,
+            critics=critic_names(cfg),
         )
         for it in range(cfg.train.iterations):
             plan._add_iteration(it)
@@ -62,6 +69,8 @@ class Plan:
         rollouts = {(n.agent, n.turn, j): Op(it, "rollout", n.agent, n.turn, j) for n in meg.nodes for j in mbs}
         gate = it - 1 - self.max_staleness  # the iteration whose syncs gate these rollouts
         prev_syncs = [Op(gate, "sync", a) for a in trainable] if gate >= 0 else []
+        if not self.async_pipeline and it > 0:  # the synchronous baseline: the critics' too
+            prev_syncs += [Op(it - 1, "sync", c) for c in self.critics]
         for n in meg.nodes:
             for j in mbs:
                 d: list[Op] = []
@@ -91,8 +100,23 @@ class Plan:
                 )
                 if self.max_staleness and it > 0:  # the trainer must be at version it
                     self.deps[Op(it, "train", a, mb=j)].append(Op(it - 1, "step", a))
+                # GAE: the critics' values of this micro-batch only, no barrier on the batch
+                self.deps[Op(it, "train", a, mb=j)] += [Op(it, "value", c, mb=j) for c in self.critics]
             self.deps[Op(it, "step", a)] = [Op(it, "train", a, mb=j) for j in mbs]
             self.deps[Op(it, "sync", a)] = [Op(it, "step", a)]
+        self._add_critics(it, rewards)
+
+    def _add_critics(self, it: int, rewards: list[Op]) -> None:
+        """Each critic values a micro-batch once its rewards are in, with its weights of
+        iteration `it` (its previous sync), then trains on it once every critic valued it (the
+        GAE chain reads them all); step and sync close its iteration as an agent's do."""
+        for c in self.critics:
+            for j in range(self.num_mb):
+                d = [rewards[j]] if self.async_pipeline else list(rewards)
+                self.deps[Op(it, "value", c, mb=j)] = d + ([Op(it - 1, "sync", c)] if it > 0 else [])
+                self.deps[Op(it, "train", c, mb=j)] = [Op(it, "value", c2, mb=j) for c2 in self.critics]
+            self.deps[Op(it, "step", c)] = [Op(it, "train", c, mb=j) for j in range(self.num_mb)]
+            self.deps[Op(it, "sync", c)] = [Op(it, "step", c)]
 
     def _add_program_iteration(self, it: int) -> None:
         """A program team: `program(it, mb)` runs the micro-batch's trajectories, calling any agent

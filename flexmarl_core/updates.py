@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from flexmarl_core.algorithms import advantage_scope, compute_advantages
+from flexmarl_core.critic import is_critic
+from flexmarl_core.critic_updates import step_critic, targets
 from flexmarl_core.location import gradient_key
 from flexmarl_core.ops import ConsistencyError, Op
 from flexmarl_core.programs.manifest import committed_ids
@@ -68,7 +70,7 @@ def skip_zero_advantage(batch: list[Sample]) -> tuple[list[Sample], list[Sample]
     with all-equal rewards) adds exactly 0 to the gradient when kl_coef is 0 (the config
     enforces it), so its forward and backward are skipped. One sample is always kept, so every
     micro-batch still counts as accumulated (its gradient is then exactly 0)."""
-    trained = [s for s in batch if s.advantage != 0.0]
+    trained = [s for s in batch if s.advantage != 0.0 or any(s.token_advantages or ())]
     if not trained:
         trained = batch[:1]
     kept = {id(s) for s in trained}
@@ -95,7 +97,9 @@ def micro_batch(ctx: WorkerContext, tr: TrainBackend, op: Op) -> tuple[Rows, lis
     # Consumed-or-not does not matter here: the trainer is still at `it`, so no update has
     # applied these samples yet; a `consumed_step` on them was written by an attempt whose
     # gradients died with its process (the version check keeps this exactly-once).
-    rows = ctx.store.ready(agent, it, need=("reward",), unconsumed=False, mb=None if whole else mb).to_pylist()
+    scope = advantage_scope(alg.advantage)
+    need = ("reward", "value") if scope == "critic" else ("reward",)
+    rows = ctx.store.ready(agent, it, need=need, unconsumed=False, mb=None if whole else mb).to_pylist()
     num_mb = ctx.cfg.batch.num_micro_batches
     if ctx.meg.program is None:
         expected = samples_per_step(ctx, agent) // num_mb * (num_mb if whole else 1)
@@ -109,14 +113,22 @@ def micro_batch(ctx: WorkerContext, tr: TrainBackend, op: Op) -> tuple[Rows, lis
             raise RuntimeError(f"{op.name}: {len(missing)} committed samples not ready, e.g. {missing[:3]}")
     check_staleness(agent, tr.version, rows, ctx.cfg.codesign.max_staleness)
     rows.sort(key=lambda r: r["sample_id"])
-    adv = advantages(alg.advantage, rows, ctx.meg.program is not None and ctx.cfg.team.program_groups == "trajectory")
-    mine = [(r, a) for r, a in zip(rows, adv, strict=True) if r["mb"] == mb]
+    per_token: list[list[float] | None] = [None] * len(rows)
+    if scope == "critic":  # GAE along the calls of the micro-batch, from the critics' values
+        _, tg = targets(ctx, it, mb)
+        adv = [tg[r["sample_id"]].advantages[0] for r in rows]
+        if ctx.cfg.critic.per_token:
+            per_token = [tg[r["sample_id"]].advantages for r in rows]
+    else:
+        adv = advantages(alg.advantage, rows,
+                         ctx.meg.program is not None and ctx.cfg.team.program_groups == "trajectory")
+    mine = [(r, a, t) for r, a, t in zip(rows, adv, per_token, strict=True) if r["mb"] == mb]
     batch = [
         Sample(prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], logprobs=r["logprobs"],
-               advantage=a, loss_mask=r.get("loss_mask"))
-        for r, a in mine
+               advantage=a, loss_mask=r.get("loss_mask"), token_advantages=t)
+        for r, a, t in mine
     ]
-    return mine, batch
+    return [(r, a) for r, a, _ in mine], batch
 
 
 def advantages(estimator: str, rows: list[dict[str, Any]], per_trajectory: bool = False) -> list[float]:
@@ -152,6 +164,9 @@ def step_trainer(ctx: WorkerContext, agent: str, tr: TrainBackend, it: int,
     again from the store (it died with another process, the trainer moved, or a replay): same
     samples, same gradients. Returns the grad norm, the recomputed and the helpers'
     micro-batches. Call with `ctx.lock` held."""
+    if is_critic(ctx.cfg, agent):
+        grad_norm, missing = step_critic(ctx, agent, tr, it)  # type: ignore[arg-type]
+        return grad_norm, missing, []
     done = ctx.accumulated.setdefault(agent, set())
     num_mb = ctx.cfg.batch.num_micro_batches
     helpers = ctx.cfg.codesign.gradient_helpers

@@ -16,12 +16,14 @@ import json
 import os
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from flexmarl_core.config import ExperimentConfig, config_from_text
+from flexmarl_core.critic import base_agent, is_critic
 from flexmarl_core.inference import InferenceBackend, make_inference_engine
 from flexmarl_core.inference.api import SharedBaseBackend
 from flexmarl_core.inference.coalesce import Coalescer
@@ -33,6 +35,7 @@ from flexmarl_core.models import load_agent_model
 from flexmarl_core.models.lora import SharedBase, base_key
 from flexmarl_core.training import TrainBackend, make_trainer
 from flexmarl_core.training.api import GradientTrainer
+from flexmarl_core.training.critic import CriticTrainer
 from flexmarl_core.training.factory import make_lora_trainer
 from flexmarl_core.training.handles import dump, load
 from flexmarl_core.transport import WeightTransport, serving, weight_transport
@@ -173,6 +176,8 @@ class WorkerContext:
 
     def _new_trainer(self, agent: str) -> TrainBackend:
         """A trainer at version 0; LoRA agents on one base share this process's copy of it."""
+        if is_critic(self.cfg, agent):
+            return self._new_critic(agent)
         acfg = self.cfg.agent(agent)
         if acfg.model.lora is None:
             model, _ = self._fresh_model(agent)
@@ -186,6 +191,17 @@ class WorkerContext:
         shared.add(agent, acfg.model.lora)
         shared.load_adapter_state(agent, load_weights(self.loc, agent, 0))
         return make_lora_trainer(acfg, shared)
+
+    def _new_critic(self, critic: str) -> CriticTrainer:
+        """A critic at version 0: a seeded value head on a frozen copy of its base agent's
+        initial model (`critic.base_agent`)."""
+        src, ccfg = base_agent(self.cfg, critic), self.cfg.critic
+        model, tok = self._fresh_model(src)
+        if self.cfg.agent(src).model.lora is None:
+            model.load_state_dict(load_weights(self.loc, src, 0))
+        return CriticTrainer(model, hidden=ccfg.head_hidden, per_token=ccfg.per_token, lr=ccfg.lr,
+                             max_grad_norm=ccfg.max_grad_norm, value_clip=ccfg.value_clip,
+                             seed=zlib.crc32(f"{self.cfg.seed}:{critic}".encode()), pad_id=tok.pad_token_id or 0)
 
     @property
     def one_process(self) -> bool:

@@ -27,7 +27,7 @@ class Store(Protocol):
         ...
 
     def write_status(self, agent: str, iteration: int, rows: Rows) -> list[str]:
-        """Status changes (reward, advantage, consumed_step) of samples already written."""
+        """Status changes (reward, advantage, value, consumed_step) of samples already written."""
         ...
 
     def write_inputs(self, iteration: int, rows: Rows) -> str:

@@ -69,13 +69,16 @@ SAMPLE_FILE_SCHEMA = pa.schema(
         _f("response_text", pa.string(), "data"),
         _f("reward", pa.float64(), "data"),
         _f("advantage", pa.float32(), "data"),
+        _f("value", pa.float32(), "data", True, "the critic's value of the sample's observation (gae)"),
+        _f("token_values", pa.list_(pa.float32()), "data", True,
+           "the critic's value before each response token (gae with critic.per_token)"),
         _f("extra", pa.string(), "data", True, "JSON object of user fields"),
         _f("consumed_step", pa.int64(), "status", True, "optimizer step that trained on it"),
     ]
 )
 
 #: Columns that status appends may set; each is folded as "latest non-null write wins".
-STATUS_FIELDS: tuple[str, ...] = ("reward", "advantage", "consumed_step")
+STATUS_FIELDS: tuple[str, ...] = ("reward", "advantage", "value", "token_values", "consumed_step")
 
 #: Append-only log of status changes for samples of one (agent, iteration).
 STATUS_FILE_SCHEMA = pa.schema(
@@ -86,6 +89,8 @@ STATUS_FILE_SCHEMA = pa.schema(
         _f("created_at", _TS, "meta", False),
         _f("reward", pa.float64(), "data"),
         _f("advantage", pa.float32(), "data"),
+        _f("value", pa.float32(), "data"),
+        _f("token_values", pa.list_(pa.float32()), "data"),
         _f("consumed_step", pa.int64(), "status"),
     ]
 )

@@ -77,7 +77,7 @@ class Writer(Committer):
         """Append status changes; returns the fragment paths (one per micro-batch).
 
         Each row names a sample (``sample_id``, ``policy_version``; give ``mb`` too so that
-        micro-batch reads find it cheaply) and sets one or more of ``reward``, ``advantage``,
+        micro-batch reads find it cheaply) and sets one or more of ``reward``, ``advantage``, ``value``,
         ``consumed_step``. Readers fold the latest non-null value of each field. Idempotent:
         the same samples and fields written again replace the earlier fragment.
         """

@@ -50,7 +50,8 @@ from prefect.events.worker import EventsWorker
 from flexmarl_core.ops import OP_KINDS, Op, StageResult
 
 #: task retries per op kind (a worker that dies is Dask's to rerun, not a retry)
-RETRIES: dict[str, int] = {"rollout": 2, "reward": 2, "train": 1, "step": 1, "sync": 2, "program": 2}
+RETRIES: dict[str, int] = {"rollout": 2, "reward": 2, "train": 1, "step": 1, "sync": 2, "program": 2,
+                           "value": 2}
 #: seconds between a failed attempt and the next
 RETRY_DELAY_S = 1.0
 #: an op still running this long after its submission is reported Pending (see above)
@@ -65,6 +66,7 @@ WORK: dict[str, str] = {
     "step": "CPU/GPU: the agent's optimizer step once its global batch is in.",
     "sync": "IO: publish the agent's new weights to its rollout instances.",
     "program": "IO: run the team program on one micro-batch; its calls decode on the agents' instances.",
+    "value": "CPU/GPU: the critic's values of one micro-batch's calls, written to the store.",
 }
 if set(RETRIES) != set(OP_KINDS) or set(WORK) != set(OP_KINDS):
     raise RuntimeError(f"RETRIES/WORK cover {sorted(RETRIES)}, op kinds are {list(OP_KINDS)}")

@@ -10,6 +10,7 @@ from flexmarl_core.algorithms.advantages import (
     group_stats,
     register_advantage,
 )
+from flexmarl_core.algorithms.gae import explained_variance, gae_chain, gae_tokens, value_loss
 from flexmarl_core.algorithms.losses import (
     POLICY_LOSSES,
     get_policy_loss,
@@ -27,6 +28,9 @@ __all__ = [
     "Registry",
     "advantage_scope",
     "compute_advantages",
+    "explained_variance",
+    "gae_chain",
+    "gae_tokens",
     "get_advantage",
     "get_policy_loss",
     "group_index_of",
@@ -36,4 +40,5 @@ __all__ = [
     "register_advantage",
     "register_policy_loss",
     "token_weight",
+    "value_loss",
 ]

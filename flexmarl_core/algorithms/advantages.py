@@ -11,7 +11,8 @@ ids) and returns the same shape as `rewards`. Group statistics come from one hel
 
 Scope: "group" estimators need only the sample's own group (a micro-batch of whole groups can
 be trained the moment it has rewards); "batch" estimators (reinforce_pp) normalise over the
-whole global batch, so the pipeline must wait for all of its rewards. `advantage_scope(name)`.
+whole global batch, so the pipeline must wait for all of its rewards; "critic" estimators (gae,
+`algorithms/gae.py`) need the critic's values of the micro-batch. `advantage_scope(name)`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from flexmarl_core.algorithms.registry import Registry
 
-Scope = Literal["group", "batch"]
+Scope = Literal["group", "batch", "critic"]
 
 
 class AdvantageFn(Protocol):
@@ -46,7 +47,7 @@ def get_advantage(name: str) -> AdvantageFn:
 
 
 def advantage_scope(name: str) -> Scope:
-    """"group" or "batch": how much of the global batch the estimator needs (module doc)."""
+    """"group", "batch" or "critic": what the estimator needs (module doc)."""
     return ADVANTAGES.info(name)["scope"]  # type: ignore[return-value]
 
 

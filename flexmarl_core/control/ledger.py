@@ -16,7 +16,7 @@ from flexmarl_core.ops import Op
 
 #: op seconds assumed before an op kind was measured (a train micro-batch ~ 2 rollouts on CPU)
 DEFAULT_OP_S: dict[str, float] = {"rollout": 1.0, "reward": 0.05, "train": 2.0, "step": 0.05, "sync": 0.05,
-                                  "program": 3.0}
+                                  "program": 3.0, "value": 0.5}
 
 
 @dataclass

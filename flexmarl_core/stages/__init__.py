@@ -7,7 +7,7 @@ rewrites the same store rows (deduplicated by sample id and policy version) or f
 already done.
 """
 
-from flexmarl_core.stages import program, reward, rollout, sync, train  # noqa: F401  (registers the stages)
+from flexmarl_core.stages import critic, program, reward, rollout, sync, train  # noqa: F401  (registers the stages)
 from flexmarl_core.stages.evaluate import evaluate
 from flexmarl_core.stages.faults import InjectedFault, faults_dir
 from flexmarl_core.stages.registry import (

@@ -5,8 +5,11 @@ and its optimizer step (`step`), on this worker's trainer; the update itself is 
 from __future__ import annotations
 
 from flexmarl_core.algorithms.losses import token_weight
+from flexmarl_core.critic import is_critic
+from flexmarl_core.critic_updates import explained
 from flexmarl_core.location import gradient_key, trainer_key
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
+from flexmarl_core.stages.critic import critic_train
 from flexmarl_core.stages.registry import stage
 from flexmarl_core.training import Sample
 from flexmarl_core.updates import (
@@ -31,6 +34,8 @@ __all__ = ["ConsistencyError", "check_staleness", "loss_scale", "skip_zero_advan
 def train(ctx: WorkerContext, op: Op) -> StageResult:
     """Forward + backward of one micro-batch into the agent's accumulated gradients."""
     agent, it, mb = op.agent, op.iteration, op.mb
+    if is_critic(ctx.cfg, agent):
+        return critic_train(ctx, op)
     # Under the lock: a new trainer (or a swapped-in one) changes which adapter of a shared
     # LoRA base is trainable, which a rollout on another thread of this process also sets.
     with ctx.lock:
@@ -110,7 +115,9 @@ def step(ctx: WorkerContext, op: Op) -> StageResult:
     with ctx.lock:
         grad_norm, missing, helped = step_trainer(ctx, agent, tr, it)
         swap = ctx.checkpoint_trainer(agent) if ctx.checkpoint_due(tr.version) else {}
+    metrics = explained(ctx, agent, it) if is_critic(ctx.cfg, agent) else {}
     return StageResult(op, version=tr.version, swap=swap, metrics={
+        **metrics,
         agent_key(agent, "train/grad_norm"): grad_norm,
         agent_key(agent, "recomputed_mbs"): float(len(missing)),
         agent_key(agent, "helper_mbs"): float(len(helped)),

@@ -44,6 +44,8 @@ class Sample:
     #: per response token: 1 = train on it, 0 = not the policy's own token (e.g. tool output);
     #: None = all ones
     loss_mask: list[int] | None = None
+    #: per response token advantages (GAE per token); None: `advantage` for every token
+    token_advantages: list[float] | None = None
 
 
 #: A micro-batch: whole GRPO groups, trained in one forward/backward.
@@ -62,7 +64,7 @@ class TokenBatch:
     response_ids: torch.Tensor  #: (B, R) long
     mask: torch.Tensor  #: (B, R) fp32 loss mask, 0 on padding
     old_logprobs: torch.Tensor  #: (B, R) fp32 behaviour logprobs, 0 on padding
-    advantages: torch.Tensor  #: (B,) fp32
+    advantages: torch.Tensor  #: (B,) fp32, or (B, R) when a sample has token advantages
     ref_logprobs: torch.Tensor | None = None  #: (B, R) fp32, set by a trainer with a reference
 
 

@@ -19,6 +19,9 @@ def _check(i: int, s: Sample) -> None:
             f"sample {i}: {len(s.logprobs)} logprobs for {len(s.response_ids)} response tokens; "
             "store one behaviour logprob per response token"
         )
+    if s.token_advantages is not None and len(s.token_advantages) != len(s.response_ids):
+        raise ValueError(f"sample {i}: {len(s.token_advantages)} token advantages for "
+                         f"{len(s.response_ids)} response tokens")
     if s.loss_mask is not None and len(s.loss_mask) != len(s.response_ids):
         raise ValueError(
             f"sample {i}: loss_mask has {len(s.loss_mask)} entries for "
@@ -50,6 +53,11 @@ def collate(micro_batch: MicroBatch, pad_id: int = 0) -> TokenBatch:
         mask[b, :r] = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r, dtype=torch.float32)
         old[b, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
     advantages = torch.tensor([float(s.advantage) for s in micro_batch], dtype=torch.float32)
+    if any(s.token_advantages is not None for s in micro_batch):  # GAE per token: (B, R)
+        advantages = advantages[:, None].repeat(1, r_max)
+        for b, s in enumerate(micro_batch):
+            if s.token_advantages is not None:
+                advantages[b, : len(s.token_advantages)] = torch.tensor(s.token_advantages, dtype=torch.float32)
     return TokenBatch(
         input_ids=input_ids,
         attention_mask=attn,

@@ -1,0 +1,152 @@
+"""A critic's work on the MEG Store's samples: the values of a micro-batch (`value` op), the
+GAE targets every train op reads (`targets`), the critic's micro-batch backward and its step,
+the same way in an op and in a replay after a restart (as `updates.py` does for an agent).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from flexmarl_core.algorithms.gae import explained_variance, gae_chain, gae_tokens
+from flexmarl_core.critic import call_order, critic_names
+from flexmarl_core.ops import agent_key
+from flexmarl_core.training.critic import CriticTrainer, ValueSample
+
+if TYPE_CHECKING:
+    from flexmarl_core.worker import WorkerContext
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One sample's GAE: per call one entry each, per token one per response token."""
+
+    old_values: list[float]
+    advantages: list[float]
+    returns: list[float]
+
+
+def chain_rows(ctx: WorkerContext, it: int, mb: int) -> list[dict[str, Any]]:
+    """Every valued call of micro-batch `mb` (rewards and values set), in chain order."""
+    rows = []
+    for agents in critic_names(ctx.cfg).values():
+        for a in agents:
+            rows += ctx.store.ready(a, it, need=("reward", "value"), unconsumed=False, mb=mb).to_pylist()
+    order = call_order(ctx.meg)
+    rows.sort(key=lambda r: (r["input_id"], r["traj"], order[(r["agent"], r["turn"])]))
+    return rows
+
+
+def targets(ctx: WorkerContext, it: int, mb: int) -> tuple[list[dict[str, Any]], dict[str, Target]]:
+    """(rows in chain order, sample_id -> Target) of micro-batch `mb`: the same figures in
+    every train op that reads them (the critic's and the agents')."""
+    rows = chain_rows(ctx, it, mb)
+    ccfg = ctx.cfg.critic
+    chains: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        chains[(r["input_id"], r["traj"])].append(r)
+    out: dict[str, Target] = {}
+    for chain in chains.values():
+        rewards = [float(r["reward"]) for r in chain]
+        if ccfg.per_token:
+            vals = [list(r["token_values"] or []) for r in chain]
+            if any(len(v) != len(r["response_ids"]) for v, r in zip(vals, chain, strict=True)):
+                raise RuntimeError(f"iteration {it} mb {mb}: a sample's token_values do not match its "
+                                   "response (critic.per_token changed within the run?)")
+            adv, ret = gae_tokens(rewards, vals, gamma=ccfg.gamma, lam=ccfg.lam)
+            for r, v, a, g in zip(chain, vals, adv, ret, strict=True):
+                out[r["sample_id"]] = Target(v, a, g)
+        else:
+            vals1 = [float(r["value"]) for r in chain]
+            adv1, ret1 = gae_chain(rewards, vals1, gamma=ccfg.gamma, lam=ccfg.lam)
+            for r, v1, a1, g1 in zip(chain, vals1, adv1, ret1, strict=True):
+                out[r["sample_id"]] = Target([v1], [a1], [g1])
+    return rows, out
+
+
+
+
+def samples_per_iteration(ctx: WorkerContext, critic: str) -> int:
+    """Calls the critic values per iteration."""
+    agents = set(critic_names(ctx.cfg)[critic])
+    calls = sum(1 for n in ctx.meg.nodes if n.agent in agents)
+    return ctx.cfg.batch.inputs_per_iteration * ctx.cfg.batch.group_size * calls
+
+
+def loss_scale(ctx: WorkerContext, critic: str) -> float:
+    """1 / (calls per iteration [x max new tokens, per token]): fixed before any backward, as
+    an agent's (`updates.loss_scale`)."""
+    per = 1
+    if ctx.cfg.critic.per_token:
+        per = max(ctx.cfg.agent(a).sampling.max_new_tokens for a in critic_names(ctx.cfg)[critic])
+    return 1.0 / (samples_per_iteration(ctx, critic) * per)
+
+
+def compute_values(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, mb: int) -> int:
+    """The critic's values of micro-batch `mb`'s calls of its agents, written to the store as
+    status rows (`value`, and `token_values` per token). Returns the samples valued."""
+    n = 0
+    for agent in critic_names(ctx.cfg)[critic]:
+        rows = ctx.store.read_samples(agent, it, mb=mb, columns=[
+            "sample_id", "policy_version", "prompt_ids", "response_ids"]).to_pylist()
+        if not rows:
+            raise RuntimeError(f"value[{critic}] it={it} mb={mb}: no samples of agent {agent!r} in the store")
+        vals = tr.values([ValueSample(r["prompt_ids"], r["response_ids"]) for r in rows])
+        per_token = ctx.cfg.critic.per_token
+        ctx.store.write_status(agent, it, [
+            {"sample_id": r["sample_id"], "policy_version": r["policy_version"], "mb": mb,
+             "value": v[0], "token_values": v if per_token else None}
+            for r, v in zip(rows, vals, strict=True)])
+        n += len(rows)
+    return n
+
+
+def critic_batch(ctx: WorkerContext, critic: str, it: int, mb: int) -> list[ValueSample]:
+    """The critic's training samples of micro-batch `mb`: its agents' calls with the values the
+    advantages used and their GAE returns."""
+    mine = set(critic_names(ctx.cfg)[critic])
+    rows, tg = targets(ctx, it, mb)
+    return [ValueSample(r["prompt_ids"], r["response_ids"], r["agent"], tg[r["sample_id"]].old_values,
+                        tg[r["sample_id"]].returns) for r in rows if r["agent"] in mine]
+
+
+def accumulate(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, mb: int) -> tuple[dict[str, float], int]:
+    """Backward of micro-batch `mb` into the critic's gradients; (per-agent metrics, samples)."""
+    batch = critic_batch(ctx, critic, it, mb)
+    scale = loss_scale(ctx, critic)
+    stats = tr.accumulate(batch, loss_scale=scale)
+    counts: dict[str, int] = defaultdict(int)
+    for s in batch:
+        counts[s.agent] += len(s.returns)
+    # per agent: the mean value loss of its valued positions in this micro-batch
+    metrics = {agent_key(a, "value_loss"): stats[f"value_loss/{a}"] / (scale * c) for a, c in counts.items()}
+    metrics[agent_key(critic, "train/value_loss")] = stats["value_loss"] / (scale * sum(counts.values()))
+    return metrics, len(batch)
+
+
+def step_critic(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int) -> tuple[float, list[int]]:
+    """Step the critic from version `it`, first accumulating any micro-batch not in its
+    gradients (died with another process, moved, or a replay). Call with `ctx.lock` held."""
+    done = ctx.accumulated.setdefault(critic, set())
+    missing = [j for j in range(ctx.cfg.batch.num_micro_batches) if (it, j) not in done]
+    for j in missing:
+        accumulate(ctx, critic, tr, it, j)
+    res = tr.step()
+    done.clear()
+    return res.grad_norm, missing
+
+
+def explained(ctx: WorkerContext, critic: str, it: int) -> dict[str, float]:
+    """Per agent of the critic, the explained variance of its values on iteration `it`'s
+    returns (`agent/<a>/explained_var`)."""
+    pairs: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    mine = set(critic_names(ctx.cfg)[critic])
+    for j in range(ctx.cfg.batch.num_micro_batches):
+        rows, tg = targets(ctx, it, j)
+        for r in rows:
+            if r["agent"] in mine:
+                t = tg[r["sample_id"]]
+                pairs[r["agent"]][0].extend(t.old_values)
+                pairs[r["agent"]][1].extend(t.returns)
+    return {agent_key(a, "explained_var"): explained_variance(v, g) for a, (v, g) in pairs.items()}
