@@ -27,6 +27,13 @@ Mode `k1` (`--modes async k1`): the async pipeline with bounded staleness
 `codesign.max_staleness=1` and every agent on `decoupled_ppo`, from the same SFT checkpoints
 (`acc_k1`; k = 0 is `async`). Nothing else differs: same batch, learning rate and seed.
 
+Mode `ppo` (`--modes async ppo`): every trainable agent on `algorithm.advantage: gae` with the
+run's critic (`critic.shared` true by default: one value head on a frozen copy of the first
+agent's SFT'd model), same batch, learning rate and seed as `async` (GRPO). Adds per seed
+`ev_<agent>` (explained variance in the last iteration) and `critic_share` (the critic's
+seconds over all trainer ops'); JSON acc_ppo, diff_ppo, gain_ppo, explained_var, critic_share.
+`spread` is the standard deviation over seeds of each mode's held-out accuracy.
+
 Mode `lora` (`--modes async lora`): the same team with every agent a LoRA adapter (`LORA_SPEC`:
 rank 8, alpha 16, every linear layer; lr `LORA_LR_FACTOR` x the full model's, fixed before
 measuring, not tuned) through the same async pipeline from the same SFT checkpoints: each
@@ -104,7 +111,7 @@ def main() -> int:
     ap.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
     ap.add_argument("--seeds", type=int, nargs="*", default=None)
     ap.add_argument("--iterations", type=int, default=None)
-    ap.add_argument("--modes", nargs="*", default=None, choices=["sync", "async", "k1", "lora", "lora_shared"])
+    ap.add_argument("--modes", nargs="*", default=None, choices=["sync", "async", "k1", "lora", "lora_shared", "ppo"])
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     ap.add_argument("--sft-from", default=None, metavar="DIR",
                     help="SFT checkpoints DIR/sft-<seed>/ckpt (and sft-lora-<seed>): reused, or made there")
@@ -165,6 +172,9 @@ def main() -> int:
                 agents = [a.name for a in load_config(args.config, base).team.agents]
                 overrides += ["codesign.max_staleness=1",
                               *[f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in agents]]
+            if mode == "ppo":
+                trainable = [a.name for a in load_config(args.config, base).team.agents if a.trainable]
+                overrides += [f"team.agents.{a}.algorithm.advantage=gae" for a in trainable]
             tr = time.time()
             with temporary_settings(updates={PREFECT_API_URL: api}):
                 state = train(args.config, overrides, progress=False, return_state=True)
@@ -177,17 +187,20 @@ def main() -> int:
                 else "acc_sft"] = s["initial_heldout_accuracy"]
             row[f"acc_{mode}"] = s["heldout_accuracy"]
             row[f"{mode}_s"] = time.time() - tr
-            if mode in ("sync", "async", "k1"):
+            if mode in ("sync", "async", "k1", "ppo"):
                 row[f"gain_{mode}"] = row[f"acc_{mode}"] - row["acc_sft"]
+            if mode == "ppo":
+                row.update(critic_figures(out_dir / f"{mode}-{seed}"))
             print(f"seed {seed} {mode}: SFT-only {s['initial_heldout_accuracy']:.3f} -> RL "
                   f"{row[f'acc_{mode}']:.3f} ({iterations} iterations, {row[f'{mode}_s']:.0f} s)", flush=True)
-            for m in ("k1", "lora", "lora_shared"):
+            for m in ("k1", "lora", "lora_shared", "ppo"):
                 if f"acc_{m}" in row and "acc_async" in row:
                     row[f"diff_{m}"] = row[f"acc_{m}"] - row["acc_async"]
             # Written after every run: a bench cut short keeps what it measured (--rows-from).
             write_json(args, seeds, iterations, rows, time.time() - t0)
     res = write_json(args, seeds, iterations, rows, time.time() - t0)
-    cols = ["acc_sft", "acc_sync", "acc_async", "acc_k1", "acc_lora", "acc_sft_lora_shared", "acc_lora_shared"]
+    cols = ["acc_sft", "acc_sync", "acc_async", "acc_k1", "acc_lora", "acc_sft_lora_shared", "acc_lora_shared",
+            "acc_ppo"]
     nan = float("nan")
     print("\n seed " + " ".join(f"{c[4:]:>8s}" for c in cols))  # sft_lora_shared: its own SFT
     for r in [*rows, {"seed": "mean", **res}]:
@@ -195,11 +208,24 @@ def main() -> int:
     if res["gain"] is not None:
         print(f"gain over SFT-only: mean {res['gain']:+.3f} (per seed "
               + ", ".join(f"{r.get('gain_async', r.get('gain_sync', nan)):+.3f}" for r in rows) + ")")
-    for k in ("diff_k1", "diff_lora", "diff_lora_shared"):
+    for k in ("diff_k1", "diff_lora", "diff_lora_shared", "diff_ppo"):
         if res[k] is not None:
             per = ", ".join(f"{r[k]:+.3f}" for r in rows if k in r)
             print(f"{k}: mean {res[k]:+.3f} (per seed {per})")
     return 0
+
+
+def critic_figures(run_dir: Path) -> dict[str, float]:
+    """A gae run's critic at the end: each agent's explained variance in the last iteration
+    (`ev_<agent>`), and the critic's share of the trainer ops' seconds (`critic_share`: its
+    value, train, step and sync ops over every agent's and critic's)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines() if x.strip()]
+    out = {f"ev_{k.split('/')[1]}": v for k, v in rows[-1].items() if k.endswith("/explained_var")}
+    ops = [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines() if x.strip()]
+    trainer = [o for o in ops if o["kind"] in ("train", "step", "sync", "value")]
+    critic = sum(o["t_end"] - o["t_start"] for o in trainer if o["agent"].startswith("critic"))
+    out["critic_share"] = critic / max(sum(o["t_end"] - o["t_start"] for o in trainer), 1e-9)
+    return out
 
 
 def write_json(args: argparse.Namespace, seeds: list[int], iterations: int, rows: list[dict],
@@ -215,10 +241,14 @@ def write_json(args: argparse.Namespace, seeds: list[int], iterations: int, rows
            "acc_k1": mean("acc_k1"), "acc_sft_lora": mean("acc_sft_lora"), "acc_lora": mean("acc_lora"),
            "acc_sft_lora_shared": mean("acc_sft_lora_shared"), "acc_lora_shared": mean("acc_lora_shared"),
            "diff_k1": mean("diff_k1"), "diff_lora": mean("diff_lora"), "diff_lora_shared": mean("diff_lora_shared"),
+           "acc_ppo": mean("acc_ppo"), "diff_ppo": mean("diff_ppo"), "critic_share": mean("critic_share"),
+           "explained_var": {k[3:]: mean(k) for k in sorted({k for r in rows for k in r if k.startswith("ev_")})},
+           "spread": {m: statistics.stdev(v) if len(v) > 1 else 0.0 for m in ("sft", "sync", "async", "k1", "ppo")
+                      if (v := [r[f"acc_{m}"] for r in rows if f"acc_{m}" in r])},
            "bench_wall_s": wall_s, "rows": rows}
     res["acc_rl"] = res["acc_async"] if res["acc_async"] is not None else res["acc_sync"]
     # Mean over seeds of each seed's own gain (RL minus its SFT start), per mode.
-    for mode in ("sync", "async", "k1"):
+    for mode in ("sync", "async", "k1", "ppo"):
         res[f"gain_{mode}"] = mean(f"gain_{mode}")
     res["gain"] = res["gain_async"] if res["gain_async"] is not None else res["gain_sync"]
     # The co-design's samples equal sync's and its weights agree within 1e-4 per step; over

@@ -23,7 +23,6 @@ from flexmarl_core.meg import MEG
 
 if TYPE_CHECKING:
     from flexmarl_core.config import ExperimentConfig
-    from flexmarl_core.worker import WorkerContext
 
 SHARED = "critic"
 
