@@ -113,9 +113,11 @@ class WorkloadConfig(_Strict):
     agent_rewards: dict[str, str] = Field(
         default_factory=dict, description="Per-agent `module:function` reward overrides."
     )
-    credit: Literal["team", "per_agent"] = Field(
-        "team", description="team: every agent gets the team reward; per_agent: each its own."
+    credit: Literal["team", "per_agent", "step_discount"] = Field(
+        "team", description="team: every agent gets the team reward; per_agent: each its own; "
+        "step_discount: call i of a trajectory's N gets credit_gamma^(N-1-i) x the team reward."
     )
+    credit_gamma: float = Field(0.9, gt=0.0, le=1.0, description="The discount of credit: step_discount.")
     format_weight: float = Field(
         0.1, ge=0.0, description="Weight of per-agent format terms added to the reward."
     )

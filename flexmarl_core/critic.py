@@ -56,12 +56,16 @@ def base_agent(cfg: ExperimentConfig, critic: str) -> str:
 
 
 def critic_problems(cfg: ExperimentConfig) -> list[str]:
-    """What makes a gae team unrunnable, one sentence each naming the field (config_load)."""
+    """What makes a gae team (or step_discount credit) unrunnable, one sentence each naming the
+    field (config_load): both need the graph's call order."""
+    out = []
+    if cfg.workload.credit == "step_discount" and cfg.team.program is not None:
+        out.append("workload.credit step_discount needs the call order of a YAML team's graph; a "
+                   "program team's calls are not ordered across agents in the store: use team or per_agent")
     trainable = [a.name for a in cfg.team.agents if a.trainable]
     gae = [a for a in trainable if cfg.agent(a).algorithm.advantage == "gae"]
     if not gae:
-        return []
-    out = []
+        return out
     others = [a for a in trainable if a not in gae]
     if others:
         out.append(f"agents {gae} use algorithm.advantage gae but {others} do not: a critic's GAE "
@@ -79,6 +83,7 @@ def critic_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def call_order(meg: MEG) -> dict[tuple[str, int], int]:
-    """(agent, turn) -> its position in a trajectory's calls (the graph's order, round by round)."""
+    """(agent, turn) -> its position in a trajectory's calls (the graph's order, round by round;
+    GAE's chain and `credit: step_discount` both follow it)."""
     return {(n.agent, n.turn): i for i, n in enumerate(meg.topological_order())}
 

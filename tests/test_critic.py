@@ -221,3 +221,32 @@ def test_critic_config_errors_name_the_field(change, message):
     data = {"team": team, "critic": {"base": change["base"]} if "base" in change else {}}
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
         config_from_dict(data, source="t.yaml")
+
+
+def test_step_discount_credit_pays_each_call_by_its_place(tmp_path):
+    """`credit: step_discount` in a real (threaded) run of the tiny chain: per trajectory the
+    planner, solver and verifier get 0.81, 0.9 and 1 x the one team reward (format term off)."""
+    from flexmarl_core.config import load_config
+    from flexmarl_core.executors import ThreadExecutor, stage_fn
+    from flexmarl_core.run import prepare_run, train
+    from tests._runs import TINY
+
+    cfg = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "train.iterations=1", "train.evaluate=false",
+                             "workload.reward=tests.reward_fns:varied", "workload.credit=step_discount",
+                             "workload.credit_gamma=0.9", "workload.format_weight=0"])
+    rd = prepare_run(cfg, log=lambda _: None)
+    train(cfg, rd, ThreadExecutor(stage_fn(str(rd)), {w.name: w.resources for w in cfg.cluster.workers}))
+    store = MEGStore(cfg.resolved_store_uri())
+    got = {a: {(r["input_id"], r["traj"]): r["reward"] for r in store.read_samples(a, 0).to_pylist()}
+           for a in ("planner", "solver", "verifier")}
+    team = got["verifier"]
+    assert len(team) == 8 and len(set(team.values())) > 1
+    for key, r in team.items():
+        assert got["solver"][key] == pytest.approx(0.9 * r, rel=1e-12)
+        assert got["planner"][key] == pytest.approx(0.81 * r, rel=1e-12)
+
+
+def test_step_discount_needs_a_graph_team():
+    team = {"agents": [{"name": "a"}, {"name": "b"}], "program": "examples/programs/debate_team.py:team"}
+    with pytest.raises(ConfigError, match="workload.credit step_discount needs the call order"):
+        config_from_dict({"team": team, "workload": {"credit": "step_discount"}}, source="t.yaml")

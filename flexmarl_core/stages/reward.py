@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from flexmarl_core.critic import call_order
 from flexmarl_core.ops import Op, StageResult, agent_key
 from flexmarl_core.stages.registry import stage
 from flexmarl_core.worker import WorkerContext
 from flexmarl_core.workloads.api import Problem
+from flexmarl_core.workloads.base import step_discount
 
 
 @stage("reward")
@@ -34,6 +36,8 @@ def reward(ctx: WorkerContext, op: Op) -> StageResult:
         rewards[(input_id, traj)] = ctx.workload.reward(problem, outputs)
         correct.append(float(ctx.workload.is_correct(problem, outputs)))
     metrics = {"team/accuracy": sum(correct) / max(len(correct), 1)}
+    wl = ctx.cfg.workload
+    order = call_order(ctx.meg) if wl.credit == "step_discount" else {}
     for agent, rows in samples.items():
         # The last turn gets the trajectory's reward; the workload may pay earlier turns for
         # their own work (`turn_rewards`).
@@ -45,6 +49,9 @@ def reward(ctx: WorkerContext, op: Op) -> StageResult:
             trs.sort(key=lambda r: r["turn"])
             given = ctx.workload.turn_rewards(problems[key[0]], agent, [r["response_text"] for r in trs],
                                               rewards[key][agent])
+            if order:  # credit: step_discount, by the call's place in the trajectory
+                given = [step_discount(v, order[(agent, r["turn"])], len(order), wl.credit_gamma)
+                         for r, v in zip(trs, given, strict=True)]
             per_sample.update((r["sample_id"], float(v)) for r, v in zip(trs, given, strict=True))
         status = [
             {"sample_id": r["sample_id"], "policy_version": r["policy_version"], "mb": mb,

@@ -24,7 +24,7 @@ from flexmarl_core.workloads.answers import (
 )
 from flexmarl_core.workloads.api import SPLITS, Problem, Split, WorkloadError
 
-Credit = Literal["team", "per_agent"]
+Credit = Literal["team", "per_agent", "step_discount"]
 
 
 class ScoreFn(Protocol):
@@ -120,8 +120,8 @@ class RuleWorkload(ABC):
                 f"workload.format_weight={format_weight} must be in [0, 1]: the reward is "
                 "(1 - format_weight) * score + format_weight * format"
             )
-        if credit not in ("team", "per_agent"):
-            raise WorkloadError(f"workload.credit={credit!r} must be 'team' or 'per_agent'")
+        if credit not in ("team", "per_agent", "step_discount"):
+            raise WorkloadError(f"workload.credit={credit!r} must be 'team', 'per_agent' or 'step_discount'")
         agent_rewards = dict(agent_rewards or {})
         unknown = sorted(set(agent_rewards) - set(agents))
         if unknown:
@@ -193,7 +193,7 @@ class RuleWorkload(ABC):
         w = self.format_weight
         rewards: dict[str, float] = {}
         for agent in self.agents:
-            if self.credit == "team":
+            if self.credit in ("team", "step_discount"):  # step_discount: discounted by position
                 score = team
             elif agent in self.agent_rewards:
                 score = self.agent_rewards[agent](problem, outputs)
@@ -358,3 +358,10 @@ class AnswerPoolWorkload(PoolWorkload):
             raise WorkloadError(f"unknown agent {agent!r}; agents: {self.agents}")
         demos = problem.meta.get("demo") or {}
         return str(demos[agent]) if agent in demos else problem.answer
+
+
+def step_discount(reward: float, position: int, calls: int, gamma: float) -> float:
+    """`credit: step_discount`: call `position` of a trajectory's `calls` (in call order) gets
+    gamma^(calls-1-position) of its team reward, so the last call gets it whole and earlier
+    ones, further from the outcome, less (a discounted return with the reward at the end)."""
+    return reward * gamma ** (calls - 1 - position)
