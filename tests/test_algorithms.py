@@ -120,8 +120,10 @@ def test_clipped_loss_requires_reference_when_kl():
 
 
 def test_registries_reject_unknown_and_duplicate_names():
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'gae'.*grpo, grpo_nostd, reinforce_pp, rloo"):
-        get_advantage("gae")
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'vtrace'.*gae, grpo, grpo_nostd, reinforce_pp, rloo"):
+        get_advantage("vtrace")
+    with pytest.raises(ValueError, match="needs the critic's values"):  # registered, computed by the pipeline
+        compute_advantages("gae", [1.0, 0.0], [0, 0])
     with pytest.raises(ValueError, match=r"algorithm\.policy_loss.*clipped"):
         get_policy_loss("nope")
     with pytest.raises(ValueError, match="already registered"):
