@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.config import ConfigError, ExperimentConfig
 from flexmarl_core.control import Decision, MoveInstance, TrainSlot
 from flexmarl_core.hooks import TrackIterations
 from flexmarl_core.meg import MEG
@@ -78,6 +78,9 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
     pools = pools or dict.fromkeys(workers, "workers")
     meg = MEG.from_config(cfg.team)
     plan = Plan.build(cfg, meg)
+    if plan.critics:
+        raise ConfigError(f"the simulator has no cost model for a critic ({sorted(plan.critics)}): simulate "
+                          "the team with a critic-free algorithm.advantage (grpo)")
     ex = SimExecutor(cost, workers, cfg, meg, seed=cfg.seed if seed is None else seed)
     rows: list[dict[str, Any]] = []
     tracker = IterationTracker(plan.sizes(), rows.append)
