@@ -139,7 +139,7 @@ def step_critic(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int) -> 
 
 def explained(ctx: WorkerContext, critic: str, it: int) -> dict[str, float]:
     """Per agent of the critic, the explained variance of its values on iteration `it`'s
-    returns (`agent/<a>/explained_var`)."""
+    returns (`agent/<a>/explained_var`); none where the returns did not vary."""
     pairs: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     mine = set(critic_names(ctx.cfg)[critic])
     for j in range(ctx.cfg.batch.num_micro_batches):
@@ -149,4 +149,5 @@ def explained(ctx: WorkerContext, critic: str, it: int) -> dict[str, float]:
                 t = tg[r["sample_id"]]
                 pairs[r["agent"]][0].extend(t.old_values)
                 pairs[r["agent"]][1].extend(t.returns)
-    return {agent_key(a, "explained_var"): explained_variance(v, g) for a, (v, g) in pairs.items()}
+    ev = {agent_key(a, "explained_var"): explained_variance(v, g) for a, (v, g) in pairs.items()}
+    return {k: v for k, v in ev.items() if v == v}  # NaN (returns all equal) is left out
