@@ -102,6 +102,15 @@ def compute_values(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, 
     return n
 
 
+def valued(ctx: WorkerContext, critic: str, it: int, mb: int) -> bool:
+    """Whether every call of micro-batch `mb` that `critic` values has its value stored."""
+    for agent in critic_names(ctx.cfg)[critic]:
+        tbl = ctx.store.read_samples(agent, it, mb=mb, columns=["sample_id", "value"])
+        if tbl.num_rows == 0 or tbl.column("value").null_count:
+            return False
+    return True
+
+
 def critic_batch(ctx: WorkerContext, critic: str, it: int, mb: int) -> list[ValueSample]:
     """The critic's training samples of micro-batch `mb`: its agents' calls with the values the
     advantages used and their GAE returns."""

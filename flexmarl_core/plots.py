@@ -28,7 +28,7 @@ from flexmarl_core.metrics import metric_agents
 
 #: one hue family per op kind; agents get shades of it
 KIND_COLOURS = {"rollout": "Blues", "reward": "Greys", "train": "Oranges", "step": "Reds", "sync": "Greens",
-                "program": "Purples"}
+                "program": "Purples", "value": "YlOrBr"}
 
 
 @dataclass

@@ -250,3 +250,26 @@ def test_step_discount_needs_a_graph_team():
     team = {"agents": [{"name": "a"}, {"name": "b"}], "program": "examples/programs/debate_team.py:team"}
     with pytest.raises(ConfigError, match="workload.credit step_discount needs the call order"):
         config_from_dict({"team": team, "workload": {"credit": "step_discount"}}, source="t.yaml")
+
+
+def test_critic_ops_rerun_after_the_step_find_their_work_done(tmp_path):
+    """A resumed run may rerun a critic op that finished but was not logged: after the critic
+    stepped, its value, train and step ops of that iteration change nothing."""
+    from flexmarl_core.config import load_config
+    from flexmarl_core.executors import ThreadExecutor, stage_fn
+    from flexmarl_core.run import prepare_run, train
+    from flexmarl_core.stages import context, run_stage
+    from tests._runs import TINY
+
+    cfg = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "train.iterations=1", "train.evaluate=false",
+                             "workload.reward=tests.reward_fns:varied", "workload.credit=team",
+                             *[f"team.agents.{a}.algorithm.advantage=gae" for a in ("planner", "solver", "verifier")]])
+    rd = prepare_run(cfg, log=lambda _: None)
+    train(cfg, rd, ThreadExecutor(stage_fn(str(rd)), {w.name: w.resources for w in cfg.cluster.workers}))
+    before = MEGStore(cfg.resolved_store_uri()).read_samples("solver", 0).column("value").to_pylist()
+    head = {k: v.clone() for k, v in context(str(rd)).trainers["critic"].weights().items()}
+    for op in (Op(0, "value", "critic", mb=1), Op(0, "train", "critic", mb=0), Op(0, "step", "critic")):
+        assert run_stage(str(rd), op).skipped, op.name
+    assert MEGStore(cfg.resolved_store_uri()).read_samples("solver", 0).column("value").to_pylist() == before
+    tr = context(str(rd)).trainers["critic"]
+    assert tr.version == 1 and all(torch.equal(v, head[k]) for k, v in tr.weights().items())

@@ -4,7 +4,7 @@ through the agents' stages (`train.py`, `sync.py`), which hand a critic's op to 
 
 from __future__ import annotations
 
-from flexmarl_core.critic_updates import accumulate, compute_values
+from flexmarl_core.critic_updates import accumulate, compute_values, valued
 from flexmarl_core.ops import ConsistencyError, Op, StageResult
 from flexmarl_core.stages.registry import stage
 from flexmarl_core.training.critic import CriticTrainer
@@ -26,8 +26,10 @@ def value(ctx: WorkerContext, op: Op) -> StageResult:
     critic, it, mb = op.agent, op.iteration, op.mb
     tr, swap = _trainer(ctx, critic, it)
     if tr.version != it:
-        raise ConsistencyError(f"{op.name}: the critic is at version {tr.version}, expected {it} "
-                               "(its step ran before this micro-batch was valued)")
+        if valued(ctx, critic, it, mb):  # a rerun after the critic stepped (resume): done
+            return StageResult(op, skipped=True, swap=swap)
+        raise ConsistencyError(f"{op.name}: the critic is at version {tr.version}, expected {it}, and "
+                               "the micro-batch has no values (its step ran before it was valued)")
     with ctx.lock:
         n = compute_values(ctx, critic, tr, it, mb)
     return StageResult(op, samples=n, version=it, swap=swap)
