@@ -210,3 +210,24 @@ def test_the_langgraph_example_runs_unchanged():
         assert [c.agent for c in r.records] == agents
         assert r.answer == r.records[-1].gen.text
         assert set(trajectory_rows(r, tokenizer().decode)) == set(agents)
+
+
+def test_the_mixture_of_agents_example_discovers_its_edges():
+    """`examples/programs/moa_team.py` calls its proposers from three threads at once, then the
+    aggregator: every trajectory stores one sample per agent, and the aggregator's parents are
+    exactly that trajectory's three proposer samples (the edges the program took)."""
+    agents = ["p1", "p2", "p3", "aggregator"]
+    engines = {a: HFInferenceEngine(tiny_model(seed=i), tokenizer()) for i, a in enumerate(agents)}
+    specs = {a: AgentSpec(a, SAMPLING, BUILTIN["plain"], tokenizer(), 2048) for a in engines}
+    s = Session("k", specs, dict.fromkeys(engines, 0), LocalDispatcher.of_engines(engines), lambda i, t, a, c: 7 * t + c)
+    team = load_program(f"{REPO}/examples/programs/moa_team.py:team")
+    results = run_program(team, [("p0", t, 0, "3+4*2") for t in range(2)], s, Gateway.shared())
+    tok = tokenizer()
+    for res in results:
+        assert res.error is None, res.error
+        rows = trajectory_rows(res, lambda a, ids: tok.decode(ids))
+        assert sorted(rows) == sorted(agents) and all(len(r) == 1 for r in rows.values())
+        (agg,) = rows["aggregator"]
+        assert agg["parents"] == sorted(f"p0:{res.traj}:{p}:0" for p in ("p1", "p2", "p3"))
+        for i, p in enumerate(("p1", "p2", "p3"), 1):
+            assert f"{i}:{rows[p][0]['response_text'].strip()}" in agg["prompt_text"]
