@@ -1,5 +1,6 @@
 """PPO with a critic through the real stack (Prefect flow, Dask workers, Parquet store): the
-critic's ops are task runs of their own, a critic op that fails for good is resumed from the op
+critic's ops are task runs of their own, it is placed on a training slot each iteration and its
+checkpoint swaps into another process, a critic op that fails for good is resumed from the op
 log with the undisturbed run's weights (agents' and critic's), the exactly-once audit covers the
 critic's values, and per-agent critics run alike."""
 
@@ -13,7 +14,9 @@ from safetensors.torch import load_file
 
 from flexmarl_core.audit import audit_run
 from flexmarl_core.config import load_config
-from flexmarl_core.worker import weights_path
+from flexmarl_core.location import RunLocation
+from flexmarl_core.meg import MEG
+from flexmarl_core.worker import WorkerContext, weights_path
 from tests._runs import (
     COMMON,
     ITERATIONS,
@@ -53,6 +56,17 @@ def test_gae_run_resumes_a_failed_critic_op_to_the_same_weights(prefect_api, das
     for agent in ("planner", "solver", "verifier"):
         assert all(f"agent/{agent}/value_loss" in r and f"agent/{agent}/explained_var" in r for r in rows)
     assert all(r["agent/critic/train/grad_norm"] > 0 for r in rows)
+    # placed like an agent's trainer: a training slot per iteration (on-demand allocation)
+    slots = [json.loads(x) for x in (base.resolved_run_dir() / "metrics" / "decisions.jsonl").read_text().splitlines()]
+    assert sorted(d["iteration"] for d in slots if d["decision"] == "train_slot" and d["agent"] == "critic") \
+        == list(range(ITERATIONS))
+    # checkpointed like one: another process swaps the critic's last state in, and it holds
+    # exactly the weights the critic's last sync published
+    fresh = WorkerContext(loc=RunLocation(base.resolved_run_dir()), cfg=base, meg=MEG.from_config(base.team))
+    tr, swap = fresh.trainer("critic", ITERATIONS)
+    assert tr.version == ITERATIONS and swap["swap_in_bytes"] > 0
+    published = load_file(str(weights_path(base.resolved_run_dir(), "critic", ITERATIONS)))
+    assert all(torch.equal(v, published[k]) for k, v in tr.weights().items())
 
     victim = "train[critic] it=1 mb=0"
     marker = plant_fault(tmp_path / "hurt", "fail", victim, "2")  # 1 try + 1 task retry, both fail
