@@ -273,3 +273,26 @@ def test_critic_ops_rerun_after_the_step_find_their_work_done(tmp_path):
     assert MEGStore(cfg.resolved_store_uri()).read_samples("solver", 0).column("value").to_pylist() == before
     tr = context(str(rd)).trainers["critic"]
     assert tr.version == 1 and all(torch.equal(v, head[k]) for k, v in tr.weights().items())
+
+
+def test_per_token_critic_through_a_run(tmp_path):
+    """`critic.per_token`: every stored sample carries one value per response token (its first
+    the call's value), the agents train on per-token advantages, and the audit is clean."""
+    from flexmarl_core.audit import audit_run
+    from flexmarl_core.config import load_config
+    from flexmarl_core.executors import ThreadExecutor, stage_fn
+    from flexmarl_core.run import prepare_run, train
+    from tests._runs import TINY
+
+    cfg = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "train.iterations=2", "train.evaluate=false",
+                             "workload.reward=tests.reward_fns:varied", "workload.credit=team", "critic.per_token=true",
+                             *[f"team.agents.{a}.algorithm.advantage=gae" for a in ("planner", "solver", "verifier")]])
+    rd = prepare_run(cfg, log=lambda _: None)
+    out = train(cfg, rd, ThreadExecutor(stage_fn(str(rd)), {w.name: w.resources for w in cfg.cluster.workers}))
+    store = MEGStore(cfg.resolved_store_uri())
+    for agent in ("planner", "solver", "verifier"):
+        for r in store.read_samples(agent, 1).to_pylist():
+            assert len(r["token_values"]) == len(r["response_ids"]) and r["value"] == r["token_values"][0]
+            assert r["consumed_step"] == 1
+    assert all(row["agent/critic/train/grad_norm"] > 0 for row in out["iterations"])
+    assert audit_run(rd)[1] == []
