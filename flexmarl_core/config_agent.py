@@ -288,4 +288,7 @@ class CriticConfig(_Strict):
     value_clip: float | None = Field(
         0.2, gt=0.0, description="PPO value-loss clip around the value the advantages used (null: unclipped).")
     lr: float = Field(1e-3, gt=0.0, description="AdamW learning rate of the value head.")
+    epochs: int = Field(
+        4, ge=1, le=64, description="Passes over an iteration's calls per critic step: the first is the "
+        "pipeline's (a backward per micro-batch), each further one an update per micro-batch in the step.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm of the value head.")

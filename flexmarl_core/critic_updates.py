@@ -124,7 +124,7 @@ def accumulate(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, mb: 
     """Backward of micro-batch `mb` into the critic's gradients; (per-agent metrics, samples)."""
     batch = critic_batch(ctx, critic, it, mb)
     scale = loss_scale(ctx, critic)
-    stats = tr.accumulate(batch, loss_scale=scale)
+    stats = tr.accumulate(batch, loss_scale=scale, key=mb)
     counts: dict[str, int] = defaultdict(int)
     for s in batch:
         counts[s.agent] += len(s.returns)
@@ -136,12 +136,16 @@ def accumulate(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, mb: 
 
 def step_critic(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int) -> tuple[float, list[int]]:
     """Step the critic from version `it`, first accumulating any micro-batch not in its
-    gradients (died with another process, moved, or a replay). Call with `ctx.lock` held."""
+    gradients (died with another process, moved, or a replay), then its further epochs over
+    the iteration's micro-batches (`critic.epochs`). Call with `ctx.lock` held."""
     done = ctx.accumulated.setdefault(critic, set())
-    missing = [j for j in range(ctx.cfg.batch.num_micro_batches) if (it, j) not in done]
+    mbs = range(ctx.cfg.batch.num_micro_batches)
+    missing = [j for j in mbs if (it, j) not in done]
     for j in missing:
         accumulate(ctx, critic, tr, it, j)
-    res = tr.step()
+    # `critic.epochs` - 1 further passes, one update per micro-batch (read before any update)
+    batches = [(j, critic_batch(ctx, critic, it, j)) for j in mbs] if ctx.cfg.critic.epochs > 1 else []
+    res = tr.step([batches] * (ctx.cfg.critic.epochs - 1), loss_scale(ctx, critic))
     done.clear()
     return res.grad_norm, missing
 

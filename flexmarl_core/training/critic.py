@@ -11,7 +11,7 @@ the base and the head's backward.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,7 @@ class CriticTrainer:
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=lr)
         self._version = 0
         self._pending = 0
+        self._cache: dict[Hashable, tuple[torch.Tensor, list[int]]] = {}
 
     @property
     def version(self) -> int:
@@ -105,10 +106,26 @@ class CriticTrainer:
             k += n
         return out
 
-    def accumulate(self, samples: Sequence[ValueSample], loss_scale: float) -> dict[str, float]:
-        """Backward of the clipped value loss summed over `samples` times `loss_scale`.
-        Returns per agent `value_loss/<agent>` (its samples' loss sum, scaled) and the total."""
-        feats, counts = self._features(samples)
+    def _cached(self, samples: Sequence[ValueSample], key: Hashable | None) -> tuple[torch.Tensor, list[int]]:
+        """The features of `samples`, kept under `key` until the step (the base is frozen, so a
+        later epoch over the same micro-batch needs no forward of it)."""
+        if key is None:
+            return self._features(samples)
+        if key not in self._cache:
+            self._cache[key] = self._features(samples)
+        return self._cache[key]
+
+    def accumulate(self, samples: Sequence[ValueSample], loss_scale: float,
+                   key: Hashable | None = None) -> dict[str, float]:
+        """Backward of the clipped value loss summed over `samples` times `loss_scale` (`key`:
+        the micro-batch, whose features the step's later epochs reuse). Returns per agent
+        `value_loss/<agent>` (its samples' loss sum, scaled) and the total."""
+        out = self._backward(samples, loss_scale, key)
+        self._pending += 1
+        return out
+
+    def _backward(self, samples: Sequence[ValueSample], loss_scale: float, key: Hashable | None) -> dict[str, float]:
+        feats, counts = self._cached(samples, key)
         v = self.head(feats)
         old = torch.tensor([x for s in samples for x in s.old_values], dtype=torch.float32)
         ret = torch.tensor([x for s in samples for x in s.returns], dtype=torch.float32)
@@ -120,18 +137,31 @@ class CriticTrainer:
         out: dict[str, float] = {"value_loss": float(per.detach().sum()) * loss_scale}
         k = 0
         for s, n in zip(samples, counts, strict=True):
-            key = f"value_loss/{s.agent}"
-            out[key] = out.get(key, 0.0) + float(per[k:k + n].detach().sum()) * loss_scale
+            name = f"value_loss/{s.agent}"
+            out[name] = out.get(name, 0.0) + float(per[k:k + n].detach().sum()) * loss_scale
             k += n
-        self._pending += 1
         return out
 
-    def step(self) -> StepResult:
-        if self._pending == 0:
-            raise ValueError("step() called with no accumulated micro-batch")
+    def _update(self) -> float:
         norm = float(torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.max_grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def step(self, epochs: Sequence[Sequence[tuple[Hashable, Sequence[ValueSample]]]] = (),
+             loss_scale: float = 1.0) -> StepResult:
+        """Apply the accumulated gradient (the iteration's first pass over its micro-batches),
+        then one update per micro-batch of each further epoch in `epochs` (PPO's several
+        critic passes over a batch), all before the version moves: an error while reading the
+        batches leaves the trainer as it was."""
+        if self._pending == 0:
+            raise ValueError("step() called with no accumulated micro-batch")
+        norm = self._update()
+        for epoch in epochs:
+            for key, batch in epoch:
+                self._backward(batch, loss_scale, key)
+                self._update()
+        self._cache.clear()
         n, self._pending = self._pending, 0
         self._version += 1
         return StepResult(version=self._version, grad_norm=norm, num_micro_batches=n)
