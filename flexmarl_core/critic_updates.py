@@ -92,7 +92,7 @@ def compute_values(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, 
             "sample_id", "policy_version", "prompt_ids", "response_ids"]).to_pylist()
         if not rows:
             raise RuntimeError(f"value[{critic}] it={it} mb={mb}: no samples of agent {agent!r} in the store")
-        vals = tr.values([ValueSample(r["prompt_ids"], r["response_ids"]) for r in rows])
+        vals = tr.values([ValueSample(r["prompt_ids"], r["response_ids"], agent) for r in rows])
         per_token = ctx.cfg.critic.per_token
         ctx.store.write_status(agent, it, [
             {"sample_id": r["sample_id"], "policy_version": r["policy_version"], "mb": mb,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from flexmarl_core.config import ExperimentConfig, config_from_text
-from flexmarl_core.critic import base_agent, is_critic
+from flexmarl_core.critic import base_agent, critic_names, is_critic
 from flexmarl_core.inference import InferenceBackend, make_inference_engine
 from flexmarl_core.inference.api import SharedBaseBackend
 from flexmarl_core.inference.coalesce import Coalescer
@@ -201,7 +201,8 @@ class WorkerContext:
             model.load_state_dict(load_weights(self.loc, src, 0))
         return CriticTrainer(model, hidden=ccfg.head_hidden, per_token=ccfg.per_token, lr=ccfg.lr,
                              max_grad_norm=ccfg.max_grad_norm, value_clip=ccfg.value_clip,
-                             seed=zlib.crc32(f"{self.cfg.seed}:{critic}".encode()), pad_id=tok.pad_token_id or 0)
+                             seed=zlib.crc32(f"{self.cfg.seed}:{critic}".encode()), pad_id=tok.pad_token_id or 0,
+                             agents=critic_names(self.cfg)[critic])
 
     @property
     def one_process(self) -> bool:

@@ -119,7 +119,7 @@ def test_explained_variance():
 
 def _critic(per_token=False, seed=7):
     return CriticTrainer(tiny_model(), hidden=16, per_token=per_token, lr=1e-2, max_grad_norm=1.0,
-                         value_clip=0.2, seed=seed)
+                         value_clip=0.2, seed=seed, agents=["a", "b"])
 
 
 def _batch(per_token=False):
@@ -155,9 +155,25 @@ def test_critic_values_per_token_one_per_response_token():
     # the first token's position is the observation's: the per-call value reads the same place
     # (float32: the longer sequence changes the matmul shapes, hence the last bits)
     one = CriticTrainer(tiny_model(), hidden=16, per_token=False, lr=1e-2, max_grad_norm=1.0,
-                        value_clip=0.2, seed=7)
+                        value_clip=0.2, seed=7, agents=["a", "b"])
     one.load_state(tr.state())
     torch.testing.assert_close([v[0] for v in one.values(batch)], [v[0] for v in vals], rtol=1e-5, atol=1e-6)
+
+
+def test_critic_further_epochs_reuse_the_cached_features_and_fit_better():
+    """`step(epochs)`: updates per micro-batch after the accumulated one, on the features the
+    accumulate cached; the version moves once. A caller's agent the critic does not value is
+    an error naming it."""
+    batch = _batch()
+    one, four = _critic(), _critic()
+    for tr, epochs in ((one, []), (four, [[(0, batch)]] * 3)):
+        tr.accumulate(batch, 1.0 / 3, key=0)
+        tr.step(epochs, 1.0 / 3)
+        assert tr.version == 1 and not tr._cache
+    err = [sum((v[0] - s.returns[0]) ** 2 for v, s in zip(tr.values(batch), batch, strict=True)) for tr in (one, four)]
+    assert err[1] < err[0]
+    with pytest.raises(ValueError, match="agent 'z'"):
+        one.values([ValueSample([1, 2], [3], "z")])
 
 
 def test_critic_state_round_trip_is_bit_exact():

@@ -4,9 +4,10 @@ fixed loss scale, then one step per iteration) and checkpointed, swapped and rep
 the same `TrainBackend` calls.
 
 The value of an observation is read at its last prompt token (one value per call), or, per
-token, at the position before each response token (the prompt plus the response so far). The
-base only reads: its features are computed without gradients, so a step costs one forward of
-the base and the head's backward.
+token, at the position before each response token (the prompt plus the response so far),
+with a one-hot of the calling agent beside the base's hidden state. The base only reads: its
+features are computed without gradients (and kept per micro-batch until the step, whose
+further epochs reuse them), so a step costs one forward of the base and the head's updates.
 """
 
 from __future__ import annotations
@@ -56,10 +57,14 @@ class CriticTrainer:
     """A value model's trainer: frozen `base` (a causal LM) + `ValueHead`, AdamW on the head."""
 
     def __init__(self, base: nn.Module, *, hidden: int, per_token: bool, lr: float,
-                 max_grad_norm: float, value_clip: float | None, seed: int, pad_id: int = 0) -> None:
+                 max_grad_norm: float, value_clip: float | None, seed: int, pad_id: int = 0,
+                 agents: Sequence[str] = ()) -> None:
         self.base = base.float().eval().requires_grad_(False)
         self.backbone = getattr(base, "base_model", base)  # the transformer without its LM head
-        self.head = ValueHead(int(base.config.hidden_size), hidden, seed)
+        #: the agents whose calls it values: a one-hot of the caller joins the features, so a
+        #: shared critic knows whose turn it values (MARFT's agent ids)
+        self.agents = list(agents)
+        self.head = ValueHead(int(base.config.hidden_size) + len(self.agents), hidden, seed)
         self.per_token = per_token
         self.max_grad_norm = max_grad_norm
         self.value_clip = value_clip
@@ -93,7 +98,16 @@ class CriticTrainer:
             rows += [b] * len(pos)
             cols += pos
             counts.append(len(pos))
-        return hidden[rows, cols].float(), counts
+        feats = hidden[rows, cols].float()
+        if self.agents:
+            who = torch.zeros(len(rows), len(self.agents))
+            for i, b in enumerate(rows):
+                if samples[b].agent not in self.agents:
+                    raise ValueError(f"a call of agent {samples[b].agent!r}, which this critic does not "
+                                     f"value (it values {self.agents})")
+                who[i, self.agents.index(samples[b].agent)] = 1.0
+            feats = torch.cat([feats, who], dim=1)
+        return feats, counts
 
     def values(self, samples: Sequence[ValueSample]) -> list[list[float]]:
         """Per sample its values (one, or one per response token), without gradients."""
