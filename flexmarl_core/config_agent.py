@@ -287,7 +287,7 @@ class CriticConfig(_Strict):
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
     value_clip: float | None = Field(
         0.2, gt=0.0, description="PPO value-loss clip around the value the advantages used (null: unclipped).")
-    lr: float = Field(1e-3, gt=0.0, description="AdamW learning rate of the value head.")
+    lr: float = Field(1e-2, gt=0.0, description="AdamW learning rate of the value head.")
     epochs: int = Field(
         4, ge=1, le=64, description="Passes over an iteration's calls per critic step: the first is the "
         "pipeline's (a backward per micro-batch), each further one an update per micro-batch in the step.")
