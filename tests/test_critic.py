@@ -179,7 +179,7 @@ def test_critic_further_epochs_reuse_the_cached_features_and_fit_better():
 def test_critic_state_round_trip_is_bit_exact():
     """Swapped out after a step with gradients pending, a fresh trainer given the state steps
     exactly as the original does (weights, Adam moments, pending gradients, version)."""
-    from flexmarl_core.training.handles import get, put
+    from flexmarl_core.training.handles import drop, get, put
 
     a = _critic()
     batch = _batch()
@@ -187,7 +187,9 @@ def test_critic_state_round_trip_is_bit_exact():
     a.step()
     a.accumulate(batch[:2], 0.3)  # pending gradients travel with the state
     b = _critic(seed=99)  # another init: everything must come from the state
-    b.load_state(get(put(a.state(), "memory")))
+    h = put(a.state(), "memory")
+    b.load_state(get(h))
+    drop(h)  # the process-wide buffer pool gets it back (tests/test_training.py checks the pool)
     for tr in (a, b):
         tr.accumulate(batch[2:], 0.3)
         tr.step()
