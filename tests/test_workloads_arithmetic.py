@@ -162,6 +162,16 @@ def test_per_agent_credit_rewards() -> None:
     assert r == pytest.approx({"planner": 1.0, "solver": 0.0, "verifier": 0.0})
 
 
+def test_turn_credit_pays_each_round_its_own_answer() -> None:
+    # P is (3+4)*2 = 14: rounds "13", "14", then the last round's share as given
+    wl = arith("per_agent", 0.1, turn_credit=True)
+    assert wl.turn_rewards(P, "solver", ["13", "14", "x"], 0.5) == pytest.approx([0.1, 1.0, 0.5])
+    assert wl.turn_rewards(P, "planner", ["7*2", "9"], 0.3) == pytest.approx([1.0, 0.3])
+    # off, or under team credit: every round gets the last round's share
+    assert arith("per_agent", 0.1).turn_rewards(P, "solver", ["13", "14"], 0.5) == [0.5, 0.5]
+    assert arith("team", 0.1, turn_credit=True).turn_rewards(P, "solver", ["13", "14"], 0.5) == [0.5, 0.5]
+
+
 def test_planner_may_take_any_legal_first_step() -> None:
     wl = arith("per_agent", 0.0)
     p = Problem("x2", "3*2+4*5", "26", {"plan": "6+4*5"})

@@ -220,6 +220,11 @@ class ArithmeticParams(BaseModel):
         description="Agent -> 'plan' or 'answer'. Default: an agent named 'planner' plans, "
         "every other agent answers.",
     )
+    turn_credit: bool = Field(
+        False, description="With credit: per_agent, each round of an agent but its last is paid for its "
+        "own output (an answer: is it the answer; a plan: is it a legal step) instead of the last round's "
+        "(debates, refine loops).",
+    )
 
     @field_validator("ops")
     @classmethod
@@ -325,6 +330,17 @@ class ArithmeticWorkload(RuleWorkload):
         if self.roles[agent] == "plan":
             return 1.0 if self.plan_correct(problem, text) else 0.0
         return self._answer_score(problem, text)
+
+    def turn_rewards(self, problem: Problem, agent: str, turns: list[str], final: float) -> list[float]:
+        """Under `turn_credit` and `credit: per_agent`, rounds before the last score their own
+        text as the last round is scored (the built-in `agent_score`, format term included; an
+        agent with its own `agent_rewards` callable keeps the default); the last keeps `final`."""
+        if not (self.params.turn_credit and self.credit == "per_agent") or agent in self.agent_rewards:
+            return super().turn_rewards(problem, agent, turns, final)
+        w = self.format_weight
+        own = [(1.0 - w) * (self.agent_score(problem, agent, {agent: t}) or 0.0)
+               + w * self.format_score(problem, agent, {agent: t}) for t in turns[:-1]]
+        return [*own, final]
 
     def format_score(self, problem: Problem, agent: str, outputs: Mapping[str, str]) -> float:
         text = outputs.get(agent, "")
