@@ -124,7 +124,7 @@ def accumulate(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, mb: 
     """Backward of micro-batch `mb` into the critic's gradients; (per-agent metrics, samples)."""
     batch = critic_batch(ctx, critic, it, mb)
     scale = loss_scale(ctx, critic)
-    stats = tr.accumulate(batch, loss_scale=scale, key=mb)
+    stats = tr.accumulate(batch, loss_scale=scale, key=(it, mb))
     counts: dict[str, int] = defaultdict(int)
     for s in batch:
         counts[s.agent] += len(s.returns)
@@ -144,7 +144,7 @@ def step_critic(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int) -> 
     for j in missing:
         accumulate(ctx, critic, tr, it, j)
     # `critic.epochs` - 1 further passes, one update per micro-batch (read before any update)
-    batches = [(j, critic_batch(ctx, critic, it, j)) for j in mbs] if ctx.cfg.critic.epochs > 1 else []
+    batches = [((it, j), critic_batch(ctx, critic, it, j)) for j in mbs] if ctx.cfg.critic.epochs > 1 else []
     res = tr.step([batches] * (ctx.cfg.critic.epochs - 1), loss_scale(ctx, critic))
     done.clear()
     return res.grad_norm, missing

@@ -174,6 +174,10 @@ def test_critic_further_epochs_reuse_the_cached_features_and_fit_better():
     assert err[1] < err[0]
     with pytest.raises(ValueError, match="agent 'z'"):
         one.values([ValueSample([1, 2], [3], "z")])
+    # a state loaded in (the critic moved here) drops features kept for the old state's batches
+    four.accumulate(batch[:1], 1.0, key=0)
+    four.load_state(one.state())
+    assert not four._cache
 
 
 def test_critic_state_round_trip_is_bit_exact():

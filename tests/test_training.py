@@ -231,7 +231,9 @@ def test_handles_reuse_buffers_without_aliasing():
         sizes.append(len(handles._POOL._bufs))
     assert len(set(sizes[1:])) == 1  # steady state (the first cycle may evict older spares)
     handles.trim_buffers()
-    assert handles._POOL._bufs == []
+    # no spare buffer is left; one still in use elsewhere in this process stays (the pool is
+    # process-wide, and an earlier test's state may still hold one until it is collected)
+    assert handles._POOL._free() == []
     # Buffers in use are never handed out again.
     h = put(state, "memory")
     kept = get(h)

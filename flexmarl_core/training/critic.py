@@ -197,6 +197,7 @@ class CriticTrainer:
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
+        self._cache.clear()  # features kept for another state's micro-batches
         self.head.load_state_dict(state["head"])
         params = list(self.head.parameters())
         for p, g in zip(params, state["grads"], strict=True):
