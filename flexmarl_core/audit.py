@@ -62,19 +62,17 @@ def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
     problems = audit_store(uri, expected)
     valued = {a for agents in critics.values() for a in agents}
     for agent in meg.trainable_agents:
+        # every sample was trained on; one whose advantage came from a critic was also valued
+        checks = [("consumed_step", "unconsumed", "were never trained on")]
+        if agent in valued:
+            checks.append(("value", "unvalued", "have no critic value"))
         for it in done:
-            tbl = store.read_samples(agent, it, columns=["sample_id", "consumed_step", "value"])
-            if agent in valued:  # its advantages came from a critic: every sample was valued
-                bare = tbl.filter(tbl.column("value").is_null())
+            tbl = store.read_samples(agent, it, columns=["sample_id", *(c for c, _, _ in checks)])
+            for column, kind, what in checks:
+                bare = tbl.filter(tbl.column(column).is_null())
                 if bare.num_rows:
                     problems.append(Problem(
-                        "unvalued", store.display(store.partition_dir("samples", agent, it)),
-                        f"{bare.num_rows} samples of completed iteration {it} have no critic value, "
+                        kind, store.display(store.partition_dir("samples", agent, it)),
+                        f"{bare.num_rows} samples of completed iteration {it} {what}, "
                         f"e.g. {bare.column('sample_id').to_pylist()[:5]}"))
-            idle = tbl.filter(tbl.column("consumed_step").is_null())
-            if idle.num_rows:
-                problems.append(Problem(
-                    "unconsumed", store.display(store.partition_dir("samples", agent, it)),
-                    f"{idle.num_rows} samples of completed iteration {it} were never trained "
-                    f"on, e.g. {idle.column('sample_id').to_pylist()[:5]}"))
     return uri, problems

@@ -65,8 +65,6 @@ def targets(ctx: WorkerContext, it: int, mb: int) -> tuple[list[dict[str, Any]],
     return rows, out
 
 
-
-
 def samples_per_iteration(ctx: WorkerContext, critic: str) -> int:
     """Calls the critic values per iteration."""
     agents = set(critic_names(ctx.cfg)[critic])
@@ -120,9 +118,11 @@ def critic_batch(ctx: WorkerContext, critic: str, it: int, mb: int) -> list[Valu
                         tg[r["sample_id"]].returns) for r in rows if r["agent"] in mine]
 
 
-def accumulate(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, mb: int) -> tuple[dict[str, float], int]:
-    """Backward of micro-batch `mb` into the critic's gradients; (per-agent metrics, samples)."""
-    batch = critic_batch(ctx, critic, it, mb)
+def accumulate(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, mb: int,
+               batch: list[ValueSample] | None = None) -> tuple[dict[str, float], int]:
+    """Backward of micro-batch `mb` (its `critic_batch`, read here unless given) into the
+    critic's gradients; (per-agent metrics, samples)."""
+    batch = critic_batch(ctx, critic, it, mb) if batch is None else batch
     scale = loss_scale(ctx, critic)
     stats = tr.accumulate(batch, loss_scale=scale, key=(it, mb))
     counts: dict[str, int] = defaultdict(int)
@@ -134,33 +134,25 @@ def accumulate(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, mb: 
     return metrics, len(batch)
 
 
-def step_critic(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int) -> tuple[float, list[int]]:
+def step_critic(ctx: WorkerContext, critic: str, tr: CriticTrainer,
+                it: int) -> tuple[float, list[int], dict[str, float]]:
     """Step the critic from version `it`, first accumulating any micro-batch not in its
     gradients (died with another process, moved, or a replay), then its further epochs over
-    the iteration's micro-batches (`critic.epochs`). Call with `ctx.lock` held."""
+    the iteration's micro-batches (`critic.epochs`). Returns the grad norm, the recomputed
+    micro-batches and per agent the explained variance of the values the iteration's
+    advantages used (`agent/<a>/explained_var`; none where its returns did not vary). Every
+    micro-batch is read once, before any update. Call with `ctx.lock` held."""
     done = ctx.accumulated.setdefault(critic, set())
-    mbs = range(ctx.cfg.batch.num_micro_batches)
-    missing = [j for j in mbs if (it, j) not in done]
+    batches = {j: critic_batch(ctx, critic, it, j) for j in range(ctx.cfg.batch.num_micro_batches)}
+    missing = [j for j in batches if (it, j) not in done]
     for j in missing:
-        accumulate(ctx, critic, tr, it, j)
-    # `critic.epochs` - 1 further passes, one update per micro-batch (read before any update)
-    batches = [((it, j), critic_batch(ctx, critic, it, j)) for j in mbs] if ctx.cfg.critic.epochs > 1 else []
-    res = tr.step([batches] * (ctx.cfg.critic.epochs - 1), loss_scale(ctx, critic))
+        accumulate(ctx, critic, tr, it, j, batches[j])
+    epoch = [((it, j), b) for j, b in batches.items()]
+    res = tr.step([epoch] * (ctx.cfg.critic.epochs - 1), loss_scale(ctx, critic))
     done.clear()
-    return res.grad_norm, missing
-
-
-def explained(ctx: WorkerContext, critic: str, it: int) -> dict[str, float]:
-    """Per agent of the critic, the explained variance of its values on iteration `it`'s
-    returns (`agent/<a>/explained_var`); none where the returns did not vary."""
     pairs: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
-    mine = set(critic_names(ctx.cfg)[critic])
-    for j in range(ctx.cfg.batch.num_micro_batches):
-        rows, tg = targets(ctx, it, j)
-        for r in rows:
-            if r["agent"] in mine:
-                t = tg[r["sample_id"]]
-                pairs[r["agent"]][0].extend(t.old_values)
-                pairs[r["agent"]][1].extend(t.returns)
+    for s in (s for b in batches.values() for s in b):
+        pairs[s.agent][0].extend(s.old_values)
+        pairs[s.agent][1].extend(s.returns)
     ev = {agent_key(a, "explained_var"): explained_variance(v, g) for a, (v, g) in pairs.items()}
-    return {k: v for k, v in ev.items() if v == v}  # NaN (returns all equal) is left out
+    return res.grad_norm, missing, {k: v for k, v in ev.items() if v == v}  # NaN left out

@@ -93,13 +93,16 @@ def micro_batch(ctx: WorkerContext, tr: TrainBackend, op: Op) -> tuple[Rows, lis
     alg = ctx.cfg.agent(agent).algorithm
     # Group-scoped estimators need only this micro-batch (whole groups); batch-scoped ones
     # (REINFORCE++) normalise over the iteration, whose rewards the plan waits for.
-    whole = advantage_scope(alg.advantage) == "batch"
+    scope = advantage_scope(alg.advantage)
+    whole = scope == "batch"
     # Consumed-or-not does not matter here: the trainer is still at `it`, so no update has
     # applied these samples yet; a `consumed_step` on them was written by an attempt whose
     # gradients died with its process (the version check keeps this exactly-once).
-    scope = advantage_scope(alg.advantage)
-    need = ("reward", "value") if scope == "critic" else ("reward",)
-    rows = ctx.store.ready(agent, it, need=need, unconsumed=False, mb=None if whole else mb).to_pylist()
+    if scope == "critic":  # GAE along the micro-batch's calls: the critics' rows hold this agent's
+        chain, tg = targets(ctx, it, mb)
+        rows = [r for r in chain if r["agent"] == agent]
+    else:
+        rows = ctx.store.ready(agent, it, need=("reward",), unconsumed=False, mb=None if whole else mb).to_pylist()
     num_mb = ctx.cfg.batch.num_micro_batches
     if ctx.meg.program is None:
         expected = samples_per_step(ctx, agent) // num_mb * (num_mb if whole else 1)
@@ -114,8 +117,7 @@ def micro_batch(ctx: WorkerContext, tr: TrainBackend, op: Op) -> tuple[Rows, lis
     check_staleness(agent, tr.version, rows, ctx.cfg.codesign.max_staleness)
     rows.sort(key=lambda r: r["sample_id"])
     per_token: list[list[float] | None] = [None] * len(rows)
-    if scope == "critic":  # GAE along the calls of the micro-batch, from the critics' values
-        _, tg = targets(ctx, it, mb)
+    if scope == "critic":
         adv = [tg[r["sample_id"]].advantages[0] for r in rows]
         if ctx.cfg.critic.per_token:
             per_token = [tg[r["sample_id"]].advantages for r in rows]
@@ -165,7 +167,7 @@ def step_trainer(ctx: WorkerContext, agent: str, tr: TrainBackend, it: int,
     samples, same gradients. Returns the grad norm, the recomputed and the helpers'
     micro-batches. Call with `ctx.lock` held."""
     if is_critic(ctx.cfg, agent):
-        grad_norm, missing = step_critic(ctx, agent, tr, it)  # type: ignore[arg-type]
+        grad_norm, missing, _ = step_critic(ctx, agent, tr, it)  # type: ignore[arg-type]
         return grad_norm, missing, []
     done = ctx.accumulated.setdefault(agent, set())
     num_mb = ctx.cfg.batch.num_micro_batches

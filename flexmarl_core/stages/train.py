@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from flexmarl_core.algorithms.losses import token_weight
 from flexmarl_core.critic import is_critic
-from flexmarl_core.critic_updates import explained
+from flexmarl_core.critic_updates import step_critic
 from flexmarl_core.location import gradient_key, trainer_key
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
 from flexmarl_core.stages.critic import critic_train
@@ -112,10 +112,14 @@ def step(ctx: WorkerContext, op: Op) -> StageResult:
         with ctx.lock:
             swap = ctx.checkpoint_trainer(agent) if ctx.checkpoint_due(tr.version) else {}
         return StageResult(op, version=tr.version, skipped=True, swap=swap)
+    metrics: dict[str, float] = {}
     with ctx.lock:
-        grad_norm, missing, helped = step_trainer(ctx, agent, tr, it)
+        if is_critic(ctx.cfg, agent):  # its step also gives the critic's explained variance
+            grad_norm, missing, metrics = step_critic(ctx, agent, tr, it)  # type: ignore[arg-type]
+            helped: list[int] = []
+        else:
+            grad_norm, missing, helped = step_trainer(ctx, agent, tr, it)
         swap = ctx.checkpoint_trainer(agent) if ctx.checkpoint_due(tr.version) else {}
-    metrics = explained(ctx, agent, it) if is_critic(ctx.cfg, agent) else {}
     return StageResult(op, version=tr.version, swap=swap, metrics={
         **metrics,
         agent_key(agent, "train/grad_norm"): grad_norm,
