@@ -440,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default cuda (cpu with --dry-run)")
     ap.add_argument("--no-team-run", action="store_true", help="skip the Prefect team run")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--swap-only", action="store_true",
+                    help="only the trainer-state swap check, on each checked preset (after a change "
+                         "to training/handles.py)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     if args.threads:
@@ -461,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     result["env"] = environment(dev)
     checks, skipped = result["checks"], result["skipped"]
     tok = get_tokenizer()
+    if args.swap_only:
+        for preset in plan.check_presets:
+            model = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
+            run_check(checks, f"state_swap/{preset}", lambda m=model: check_swap(m, dev, plan))
+        return finish(result, out_path, t_start)
     for preset in plan.check_presets:
         model = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
         run_check(checks, f"greedy_cpu_vs_device/{preset}", lambda m=model: check_greedy(m, tok, dev, plan))
@@ -499,6 +507,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="flexmarl-gpu-check-") as work:
             run_check(checks, "team_run", lambda: team_run(plan, Path(work), dev))
+    return finish(result, out_path, t_start)
+
+
+def finish(result: dict[str, Any], out_path: Path, t_start: float) -> int:
+    checks, skipped = result["checks"], result["skipped"]
     result["passed"] = all(c["passed"] for c in checks.values())
     result["wall_s"] = time.perf_counter() - t_start
     out_path.write_text(json.dumps(result, indent=2, default=str))

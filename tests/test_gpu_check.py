@@ -54,3 +54,16 @@ def test_dry_run(tmp_path: Path) -> None:
     for extra in ("vllm", "deepspeed"):  # the reason says which of the two cases it is
         want = "--dry-run" if importlib.util.find_spec(extra) else "not importable"
         assert want in skipped[extra]
+
+
+def test_swap_only(tmp_path: Path) -> None:
+    """--swap-only runs the swap check alone (the re-check after a change to training/handles.py)."""
+    out = tmp_path / "swap.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--swap-only", "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert list(res["checks"]) == ["state_swap/tiny-1m"] and res["passed"]
+    assert res["checks"]["state_swap/tiny-1m"]["bit_exact"] is True
+    assert "throughput" not in res
