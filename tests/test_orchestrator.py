@@ -158,6 +158,30 @@ def test_sync_baseline_is_phased():
     assert all(end(log, o) <= it1 for o, *_ in log if o.iteration == 0)
 
 
+def test_serial_runs_one_agent_at_a_time():
+    """`serial`: two agents with no edge between them still roll out one after the other, and the
+    agents train one after another, each after the previous one's sync."""
+    fan = {"agents": [{"name": "a", "template": "{input}"}, {"name": "b", "template": "{input}"},
+                      {"name": "c", "template": "{input} {a} {b}"}], "edges": ["a -> c", "b -> c"]}
+    cfg = config_from_dict({"team": fan, "codesign": {**ALL_OFF, "serial": True}, "train": {"iterations": 2},
+                            "batch": {"inputs_per_iteration": 4, "micro_batch_inputs": 2}})
+    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    sync = Plan.build(cfg.model_copy(update={"codesign": cfg.codesign.model_copy(update={"serial": False})}),
+                      MEG.from_config(cfg.team))
+    assert Op(0, "rollout", "a", 0, 1) not in sync.deps[Op(0, "rollout", "b", 0, 0)]
+    assert Op(0, "rollout", "a", 0, 1) in plan.deps[Op(0, "rollout", "b", 0, 0)]
+    assert Op(1, "sync", "b") in plan.deps[Op(1, "train", "c", mb=0)]
+    _, log = run(cfg)
+    for kind in ("rollout", "train"):
+        spans = {}
+        for op, _, t0, t1 in log:
+            if op.kind == kind:
+                lo, hi = spans.get((op.iteration, op.agent), (t0, t1))
+                spans[(op.iteration, op.agent)] = (min(lo, t0), max(hi, t1))
+        order = sorted(spans.values())
+        assert all(x[1] <= y[0] for x, y in zip(order, order[1:], strict=False)), (kind, spans)
+
+
 def test_dependency_parallel_and_async_overlap():
     cfg = cfg_of({"load_balancing": False, "on_demand_allocation": False})
     plan = Plan.build(cfg, MEG.from_config(cfg.team))

@@ -2,7 +2,8 @@
 policies on a virtual clock, determinism, scale and speed, the CLI.
 
 The recorded runs in tests/data/sim are `flexmarl train configs/default.yaml` on this 2-worker
-bench (4 iterations each): the co-design, the synchronous baseline and each switch off alone.
+bench (4 iterations each): the co-design, the synchronous baseline, the serial schedule and each
+switch off alone.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from flexmarl_core.sim.cluster import load_cluster
 from flexmarl_core.sim.cost import AgentCost, LengthDist, _queued_decode_s, continuous_decode_s
 from flexmarl_core.sim.study import (
     CODESIGN,
+    CODESIGN_K1,
+    SERIAL,
     SYNC,
     THOUSAND_DEVICES,
     many_agents,
@@ -41,14 +44,14 @@ SMALL = ["nodes=6", "inference.nodes=4", "training.nodes=2", "training.group_dev
 ABLATION = ["off-dependency_parallel", "off-load_balancing", "off-async_pipeline", "off-on_demand_allocation"]
 
 
-@pytest.mark.parametrize("mode", ["codesign", "sync"])
+@pytest.mark.parametrize("mode", ["codesign", "sync", "serial"])
 def test_calibrated_replay_is_within_10_percent_of_the_measured_run(mode):
     out, sim = replay(RECORDED / mode)
     assert abs(out["e2e_error"]) < 0.10, out["e2e_error"]
     assert out["simulated"]["label"] == "simulated"
     assert out["cost_model"]["sources"]["train.train_token_s"].startswith("measured")
-    # The balancer moved instances in the recorded co-design run (21 moves) and not in sync.
-    assert (out["simulated"]["balance_moves"] > 0) == (mode == "codesign")
+    # The balancer moved instances in the recorded co-design and serial runs, not in sync.
+    assert (out["simulated"]["balance_moves"] > 0) == (mode != "sync")
 
 
 def test_calibrated_replays_order_the_ablation_rows_as_measured():
@@ -56,7 +59,7 @@ def test_calibrated_replays_order_the_ablation_rows_as_measured():
     measurement tells apart by more than the calibration tolerance (10%) comes out in the
     same order (closer rows are a tie within what the model is held to)."""
     rows = {}
-    for run in ["codesign", "sync", *ABLATION]:
+    for run in ["codesign", "sync", "serial", *ABLATION]:
         out, _ = replay(RECORDED / run)
         rows[run] = (out["measured"]["e2e_s_per_iteration"], out["simulated"]["e2e_s_per_iteration"])
     compared = 0
@@ -116,6 +119,36 @@ def test_paper_scale_tables_and_speed():
     cod = results[CODESIGN].summary
     assert cod["sim_cpu_s_per_iteration"] < 10.0
     assert results[SYNC].summary["utilization_per_pool"]["inference"] < cod["utilization_per_pool"]["inference"]
+
+
+def test_serial_and_stale_schedules_at_scale():
+    """Table 2's other rows: `serial` gives the whole cluster to one agent at a time (the balancer
+    moves instances to it; no two agents roll out or train at once), and the co-design at k = 1
+    lets rollouts run an iteration ahead of training (the dependency chain stops binding)."""
+    results, _ = run_modes(MATH, PAPER, ["train.iterations=3"], ablation=False, schedules=True)
+    t = tables(results)["table2"]
+    assert {SYNC, SERIAL, CODESIGN, CODESIGN_K1} <= set(t)
+    ser = results[SERIAL]
+    assert ser.summary["balance_moves"] > 0  # every instance goes to the agent rolling out
+    for kind in ("rollout", "train"):
+        spans: dict[tuple[int, str], tuple[float, float]] = {}
+        for r in ser.records:
+            if r.op.kind == kind:
+                lo, hi = spans.get((r.op.iteration, r.op.agent), (r.result.t_start, r.result.t_end))
+                spans[(r.op.iteration, r.op.agent)] = (min(lo, r.result.t_start), max(hi, r.result.t_end))
+        order = sorted(spans.values())
+        assert all(a[1] <= b[0] for a, b in zip(order, order[1:], strict=False)), kind
+    k1 = results[CODESIGN_K1]
+    assert k1.summary["dag_bound_s_per_iteration"] < results[CODESIGN].summary["dag_bound_s_per_iteration"]
+    sync_end = {r.op.agent: r.result.t_end for r in k1.records if r.op.kind == "sync" and r.op.iteration == 0}
+    ahead = [r for r in k1.records if r.op.kind == "rollout" and r.op.iteration == 1
+             and r.result.t_start < sync_end[r.op.agent]]
+    assert ahead, "no rollout of iteration 1 started before its agent's sync of iteration 0 ended"
+    k0 = results[CODESIGN]
+    sync_end0 = {r.op.agent: r.result.t_end for r in k0.records if r.op.kind == "sync" and r.op.iteration == 0}
+    assert not [r for r in k0.records if r.op.kind == "rollout" and r.op.iteration == 1
+                and r.result.t_start < sync_end0[r.op.agent]]
+    assert t["speedup_vs_serial"] > 0 and t["speedup_best"] >= t["speedup"]
 
 
 def test_hundred_agents_on_1024_devices_with_decisions_in_microseconds():
