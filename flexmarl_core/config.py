@@ -1,7 +1,7 @@
 """Experiment configuration: one YAML file per experiment, validated with pydantic.
 
 The one import path for users: the models (`config_models.py`, an agent's in
-`config_agent.py`), the readers (`config_load.py`: files, text, `a.b.c=value` overrides, and
+`config_agent.py`, the co-design switches in `config_codesign.py`), the readers (`config_load.py`: files, text, `a.b.c=value` overrides, and
 the checks that need the registries and the team graph) and `ConfigError`, which names the
 file and the field.
 
@@ -20,6 +20,7 @@ from flexmarl_core.config_agent import (
     SamplingConfig,
 )
 from flexmarl_core.config_checks import PRESET_NAMES, ConfigError, backend_available
+from flexmarl_core.config_codesign import REQUIRES, SWITCHES, CodesignConfig, switch_overrides
 from flexmarl_core.config_load import (
     check_config,
     config_from_dict,
@@ -28,11 +29,8 @@ from flexmarl_core.config_load import (
     parse_overrides,
 )
 from flexmarl_core.config_models import (
-    REQUIRES,
-    SWITCHES,
     BatchConfig,
     ClusterConfig,
-    CodesignConfig,
     EdgeConfig,
     ExperimentConfig,
     StoreConfig,
@@ -40,7 +38,6 @@ from flexmarl_core.config_models import (
     TrainConfig,
     WorkerConfig,
     WorkloadConfig,
-    switch_overrides,
 )
 
 __all__ = [

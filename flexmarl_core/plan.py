@@ -16,6 +16,10 @@ and the co-design switches. Per iteration `it` and micro-batch `mb` (whole GRPO 
 - critics (agents with `algorithm.advantage: gae`, `critic.py`): `value(c, it, mb)` after the
   micro-batch's reward, `train(c, it, mb)`, `step(c, it)`, `sync(c, it)`; an agent's train op
   of a micro-batch also waits for the critics' values of that micro-batch.
+- `serial` (a baseline, with the two above off): one agent at a time. A turn's rollouts wait
+  for every rollout of the turn before it in topological order (not only for their parents), and
+  each agent's (then each critic's) train ops wait for the sync of the one trained before it,
+  as a loop over a single-agent trainer runs a team.
 - `max_staleness` k > 0 (bounded staleness): iteration it's rollouts wait for the syncs of
   iteration it-1-k instead of it-1 (weights version >= it-k exist), so rollouts run up to k
   iterations ahead of training; a train op then waits for its agent's previous step itself
@@ -42,6 +46,7 @@ class Plan:
     dependency_parallel: bool
     async_pipeline: bool
     max_staleness: int = 0
+    serial: bool = False
     #: critic -> the agents it values (`critic.critic_names`); empty without gae
     critics: dict[str, list[str]] = field(default_factory=dict)
     deps: dict[Op, list[Op]] = field(default_factory=dict)
@@ -55,11 +60,28 @@ class Plan:
             dependency_parallel=cfg.codesign.dependency_parallel,
             async_pipeline=cfg.codesign.async_pipeline,
             max_staleness=cfg.codesign.max_staleness,
+            serial=cfg.codesign.serial,
             critics=critic_names(cfg),
         )
         for it in range(cfg.train.iterations):
             plan._add_iteration(it)
+            if plan.serial:
+                plan._serialise(it)
         return plan
+
+    def _serialise(self, it: int) -> None:
+        """`serial`: iteration `it`'s turns, then its trainers, one at a time (see the module doc)."""
+        if self.meg.program is None:
+            nodes = self.meg.nodes
+            for prev, node in zip(nodes, nodes[1:], strict=False):
+                before = [Op(it, "rollout", prev.agent, prev.turn, j) for j in range(self.num_mb)]
+                for j in range(self.num_mb):
+                    d = self.deps[Op(it, "rollout", node.agent, node.turn, j)]
+                    d += [b for b in before if b not in d]
+        order = [*self.meg.trainable_agents, *self.critics]
+        for prev, agent in zip(order, order[1:], strict=False):
+            for j in range(self.num_mb):
+                self.deps[Op(it, "train", agent, mb=j)].append(Op(it, "sync", prev))
 
     def _add_iteration(self, it: int) -> None:
         if self.meg.program is not None:

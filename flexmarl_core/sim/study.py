@@ -25,11 +25,22 @@ from flexmarl_core.sim.calibrate import calibrate, measured_summary
 from flexmarl_core.sim.cluster import SimCluster, cost_model, load_cluster, workers
 
 CODESIGN, SYNC = "co-design", "synchronous baseline"
+#: one agent at a time on the whole cluster (`codesign.serial`; the balancer and on-demand
+#: allocation give the one agent every instance and training slot)
+SERIAL = "serial"
+#: the co-design at bounded staleness k = 1 (every trainable agent on decoupled_ppo)
+CODESIGN_K1 = "co-design, k=1"
 
 
-def modes(ablation: bool = True) -> dict[str, list[str]]:
-    """Mode name -> the switch overrides that make it."""
+def modes(ablation: bool = True, agents: list[str] | None = None) -> dict[str, list[str]]:
+    """Mode name -> the overrides that make it; with `agents` (the team's trainable agents) also
+    the serial schedule and the co-design at k = 1."""
     out = {SYNC: switch_overrides(off=SWITCHES), CODESIGN: switch_overrides(on=SWITCHES)}
+    if agents is not None:
+        out[SERIAL] = [*switch_overrides(on=["load_balancing", "on_demand_allocation"],
+                                         off=["dependency_parallel", "async_pipeline"]), "codesign.serial=true"]
+        out[CODESIGN_K1] = [*out[CODESIGN], "codesign.max_staleness=1",
+                            *(f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in agents)]
     if ablation:
         for off in SWITCHES:
             out[f"{off} off"] = switch_overrides(on=[s for s in SWITCHES if s != off], off=[off])
@@ -48,10 +59,13 @@ def run_cluster(cfg: ExperimentConfig, cluster: SimCluster) -> SimResult:
 
 
 def run_modes(config: str | Path, cluster_path: str | Path, overrides: list[str] | None = None,
-              ablation: bool = True) -> tuple[dict[str, SimResult], SimCluster]:
+              ablation: bool = True, schedules: bool = False) -> tuple[dict[str, SimResult], SimCluster]:
+    """Every mode of `modes` (`schedules`: with the serial schedule and the co-design at k = 1)."""
     cfg_over, sim_over = split_overrides(overrides or [])
     cluster = load_cluster(cluster_path, sim_over)
-    out = {m: run_cluster(load_config(config, [*cfg_over, *sw]), cluster) for m, sw in modes(ablation).items()}
+    agents = MEG.from_config(load_config(config, cfg_over).team).trainable_agents if schedules else None
+    out = {m: run_cluster(load_config(config, [*cfg_over, *sw]), cluster)
+           for m, sw in modes(ablation, agents).items()}
     return out, cluster
 
 
@@ -68,9 +82,17 @@ def tables(results: dict[str, SimResult]) -> dict[str, Any]:
 
     cod, syn = s[CODESIGN]["e2e_s_steady"], s[SYNC]["e2e_s_steady"]
     ratio = s[CODESIGN]["tokens_per_s_steady"] / s[SYNC]["tokens_per_s_steady"]
-    out: dict[str, Any] = {"label": LABEL, "window": "steady state: iterations after the first",
-                           "table2": {SYNC: row(SYNC), CODESIGN: row(CODESIGN), "speedup": syn / cod,
-                                      "tokens_per_s_ratio": ratio}}
+    t2: dict[str, Any] = {SYNC: row(SYNC), CODESIGN: row(CODESIGN), "speedup": syn / cod,
+                          "tokens_per_s_ratio": ratio}
+    if CODESIGN_K1 in s:  # the best co-design at k <= 1, against sync and against serial
+        t2[CODESIGN_K1] = row(CODESIGN_K1)
+        t2["speedup_k1"] = syn / s[CODESIGN_K1]["e2e_s_steady"]
+        t2["speedup_best"] = syn / min(cod, s[CODESIGN_K1]["e2e_s_steady"])
+    if SERIAL in s:
+        t2[SERIAL] = row(SERIAL)
+        t2["speedup_vs_serial"] = s[SERIAL]["e2e_s_steady"] / min(
+            cod, s.get(CODESIGN_K1, s[CODESIGN])["e2e_s_steady"])
+    out: dict[str, Any] = {"label": LABEL, "window": "steady state: iterations after the first", "table2": t2}
     t3 = {m: {**row(m), "slowdown_vs_codesign": s[m]["e2e_s_steady"] / cod}
           for m in s if m.endswith(" off")}
     if t3:
