@@ -78,6 +78,7 @@ def shape(name: str, iterations: list[str], ablation: bool, schedules: bool = Fa
                               dag_bound_s_per_iteration=s["dag_bound_s_per_iteration"],
                               rollout_replica_busy_frac=s["rollout_replica_busy_frac"],
                               critical_path=s["critical_path"], balance_moves=s["balance_moves"],
+                              moves_undone=s["moves_undone"],
                               train_swaps=s["train_swaps"], sim_cpu_s_per_iteration=s["sim_cpu_s_per_iteration"])
     # What any schedule of the co-design's plan could reach against this baseline: its work
     # perfectly packed, or its longest dependency chain, whichever is longer.
@@ -92,7 +93,7 @@ def hundred_agents() -> dict:
     cluster = load_cluster(PAPER, THOUSAND_DEVICES)
     s = run_cluster(cfg, cluster).summary
     keys = ("e2e_s_per_iteration", "sim_cpu_s", "sim_cpu_s_per_iteration", "ops", "workers", "balance_moves",
-            "train_swaps", "control_place", "control_route", "balancer_decide")
+            "moves_undone", "train_swaps", "control_place", "control_route", "balancer_decide")
     return {"agents": 100, "devices": cluster.devices, **{k: s[k] for k in keys}}
 
 
@@ -173,8 +174,12 @@ def main() -> int:
     h = out["scale_100_agents"]
     print(f"100 agents on {h['devices']} devices ({LABEL}): {h['sim_cpu_s']:.2f} CPU-s for {h['ops']} ops; "
           f"route p50 {h['control_route']['p50_us']:.0f} us, balancer decide p50 "
-          f"{h['balancer_decide'].get('p50_us', 0):.0f} us, placement wave p50 {h['control_place']['p50_us']:.0f} us "
-          f"/ p99 {h['control_place']['p99_us']:.0f} us")
+          f"{h['balancer_decide'].get('p50_us', 0):.0f} us / p99 {h['balancer_decide'].get('p99_us', 0):.0f} us, "
+          f"placement wave p50 {h['control_place']['p50_us']:.0f} us / p99 {h['control_place']['p99_us']:.0f} us")
+    mu = out["table2"]["math (3x14B)"]
+    print("instance moves undone (math shape): " + ", ".join(
+        f"{m} {mu[m]['moves_undone']['reversed']} of {mu[m]['moves_undone']['moves']} reversed, "
+        f"{mu[m]['moves_undone']['unused']} before serving" for m in (CODESIGN, CODESIGN_K1)))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     return 0

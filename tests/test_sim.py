@@ -88,6 +88,8 @@ def test_the_real_policies_run_on_the_virtual_clock():
     assert moves and on.summary["balance_moves"] == len(moves)
     assert {m.to_agent for m in moves} & {"solver", "verifier"}
     assert sum(isinstance(d, TrainSlot) for d in on.decisions) == 2 * 3  # agents x iterations
+    # Hysteresis: no instance goes back before it ran a rollout of the agent it was moved to.
+    assert on.summary["moves_undone"]["moves"] == len(moves) and on.summary["moves_undone"]["unused"] == 0
     off = _small(["codesign.load_balancing=false", "codesign.on_demand_allocation=false"])
     assert not off.decisions
     # One op at a time per worker (a 1-thread Dask worker).

@@ -136,6 +136,8 @@ class ControlPlane:
 
     def submitted(self, op: Op, route: Route) -> None:
         self.ledger.submitted(op, route.worker)
+        if self.balancer is not None and op.kind == "rollout" and route.worker:
+            self.balancer.fresh.discard((route.worker, op.agent))
 
     def finished(self, op: Op, route: Route) -> None:
         self.ledger.finished(op, route.worker)

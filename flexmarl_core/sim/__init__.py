@@ -63,6 +63,28 @@ def _us(xs: list[float]) -> dict[str, float]:
             "p99_us": 1e6 * s[min(int(len(s) * 0.99), len(s) - 1)], "max_us": 1e6 * s[-1]}
 
 
+def moves_undone(moves: list[MoveInstance], records: list[OpRecord]) -> dict[str, int]:
+    """Instance moves that a later move of the same worker reversed (`reversed`), and those
+    reversed before the worker ran one rollout of the agent it was moved to (`unused`: the
+    weights were loaded for nothing)."""
+    starts: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in records:
+        if r.op.kind == "rollout":
+            starts[(r.result.worker, r.op.agent)].append(r.result.t_start)
+    by_worker: dict[str, list[MoveInstance]] = defaultdict(list)
+    for m in moves:
+        by_worker[m.worker].append(m)
+    rev = unused = 0
+    for ms in by_worker.values():
+        for i, m in enumerate(ms):
+            back = next((n for n in ms[i + 1:] if n.from_agent == m.to_agent), None)
+            if back is None or (m.from_agent is not None and back.to_agent != m.from_agent):
+                continue
+            rev += 1
+            unused += not any(m.t <= t < back.t for t in starts[(m.worker, m.to_agent)])
+    return {"moves": len(moves), "reversed": rev, "unused": unused}
+
+
 def _longest_path(plan: Plan, records: list[OpRecord]) -> float:
     dur = {r.op: r.result.seconds for r in records}
     done: dict[Any, float] = {}
@@ -129,6 +151,7 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
         # micro-batch; the op holds them all until the slowest ends.
         rollout_replica_busy_frac=ex.rollout_replica_busy_s / ex.rollout_held_s if ex.rollout_held_s else 1.0,
         balance_moves=len(moves),
+        moves_undone=moves_undone(moves, res.records),
         train_swaps=sum(1 for d in res.decisions if isinstance(d, TrainSlot) and d.swap),
         train_slot_allocations=sum(1 for d in res.decisions if isinstance(d, TrainSlot)),
         control_place=_us(place_s), control_route=_us(route_s),
