@@ -24,6 +24,7 @@ from flexmarl_core.sim.cost import AgentCost, LengthDist, _queued_decode_s, cont
 from flexmarl_core.sim.study import (
     CODESIGN,
     CODESIGN_K1,
+    CODESIGN_LATE,
     SERIAL,
     SYNC,
     THOUSAND_DEVICES,
@@ -129,7 +130,7 @@ def test_serial_and_stale_schedules_at_scale():
     lets rollouts run an iteration ahead of training (the dependency chain stops binding)."""
     results, _ = run_modes(MATH, PAPER, ["train.iterations=3"], ablation=False, schedules=True)
     t = tables(results)["table2"]
-    assert {SYNC, SERIAL, CODESIGN, CODESIGN_K1} <= set(t)
+    assert {SYNC, SERIAL, CODESIGN, CODESIGN_LATE, CODESIGN_K1} <= set(t)
     ser = results[SERIAL]
     assert ser.summary["balance_moves"] > 0  # every instance goes to the agent rolling out
     for kind in ("rollout", "train"):
@@ -150,7 +151,9 @@ def test_serial_and_stale_schedules_at_scale():
     sync_end0 = {r.op.agent: r.result.t_end for r in k0.records if r.op.kind == "sync" and r.op.iteration == 0}
     assert not [r for r in k0.records if r.op.kind == "rollout" and r.op.iteration == 1
                 and r.result.t_start < sync_end0[r.op.agent]]
-    assert t["speedup_vs_serial"] > 0 and t["speedup_best"] >= t["speedup"]
+    assert t["speedup_vs_serial"] > 0 and t["speedup_best"] >= t["speedup_on_policy"] >= t["speedup"]
+    # Late binding holds a rollout until an instance is idle: none waits pinned behind a tail.
+    assert results[CODESIGN_LATE].summary["e2e_s_steady"] < results[CODESIGN].summary["e2e_s_steady"]
 
 
 def test_hundred_agents_on_1024_devices_with_decisions_in_microseconds():

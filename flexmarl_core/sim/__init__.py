@@ -44,14 +44,17 @@ class SimResult:
         return {"label": LABEL, "summary": self.summary, "iterations": self.iterations}
 
 
-def _timed(fn: Any, acc: list[float]) -> Any:
-    """`fn`, recording each call's seconds in `acc` (the control plane's decision time)."""
+def _timed(fn: Any, acc: list[float], cpu: list[float]) -> Any:
+    """`fn`, recording each call's wall seconds in `acc` and its thread's CPU seconds in `cpu`
+    (the control plane's decision time; on a loaded machine the wall time also counts the
+    time the thread waited for a core)."""
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
             acc.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
     return wrapper
 
 
@@ -109,8 +112,10 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
     orch = Orchestrator(plan, cfg, ex, hooks=[TrackIterations(tracker)])
     place_s: list[float] = []
     route_s: list[float] = []
-    orch.control.place = _timed(orch.control.place, place_s)  # type: ignore[method-assign]
-    orch.control.route = _timed(orch.control.route, route_s)  # type: ignore[method-assign]
+    place_cpu: list[float] = []
+    route_cpu: list[float] = []
+    orch.control.place = _timed(orch.control.place, place_s, place_cpu)  # type: ignore[method-assign]
+    orch.control.route = _timed(orch.control.route, route_s, route_cpu)  # type: ignore[method-assign]
     cpu0, wall0 = time.process_time(), time.perf_counter()
     res = orch.run()
     tracker.flush(final=True)
@@ -155,6 +160,7 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
         train_swaps=sum(1 for d in res.decisions if isinstance(d, TrainSlot) and d.swap),
         train_slot_allocations=sum(1 for d in res.decisions if isinstance(d, TrainSlot)),
         control_place=_us(place_s), control_route=_us(route_s),
+        control_place_cpu=_us(place_cpu), control_route_cpu=_us(route_cpu),
         balancer_decide=_us([(d.monitor_us + d.decide_us) / 1e6 for d in moves]),
         critical_path=critical_path(res.records, plan.deps),
     )
