@@ -25,7 +25,9 @@ at the config's 128 one measurement is +-0.04, as large as the effect being meas
 
 Mode `k1` (`--modes async k1`): the async pipeline with bounded staleness
 `codesign.max_staleness=1` and every agent on `decoupled_ppo`, from the same SFT checkpoints
-(`acc_k1`; k = 0 is `async`). Nothing else differs: same batch, learning rate and seed.
+(`acc_k1`; k = 0 is `async`). Nothing else differs: same batch, learning rate and seed. Mode
+`late_k1`: that with `codesign.late_binding` too, the simulator's best co-design at scale
+(`acc_late_k1`, `diff_late_k1`).
 
 Mode `ppo` (`--modes async ppo`): every trainable agent on `algorithm.advantage: gae` with the
 run's critic (`critic.shared` true by default: one value head on a frozen copy of the first
@@ -111,7 +113,7 @@ def main() -> int:
     ap.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
     ap.add_argument("--seeds", type=int, nargs="*", default=None)
     ap.add_argument("--iterations", type=int, default=None)
-    ap.add_argument("--modes", nargs="*", default=None, choices=["sync", "async", "k1", "lora", "lora_shared", "ppo"])
+    ap.add_argument("--modes", nargs="*", default=None, choices=["sync", "async", "k1", "late_k1", "lora", "lora_shared", "ppo"])
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     ap.add_argument("--sft-from", default=None, metavar="DIR",
                     help="SFT checkpoints DIR/sft-<seed>/ckpt (and sft-lora-<seed>): reused, or made there")
@@ -168,7 +170,8 @@ def main() -> int:
                          f"train.iterations={iterations}", f"train.init_from={ckpt}",
                          "train.evaluate_initial=true",
                          *switch_overrides(**{"off" if mode == "sync" else "on": SWITCHES})]
-            if mode == "k1":
+            if mode in ("k1", "late_k1"):
+                overrides += ["codesign.late_binding=true"] if mode == "late_k1" else []
                 agents = [a.name for a in load_config(args.config, base).team.agents]
                 overrides += ["codesign.max_staleness=1",
                               *[f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in agents]]
@@ -187,19 +190,19 @@ def main() -> int:
                 else "acc_sft"] = s["initial_heldout_accuracy"]
             row[f"acc_{mode}"] = s["heldout_accuracy"]
             row[f"{mode}_s"] = time.time() - tr
-            if mode in ("sync", "async", "k1", "ppo"):
+            if mode in ("sync", "async", "k1", "late_k1", "ppo"):
                 row[f"gain_{mode}"] = row[f"acc_{mode}"] - row["acc_sft"]
             if mode == "ppo":
                 row.update(critic_figures(out_dir / f"{mode}-{seed}"))
             print(f"seed {seed} {mode}: SFT-only {s['initial_heldout_accuracy']:.3f} -> RL "
                   f"{row[f'acc_{mode}']:.3f} ({iterations} iterations, {row[f'{mode}_s']:.0f} s)", flush=True)
-            for m in ("k1", "lora", "lora_shared", "ppo"):
+            for m in ("k1", "late_k1", "lora", "lora_shared", "ppo"):
                 if f"acc_{m}" in row and "acc_async" in row:
                     row[f"diff_{m}"] = row[f"acc_{m}"] - row["acc_async"]
             # Written after every run: a bench cut short keeps what it measured (--rows-from).
             write_json(args, seeds, iterations, rows, time.time() - t0)
     res = write_json(args, seeds, iterations, rows, time.time() - t0)
-    cols = ["acc_sft", "acc_sync", "acc_async", "acc_k1", "acc_lora", "acc_sft_lora_shared", "acc_lora_shared",
+    cols = ["acc_sft", "acc_sync", "acc_async", "acc_k1", "acc_late_k1", "acc_lora", "acc_sft_lora_shared", "acc_lora_shared",
             "acc_ppo"]
     nan = float("nan")
     print("\n seed " + " ".join(f"{c[4:]:>8s}" for c in cols))  # sft_lora_shared: its own SFT
@@ -208,7 +211,7 @@ def main() -> int:
     if res["gain"] is not None:
         print(f"gain over SFT-only: mean {res['gain']:+.3f} (per seed "
               + ", ".join(f"{r.get('gain_async', r.get('gain_sync', nan)):+.3f}" for r in rows) + ")")
-    for k in ("diff_k1", "diff_lora", "diff_lora_shared", "diff_ppo"):
+    for k in ("diff_k1", "diff_late_k1", "diff_lora", "diff_lora_shared", "diff_ppo"):
         if res[k] is not None:
             per = ", ".join(f"{r[k]:+.3f}" for r in rows if k in r)
             print(f"{k}: mean {res[k]:+.3f} (per seed {per})")
@@ -238,17 +241,18 @@ def write_json(args: argparse.Namespace, seeds: list[int], iterations: int, rows
 
     res = {"config": args.config, "team": load_config(args.config, []).name, "seeds": seeds, "iterations": iterations, "heldout": args.heldout, "overrides": args.set,
            "acc_sft": mean("acc_sft"), "acc_sync": mean("acc_sync"), "acc_async": mean("acc_async"),
-           "acc_k1": mean("acc_k1"), "acc_sft_lora": mean("acc_sft_lora"), "acc_lora": mean("acc_lora"),
+           "acc_k1": mean("acc_k1"), "acc_late_k1": mean("acc_late_k1"), "diff_late_k1": mean("diff_late_k1"),
+           "acc_sft_lora": mean("acc_sft_lora"), "acc_lora": mean("acc_lora"),
            "acc_sft_lora_shared": mean("acc_sft_lora_shared"), "acc_lora_shared": mean("acc_lora_shared"),
            "diff_k1": mean("diff_k1"), "diff_lora": mean("diff_lora"), "diff_lora_shared": mean("diff_lora_shared"),
            "acc_ppo": mean("acc_ppo"), "diff_ppo": mean("diff_ppo"), "critic_share": mean("critic_share"),
            "explained_var": {k[3:]: mean(k) for k in sorted({k for r in rows for k in r if k.startswith("ev_")})},
-           "spread": {m: statistics.stdev(v) if len(v) > 1 else 0.0 for m in ("sft", "sync", "async", "k1", "ppo")
+           "spread": {m: statistics.stdev(v) if len(v) > 1 else 0.0 for m in ("sft", "sync", "async", "k1", "late_k1", "ppo")
                       if (v := [r[f"acc_{m}"] for r in rows if f"acc_{m}" in r])},
            "bench_wall_s": wall_s, "rows": rows}
     res["acc_rl"] = res["acc_async"] if res["acc_async"] is not None else res["acc_sync"]
     # Mean over seeds of each seed's own gain (RL minus its SFT start), per mode.
-    for mode in ("sync", "async", "k1", "ppo"):
+    for mode in ("sync", "async", "k1", "late_k1", "ppo"):
         res[f"gain_{mode}"] = mean(f"gain_{mode}")
     res["gain"] = res["gain_async"] if res["gain_async"] is not None else res["gain_sync"]
     # The co-design's samples equal sync's and its weights agree within 1e-4 per step; over
