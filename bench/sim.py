@@ -50,7 +50,7 @@ SIM = REPO / "configs" / "sim"
 PAPER = SIM / "paper-48x16.yaml"
 RECORDED = REPO / "tests" / "data" / "sim"
 RUNS = ["codesign", "sync", "off-dependency_parallel", "off-load_balancing", "off-async_pipeline",
-        "off-on_demand_allocation", "serial"]
+        "off-on_demand_allocation", "serial", "late-k1"]
 SCALING = {"5x32B": "scale-5x32b.yaml", "3x32B + 7x14B": "scale-3x32b-7x14b.yaml", "15x14B": "scale-15x14b.yaml"}
 
 

@@ -2,8 +2,8 @@
 policies on a virtual clock, determinism, scale and speed, the CLI.
 
 The recorded runs in tests/data/sim are `flexmarl train configs/default.yaml` on this 2-worker
-bench (4 iterations each): the co-design, the synchronous baseline, the serial schedule and each
-switch off alone.
+bench (4 iterations each): the co-design, the synchronous baseline, the serial schedule, the
+co-design with late binding at k = 1 (`late-k1`) and each switch off alone.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ SMALL = ["nodes=6", "inference.nodes=4", "training.nodes=2", "training.group_dev
 ABLATION = ["off-dependency_parallel", "off-load_balancing", "off-async_pipeline", "off-on_demand_allocation"]
 
 
-@pytest.mark.parametrize("mode", ["codesign", "sync", "serial"])
+@pytest.mark.parametrize("mode", ["codesign", "sync", "serial", "late-k1"])
 def test_calibrated_replay_is_within_10_percent_of_the_measured_run(mode):
     out, sim = replay(RECORDED / mode)
     assert abs(out["e2e_error"]) < 0.10, out["e2e_error"]
@@ -60,7 +60,7 @@ def test_calibrated_replays_order_the_ablation_rows_as_measured():
     measurement tells apart by more than the calibration tolerance (10%) comes out in the
     same order (closer rows are a tie within what the model is held to)."""
     rows = {}
-    for run in ["codesign", "sync", "serial", *ABLATION]:
+    for run in ["codesign", "sync", "serial", "late-k1", *ABLATION]:
         out, _ = replay(RECORDED / run)
         rows[run] = (out["measured"]["e2e_s_per_iteration"], out["simulated"]["e2e_s_per_iteration"])
     compared = 0
