@@ -47,6 +47,16 @@ class CodesignConfig(_Strict):
         "after another. A baseline schedule: needs dependency_parallel and async_pipeline off; "
         "with load_balancing the whole inference pool serves the one agent rolling out.",
     )
+    partial_rollouts: bool = Field(
+        False,
+        description="With max_staleness >= 1: a rollout still decoding when its agent's newer "
+        "weights are published (within the staleness bound) resumes under them: its rows' "
+        "context is prefilled again with the new weights and the rest of each response sampled "
+        "by them. Every token keeps the version that sampled it (the store's token_versions) and "
+        "its behaviour logprob, which decoupled_ppo corrects per token; a sample's policy_version "
+        "is its oldest token's. Agents on the HF engine without model.lora or a tool; others "
+        "roll out under one version as before.",
+    )
     balance_threshold: float = Field(
         2.0, gt=1.0, description="Queued-work ratio hottest/coldest agent that triggers a move."
     )
@@ -76,6 +86,14 @@ class CodesignConfig(_Strict):
             raise ValueError("serial=true runs agents one at a time, which "
                              f"{' and '.join(f'{n}=true' for n in on)} would "
                              "overlap; set " + " and ".join(f"{n}: false" for n in on) + " or serial: false")
+        if self.partial_rollouts and not self.max_staleness:
+            raise ValueError("partial_rollouts=true has no effect with max_staleness=0 (no newer weights "
+                             "can be published while an on-policy rollout runs: its agent's next sync "
+                             "waits for it); set max_staleness: 1 or partial_rollouts: false")
+        if self.partial_rollouts and self.mixed_batch_window_s is not None:
+            raise ValueError("partial_rollouts=true and mixed_batch_window_s: a decode shared by several "
+                             "adapters' rollouts cannot resume one of them under new weights; leave "
+                             "mixed_batch_window_s unset or set partial_rollouts: false")
         if self.gradient_helpers and not self.on_demand_allocation:
             raise ValueError("gradient_helpers=true has no effect with on_demand_allocation=false (a helper "
                              "takes a train op to another training slot, and static placement gives each "

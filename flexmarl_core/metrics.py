@@ -35,7 +35,8 @@ def metric_agents(per_it: list[dict[str, Any]], metric: str = "reward") -> list[
 
 #: per-op counts that an iteration sums (work skipped or wasted, stages/train.py and rollout.py)
 COUNTED = ("/train/skipped_samples", "/train/skipped_tokens", "/rollout/decode_slots",
-           "/rollout/wasted_decode_slots", "/rollout/decodes", "/rollout/mixed_rows")
+           "/rollout/wasted_decode_slots", "/rollout/decodes", "/rollout/mixed_rows", "/rollout/resumed_rows",
+           "/rollout/resumed_tokens")
 
 
 def _train_stats(ops: list[OpRecord]) -> dict[str, float]:

@@ -55,14 +55,21 @@ def check_staleness(agent: str, version: int, rows: list[dict], k: int) -> None:
                 f"not produced by policy version {version} (on-policy violated)"
             )
         return
-    bad = [r for r in rows if not version - k <= r["policy_version"] <= version]
+    # A partial rollout's tokens span versions: its policy_version is the oldest, the newest
+    # is its last token's (`token_versions`); both must lie in the window.
+    bad = [r for r in rows if not version - k <= r["policy_version"] <= _newest(r) <= version]
     if bad:
-        seen = sorted({int(r["policy_version"]) for r in bad})
+        seen = sorted({int(r["policy_version"]) for r in bad} | {_newest(r) for r in bad})
         raise ConsistencyError(
             f"agent {agent!r} update {version}: samples {[r['sample_id'] for r in bad[:3]]} come from "
             f"policy version(s) {seen}, outside [{version - k}, {version}] allowed by "
             f"codesign.max_staleness={k}"
         )
+
+
+def _newest(row: dict) -> int:
+    tv = row.get("token_versions")
+    return int(max(tv)) if tv else int(row["policy_version"])
 
 
 def skip_zero_advantage(batch: list[Sample]) -> tuple[list[Sample], list[Sample]]:

@@ -65,6 +65,9 @@ SAMPLE_FILE_SCHEMA = pa.schema(
         _f("loss_mask", pa.list_(pa.int8()), "data", True,
            "per response token: 1 sampled, 0 inserted by a tool (no behaviour logprob); "
            "null = all sampled (and every store written before tools)"),
+        _f("token_versions", pa.list_(pa.int64()), "data", True,
+           "per response token: the weights version that sampled it, when the sample spans a "
+           "weight update (codesign.partial_rollouts); null = every token policy_version's"),
         _f("prompt_text", pa.string(), "data"),
         _f("response_text", pa.string(), "data"),
         _f("reward", pa.float64(), "data"),

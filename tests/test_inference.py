@@ -149,3 +149,41 @@ def test_factory_dtype_and_backend_errors():
     assert all(len(x.response_ids) == 4 for x in g)
     with pytest.raises(ValueError, match="empty"):
         eng.generate([""], SamplingConfig(), seed=0)
+
+
+def test_partial_generation_resumes_under_new_weights():
+    """Partial rollouts: weights that change mid-decode (a sync landing while a long rollout
+    runs) take over from the next token on. Tokens before the switch are the old weights' own
+    (the same as a decode that never switched), and every token after it is scored by the new
+    weights on the whole context, as the trainer recomputes it: the context was prefilled again,
+    not continued from the old weights' KV cache."""
+    old, new = tiny_model(0), tiny_model(1)
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=16)
+    plain = HFInferenceEngine(tiny_model(0), tokenizer()).generate(PROMPTS, sp, seed=5)
+    eng = HFInferenceEngine(old, tokenizer())
+    calls = []
+
+    def refresh() -> bool:  # the second check (after 8 tokens) finds version 1 published
+        calls.append(len(calls))
+        if len(calls) == 2:
+            eng.update_weights(new.state_dict(), 1)
+            return True
+        return False
+
+    gens = eng.generate_partial(PROMPTS, sp, seed=5, refresh=refresh, every=4)
+    assert calls[:2] == [0, 1] and eng.version == 1
+    spans = [g for g in gens if len(g.response_ids) > 8]
+    assert spans, "no row decoded past the switch"
+    for g, p in zip(gens, plain, strict=True):
+        assert g.version == 0  # the oldest weights in it: what the staleness bound checks
+        assert g.response_ids[:8] == p.response_ids[:8] and g.logprobs[:8] == p.logprobs[:8]
+        n = len(g.response_ids)
+        assert g.token_versions == ([0] * 8 + [1] * (n - 8) if n > 8 else None)
+    hidden, eps = new.config.hidden_size, torch.finfo(torch.float32).eps
+    samples = [Sample(g.prompt_ids, g.response_ids, g.logprobs, 0.0) for g in spans]
+    for g, lp_old, lp_new in zip(spans, trainer(tiny_model(0)).logprobs(samples),
+                                 trainer(tiny_model(1)).logprobs(samples), strict=True):
+        want = torch.tensor(g.logprobs)
+        atol = hidden * eps * float(want.abs().max())
+        torch.testing.assert_close(torch.tensor(lp_old[:8]), want[:8], atol=atol, rtol=0)
+        torch.testing.assert_close(torch.tensor(lp_new[8:]), want[8:], atol=atol, rtol=0)

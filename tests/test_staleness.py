@@ -133,3 +133,58 @@ def test_lora_staleness_between_checkpoints_matches_checkpointing_every_step(pre
         got = load_file(str(tmp_path / "e2" / "weights" / a / "v3.safetensors"))
         # Same samples in the same order through the same fp32 ops in one process: equal bits.
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), a
+
+
+def test_partial_rollouts_need_staleness_and_refuse_a_shared_decode():
+    with pytest.raises(ConfigError, match="partial_rollouts=true has no effect with max_staleness=0"):
+        load_config(TINY, ["codesign.partial_rollouts=true"])
+    lora = "{base: tiny-1m, lora: {rank: 4}}"
+    with pytest.raises(ConfigError, match="no trainable agent rolls out on the HF engine without model.lora"):
+        load_config(TINY, ["codesign.partial_rollouts=true", "codesign.max_staleness=1", *OFF_POLICY,
+                           *[f"team.agents.{a}.model={lora}" for a in ("planner", "solver", "verifier")]])
+    stale = ["codesign.max_staleness=1", *OFF_POLICY]
+    rows = [{"sample_id": "s", "policy_version": 1, "token_versions": [1, 1, 3]}]
+    with pytest.raises(ConsistencyError, match=r"policy version\(s\) \[1, 3\]"):
+        check_staleness("solver", 2, rows, 1)  # its last token from weights newer than the update's
+    assert load_config(TINY, ["codesign.partial_rollouts=true", *stale]).codesign.partial_rollouts
+
+
+@pytest.mark.slow
+def test_a_partial_rollout_resumes_under_the_weights_a_sync_publishes(prefect_api, tmp_path):
+    """The real run (Prefect flow, local Dask cluster, MEG Store) with k = 1 and partial
+    rollouts. The planner's rollout of iteration 1 starts on version 0 and is held mid-decode
+    (its first look for newer weights) until the planner's sync of iteration 0 has published
+    version 1 (that sync is itself held until the rollout is mid-decode). Its rows keep
+    version 0 for the tokens before and version 1 for the tokens after; the run completes,
+    audited exactly-once."""
+    import json
+
+    from flexmarl_core.location import weights_key
+    from flexmarl_core.stages.faults import held_ops
+    from flows.train import train
+    from storage import MEGStore
+    from tests._holds import Holds
+
+    run_dir = tmp_path / "run"
+    decode, sync = "rollout[planner] it=1 mb=0 decode", "sync[planner] it=0"
+    overrides = [f"run_dir={run_dir}", "cluster.prefect_lean=true", "train.iterations=2", "train.evaluate=false",
+                 "codesign.max_staleness=1", "codesign.partial_rollouts=true", "codesign.load_balancing=false",
+                 "team.agents.planner.sampling={temperature: 1.0, max_new_tokens: 40, stop: []}",
+                 "cluster.workers=[{name: w0, resources: {'rollout:planner': 1}}, "
+                 "{name: w1, resources: {rollout: 1, train: 1}}, {name: w2, resources: {rollout: 1, train: 1}}]",
+                 *OFF_POLICY]
+    published = run_dir / weights_key("planner", 1)
+    with Holds(run_dir, [sync], lambda _: decode in held_ops(run_dir)) as hold_sync, \
+            Holds(run_dir, [decode], lambda _: published.exists()) as hold_decode:
+        state = train(TINY, overrides, progress=False, return_state=True)
+    assert state.is_completed(), state.message
+    assert hold_sync.seen == {sync} and hold_decode.seen == {decode}
+    rows = MEGStore(str(run_dir / "store")).read_samples("planner", 1, mb=0).to_pylist()
+    assert rows and {r["policy_version"] for r in rows} == {0}
+    spans = [r for r in rows if len(r["response_ids"]) > 16]
+    assert spans, "no planner row decoded past its first look for newer weights"
+    for r in rows:
+        n = len(r["response_ids"])
+        assert r["token_versions"] == ([0] * 16 + [1] * (n - 16) if n > 16 else None), r["sample_id"]
+    its = [json.loads(x) for x in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
+    assert its[1]["agent/planner/rollout/resumed_rows"] == len(spans)

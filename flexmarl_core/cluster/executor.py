@@ -57,7 +57,11 @@ class DaskExecutor:
     def submit(self, op: Op, route: Route, deps: Sequence[Op] = (),
                after: Sequence[distributed.Future] = ()) -> distributed.Future:
         """`after`: futures of the ops `op` is chained on. Dask runs it once they are done (their
-        results, small `StageResult`s, are its ignored arguments); if one fails, so does it."""
+        results, small `StageResult`s, are its ignored arguments); if one fails, so does it.
+
+        Ops queued on one worker run oldest iteration first (Dask's `priority`): with
+        `max_staleness` or the async pipeline, rollouts of the next iteration are ready early,
+        and one that jumped ahead would hold back the training the current iteration waits on."""
         return self.client.submit(
             run_stage_after if after else run_stage_retrying,
             self.run_dir, op, self.retries.get(op.kind, 0), self.retry_delay_s, *after,
@@ -65,6 +69,7 @@ class DaskExecutor:
             key=f"{op.name}-{os.urandom(4).hex()}",
             resources=route.resources or None,
             workers=[route.worker] if route.worker else None,
+            priority=-op.iteration,  # a worker runs an older iteration's queued op first
             pure=False,
         )
 
@@ -78,6 +83,7 @@ class DaskExecutor:
             key=f"{ops[0].name}+{len(ops) - 1}-{os.urandom(4).hex()}",
             resources=route.resources or None,
             workers=[route.worker] if route.worker else None,
+            priority=-ops[0].iteration,
             pure=False,
         )
 

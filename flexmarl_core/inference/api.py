@@ -43,6 +43,9 @@ class Generation:
     #: per response token: 1 = sampled, 0 = inserted by a tool (`inference/tools.py`);
     #: None = all sampled
     loss_mask: list[int] | None = None
+    #: per response token: the weights version that sampled it, when the generation spans a
+    #: weight update (partial rollouts, `HFInferenceEngine.generate_partial`); None = all `version`
+    token_versions: list[int] | None = None
 
 
 @runtime_checkable

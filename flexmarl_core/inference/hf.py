@@ -15,7 +15,7 @@ Steps of `generate`:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import groupby
 
 import torch
@@ -140,6 +140,22 @@ class HFInferenceEngine:
     ) -> list[Generation]:
         return self._generate(prompts, sampling, seed)
 
+    def generate_partial(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int,
+        refresh: Callable[[], bool],
+        every: int = 16,
+    ) -> list[Generation]:
+        """`generate`, calling `refresh` every `every` decode steps: when it loaded newer weights
+        into this engine (returns True), the rows still decoding resume under them. Their
+        context (prompt and tokens so far) is prefilled again with the new weights, so every
+        later token is sampled, and scored, by the new weights alone. Each generation keeps the
+        version it started with (`version`, the oldest of its tokens) and, when it spans
+        versions, the version of every token (`token_versions`)."""
+        return self._generate_groups([(prompts, sampling, seed)], refresh=(refresh, max(int(every), 1)))
+
     def generate_groups(
         self, groups: Sequence[tuple[Sequence[str] | Sequence[Sequence[int]], SamplingConfig, int]]
     ) -> list[list[Generation]]:
@@ -169,6 +185,7 @@ class HFInferenceEngine:
         groups: Sequence[tuple[Sequence[str] | Sequence[Sequence[int]], SamplingConfig, int]],
         forward_kwargs: Mapping[str, object] | None = None,
         versions: Sequence[int] | None = None,
+        refresh: tuple[Callable[[], bool], int] | None = None,
     ) -> list[Generation]:
         """One decode over several requests (prompts, sampling, seed), their rows in order.
 
@@ -210,6 +227,8 @@ class HFInferenceEngine:
         stop_hit = [False] * bsz
         # A stop string of n bytes spans at most n + 1 byte-level tokens (last one may overhang).
         windows = [max((len(st.encode()) for st in s[2].stop), default=0) + 1 for s in spans]
+        start_version = self._version
+        switches: list[tuple[int, int]] = []  # (first step sampled by them, weights version)
 
         with torch.inference_mode():
             # 2. prefill
@@ -271,27 +290,45 @@ class HFInferenceEngine:
                     rows, attn, pos, nxt, live = rows[idx], attn[idx], pos[idx], nxt[idx], still
                     cache.batch_select_indices(idx)
                 attn = torch.cat([attn, attn.new_ones((len(rows), 1))], dim=-1)
-                pos = pos[:, -1:] + 1
-                out = self.model(
-                    input_ids=nxt.unsqueeze(-1),
-                    attention_mask=attn,
-                    position_ids=pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                    **fkw,
-                )
+                if refresh is not None and (step + 1) % refresh[1] == 0 and refresh[0]():
+                    # Newer weights: prefill the live rows' whole context with them (the cache
+                    # of the old weights would mix both into the next tokens' distribution).
+                    switches.append((step + 1, self._version))
+                    ctx_ids = torch.cat([input_ids[rows], tokens[rows, : step + 1]], dim=-1)
+                    ctx_ids[:, -1] = nxt  # a row that ended holds pad in `tokens`; any token does
+                    full_pos = (attn.cumsum(-1) - 1).clamp_(min=0)
+                    out = self.model(input_ids=ctx_ids, attention_mask=attn, position_ids=full_pos,
+                                     use_cache=True, logits_to_keep=1, **fkw)
+                    pos = full_pos[:, -1:]
+                else:
+                    pos = pos[:, -1:] + 1
+                    out = self.model(
+                        input_ids=nxt.unsqueeze(-1),
+                        attention_mask=attn,
+                        position_ids=pos,
+                        past_key_values=cache,
+                        use_cache=True,
+                        **fkw,
+                    )
                 cache = out.past_key_values
                 logits = out.logits[:, -1].float()
 
         # 4. build outputs
         tok_rows, lp_rows, len_list = tokens.tolist(), logps.tolist(), lengths.tolist()
         eos_set = set(self.eos_ids)
-        vers = list(versions) if versions is not None else [self._version] * bsz
-        return [
+        vers = list(versions) if versions is not None else [start_version] * bsz
+        gens = [
             finish_generation(self.tokenizer, prompt_ids[i], tok_rows[i][: len_list[i]],
                               lp_rows[i][: len_list[i]], s.stop, eos_set, vers[i])
             for lo, hi, s, _ in spans for i in range(lo, hi)
         ]
+        for g in gens if switches else ():
+            if len(g.response_ids) > switches[0][0]:  # it was still decoding at the first switch
+                tv = [start_version] * len(g.response_ids)
+                for first, v in switches:
+                    tv[first:] = [v] * max(len(tv) - first, 0)
+                g.token_versions = tv
+        return gens
 
     def _check_stops(
         self,

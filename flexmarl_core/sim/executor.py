@@ -147,8 +147,11 @@ class SimExecutor:
         if hid is not None:
             self._backlog[worker] = max(self._backlog[worker] - self._jobs[hid].base_s, 0.0)
         self._running[worker] = None
-        if self._queue[worker]:
-            self._start(self._queue[worker].popleft(), t + self.cost.gap_s)
+        if self._queue[worker]:  # oldest iteration first, then first queued (Dask's priority)
+            q = self._queue[worker]
+            nxt = min(q, key=lambda h: (self._jobs[h].op.iteration, h))
+            q.remove(nxt)
+            self._start(nxt, t + self.cost.gap_s)
 
     # -- costs ---------------------------------------------------------------------------
 

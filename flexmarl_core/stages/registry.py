@@ -69,6 +69,30 @@ def weights_version(ctx: WorkerContext, agent: str, iteration: int) -> int:
     return oldest
 
 
+#: decode steps between two looks for newer weights in a partial rollout (one stat each)
+RESUME_EVERY = 16
+
+
+def newer_weights(ctx: WorkerContext, op: Op, eng: Any) -> Callable[[], bool]:
+    """`codesign.partial_rollouts`: a callback for `eng.generate_partial` that loads the newest
+    weights of `op`'s agent published since `eng`'s version (never past the op's iteration) into
+    the engine, and says whether it did. Its first call is the `<op> decode` fault point, where
+    a test holds a rollout mid-decode until a sync has published (`stages/faults.py`)."""
+    first = [True]
+
+    def refresh() -> bool:
+        if first:
+            first.clear()
+            fault_point(ctx.loc.uri, f"{op.name} decode")
+        for v in range(op.iteration, eng.version, -1):
+            if ctx.loc.exists(weights_key(op.agent, v)):
+                ctx.engine(op.agent, v)  # the same engine, its weights replaced
+                return True
+        return False
+
+    return refresh
+
+
 def retryable(exc: BaseException) -> bool:
     """False for an error that says another try would fail alike (`retryable = False` on it or
     on an error it was raised from: a sandbox that cannot start programs)."""

@@ -5,7 +5,13 @@ from __future__ import annotations
 from flexmarl_core.inference.tools import generate_with_tool, tool_of
 from flexmarl_core.meg import NodeKey, sample_id
 from flexmarl_core.ops import Op, StageResult, agent_key
-from flexmarl_core.stages.registry import stage, stage_seed, weights_version
+from flexmarl_core.stages.registry import (
+    RESUME_EVERY,
+    newer_weights,
+    stage,
+    stage_seed,
+    weights_version,
+)
 from flexmarl_core.worker import WorkerContext
 
 
@@ -44,20 +50,24 @@ def rollout(ctx: WorkerContext, op: Op) -> StageResult:
             pushed = ctx.pushed_loads
             eng = ctx.engine(agent, version)
             pushed = ctx.pushed_loads - pushed  # 1: the weights came from a sync's broadcast
-            gens = generate_with_tool(eng, prompts, sampling, seed, tool)
+            if ctx.cfg.codesign.partial_rollouts and tool is None and hasattr(eng, "generate_partial"):
+                gens = eng.generate_partial(prompts, sampling, seed, newer_weights(ctx, op, eng), RESUME_EVERY)
+            else:
+                gens = generate_with_tool(eng, prompts, sampling, seed, tool)
     rows = [
         {
             "sample_id": sample_id(input_id, traj, agent, turn),
             "input_id": input_id, "traj": traj, "turn": turn, "mb": mb,
             "policy_version": g.version, "parents": par,
             "prompt_ids": g.prompt_ids, "response_ids": g.response_ids, "logprobs": g.logprobs,
-            "loss_mask": g.loss_mask,
+            "loss_mask": g.loss_mask, "token_versions": g.token_versions,
             "prompt_text": prompt, "response_text": g.text,
         }
         for (input_id, traj, par), prompt, g in zip(meta, prompts, gens, strict=True)
     ]
     ctx.store.write_samples(agent, it, rows)
     tokens = sum(len(g.response_ids) for g in gens)
+    resumed = [g for g in gens if g.token_versions is not None]
     # One batch decodes until its longest row ends: rows that finished early still take a
     # decode step each (the long tail's cost), counted here against the tokens kept.
     steps = max((len(g.response_ids) for g in gens), default=0)
@@ -70,4 +80,8 @@ def rollout(ctx: WorkerContext, op: Op) -> StageResult:
         agent_key(agent, "rollout/decodes"): 1.0 / mix["ops"],
         agent_key(agent, "rollout/mixed_rows"): float(len(rows)) if mix["agents"] > 1 else 0.0,
         **({agent_key(agent, "rollout/pushed_weights"): 1.0} if pushed else {}),
+        # Partial rollouts: rows that resumed under newer weights, and their tokens sampled so.
+        **({agent_key(agent, "rollout/resumed_rows"): float(len(resumed)),
+            agent_key(agent, "rollout/resumed_tokens"): float(sum(
+                sum(v != g.version for v in g.token_versions) for g in resumed))} if resumed else {}),
     })
