@@ -149,6 +149,16 @@ def test_partial_rollouts_need_staleness_and_refuse_a_shared_decode():
     assert load_config(TINY, ["codesign.partial_rollouts=true", *stale]).codesign.partial_rollouts
 
 
+PARTIAL = ["cluster.prefect_lean=true", "train.iterations=2", "train.evaluate=false",
+           "codesign.max_staleness=1", "codesign.partial_rollouts=true", "codesign.load_balancing=false",
+           "team.agents.planner.sampling={temperature: 1.0, max_new_tokens: 40, stop: []}",
+           # The planner's rollouts on a worker of their own: a held one blocks no other op.
+           "cluster.workers=[{name: w0, resources: {'rollout:planner': 1}}, "
+           "{name: w1, resources: {rollout: 1, train: 1}}, {name: w2, resources: {rollout: 1, train: 1}}]",
+           *OFF_POLICY]
+DECODE, SYNC0 = "rollout[planner] it=1 mb=0 decode", "sync[planner] it=0"
+
+
 @pytest.mark.slow
 def test_a_partial_rollout_resumes_under_the_weights_a_sync_publishes(prefect_api, tmp_path):
     """The real run (Prefect flow, local Dask cluster, MEG Store) with k = 1 and partial
@@ -166,13 +176,8 @@ def test_a_partial_rollout_resumes_under_the_weights_a_sync_publishes(prefect_ap
     from tests._holds import Holds
 
     run_dir = tmp_path / "run"
-    decode, sync = "rollout[planner] it=1 mb=0 decode", "sync[planner] it=0"
-    overrides = [f"run_dir={run_dir}", "cluster.prefect_lean=true", "train.iterations=2", "train.evaluate=false",
-                 "codesign.max_staleness=1", "codesign.partial_rollouts=true", "codesign.load_balancing=false",
-                 "team.agents.planner.sampling={temperature: 1.0, max_new_tokens: 40, stop: []}",
-                 "cluster.workers=[{name: w0, resources: {'rollout:planner': 1}}, "
-                 "{name: w1, resources: {rollout: 1, train: 1}}, {name: w2, resources: {rollout: 1, train: 1}}]",
-                 *OFF_POLICY]
+    decode, sync = DECODE, SYNC0
+    overrides = [f"run_dir={run_dir}", *PARTIAL]
     published = run_dir / weights_key("planner", 1)
     with Holds(run_dir, [sync], lambda _: decode in held_ops(run_dir)) as hold_sync, \
             Holds(run_dir, [decode], lambda _: published.exists()) as hold_decode:
@@ -188,3 +193,62 @@ def test_a_partial_rollout_resumes_under_the_weights_a_sync_publishes(prefect_ap
         assert r["token_versions"] == ([0] * 16 + [1] * (n - 16) if n > 16 else None), r["sample_id"]
     its = [json.loads(x) for x in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
     assert its[1]["agent/planner/rollout/resumed_rows"] == len(spans)
+
+
+@pytest.mark.slow
+def test_resume_with_a_partial_rollout_in_flight(prefect_api, tmp_path):
+    """kill -9 of the training process (and its Dask workers) while the planner's rollout of
+    iteration 1 is mid-decode and newer weights are published; `flexmarl train --resume` reruns
+    that rollout whole, on the newest weights: its rows are written once, by the rerun, and
+    the run audits exactly-once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from flexmarl_core.location import weights_key
+    from flexmarl_core.stages.faults import faults_dir, held_ops
+    from storage import MEGStore
+    from tests._holds import Holds
+    from tests._runs import assert_exactly_once, ops_log
+
+    run_dir = tmp_path / "run"
+    overrides = [f"run_dir={run_dir}", *PARTIAL]
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO)}
+
+    def cli(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "flexmarl.cli", *args], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+
+    published = run_dir / weights_key("planner", 1)
+    folder = Path(faults_dir(run_dir))
+    folder.mkdir(parents=True)
+    (folder / f"hold@{DECODE}").write_text("600")  # held until the kill
+    proc = cli("train", TINY, *[x for o in overrides for x in ("--set", o)], "--no-progress")
+    try:
+        with Holds(run_dir, [SYNC0], lambda _: DECODE in held_ops(run_dir)) as hold_sync:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and proc.poll() is None:
+                if published.exists() and DECODE in held_ops(run_dir):
+                    break
+                time.sleep(0.1)
+        assert hold_sync.seen == {SYNC0}
+        assert proc.poll() is None and published.exists(), "the run ended or never published version 1"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    victim = DECODE.removesuffix(" decode")
+    assert victim not in {o["op"] for o in ops_log(run_dir)}
+    for marker in folder.iterdir():
+        marker.unlink()
+    resumed = cli("train", "--resume", str(run_dir), "--no-progress")
+    out, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, out[-3000:]
+    assert [o["op"] for o in ops_log(run_dir)].count(victim) == 1
+    rows = MEGStore(str(run_dir / "store")).read_samples("planner", 1, mb=0).to_pylist()
+    assert rows and all(r["policy_version"] == 1 and r["token_versions"] is None for r in rows)
+    assert_exactly_once(load_config(TINY, overrides))
