@@ -126,7 +126,7 @@ def main() -> int:
     out["table3"] = math["table3"]
     out["scaling"] = {}
     for k, v in SCALING.items():
-        t, runs = shape(v, its, ablation=True)
+        t, runs = shape(v, its2, ablation=True, schedules=True)
         out["scaling"][k] = {**t["table2"], "table3": t["table3"]}
         if args.timelines and k == "15x14B":
             r = runs[CODESIGN]
@@ -174,7 +174,8 @@ def main() -> int:
     for name, t in {**out["table2"], **out["scaling"]}.items():
         print(f"{name:24s} sync {t[SYNC]['e2e_s_per_iteration']:8.1f} s/it  co-design "
               f"{t[CODESIGN]['e2e_s_per_iteration']:8.1f} s/it  speedup {t['speedup']:.2f}x "
-              f"(bound {t['speedup_bound']:.2f}x) ({LABEL})")
+              f"(bound {t['speedup_bound']:.2f}x); best at k <= 1 {t['speedup_best']:.2f}x, "
+              f"on-policy {t['speedup_on_policy']:.2f}x, over serial {t['speedup_vs_serial']:.2f}x ({LABEL})")
     cal = out["calibration"]
     print("calibration (fit each recorded run, replay it): " + ", ".join(
         f"{r} {100 * v['error']:+.1f}%" for r, v in cal["runs"].items())
