@@ -68,6 +68,10 @@ from pathlib import Path
 from flexmarl_core.config import SWITCHES, switch_overrides
 
 REPO = Path(__file__).resolve().parents[1]
+#: RL modes scored against their SFT start (`gain_<mode>`), and those also against `async`
+#: on the same problems (`diff_<mode>`)
+GAINED = ("sync", "async", "k1", "late_k1", "ppo")
+COMPARED = ("k1", "late_k1", "lora", "lora_shared", "ppo")
 
 RL_BATCH = ["batch.inputs_per_iteration=128", "batch.micro_batch_inputs=64"]
 #: a LoRA agent of `lora` mode: adapters on every linear layer; LoRA usually takes ~10x a full
@@ -190,13 +194,13 @@ def main() -> int:
                 else "acc_sft"] = s["initial_heldout_accuracy"]
             row[f"acc_{mode}"] = s["heldout_accuracy"]
             row[f"{mode}_s"] = time.time() - tr
-            if mode in ("sync", "async", "k1", "late_k1", "ppo"):
+            if mode in GAINED:
                 row[f"gain_{mode}"] = row[f"acc_{mode}"] - row["acc_sft"]
             if mode == "ppo":
                 row.update(critic_figures(out_dir / f"{mode}-{seed}"))
             print(f"seed {seed} {mode}: SFT-only {s['initial_heldout_accuracy']:.3f} -> RL "
                   f"{row[f'acc_{mode}']:.3f} ({iterations} iterations, {row[f'{mode}_s']:.0f} s)", flush=True)
-            for m in ("k1", "late_k1", "lora", "lora_shared", "ppo"):
+            for m in COMPARED:
                 if f"acc_{m}" in row and "acc_async" in row:
                     row[f"diff_{m}"] = row[f"acc_{m}"] - row["acc_async"]
             # Written after every run: a bench cut short keeps what it measured (--rows-from).
@@ -211,7 +215,7 @@ def main() -> int:
     if res["gain"] is not None:
         print(f"gain over SFT-only: mean {res['gain']:+.3f} (per seed "
               + ", ".join(f"{r.get('gain_async', r.get('gain_sync', nan)):+.3f}" for r in rows) + ")")
-    for k in ("diff_k1", "diff_late_k1", "diff_lora", "diff_lora_shared", "diff_ppo"):
+    for k in (f"diff_{m}" for m in COMPARED):
         if res[k] is not None:
             per = ", ".join(f"{r[k]:+.3f}" for r in rows if k in r)
             print(f"{k}: mean {res[k]:+.3f} (per seed {per})")
@@ -247,12 +251,12 @@ def write_json(args: argparse.Namespace, seeds: list[int], iterations: int, rows
            "diff_k1": mean("diff_k1"), "diff_lora": mean("diff_lora"), "diff_lora_shared": mean("diff_lora_shared"),
            "acc_ppo": mean("acc_ppo"), "diff_ppo": mean("diff_ppo"), "critic_share": mean("critic_share"),
            "explained_var": {k[3:]: mean(k) for k in sorted({k for r in rows for k in r if k.startswith("ev_")})},
-           "spread": {m: statistics.stdev(v) if len(v) > 1 else 0.0 for m in ("sft", "sync", "async", "k1", "late_k1", "ppo")
+           "spread": {m: statistics.stdev(v) if len(v) > 1 else 0.0 for m in ("sft", *GAINED)
                       if (v := [r[f"acc_{m}"] for r in rows if f"acc_{m}" in r])},
            "bench_wall_s": wall_s, "rows": rows}
     res["acc_rl"] = res["acc_async"] if res["acc_async"] is not None else res["acc_sync"]
     # Mean over seeds of each seed's own gain (RL minus its SFT start), per mode.
-    for mode in ("sync", "async", "k1", "late_k1", "ppo"):
+    for mode in GAINED:
         res[f"gain_{mode}"] = mean(f"gain_{mode}")
     res["gain"] = res["gain_async"] if res["gain_async"] is not None else res["gain_sync"]
     # The co-design's samples equal sync's and its weights agree within 1e-4 per step; over

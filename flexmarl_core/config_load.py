@@ -101,11 +101,6 @@ def check_config(cfg: ExperimentConfig, *, source: str = "<config>") -> None:
         raise ConfigError(f"{source}: team: {exc}") from None
     for problem in critic_problems(cfg):
         raise ConfigError(f"{source}: {problem}")
-    if cfg.codesign.partial_rollouts and not any(
-            a.trainable and a.model.lora is None and a.backend.inference == "hf" for a in cfg.team.agents):
-        raise ConfigError(f"{source}: codesign.partial_rollouts=true has no effect: no trainable agent "
-                          "rolls out on the HF engine without model.lora (the engine that resumes a "
-                          "decode under new weights); set partial_rollouts: false")
     k = cfg.codesign.max_staleness
     if k == 0:
         return

@@ -374,6 +374,15 @@ class ExperimentConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _partial_rollouts_take_effect(self) -> ExperimentConfig:
+        if self.codesign.partial_rollouts and not any(
+                a.trainable and a.model.lora is None and a.backend.inference == "hf" for a in self.team.agents):
+            raise ValueError("codesign.partial_rollouts=true has no effect: no trainable agent rolls out on "
+                             "the HF engine without model.lora (the engine that resumes a decode under new "
+                             "weights); set partial_rollouts: false")
+        return self
+
+    @model_validator(mode="after")
     def _helpers_take_effect(self) -> ExperimentConfig:
         if not self.codesign.gradient_helpers:
             return self

@@ -12,7 +12,7 @@ or ordered: the accumulated gradient equals the whole global batch's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from flexmarl_core.algorithms import advantage_scope, compute_advantages
 from flexmarl_core.critic import is_critic
@@ -166,16 +166,26 @@ def mark_consumed(ctx: WorkerContext, agent: str, it: int, mb: int, mine: Rows) 
     ])
 
 
+class Stepped(NamedTuple):
+    """What a step did: its grad norm, the micro-batches accumulated again and those added from a
+    gradient helper, and metrics only a critic's step has (its explained variance)."""
+
+    grad_norm: float
+    missing: list[int]
+    helped: list[int]
+    metrics: dict[str, float]
+
+
 def step_trainer(ctx: WorkerContext, agent: str, tr: TrainBackend, it: int,
-                 *, replaying: bool = False) -> tuple[float, list[int], list[int]]:
+                 *, replaying: bool = False) -> Stepped:
     """Step `tr` from version `it`. A micro-batch whose gradient is not in it is added from its
     gradient helper's file (`stages.train.train_gradient`) if there is one, else accumulated
     again from the store (it died with another process, the trainer moved, or a replay): same
-    samples, same gradients. Returns the grad norm, the recomputed and the helpers'
-    micro-batches. Call with `ctx.lock` held."""
+    samples, same gradients. A critic steps through `critic_updates.step_critic`. Call with
+    `ctx.lock` held."""
     if is_critic(ctx.cfg, agent):
-        grad_norm, missing, _ = step_critic(ctx, agent, tr, it)  # type: ignore[arg-type]
-        return grad_norm, missing, []
+        grad_norm, missing, metrics = step_critic(ctx, agent, tr, it)  # type: ignore[arg-type]
+        return Stepped(grad_norm, missing, [], metrics)
     done = ctx.accumulated.setdefault(agent, set())
     num_mb = ctx.cfg.batch.num_micro_batches
     helpers = ctx.cfg.codesign.gradient_helpers
@@ -199,7 +209,7 @@ def step_trainer(ctx: WorkerContext, agent: str, tr: TrainBackend, it: int,
     if helpers:
         for j in range(num_mb):  # their work is in the step now (a replay recomputes them)
             ctx.loc.delete(gradient_key(agent, it, j))
-    return res.grad_norm, missing, helped
+    return Stepped(res.grad_norm, missing, helped, {})
 
 
 def replay(ctx: WorkerContext, agent: str, tr: TrainBackend, version: int) -> None:

@@ -21,8 +21,8 @@ instance at all is served first (infinite load).
 
 Hysteresis: an instance moved to an agent is not taken away again before a rollout of that
 agent was routed to it (`fresh`), and no move is made that would leave the donor hotter than
-the hot agent (`_flips`). Without them, on the simulated math shape, the next wave often moved
-an instance back before it served (k = 1: 153.8 against 140.9 s per iteration).
+the hot agent (`_flips`). Without them, on the simulated math shape, the next wave sometimes
+moved an instance back before it had served (its weights loaded for nothing).
 
 LoRA agents on one base (`base_of`): a worker that already serves an agent on the hot agent's
 base loads only the adapter, so a move there costs `weight_bytes` (the adapter) instead of

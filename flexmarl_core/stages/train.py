@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from flexmarl_core.algorithms.losses import token_weight
 from flexmarl_core.critic import is_critic
-from flexmarl_core.critic_updates import step_critic
 from flexmarl_core.location import gradient_key, trainer_key
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
 from flexmarl_core.stages.critic import critic_train
@@ -112,17 +111,12 @@ def step(ctx: WorkerContext, op: Op) -> StageResult:
         with ctx.lock:
             swap = ctx.checkpoint_trainer(agent) if ctx.checkpoint_due(tr.version) else {}
         return StageResult(op, version=tr.version, skipped=True, swap=swap)
-    metrics: dict[str, float] = {}
     with ctx.lock:
-        if is_critic(ctx.cfg, agent):  # its step also gives the critic's explained variance
-            grad_norm, missing, metrics = step_critic(ctx, agent, tr, it)  # type: ignore[arg-type]
-            helped: list[int] = []
-        else:
-            grad_norm, missing, helped = step_trainer(ctx, agent, tr, it)
+        done = step_trainer(ctx, agent, tr, it)
         swap = ctx.checkpoint_trainer(agent) if ctx.checkpoint_due(tr.version) else {}
     return StageResult(op, version=tr.version, swap=swap, metrics={
-        **metrics,
-        agent_key(agent, "train/grad_norm"): grad_norm,
-        agent_key(agent, "recomputed_mbs"): float(len(missing)),
-        agent_key(agent, "helper_mbs"): float(len(helped)),
+        **done.metrics,
+        agent_key(agent, "train/grad_norm"): done.grad_norm,
+        agent_key(agent, "recomputed_mbs"): float(len(done.missing)),
+        agent_key(agent, "helper_mbs"): float(len(done.helped)),
     })
