@@ -38,7 +38,9 @@ from flexmarl_core.config import SWITCHES, switch_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "overhead.yaml")
-WORKLOAD = ["workload.params={n_operands: 2, max_value: 49, ops: '+-', max_result: 99, heldout_fraction: 0.2}"]
+WORKLOAD = ["workload.params={n_operands: 2, max_value: 49, ops: '+-', max_result: 99, heldout_fraction: 0.2}",
+            # the overhead config samples at T = 1.0, where RL of this size loses accuracy
+            "team.agents.solver.sampling.temperature=0.5"]
 ONE_WORKER = ["cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}]", "cluster.torch_threads=2"]
 TWO_WORKERS = ["cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}},"
                " {name: w1, resources: {rollout: 1, train: 1}}]", "cluster.torch_threads=1"]
@@ -58,6 +60,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="*", default=None)
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--heldout", type=int, default=512)
+    ap.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench-single-agent"), metavar="DIR")
     args = ap.parse_args()
     args.config = CONFIG  # what sft_checkpoint reads
@@ -75,7 +78,7 @@ def main() -> int:
     rows: list[dict] = []
     t0 = time.time()
     for seed in seeds:
-        base = [f"seed={seed}", f"workload.heldout_size={args.heldout}", *WORKLOAD]
+        base = [f"seed={seed}", f"workload.heldout_size={args.heldout}", *WORKLOAD, *args.set]
         ckpt = out_dir / f"sft-{seed}" / "ckpt"
         row: dict = {"seed": seed, **{f"sft_{k}": v for k, v in sft_checkpoint(args, out_dir, ckpt, base).items()}}
         rows.append(row)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.control import ControlPlane, Decision, OrchestratorError
+from flexmarl_core.control import ControlPlane, Decision, OrchestratorError, token_sizes
 from flexmarl_core.executor_api import (
     AbandonsHungOps,
     ChainingExecutor,
@@ -73,7 +73,8 @@ class RunResult:
 class Orchestrator:
     """Submits each op when its dependencies are done, with the route chosen at that moment,
     under the submission policies the config and the executor allow (`policies.policies_for`;
-    `look_ahead` / `fuse` override the config's), calling `hooks` as ops end."""
+    `look_ahead` / `fuse` override the config's), calling `hooks` as ops end. `sizes`: the
+    control plane's op sizes for its warm estimates (default: `token_sizes` of the config)."""
 
     def __init__(
         self,
@@ -85,10 +86,12 @@ class Orchestrator:
         skip: Iterable[Op] = (),
         look_ahead: bool | None = None,
         fuse: bool | None = None,
+        sizes: dict[str, dict[str, float]] | None = None,
     ) -> None:
         self.plan = plan
         self.executor = executor
-        self.control = ControlPlane(cfg, plan.meg.agent_names, executor.now)
+        self.control = ControlPlane(cfg, plan.meg.agent_names, executor.now,
+                                    sizes=token_sizes(cfg, plan.meg) if sizes is None else sizes)
         self.hooks = list(hooks)
         #: ops an earlier attempt completed (resume): they count as done
         self.skip = set(skip)

@@ -258,6 +258,7 @@ def train(
         tracker.resume(earlier, _reported_iterations(loc))
     orch = Orchestrator(plan, cfg, executor, skip=[r.op for r in earlier],
                         hooks=[WriteOpLog(writer), TrackIterations(tracker), *hooks])
+    orch.control.warm(r.result for r in earlier)
     try:
         result = orch.run()
         tracker.flush(final=True)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import time
+
+import pytest
 
 from flexmarl_core.control import InstanceBalancer, apply_move
 
@@ -119,3 +122,98 @@ def test_a_placement_wave_is_linear_in_workers_not_agents_times_workers(monkeypa
     out, moves = bal.rebalance(b, ready, [], workers, {}, lambda w, t: None, 0.0)
     assert moves and len(built) <= 2 * len(moves), len(built)
     assert sum(1 for r in out.values() if r.get("rollout:a0")) == 4 + len(moves)
+
+
+# -- warm estimates -------------------------------------------------------------------------
+
+WARM_TEAM = {
+    "agents": [
+        {"name": "planner", "template": "{input}", "sampling": {"max_new_tokens": 8}},
+        {"name": "solver", "template": "Q:{input}\nP:{planner}\nS:", "sampling": {"max_new_tokens": 32}},
+    ],
+    "edges": ["planner -> solver"],
+}
+
+
+def _warm_cfg(iterations: int = 1):
+    from flexmarl_core.config import config_from_dict
+
+    return config_from_dict({"team": WARM_TEAM, "train": {"iterations": iterations},
+                             "batch": {"inputs_per_iteration": 2, "micro_batch_inputs": 2}})
+
+
+def test_op_sizes_come_from_prompts_and_response_lengths():
+    from flexmarl_core.control import token_sizes
+    from flexmarl_core.control.ledger import PREFILL_WEIGHT
+    from flexmarl_core.meg import MEG
+
+    cfg = _warm_cfg()
+    sizes = token_sizes(cfg, MEG.from_config(cfg.team))
+    solver_prompt = len("Q:{input}\nP:{planner}\nS:") + 8  # its template and the planner's answer
+    assert sizes["rollout"] == {"planner": 8 + PREFILL_WEIGHT * len("{input}"),
+                                "solver": 32 + PREFILL_WEIGHT * solver_prompt}
+    assert sizes["train"] == {"planner": 8 + len("{input}"), "solver": 32 + solver_prompt}
+
+
+def test_an_unmeasured_agent_is_estimated_at_its_size():
+    from flexmarl_core.control import DEFAULT_OP_S, WorkLedger
+    from flexmarl_core.ops import Op
+
+    led = WorkLedger(sizes={"rollout": {"planner": 10.0, "solver": 30.0}})
+    # Before any rollout: the default, scaled by size around the mean size.
+    assert led.estimate("rollout", "planner") == DEFAULT_OP_S["rollout"] * 10 / 20
+    assert led.estimate("rollout", "solver") == DEFAULT_OP_S["rollout"] * 30 / 20
+    led.observe(Op(0, "rollout", "planner"), 2.0)
+    assert led.estimate("rollout", "planner") == 2.0
+    assert led.estimate("rollout", "solver") == 6.0  # the planner's seconds per unit, x 30
+    led.observe(Op(0, "rollout", "solver"), 4.0)
+    assert led.estimate("rollout", "solver") == 4.0  # measured: its own history
+    # A kind without sizes keeps the mean of the measured agents.
+    led.observe(Op(0, "train", "planner"), 1.0)
+    assert led.estimate("train", "solver") == 1.0
+
+
+def test_the_balancer_reads_the_warm_estimate_of_an_unmeasured_agent():
+    from flexmarl_core.control import ControlPlane
+    from flexmarl_core.ops import Op
+
+    cp = ControlPlane(_warm_cfg(), ["planner", "solver"], clock=lambda: 0.0,
+                      sizes={"rollout": {"planner": 1.0, "solver": 4.0}})
+    cp.ledger.observe(Op(0, "rollout", "planner"), 3.0)
+    loads = cp.balancer.monitor({"planner": 1, "solver": 1}, {"planner": ["w0"], "solver": ["w1"]})
+    assert loads == {"planner": 3.0, "solver": 12.0}
+
+
+def test_a_resumed_run_starts_from_its_earlier_attempts_measurements(tmp_path):
+    """The earlier attempt's op log (written by a real `run.train`) warms a new control plane:
+    its estimates are the measured durations' moving averages, not the defaults."""
+    from flexmarl_core.control import ControlPlane
+    from flexmarl_core.executors import ThreadExecutor
+    from flexmarl_core.ops import StageResult
+    from flexmarl_core.run import completed_records, train
+
+    secs = {"planner": 0.02, "solver": 0.06}
+
+    def fn(op, worker):
+        t0 = time.time()
+        time.sleep(secs.get(op.agent, 0.0) if op.kind == "rollout" else 0.0)
+        metrics = {"team/accuracy": 0.0} if op.kind == "reward" else {}
+        return StageResult(op, worker=worker, t_start=t0, t_end=time.time(), metrics=metrics)
+
+    cfg = _warm_cfg(iterations=2)
+    ex = ThreadExecutor(fn, {"w0": {"rollout": 1, "train": 1}})
+    try:
+        train(cfg, tmp_path, ex)
+    finally:
+        ex.close()
+    earlier = completed_records(tmp_path)
+    cp = ControlPlane(cfg, ["planner", "solver"], clock=time.time)
+    cold = cp.ledger.estimate("rollout", "solver")
+    cp.warm(r.result for r in earlier)
+    rolls = sorted((r.result for r in earlier if r.op.kind == "rollout" and r.op.agent == "solver"),
+                   key=lambda r: r.t_end)
+    expect = rolls[0].seconds
+    for r in rolls[1:]:
+        expect = 0.5 * expect + 0.5 * r.seconds
+    assert cp.ledger.estimate("rollout", "solver") == pytest.approx(expect, rel=1e-9)
+    assert cp.ledger.estimate("rollout", "solver") >= secs["solver"] != cold

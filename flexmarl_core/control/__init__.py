@@ -27,7 +27,7 @@ from flexmarl_core.control.decisions import (
     StoreRetries,
     TrainSlot,
 )
-from flexmarl_core.control.ledger import DEFAULT_OP_S, WorkLedger
+from flexmarl_core.control.ledger import DEFAULT_OP_S, WorkLedger, token_sizes
 from flexmarl_core.control.router import OrchestratorError, Router
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
 from flexmarl_core.location import base_weights_key, weights_key
@@ -36,7 +36,7 @@ from flexmarl_core.ops import Op, Route, StageResult
 __all__ = [
     "DEFAULT_OP_S", "ROLLOUT_TAG", "TRAIN_TAG", "ControlPlane", "Decision", "GradientHelper", "InstanceBalancer",
     "HungOp", "MoveInstance", "OrchestratorError", "Resubmit", "Router", "StoreRetries", "TrainSlot", "WorkLedger",
-    "apply_move", "lend_idle", "rebalance", "rollout_tag",
+    "apply_move", "lend_idle", "rebalance", "rollout_tag", "token_sizes",
 ]
 
 
@@ -69,7 +69,10 @@ def helper_agents(cfg: ExperimentConfig, agents: list[str]) -> frozenset[str]:
 
 
 class ControlPlane:
-    def __init__(self, cfg: ExperimentConfig, agents: list[str], clock: Callable[[], float]) -> None:
+    def __init__(self, cfg: ExperimentConfig, agents: list[str], clock: Callable[[], float],
+                 sizes: dict[str, dict[str, float]] | None = None) -> None:
+        """`sizes`: kind -> agent -> an op's expected work, for the warm estimates
+        (`ledger.token_sizes`, or the simulator's cost model)."""
         self.clock = clock
         self.deadlines = cfg.cluster.deadlines
         self.decisions: list[Decision] = []
@@ -79,8 +82,10 @@ class ControlPlane:
                              late_binding=self.late_binding, num_mb=cfg.batch.num_micro_batches, clock=clock,
                              log=self.decisions, helper_agents=helper_agents(cfg, agents))
         self.ledger = self.router.ledger
+        self.ledger.sizes = dict(sizes or {})
         self.balancer = (
             InstanceBalancer(agents=agents, threshold=cs.balance_threshold, est_s=self.ledger.est_s["rollout"],
+                             prior=lambda a: self.ledger.estimate("rollout", a),
                              **_move_costs(cfg, agents))
             if cs.load_balancing else None
         )
@@ -149,11 +154,19 @@ class ControlPlane:
         if res.metrics.get("store/retries"):
             self.decisions.append(StoreRetries(t=self.clock(), op=res.op.name, worker=res.worker,
                                                retries=int(res.metrics["store/retries"])))
+        self._learn(res)
+
+    def _learn(self, res: StageResult) -> None:
         if res.t_end:
             self.ledger.observe(res.op, res.seconds - res.swap.get("swap_in_s", 0.0))
         if res.op.kind == "program" and self.balancer is not None:
             for agent, secs in res.per_agent("program/decode_s").items():
                 self.balancer.observe(agent, secs)
+
+    def warm(self, earlier: Iterable[StageResult]) -> None:
+        """Start the estimates from an earlier attempt's finished ops (a resumed run)."""
+        for res in sorted(earlier, key=lambda r: r.t_end):
+            self._learn(res)
 
     def deadline(self, op: Op, route: Route) -> float:
         """Seconds after which `op`, submitted now on `route`, counts as hung

@@ -62,6 +62,8 @@ class InstanceBalancer:
     #: (worker, agent) pairs moved in that have not been routed a rollout of the agent yet: not
     #: taken away again before they served once (the weights were loaded for it)
     fresh: set[tuple[str, str]] = field(default_factory=set)
+    #: an agent's rollout seconds before it was measured (the work ledger's warm estimate)
+    prior: Callable[[str], float] | None = None
 
     def observe(self, agent: str, duration_s: float) -> None:
         """Feed one finished rollout's duration into the agent's estimate."""
@@ -71,6 +73,8 @@ class InstanceBalancer:
     def _est(self, agent: str) -> float:
         if agent in self.est_s:
             return self.est_s[agent]
+        if self.prior is not None:
+            return self.prior(agent)
         # Before an agent's first rollout: the mean of the others (or 1 s), so it is comparable.
         return sum(self.est_s.values()) / len(self.est_s) if self.est_s else 1.0
 

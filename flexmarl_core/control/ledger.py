@@ -5,6 +5,13 @@ it goes to; an on-demand allocation charges a slot the agent's whole iteration o
 front. Counting tasks instead put a solver's 2.8 s micro-batches level with a planner's 1.6 s
 ones, and an iteration's training piled onto one worker while the other idled (measured: 4.6 s
 per iteration).
+
+Estimates start warm. Before an agent's first op of a kind, its estimate is a measured agent's
+scaled by their sizes (`sizes`: an op's work in tokens, from the prompts and response lengths
+the config implies, or the simulator's cost model), so a planner with short prompts is not
+charged a long-context solver's seconds; before any op of the kind, the default is scaled the
+same way. A resumed run replays its earlier attempt's op log into the estimates
+(`ControlPlane.warm`).
 """
 
 from __future__ import annotations
@@ -12,11 +19,15 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op
 
 #: op seconds assumed before an op kind was measured (a train micro-batch ~ 2 rollouts on CPU)
 DEFAULT_OP_S: dict[str, float] = {"rollout": 1.0, "reward": 0.05, "train": 2.0, "step": 0.05, "sync": 0.05,
                                   "program": 3.0, "value": 0.5}
+#: a prompt token's share of a generated one's cost in a rollout: prefill runs the whole prompt
+#: in one forward, decoding runs a forward per token
+PREFILL_WEIGHT = 0.1
 
 
 @dataclass
@@ -35,11 +46,23 @@ class WorkLedger:
     #: op kind -> ops of that kind submitted and not finished (pinned to a worker or not)
     running: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
+    #: kind -> agent -> an op's expected work (any unit, compared within a kind): scales the
+    #: estimate of an agent not measured yet; kinds absent here are the same size for all agents
+    sizes: dict[str, dict[str, float]] = field(default_factory=dict)
+
     def estimate(self, kind: str, agent: str) -> float:
         per_agent = self.est_s.get(kind, {})
         if agent in per_agent:
             return per_agent[agent]
-        return sum(per_agent.values()) / len(per_agent) if per_agent else DEFAULT_OP_S[kind]
+        size = self.sizes.get(kind, {})
+        if agent not in size:
+            return sum(per_agent.values()) / len(per_agent) if per_agent else DEFAULT_OP_S[kind]
+        if per_agent:  # seconds per unit of the measured agents, at this agent's size
+            rates = [s / size[a] for a, s in per_agent.items() if size.get(a)]
+            if rates:
+                return size[agent] * sum(rates) / len(rates)
+            return sum(per_agent.values()) / len(per_agent)
+        return DEFAULT_OP_S[kind] * size[agent] / (sum(size.values()) / len(size))
 
     def observe(self, op: Op, seconds: float, alpha: float = 0.5) -> None:
         per_agent = self.est_s[op.kind]
@@ -71,3 +94,21 @@ class WorkLedger:
             return None
         self.work[old[0]] = max(self.work[old[0]] - old[1], 0.0)
         return old[1]
+
+
+def token_sizes(cfg: object, meg: MEG) -> dict[str, dict[str, float]]:
+    """Each agent's rollout op (one round) and train op (every round of a micro-batch) in
+    tokens per sequence, from its config: `max_new_tokens` generated, a prompt of its
+    template's text plus each parent's `max_new_tokens` (the input's length is the same for
+    every agent and left out). Prompt tokens weigh `PREFILL_WEIGHT` in a rollout, fully in
+    training (one forward and backward over the whole sequence)."""
+    rollout: dict[str, float] = {}
+    train: dict[str, float] = defaultdict(float)
+    for node in meg.nodes:
+        a = cfg.agent(node.agent)  # type: ignore[attr-defined]
+        prompt = len(a.template or "") + sum(cfg.agent(p.agent).sampling.max_new_tokens  # type: ignore[attr-defined]
+                                             for p in meg.parents[node])
+        gen = a.sampling.max_new_tokens
+        rollout[node.agent] = max(rollout.get(node.agent, 0.0), gen + PREFILL_WEIGHT * prompt)
+        train[node.agent] += gen + prompt
+    return {"rollout": rollout, "train": dict(train)}

@@ -170,6 +170,23 @@ class SimExecutor:
             p = p + self.lengths(parent.agent, parent.turn, it, mb)
         return p
 
+    def op_sizes(self, draws: int = 4) -> dict[str, dict[str, float]]:
+        """The cost model's mean seconds of each agent's rollout (one round) and train op over
+        `draws` sampled micro-batches (a rollout ends with its longest sequence, so the mean
+        length would underestimate it): the control plane's warm estimates before an agent is
+        measured. The draws are of iterations that never run (-1, -2, ...)."""
+        rollout: dict[str, float] = {}
+        train: dict[str, float] = {}
+        for node in self.meg.nodes:
+            a, t = node.agent, node.turn
+            held = [self.cost.rollout_s(a, self.prompts(a, t, -1 - k, 0), self.lengths(a, t, -1 - k, 0))[0]
+                    for k in range(draws)]
+            rollout[a] = max(rollout.get(a, 0.0), sum(held) / draws)
+            trained = [self.cost.train_s(a, float(self.prompts(a, t, -1 - k, 0).sum()),
+                                         float(self.lengths(a, t, -1 - k, 0).sum())) for k in range(draws)]
+            train[a] = train.get(a, 0.0) + sum(trained) / draws
+        return {"rollout": rollout, "train": train}
+
     def _turns(self, agent: str) -> list[int]:
         return [n.turn for n in self.meg.nodes if n.agent == agent]
 
