@@ -12,6 +12,8 @@ binding at k = 1), `speedup_math` and `speedup_code` (the best co-design at k <=
 sync), `speedup_math_on_policy` (the best at k = 0 against sync),
 `speedup_math_vs_serial`, `table3` (math shape, each switch off alone from the four-switch
 co-design), `table3_k1` (the same from the best co-design: late binding, k = 1), `scaling` (5x32B, 3x32B + 7x14B, 15x14B), `sweep_inference_nodes` (math shape),
+`warm_estimates` (per shape, the co-design and the best co-design with the control plane's
+estimates started from the cost model and from defaults: first-iteration and steady E2E),
 `scale_100_agents` (100 agents on 1,024 devices: simulator CPU and control-plane decision
 times) and `explain` (what bounds the speedup). Every figure except the calibration's
 `measured` ones is simulated; the output says so under `label`.
@@ -91,6 +93,16 @@ def shape(name: str, iterations: list[str], ablation: bool, schedules: bool = Fa
     return t, results
 
 
+def warm_vs_cold(name: str, iterations: list[str], warm: dict) -> dict:
+    """The co-design and the best co-design with the control plane's estimates started warm
+    (as `shape` ran them) and from the defaults: the first iteration's E2E and the steady one."""
+    cold, _ = run_modes(SIM / name, PAPER, iterations, ablation=False, schedules=True,
+                        only=(CODESIGN, CODESIGN_K1), warm=False)
+    return {m: {"first_s_warm": warm[m].iterations[0]["e2e_s"], "first_s_cold": c.iterations[0]["e2e_s"],
+                "steady_s_warm": warm[m].summary["e2e_s_steady"], "steady_s_cold": c.summary["e2e_s_steady"]}
+            for m, c in cold.items()}
+
+
 def hundred_agents() -> dict:
     cfg = many_agents(SIM / "models")
     cluster = load_cluster(PAPER, THOUSAND_DEVICES)
@@ -115,7 +127,9 @@ def main() -> int:
     out: dict = {"label": LABEL, "cluster": str(PAPER.relative_to(REPO)),
                  "sources": load_cluster(PAPER).sources, "calibration": calibration()}
     math, math_runs = shape("math-3x14b.yaml", its2, ablation=True, schedules=True)
-    code, _ = shape("code-14b-32b.yaml", its2, ablation=False, schedules=True)
+    code, code_runs = shape("code-14b-32b.yaml", its2, ablation=False, schedules=True)
+    out["warm_estimates"] = {"math (3x14B)": warm_vs_cold("math-3x14b.yaml", its2, math_runs),
+                             "code (32B + 14B)": warm_vs_cold("code-14b-32b.yaml", its2, code_runs)}
     out["table2"] = {"math (3x14B)": math["table2"], "code (32B + 14B)": code["table2"]}
     out["speedup_math"] = math["table2"]["speedup_best"]
     out["speedup_math_on_policy"] = math["table2"]["speedup_on_policy"]
@@ -128,6 +142,7 @@ def main() -> int:
     for k, v in SCALING.items():
         t, runs = shape(v, its2, ablation=True, schedules=True)
         out["scaling"][k] = {**t["table2"], "table3": t["table3"]}
+        out["warm_estimates"][k] = warm_vs_cold(v, its2, runs)
         if args.timelines and k == "15x14B":
             r = runs[CODESIGN]
             timeline_png(r.records, r.decisions, Path(args.timelines) / "scale-15x14b-co-design.png",

@@ -97,9 +97,11 @@ def _longest_path(plan: Plan, records: list[OpRecord]) -> float:
 
 
 def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str, float]],
-             pools: dict[str, str] | None = None, *, seed: int | None = None) -> SimResult:
+             pools: dict[str, str] | None = None, *, seed: int | None = None, warm: bool = True) -> SimResult:
     """Run `cfg`'s plan on simulated `workers`; `pools` maps each worker to its device pool
-    (utilisation is reported per pool). `seed` (default: the config's) fixes the lengths."""
+    (utilisation is reported per pool). `seed` (default: the config's) fixes the lengths.
+    `warm`: the control plane's estimates start from the cost model's op seconds (else from
+    its defaults, as before any warm start existed)."""
     pools = pools or dict.fromkeys(workers, "workers")
     meg = MEG.from_config(cfg.team)
     plan = Plan.build(cfg, meg)
@@ -109,7 +111,7 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
     ex = SimExecutor(cost, workers, cfg, meg, seed=cfg.seed if seed is None else seed)
     rows: list[dict[str, Any]] = []
     tracker = IterationTracker(plan.sizes(), rows.append)
-    orch = Orchestrator(plan, cfg, ex, hooks=[TrackIterations(tracker)], sizes=ex.op_sizes())
+    orch = Orchestrator(plan, cfg, ex, hooks=[TrackIterations(tracker)], sizes=ex.op_sizes() if warm else {})
     place_s: list[float] = []
     route_s: list[float] = []
     place_cpu: list[float] = []

@@ -62,19 +62,21 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     return [o for o in overrides if not o.startswith("sim.")], sim
 
 
-def run_cluster(cfg: ExperimentConfig, cluster: SimCluster) -> SimResult:
+def run_cluster(cfg: ExperimentConfig, cluster: SimCluster, warm: bool = True) -> SimResult:
     ws, pools = workers(cluster, MEG.from_config(cfg.team).agent_names)
-    return simulate(cfg, cost_model(cluster, cfg), ws, pools)
+    return simulate(cfg, cost_model(cluster, cfg), ws, pools, warm=warm)
 
 
 def run_modes(config: str | Path, cluster_path: str | Path, overrides: list[str] | None = None,
-              ablation: bool = True, schedules: bool = False) -> tuple[dict[str, SimResult], SimCluster]:
-    """Every mode of `modes` (`schedules`: with the serial schedule and the co-design at k = 1)."""
+              ablation: bool = True, schedules: bool = False, only: tuple[str, ...] = (),
+              warm: bool = True) -> tuple[dict[str, SimResult], SimCluster]:
+    """Every mode of `modes` (`schedules`: with the serial schedule and the co-design at k = 1;
+    `only`: just these; `warm`: see `simulate`)."""
     cfg_over, sim_over = split_overrides(overrides or [])
     cluster = load_cluster(cluster_path, sim_over)
     agents = MEG.from_config(load_config(config, cfg_over).team).trainable_agents if schedules else None
-    out = {m: run_cluster(load_config(config, [*cfg_over, *sw]), cluster)
-           for m, sw in modes(ablation, agents).items()}
+    out = {m: run_cluster(load_config(config, [*cfg_over, *sw]), cluster, warm)
+           for m, sw in modes(ablation, agents).items() if not only or m in only}
     return out, cluster
 
 
