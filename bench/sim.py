@@ -205,7 +205,9 @@ def main() -> int:
     mu = out["table2"]["math (3x14B)"]
     print("instance moves undone (math shape): " + ", ".join(
         f"{m} {mu[m]['moves_undone']['reversed']} of {mu[m]['moves_undone']['moves']} reversed, "
-        f"{mu[m]['moves_undone']['unused']} before serving" for m in (CODESIGN, CODESIGN_LATE, CODESIGN_K1)))
+        f"{mu[m]['moves_undone']['unused']} before serving, after the first iteration "
+        f"{mu[m]['moves_undone']['reversed_steady']} of {mu[m]['moves_undone']['moves_steady']}"
+        for m in (CODESIGN, CODESIGN_LATE, CODESIGN_K1)))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     return 0

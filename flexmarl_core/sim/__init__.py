@@ -66,10 +66,11 @@ def _us(xs: list[float]) -> dict[str, float]:
             "p99_us": 1e6 * s[min(int(len(s) * 0.99), len(s) - 1)], "max_us": 1e6 * s[-1]}
 
 
-def moves_undone(moves: list[MoveInstance], records: list[OpRecord]) -> dict[str, int]:
+def moves_undone(moves: list[MoveInstance], records: list[OpRecord], steady_from: float = 0.0) -> dict[str, int]:
     """Instance moves that a later move of the same worker reversed (`reversed`), and those
     reversed before the worker ran one rollout of the agent it was moved to (`unused`: the
-    weights were loaded for nothing)."""
+    weights were loaded for nothing). `moves_steady` / `reversed_steady`: the same for the
+    moves made from `steady_from` on (after the first iteration, which starts from nothing)."""
     starts: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in records:
         if r.op.kind == "rollout":
@@ -77,15 +78,17 @@ def moves_undone(moves: list[MoveInstance], records: list[OpRecord]) -> dict[str
     by_worker: dict[str, list[MoveInstance]] = defaultdict(list)
     for m in moves:
         by_worker[m.worker].append(m)
-    rev = unused = 0
+    rev = unused = rev_steady = 0
     for ms in by_worker.values():
         for i, m in enumerate(ms):
             back = next((n for n in ms[i + 1:] if n.from_agent == m.to_agent), None)
             if back is None or (m.from_agent is not None and back.to_agent != m.from_agent):
                 continue
             rev += 1
+            rev_steady += m.t >= steady_from
             unused += not any(m.t <= t < back.t for t in starts[(m.worker, m.to_agent)])
-    return {"moves": len(moves), "reversed": rev, "unused": unused}
+    return {"moves": len(moves), "reversed": rev, "unused": unused,
+            "moves_steady": sum(1 for m in moves if m.t >= steady_from), "reversed_steady": rev_steady}
 
 
 def _longest_path(plan: Plan, records: list[OpRecord]) -> float:
@@ -139,6 +142,7 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
     for p in pools.values():
         size[p] += 1
     moves = [d for d in res.decisions if isinstance(d, MoveInstance)]
+    first_end = max((r.result.t_end for r in res.records if r.op.iteration == 0), default=0.0)
     summary.update(
         label=LABEL,
         e2e_s_steady=steady_s / len(steady),
@@ -158,7 +162,7 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
         # micro-batch; the op holds them all until the slowest ends.
         rollout_replica_busy_frac=ex.rollout_replica_busy_s / ex.rollout_held_s if ex.rollout_held_s else 1.0,
         balance_moves=len(moves),
-        moves_undone=moves_undone(moves, res.records),
+        moves_undone=moves_undone(moves, res.records, steady_from=first_end),
         train_swaps=sum(1 for d in res.decisions if isinstance(d, TrainSlot) and d.swap),
         train_slot_allocations=sum(1 for d in res.decisions if isinstance(d, TrainSlot)),
         control_place=_us(place_s), control_route=_us(route_s),
