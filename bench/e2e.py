@@ -21,7 +21,8 @@ adds one for any `codesign.SWITCH`, e.g. `gradient_helpers`); with --reference,
 the synchronous schedule on a shared worker pool (key `reference.sync_shared_pool`); with
 --staleness K..., the co-design with `codesign.max_staleness=K` and every agent on the
 `decoupled_ppo` loss (keys `staleness.k<K>`: E2E s/it, utilisation, speedup over k = 0, the
-`codesign` mode).
+`codesign` mode, and `train_share`); `--late` adds each K with late binding too
+(`staleness.late_k<K>`).
 `shortfall` (`flexmarl_core.analysis.shortfall`) says why the wall speedup is under the bound (speedup ~
 bound x ops ratio x floor fraction): a gradient helper's CPU per token over the
 trainer's own, and this machine's parallel efficiency (each of two busy processes' speed over one
@@ -47,15 +48,19 @@ SHARED_POOL = ("cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}, 
                "{name: w1, resources: {rollout: 1, train: 1}}]")
 
 
-def staleness_modes(config: str, ks: list[int]) -> dict[str, list[str]]:
-    """Co-design with bounded staleness k (k > 0 needs an off-policy loss on every agent)."""
+def staleness_modes(config: str, ks: list[int], late: bool = False) -> dict[str, list[str]]:
+    """Co-design with bounded staleness k (k > 0 needs an off-policy loss on every agent);
+    `late`: also with late binding (`staleness.late_k<K>`)."""
     from flexmarl_core.config import load_config
 
     agents = [a.name for a in load_config(config).team.agents]
     on = switch_overrides(on=SWITCHES)
-    return {f"staleness.k{k}": [*on, f"codesign.max_staleness={k}",
-                                *[f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in agents]]
-            for k in ks if k > 0}
+    out = {f"staleness.k{k}": [*on, f"codesign.max_staleness={k}",
+                               *[f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in agents]]
+           for k in ks if k > 0}
+    if late:
+        out.update({m.replace(".k", ".late_k"): [*sw, "codesign.late_binding=true"] for m, sw in out.items()})
+    return out
 
 
 def modes(ablation: bool, reference: bool = False) -> dict[str, list[str]]:
@@ -271,6 +276,8 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     ap.add_argument("--staleness", type=int, nargs="*", default=[],
                     help="also the co-design at codesign.max_staleness=K (decoupled_ppo), per K > 0")
+    ap.add_argument("--late", action="store_true",
+                    help="with --staleness: also each K with late binding (keys staleness.late_k<K>)")
     ap.add_argument("--no-prefect-cost", action="store_true",
                     help="skip the plain-Dask runs that price Prefect's bookkeeping (no prefect_* keys)")
     args = ap.parse_args()
@@ -288,7 +295,7 @@ def main() -> int:
     api, _ = ensure_api()
     from flows.train import train
 
-    all_modes = {**modes(args.ablation, args.reference), **staleness_modes(args.config, args.staleness)}
+    all_modes = {**modes(args.ablation, args.reference), **staleness_modes(args.config, args.staleness, args.late)}
     for off in args.also_off:
         all_modes[f"ablation.{off}"] = [*all_modes["codesign"], f"codesign.{off}=false"]
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -376,7 +383,9 @@ def main() -> int:
         if m.startswith("staleness."):
             res[m] = {"e2e_s": med(m, "e2e_s_per_iteration"), "util": med(m, "utilization"),
                       "tokens_per_s": med(m, "tokens_per_s"),
-                      "speedup_vs_k0": res["e2e_s_codesign"] / med(m, "e2e_s_per_iteration")}
+                      "speedup_vs_k0": res["e2e_s_codesign"] / med(m, "e2e_s_per_iteration"),
+                      "train_share": statistics.median(work_mix(out_dir / f"{m}-{rep}", iterations)["train_share"]
+                                                       for rep in range(repeats))}
         if m.startswith("ablation."):
             res[m] = {"e2e_s": med(m, "e2e_s_per_iteration"),
                       "slowdown_vs_codesign": med(m, "e2e_s_per_iteration") / res["e2e_s_codesign"],
