@@ -159,7 +159,7 @@ def test_an_unmeasured_agent_is_estimated_at_its_size():
     from flexmarl_core.control import DEFAULT_OP_S, WorkLedger
     from flexmarl_core.ops import Op
 
-    led = WorkLedger(sizes={"rollout": {"planner": 10.0, "solver": 30.0}})
+    led = WorkLedger(sizes={"rollout": {"planner": 10.0, "solver": 30.0, "verifier": 20.0}})
     # Before any rollout: the default, scaled by size around the mean size.
     assert led.estimate("rollout", "planner") == DEFAULT_OP_S["rollout"] * 10 / 20
     assert led.estimate("rollout", "solver") == DEFAULT_OP_S["rollout"] * 30 / 20
@@ -168,6 +168,11 @@ def test_an_unmeasured_agent_is_estimated_at_its_size():
     assert led.estimate("rollout", "solver") == 6.0  # the planner's seconds per unit, x 30
     led.observe(Op(0, "rollout", "solver"), 4.0)
     assert led.estimate("rollout", "solver") == 4.0  # measured: its own history
+    # The verifier at the measured agents' mean seconds per unit (0.2 and 4/30), x 20; it
+    # follows each new observation.
+    assert led.estimate("rollout", "verifier") == pytest.approx(20 * (0.2 + 4 / 30) / 2)
+    led.observe(Op(1, "rollout", "planner"), 4.0)  # planner: 3.0 s, 0.3 per unit
+    assert led.estimate("rollout", "verifier") == pytest.approx(20 * (0.3 + 4 / 30) / 2)
     # A kind without sizes keeps the mean of the measured agents.
     led.observe(Op(0, "train", "planner"), 1.0)
     assert led.estimate("train", "solver") == 1.0

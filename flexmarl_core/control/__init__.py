@@ -162,6 +162,7 @@ class ControlPlane:
         if res.op.kind == "program" and self.balancer is not None:
             for agent, secs in res.per_agent("program/decode_s").items():
                 self.balancer.observe(agent, secs)
+            self.ledger.changed("rollout")
 
     def warm(self, earlier: Iterable[StageResult]) -> None:
         """Start the estimates from an earlier attempt's finished ops (a resumed run)."""

@@ -50,6 +50,9 @@ class WorkLedger:
     #: estimate of an agent not measured yet; kinds absent here are the same size for all agents
     sizes: dict[str, dict[str, float]] = field(default_factory=dict)
 
+    #: kind -> mean seconds per size unit over the measured agents (dropped on each observation)
+    _rate: dict[str, float | None] = field(default_factory=dict)
+
     def estimate(self, kind: str, agent: str) -> float:
         per_agent = self.est_s.get(kind, {})
         if agent in per_agent:
@@ -58,16 +61,27 @@ class WorkLedger:
         if agent not in size:
             return sum(per_agent.values()) / len(per_agent) if per_agent else DEFAULT_OP_S[kind]
         if per_agent:  # seconds per unit of the measured agents, at this agent's size
-            rates = [s / size[a] for a, s in per_agent.items() if size.get(a)]
-            if rates:
-                return size[agent] * sum(rates) / len(rates)
-            return sum(per_agent.values()) / len(per_agent)
+            rate = self._mean_rate(kind)
+            return size[agent] * rate if rate is not None else sum(per_agent.values()) / len(per_agent)
         return DEFAULT_OP_S[kind] * size[agent] / (sum(size.values()) / len(size))
+
+    def _mean_rate(self, kind: str) -> float | None:
+        # Once per observation, not per call: a placement wave asks for every agent.
+        if kind not in self._rate:
+            size = self.sizes.get(kind, {})
+            rates = [s / size[a] for a, s in self.est_s.get(kind, {}).items() if size.get(a)]
+            self._rate[kind] = sum(rates) / len(rates) if rates else None
+        return self._rate[kind]
 
     def observe(self, op: Op, seconds: float, alpha: float = 0.5) -> None:
         per_agent = self.est_s[op.kind]
         prev = per_agent.get(op.agent)
         per_agent[op.agent] = seconds if prev is None else (1 - alpha) * prev + alpha * seconds
+        self.changed(op.kind)
+
+    def changed(self, kind: str) -> None:
+        """`est_s[kind]` was updated (also by the balancer, which shares the rollout table)."""
+        self._rate.pop(kind, None)
 
     def submitted(self, op: Op, worker: str | None) -> None:
         self.running[op.kind] += 1
