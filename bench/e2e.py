@@ -49,13 +49,14 @@ SHARED_POOL = ("cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}, 
 
 
 def staleness_modes(config: str, ks: list[int], late: bool = False) -> dict[str, list[str]]:
-    """Co-design with bounded staleness k (k > 0 needs an off-policy loss on every agent);
-    `late`: also with late binding (`staleness.late_k<K>`)."""
+    """Co-design with bounded staleness k (k > 0 needs an off-policy loss on every agent, and
+    no gradient helpers: the config refuses them with staleness); `late`: also with late
+    binding (`staleness.late_k<K>`)."""
     from flexmarl_core.config import load_config
 
     agents = [a.name for a in load_config(config).team.agents]
     on = switch_overrides(on=SWITCHES)
-    out = {f"staleness.k{k}": [*on, f"codesign.max_staleness={k}",
+    out = {f"staleness.k{k}": [*on, f"codesign.max_staleness={k}", "codesign.gradient_helpers=false",
                                *[f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in agents]]
            for k in ks if k > 0}
     if late:
