@@ -17,7 +17,7 @@ the stop string, so the policy is trained to emit the stop. A final EOS token is
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
@@ -69,6 +69,24 @@ class InferenceBackend(Protocol):
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load new weights (a full state dict, `lm_head.weight` included) tagged `version`."""
+        ...
+
+
+@runtime_checkable
+class PartialBackend(InferenceBackend, Protocol):
+    """An engine that resumes a decode under newer weights (`codesign.partial_rollouts`; the HF
+    engine)."""
+
+    def generate_partial(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int,
+        refresh: Callable[[], bool],
+        every: int = 16,
+    ) -> list[Generation]:
+        """`generate`, calling `refresh` every `every` decode steps; when it loaded newer
+        weights, the rows still decoding resume under them (their tokens keep their versions)."""
         ...
 
 

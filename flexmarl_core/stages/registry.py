@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from flexmarl_core.inference.api import PartialBackend
 from flexmarl_core.location import weights_key
 from flexmarl_core.ops import OP_KINDS, FusedResult, Op, OpKind, StageResult, check_after
 from flexmarl_core.ops import ConsistencyError as ConsistencyError  # where the stages' callers look
@@ -73,7 +74,7 @@ def weights_version(ctx: WorkerContext, agent: str, iteration: int) -> int:
 RESUME_EVERY = 16
 
 
-def newer_weights(ctx: WorkerContext, op: Op, eng: Any) -> Callable[[], bool]:
+def newer_weights(ctx: WorkerContext, op: Op, eng: PartialBackend) -> Callable[[], bool]:
     """`codesign.partial_rollouts`: a callback for `eng.generate_partial` that loads the newest
     weights of `op`'s agent published since `eng`'s version (never past the op's iteration) into
     the engine, and says whether it did. Its first call is the `<op> decode` fault point, where

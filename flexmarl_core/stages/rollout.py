@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flexmarl_core.inference.api import PartialBackend
 from flexmarl_core.inference.tools import generate_with_tool, tool_of
 from flexmarl_core.meg import NodeKey, sample_id
 from flexmarl_core.ops import Op, StageResult, agent_key
@@ -50,7 +51,7 @@ def rollout(ctx: WorkerContext, op: Op) -> StageResult:
             pushed = ctx.pushed_loads
             eng = ctx.engine(agent, version)
             pushed = ctx.pushed_loads - pushed  # 1: the weights came from a sync's broadcast
-            if ctx.cfg.codesign.partial_rollouts and tool is None and hasattr(eng, "generate_partial"):
+            if ctx.cfg.codesign.partial_rollouts and tool is None and isinstance(eng, PartialBackend):
                 gens = eng.generate_partial(prompts, sampling, seed, newer_weights(ctx, op, eng), RESUME_EVERY)
             else:
                 gens = generate_with_tool(eng, prompts, sampling, seed, tool)
