@@ -12,7 +12,9 @@ binding at k = 1), `speedup_math` and `speedup_code` (the best co-design at k <=
 sync), `speedup_math_on_policy` (the best at k = 0 against sync),
 `speedup_math_vs_serial`, `table3` (math shape, each switch off alone from the four-switch
 co-design), `table3_k1` (the same from the best co-design: late binding, k = 1), `scaling` (5x32B, 3x32B + 7x14B, 15x14B), `sweep_inference_nodes` (math shape),
-`warm_estimates` (per shape, the co-design and the best co-design with the control plane's
+`replica_release` (math and code shapes: sync and the co-design with late binding at k = 0
+and 1 with each engine replica released as its share ends; `speedup_math_replica_release` and
+`speedup_code_replica_release`, the best over sync both releasing), `warm_estimates` (per shape, the co-design and the best co-design with the control plane's
 estimates started from the cost model and from defaults: first-iteration and steady E2E),
 `scale_100_agents` (100 agents on 1,024 devices: simulator CPU and control-plane decision
 times; `cold_estimates`: E2E and moves with the estimates started from defaults) and `explain` (what bounds the speedup). Every figure except the calibration's
@@ -93,6 +95,22 @@ def shape(name: str, iterations: list[str], ablation: bool, schedules: bool = Fa
     return t, results
 
 
+def release(name: str, iterations: list[str], held: dict) -> dict:
+    """Sync and the co-design with late binding (k = 0 and k = 1) with replicas released one by
+    one (`sim.inference.release=replica`): E2E against the same schedule holding every replica
+    to the op's slowest (`held`), and the best co-design's speedup over sync, both releasing
+    (`speedup_best`) and over sync holding (`speedup_best_vs_held_sync`)."""
+    modes_ = (SYNC, CODESIGN_LATE, CODESIGN_K1)
+    rel, _ = run_modes(SIM / name, PAPER, [*iterations, "sim.inference.release=replica"], ablation=False,
+                       schedules=True, only=modes_)
+    e2e = {m: rel[m].summary["e2e_s_steady"] for m in modes_}
+    out: dict = {m: {"e2e_s_per_iteration": e2e[m], "held_e2e_s_per_iteration": held[m].summary["e2e_s_steady"],
+                     "moves_undone": rel[m].summary["moves_undone"]} for m in modes_}
+    out["speedup_best"] = e2e[SYNC] / e2e[CODESIGN_K1]
+    out["speedup_best_vs_held_sync"] = held[SYNC].summary["e2e_s_steady"] / e2e[CODESIGN_K1]
+    return out
+
+
 def warm_vs_cold(name: str, iterations: list[str], warm: dict) -> dict:
     """The co-design and the best co-design with the control plane's estimates started warm
     (as `shape` ran them) and from the defaults: the first iteration's E2E and the steady one."""
@@ -138,6 +156,10 @@ def main() -> int:
     out["speedup_math_vs_serial"] = math["table2"]["speedup_vs_serial"]
     out["speedup_code"] = code["table2"]["speedup_best"]
     out["speedup_code_on_policy"] = code["table2"]["speedup_on_policy"]
+    out["replica_release"] = {"math (3x14B)": release("math-3x14b.yaml", its2, math_runs),
+                              "code (32B + 14B)": release("code-14b-32b.yaml", its2, code_runs)}
+    out["speedup_math_replica_release"] = out["replica_release"]["math (3x14B)"]["speedup_best"]
+    out["speedup_code_replica_release"] = out["replica_release"]["code (32B + 14B)"]["speedup_best"]
     out["table3_k1"] = math["table3_k1"]
     out["table3"] = math["table3"]
     out["scaling"] = {}
@@ -181,6 +203,11 @@ def main() -> int:
     print(mode_table("Table 2, math shape (3x14B) on 48x16",
                      {m: math_runs[m].summary for m in (SYNC, SERIAL, CODESIGN, CODESIGN_LATE, CODESIGN_K1)},
                      baseline=SYNC))
+    for shape_, r in out["replica_release"].items():
+        print(f"replicas released one by one, {shape_}: " + ", ".join(
+            f"{m} {r[m]['e2e_s_per_iteration']:.1f} s/it (held {r[m]['held_e2e_s_per_iteration']:.1f})"
+            for m in (SYNC, CODESIGN_LATE, CODESIGN_K1))
+            + f"; best over sync {r['speedup_best']:.2f}x, over holding sync {r['speedup_best_vs_held_sync']:.2f}x")
     print(mode_table("Table 3, math shape: each switch off alone",
                      {m: math_runs[m].summary for m in modes() if m != SYNC}, baseline=CODESIGN))
     print(mode_table("Table 3 from the best co-design (late binding, k=1): each switch off alone",

@@ -15,7 +15,7 @@ submission policies of `policies.py`; what happens as ops end, its hooks (`hooks
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +74,8 @@ class Orchestrator:
     """Submits each op when its dependencies are done, with the route chosen at that moment,
     under the submission policies the config and the executor allow (`policies.policies_for`;
     `look_ahead` / `fuse` override the config's), calling `hooks` as ops end. `sizes`: the
-    control plane's op sizes for its warm estimates (default: `token_sizes` of the config)."""
+    control plane's op sizes for its warm estimates (default: `token_sizes` of the config).
+    `rollout_slots`: see `Router` (the simulator's replica release)."""
 
     def __init__(
         self,
@@ -87,11 +88,13 @@ class Orchestrator:
         look_ahead: bool | None = None,
         fuse: bool | None = None,
         sizes: dict[str, dict[str, float]] | None = None,
+        rollout_slots: Callable[[str], int] | None = None,
     ) -> None:
         self.plan = plan
         self.executor = executor
         self.control = ControlPlane(cfg, plan.meg.agent_names, executor.now,
-                                    sizes=token_sizes(cfg, plan.meg) if sizes is None else sizes)
+                                    sizes=token_sizes(cfg, plan.meg) if sizes is None else sizes,
+                                    rollout_slots=rollout_slots)
         self.hooks = list(hooks)
         #: ops an earlier attempt completed (resume): they count as done
         self.skip = set(skip)

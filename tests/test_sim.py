@@ -156,6 +156,35 @@ def test_serial_and_stale_schedules_at_scale():
     assert results[CODESIGN_LATE].summary["e2e_s_steady"] < results[CODESIGN].summary["e2e_s_steady"]
 
 
+def test_replicas_are_released_one_by_one():
+    """`inference.release: replica`: an instance's engine replicas take the next rollout as
+    their own shares end. Under late binding at k = 1 an instance then holds a second rollout
+    while the first's last replicas decode (never a third), and the rollout pool's work packs
+    tighter than when each op holds all replicas to its slowest one. Rollouts, not rewards, are
+    the ones that overlap; every other op still has its worker to itself."""
+    from flexmarl_core.sim.study import modes
+
+    k1 = modes(False, ["planner", "solver", "verifier"])[CODESIGN_K1]
+    held = _small([*k1, "train.iterations=4"])
+    released = _small([*k1, "train.iterations=4"], sim=[*SMALL, "inference.release=replica"])
+    for res, most in ((held, 1), (released, 2)):
+        spans: dict[str, list[tuple[float, float, str]]] = {}
+        for r in res.records:
+            spans.setdefault(r.result.worker, []).append((r.result.t_start, r.result.t_end, r.op.kind))
+        overlaps = 0
+        for ops in spans.values():
+            for t, _, _ in ops:
+                live = [o for o in ops if o[0] <= t < o[1]]
+                assert len(live) <= most, live
+                if len(live) > 1:
+                    assert {o[2] for o in live} == {"rollout"}, live
+                    overlaps += 1
+        assert (overlaps > 0) == (most == 2)
+    assert released.summary["e2e_s_steady"] < held.summary["e2e_s_steady"]
+    # Same work: every op ran once in both.
+    assert sorted(r.op.name for r in held.records) == sorted(r.op.name for r in released.records)
+
+
 def test_hundred_agents_on_1024_devices_with_decisions_in_microseconds():
     cfg = many_agents(SIM / "models")
     cluster = load_cluster(PAPER, THOUSAND_DEVICES)

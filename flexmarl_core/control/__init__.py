@@ -70,9 +70,11 @@ def helper_agents(cfg: ExperimentConfig, agents: list[str]) -> frozenset[str]:
 
 class ControlPlane:
     def __init__(self, cfg: ExperimentConfig, agents: list[str], clock: Callable[[], float],
-                 sizes: dict[str, dict[str, float]] | None = None) -> None:
+                 sizes: dict[str, dict[str, float]] | None = None,
+                 rollout_slots: Callable[[str], int] | None = None) -> None:
         """`sizes`: kind -> agent -> an op's expected work, for the warm estimates
-        (`ledger.token_sizes`, or the simulator's cost model)."""
+        (`ledger.token_sizes`, or the simulator's cost model). `rollout_slots`: rollouts a worker
+        may hold at once under late binding (default 1; `Router`)."""
         self.clock = clock
         self.deadlines = cfg.cluster.deadlines
         self.decisions: list[Decision] = []
@@ -80,7 +82,8 @@ class ControlPlane:
         self.late_binding = cs.late_binding  # the config refuses it without load_balancing
         self.router = Router(load_balancing=cs.load_balancing, on_demand=cs.on_demand_allocation,
                              late_binding=self.late_binding, num_mb=cfg.batch.num_micro_batches, clock=clock,
-                             log=self.decisions, helper_agents=helper_agents(cfg, agents))
+                             log=self.decisions, helper_agents=helper_agents(cfg, agents),
+                             rollout_slots=rollout_slots)
         self.ledger = self.router.ledger
         self.ledger.sizes = dict(sizes or {})
         self.balancer = (

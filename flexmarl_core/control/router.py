@@ -7,8 +7,8 @@ balancing; `InstanceBalancer` moves instances between agents); without it, Dask 
 among the tagged workers. Trainer ops go to the agent's training slot (`SlotAllocator`);
 rewards anywhere. With `gradient_helpers`, a train op whose slot is busy goes to an idle slot
 instead, as a gradient helper (`Route.gradient_only`). With `late_binding` a rollout goes only to an instance with nothing
-outstanding, and `route` returns None (hold it) while there is none: a Dask task queued behind
-a long rollout could not move to the worker that frees first.
+outstanding (or fewer than its `rollout_slots`), and `route` returns None (hold it) while there
+is none: a Dask task queued behind a long rollout could not move to the worker that frees first.
 
 A program team's `program(it, mb)` ops run at most one per rollout instance at once (`route`
 returns None for the rest): started together, a batch's micro-batches would share the CPU and
@@ -42,8 +42,12 @@ class Router:
         clock: Callable[[], float] = time.time,
         log: list[Decision] | None = None,
         helper_agents: frozenset[str] = frozenset(),
+        rollout_slots: Callable[[str], int] | None = None,
     ) -> None:
         self.load_balancing = load_balancing
+        #: rollouts a worker may hold now under late binding (default 1): an instance whose
+        #: replicas are released one by one takes a second while the first's last replicas decode
+        self.rollout_slots = rollout_slots or (lambda worker: 1)
         #: agents whose train ops may run as gradient helpers (`codesign.gradient_helpers`)
         self.helper_agents = helper_agents
         self.clock = clock
@@ -72,7 +76,7 @@ class Router:
                 return Route({tag: 1})
             led = self.ledger
             if self.late_binding:
-                candidates = [w for w in candidates if led.outstanding[w] == 0]
+                candidates = [w for w in candidates if led.outstanding[w] < self.rollout_slots(w)]
                 if not candidates:
                     return None
             worker = min(candidates, key=lambda w: (led.work[w], led.outstanding[w], w))

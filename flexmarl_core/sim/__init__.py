@@ -114,7 +114,8 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
     ex = SimExecutor(cost, workers, cfg, meg, seed=cfg.seed if seed is None else seed)
     rows: list[dict[str, Any]] = []
     tracker = IterationTracker(plan.sizes(), rows.append)
-    orch = Orchestrator(plan, cfg, ex, hooks=[TrackIterations(tracker)], sizes=ex.op_sizes() if warm else {})
+    orch = Orchestrator(plan, cfg, ex, hooks=[TrackIterations(tracker)], sizes=ex.op_sizes() if warm else {},
+                        rollout_slots=ex.rollout_slots)
     place_s: list[float] = []
     route_s: list[float] = []
     place_cpu: list[float] = []

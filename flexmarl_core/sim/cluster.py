@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -93,6 +93,10 @@ class PoolSpec(_Strict):
     group_devices: int = Field(ge=1, description="Devices per worker (instance or slot).")
     tp: int | None = Field(None, ge=1, description="Inference: tensor-parallel devices per engine "
                            "replica (default: the whole group); group_devices / tp replicas.")
+    release: Literal["op", "replica"] = Field(
+        "op", description="Inference: when a rollout's engine replicas take the next work. `op`: all at "
+        "once, when the op's slowest replica ends; `replica`: each as its own share ends, and an "
+        "instance takes a second rollout while the first's last replicas decode.")
 
 
 class Efficiency(_Strict):
@@ -257,5 +261,6 @@ def cost_model(cluster: SimCluster, cfg: ExperimentConfig) -> CostModel:
         load_gbps=d_inf * dev.host_link_gbps, swap_gbps=d_tr * dev.host_link_gbps,
         sync_gbps=tr_nodes * dev.net_gbps,
         states_per_slot=cluster.states_per_slot, engines_per_worker=cluster.engines_per_worker,
+        replica_release=cluster.inference.release == "replica",
         sources=dict(cluster.sources),
     )

@@ -99,6 +99,8 @@ class CostModel:
     states_per_slot: int | None = None
     #: engines one inference group holds at once (None: no limit)
     engines_per_worker: int | None = None
+    #: a rollout's replicas are released one by one as their shares end (`SimExecutor`)
+    replica_release: bool = False
     #: where each figure comes from: "measured: ...", "published: ...", "assumption: ..."
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -118,6 +120,13 @@ class CostModel:
         per = [_replica_s(prompts[i::r], lengths[i::r], a) for i in range(r)]
         held = max(per) + self.store_s
         return held, (sum(per) + r * self.store_s) / (a.replicas * held) if held > 0 else 1.0
+
+    def replica_shares(self, agent: str, prompts: np.ndarray, lengths: np.ndarray, replicas: int) -> list[float]:
+        """Decode seconds of each of `replicas` shares of a micro-batch (its sequences dealt
+        round-robin), longest first."""
+        a = self.agent(agent)
+        r = max(min(replicas, len(lengths)), 1)
+        return sorted((_replica_s(prompts[i::r], lengths[i::r], a) for i in range(r)), reverse=True)
 
     def train_s(self, agent: str, prompt_tokens: float, response_tokens: float) -> float:
         a = self.agent(agent)

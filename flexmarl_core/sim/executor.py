@@ -36,6 +36,9 @@ class _Job:
     submitted: float
     base_s: float  #: the op's own work; state-dependent extras are added when it starts
     gradient_only: bool = False  #: a train op run as a gradient helper (`Route.gradient_only`)
+    #: a rollout on replicas released one by one: its worker takes the next op before it ends,
+    #: but counts its work as queued until it does (`_pick` must not see the group as free)
+    released: bool = False
     result: StageResult | None = None
 
 
@@ -64,6 +67,9 @@ class SimExecutor:
         #: rollout seconds workers were held, and replica-seconds of actual decoding in them
         self.rollout_held_s = 0.0
         self.rollout_replica_busy_s = 0.0
+        #: `cost.replica_release`: when each worker's engine replicas are next free
+        self._replicas = max((a.replicas for a in cost.agents.values()), default=1)
+        self._rep_free: dict[str, list[float]] = {w: [0.0] * self._replicas for w in workers}
 
     # -- Executor protocol ---------------------------------------------------------------
 
@@ -101,6 +107,8 @@ class SimExecutor:
         job = self._jobs.pop(handle)
         if job.result is None:  # set when the op starts, always before its completion is seen
             raise OrchestratorError(f"{job.op.name}: result asked for before the op started")
+        if job.released:
+            self._backlog[job.worker] = max(self._backlog[job.worker] - job.base_s, 0.0)
         return job.result
 
     def now(self) -> float:
@@ -134,6 +142,15 @@ class SimExecutor:
         job = self._jobs[hid]
         self._running[job.worker] = hid
         extra, swap = self._helper_s(job.op, job.worker) if job.gradient_only else self._prepare(job.op, job.worker)
+        if self.cost.replica_release and job.op.kind == "rollout":
+            job.released = True
+            free_at, end = self._release(job, t0, extra)
+            job.result = self._result(job.op, job.worker, t0, end, swap)
+            self._push(free_at, _FREE, job.worker)
+            self._push(end + self.cost.report_s, _SEEN, hid)
+            return
+        if self.cost.replica_release:  # any other op needs the whole group
+            t0 = max(t0, *self._rep_free[job.worker])
         secs = job.base_s + extra
         if job.op.kind == "step":
             swap["swap_out_s"] = self.cost.step_s(job.op.agent)[1]
@@ -142,9 +159,34 @@ class SimExecutor:
         self._push(t0 + secs, _FREE, job.worker)
         self._push(t0 + secs + self.cost.report_s, _SEEN, hid)
 
+    def _release(self, job: _Job, t0: float, extra: float) -> tuple[float, float]:
+        """A rollout on replicas released one by one: its sequences are dealt over the k
+        earliest-free replicas, the k that ends it soonest (each share, longest first, to the
+        replica free first); each replica is free again when its own share ends, and the worker
+        takes its next op once one replica is. Returns (when the worker takes its next op, the
+        op's end)."""
+        op, free = job.op, self._rep_free[job.worker]
+        order = sorted(range(len(free)), key=lambda j: free[j])
+        prompts = self.prompts(op.agent, op.turn, op.iteration, op.mb)
+        lengths = self.lengths(op.agent, op.turn, op.iteration, op.mb)
+        best: tuple[float, list[float], list[float]] | None = None
+        for k in range(1, min(self.cost.agent(op.agent).replicas, len(lengths)) + 1):
+            shares = self.cost.replica_shares(op.agent, prompts, lengths, k)
+            ends = [max(t0, free[order[j]]) + extra + sh for j, sh in enumerate(shares)]
+            if best is None or max(ends) < best[0]:
+                best = (max(ends), ends, shares)
+        assert best is not None
+        last, ends, shares = best
+        for j, e in enumerate(ends):
+            free[order[j]] = e
+        end = last + self.cost.store_s
+        self.rollout_held_s += (end - t0) * len(free)
+        self.rollout_replica_busy_s += sum(shares)
+        return max(t0, min(free)), end
+
     def _free(self, worker: str, t: float) -> None:
         hid = self._running[worker]
-        if hid is not None:
+        if hid is not None and not self._jobs[hid].released:
             self._backlog[worker] = max(self._backlog[worker] - self._jobs[hid].base_s, 0.0)
         self._running[worker] = None
         if self._queue[worker]:  # oldest iteration first, then first queued (Dask's priority)
@@ -169,6 +211,12 @@ class SimExecutor:
         for parent in self.meg.parents[NodeKey(agent, turn)]:
             p = p + self.lengths(parent.agent, parent.turn, it, mb)
         return p
+
+    def rollout_slots(self, worker: str) -> int:
+        """Rollouts `worker` may hold now (`Router.rollout_slots`): a second one while one of its
+        replicas is free (replicas released one by one), else one."""
+        free = self._rep_free[worker]
+        return 2 if self.cost.replica_release and self._replicas > 1 and min(free) <= self.t else 1
 
     def op_sizes(self, draws: int = 4) -> dict[str, dict[str, float]]:
         """The cost model's mean seconds of each agent's rollout (one round) and train op over
@@ -195,8 +243,9 @@ class SimExecutor:
         if op.kind == "rollout":
             held, busy = c.rollout_s(op.agent, self.prompts(op.agent, op.turn, it, op.mb),
                                      self.lengths(op.agent, op.turn, it, op.mb))
-            self.rollout_held_s += held
-            self.rollout_replica_busy_s += held * busy
+            if not c.replica_release:  # else priced when it starts (`_release`)
+                self.rollout_held_s += held
+                self.rollout_replica_busy_s += held * busy
             return held
         if op.kind == "train":
             turns = self._turns(op.agent)
