@@ -3,11 +3,12 @@ clock, no sleeping. The real `Plan`, routing, instance balancing and on-demand a
 unchanged; only the ops' durations come from a `CostModel`.
 
 Each worker (a device group) runs one op at a time and queues the rest FIFO, like a 1-thread
-Dask worker. What a worker holds decides what an op costs there, as in `worker.py`: a rollout
-on a worker without the agent's engine builds it; with an older version it loads the
-published weights; a trainer op where the agent's trainer is not at its version swaps the
-state in from the checkpoint tier; a step checkpoints it (swap out); a sync updates an engine
-of the agent on the same worker in place.
+Dask worker; with `cost.replica_release`, a rollout frees the group replica by replica and the
+next rollout starts on the replicas already free (`_release`). What a worker holds decides
+what an op costs there, as in `worker.py`: a rollout on a worker without the agent's engine
+builds it; with an older version it loads the published weights; a trainer op where the
+agent's trainer is not at its version swaps the state in from the checkpoint tier; a step
+checkpoints it (swap out); a sync updates an engine of the agent on the same worker in place.
 """
 
 from __future__ import annotations
@@ -169,14 +170,13 @@ class SimExecutor:
         order = sorted(range(len(free)), key=lambda j: free[j])
         prompts = self.prompts(op.agent, op.turn, op.iteration, op.mb)
         lengths = self.lengths(op.agent, op.turn, op.iteration, op.mb)
-        best: tuple[float, list[float], list[float]] | None = None
-        for k in range(1, min(self.cost.agent(op.agent).replicas, len(lengths)) + 1):
+        def dealt(k: int) -> tuple[float, list[float], list[float]]:
             shares = self.cost.replica_shares(op.agent, prompts, lengths, k)
             ends = [max(t0, free[order[j]]) + extra + sh for j, sh in enumerate(shares)]
-            if best is None or max(ends) < best[0]:
-                best = (max(ends), ends, shares)
-        assert best is not None
-        last, ends, shares = best
+            return max(ends), ends, shares
+
+        n = min(self.cost.agent(op.agent).replicas, len(lengths))
+        last, ends, shares = min((dealt(k) for k in range(1, max(n, 1) + 1)), key=lambda d: d[0])
         for j, e in enumerate(ends):
             free[order[j]] = e
         end = last + self.cost.store_s
