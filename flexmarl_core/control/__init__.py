@@ -164,8 +164,7 @@ class ControlPlane:
             self.ledger.observe(res.op, res.seconds - res.swap.get("swap_in_s", 0.0))
         if res.op.kind == "program" and self.balancer is not None:
             for agent, secs in res.per_agent("program/decode_s").items():
-                self.balancer.observe(agent, secs)
-            self.ledger.changed("rollout")
+                self.ledger.record("rollout", agent, secs)  # the balancer's table
 
     def warm(self, earlier: Iterable[StageResult]) -> None:
         """Start the estimates from an earlier attempt's finished ops (a resumed run)."""

@@ -52,7 +52,7 @@ class WorkLedger:
     sizes: dict[str, dict[str, float]] = field(default_factory=dict)
 
     #: kind -> mean seconds per size unit over the measured agents (dropped on each observation)
-    _rate: dict[str, float | None] = field(default_factory=dict)
+    _rate: dict[str, float | None] = field(default_factory=dict, init=False, repr=False)
 
     def estimate(self, kind: str, agent: str) -> float:
         per_agent = self.est_s.get(kind, {})
@@ -75,13 +75,14 @@ class WorkLedger:
         return self._rate[kind]
 
     def observe(self, op: Op, seconds: float, alpha: float = 0.5) -> None:
-        per_agent = self.est_s[op.kind]
-        prev = per_agent.get(op.agent)
-        per_agent[op.agent] = seconds if prev is None else (1 - alpha) * prev + alpha * seconds
-        self.changed(op.kind)
+        self.record(op.kind, op.agent, seconds, alpha)
 
-    def changed(self, kind: str) -> None:
-        """`est_s[kind]` was updated (also by the balancer, which shares the rollout table)."""
+    def record(self, kind: str, agent: str, seconds: float, alpha: float = 0.5) -> None:
+        """Fold one measurement into `agent`'s moving average for `kind` (a program op's decode
+        seconds per agent go in as that agent's rollouts)."""
+        per_agent = self.est_s[kind]
+        prev = per_agent.get(agent)
+        per_agent[agent] = seconds if prev is None else (1 - alpha) * prev + alpha * seconds
         self._rate.pop(kind, None)
 
     def submitted(self, op: Op, worker: str | None) -> None:
