@@ -1,5 +1,5 @@
 """Chaos: the default team on the real stack (a Prefect API server of its own, flexmarl's local
-Dask cluster, the run folder and MEG Store on S3 behind `storage.fault_proxy`) with faults of
+Dask cluster, the run folder and MEG Store on S3 behind `tests._fault_proxy`) with faults of
 the machinery injected at seeded points, against the same run undisturbed.
 
     .venv/bin/python bench/chaos.py --json runs/bench/chaos.json [--quick] [--seed 0]
@@ -76,10 +76,10 @@ def main() -> int:
     from _s3 import start_s3
 
     from flexmarl.prefect_api import start_server, stop_server
-    from flexmarl_core.audit import audit_run
-    from flexmarl_core.location import RunLocation
+    from flexmarl_core.driver.audit import audit_run
+    from flexmarl_core.runtime.location import RunLocation
     from storage import retry
-    from storage.fault_proxy import FaultProxy
+    from tests._fault_proxy import FaultProxy
 
     moto = start_s3(BUCKET)  # sets AWS_ENDPOINT_URL to moto; the runs go through the proxy
     direct = os.environ["AWS_ENDPOINT_URL"]

@@ -24,7 +24,6 @@ from safetensors.torch import load_file
 
 from flexmarl_core.algorithms.gae import explained_variance, gae_chain
 from flexmarl_core.config import load_config
-from flexmarl_core.critic import call_order
 from flexmarl_core.meg import MEG
 from flexmarl_core.models import load_agent_model
 from flexmarl_core.training.critic import CriticTrainer, ValueSample
@@ -37,7 +36,7 @@ def replay(run: Path, base: Path, lr: float, hidden: int, epochs: int) -> dict:
     cfg = load_config(run / "config.yaml")
     meg = MEG.from_config(cfg.team)
     agents = list(meg.trainable_agents)
-    order = call_order(meg)
+    order = meg.call_order()
     model, _ = load_agent_model(cfg.agent(agents[0]).model, seed=cfg.seed)
     model.load_state_dict(load_file(str(base)))
     tr = CriticTrainer(model, hidden=hidden, per_token=False, lr=lr, max_grad_norm=cfg.critic.max_grad_norm,

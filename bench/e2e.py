@@ -184,9 +184,10 @@ def idle_work(run_dir: Path) -> dict[str, dict[str, float]]:
 
 def plain_dask_run(config: str, overrides: list[str]) -> dict:
     """The same ops through `DaskExecutor`, no Prefect; returns CPU and wall figures."""
-    from flexmarl_core import cluster, run
+    from flexmarl_core import cluster
     from flexmarl_core.config import load_config
-    from flexmarl_core.metrics import run_summary
+    from flexmarl_core.driver import run
+    from flexmarl_core.driver.metrics import run_summary
 
     cfg = load_config(config, overrides)
     run_dir = run.prepare_run(cfg)
@@ -423,7 +424,7 @@ def main() -> int:
     res["wasted_decode_frac"] = {a: w["wasted_decode_frac"] for a, w in work_cd.items()}
     res["same_work"] = work_cd == work_sync
     res["runs"] = runs
-    from flexmarl_core.plots import load_trace, timeline
+    from flexmarl_core.driver.plots import load_trace, timeline
 
     res["timeline_png"] = str(timeline(
         [load_trace(out_dir / "sync-0", "sync"), load_trace(out_dir / "codesign-0", "co-design")],

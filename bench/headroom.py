@@ -24,21 +24,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def team_samples(meg, workload, engines, problems, seed: int, k: int, batch: int) -> list[list[dict]]:
+def team_samples(team, workload, engines, problems, seed: int, k: int, batch: int) -> list[list[dict]]:
     """k sampled team chains per problem: outputs[i][j] is chain j of problem i (the held-out
     evaluation's team rollout, every agent sampling, in batches grouped by question length)."""
-    from flexmarl_core.evaluate import evaluate_team
+    from flexmarl_core.driver.evaluate import evaluate_team
 
     copies = [p for p in problems for _ in range(k)]
-    outs = evaluate_team(meg, workload, engines, copies, seed=seed, batch=batch, greedy=False)["outputs"]
+    outs = evaluate_team(team, workload, engines, copies, seed=seed, batch=batch, greedy=False)["outputs"]
     return [outs[i * k:(i + 1) * k] for i in range(len(problems))]
 
 
 def agent_weights(ckpt: Path, agent: str, version: int | None) -> dict:
     """An SFT checkpoint's weights (`<ckpt>/<agent>`), or with `version` a run folder's published
     version (v0 for an agent that published no later one: a frozen agent)."""
-    from flexmarl_core.location import as_location, weights_key
-    from flexmarl_core.weights import initial_weights, load_weights
+    from flexmarl_core.runtime.location import as_location, weights_key
+    from flexmarl_core.runtime.weights import initial_weights, load_weights
 
     if version is None:
         return initial_weights(str(ckpt), agent)
@@ -63,15 +63,15 @@ def main() -> int:
     import torch
 
     from flexmarl_core.config import load_config
-    from flexmarl_core.evaluate import evaluate_team
+    from flexmarl_core.driver.evaluate import evaluate_team
     from flexmarl_core.inference import make_inference_engine
-    from flexmarl_core.meg import MEG
     from flexmarl_core.models import load_agent_model
+    from flexmarl_core.teams import team_shape
     from flexmarl_core.workloads import make_workload
 
     cfg = load_config(args.config, args.set)
     torch.manual_seed(cfg.seed)
-    meg = MEG.from_config(cfg.team)
+    team = team_shape(cfg)
     wl = make_workload(cfg.workload, cfg.team)
     engines = {}
     for a in cfg.team.agents:
@@ -81,9 +81,9 @@ def main() -> int:
         engines[a.name] = make_inference_engine(a, model, tok)
     probs = wl.problems("heldout", args.heldout, seed=cfg.seed)
     t0 = time.process_time()
-    greedy = evaluate_team(meg, wl, engines, probs, seed=cfg.seed, batch=cfg.train.eval_batch)
+    greedy = evaluate_team(team, wl, engines, probs, seed=cfg.seed, batch=cfg.train.eval_batch)
     t_greedy = time.process_time() - t0
-    samples = team_samples(meg, wl, engines, probs, cfg.seed, args.k, args.batch)
+    samples = team_samples(team, wl, engines, probs, cfg.seed, args.k, args.batch)
     t_sample = time.process_time() - t0 - t_greedy
     agents = [a.name for a in cfg.team.agents]
 

@@ -273,7 +273,7 @@ def sft_checkpoint(args: argparse.Namespace, root: Path, ckpt: Path, overrides: 
     """The SFT checkpoint at `ckpt`: reused when it is complete (`sft.json`), else made there.
     Its steps and the seconds SFT took here."""
     from flexmarl_core.config import load_config
-    from flexmarl_core.sft import run_sft
+    from flexmarl_core.driver.sft import run_sft
 
     meta = ckpt / "sft.json"
     if meta.is_file():

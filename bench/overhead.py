@@ -60,15 +60,14 @@ def reference_run(overrides: list[str]) -> dict:
 def _reference(overrides: list[str]) -> dict:
     """The plan's ops in dependency order, each `run_stage` called in this process: no
     orchestrator, no cluster, no store commit beyond what the stages do themselves."""
-    from flexmarl_core import run
     from flexmarl_core.config import load_config
-    from flexmarl_core.meg import MEG
-    from flexmarl_core.plan import Plan
+    from flexmarl_core.driver import run
+    from flexmarl_core.orchestrator.plan import Plan
     from flexmarl_core.stages import run_stage
 
     cfg = load_config(CONFIG, overrides)
     run_dir = run.prepare_run(cfg, log=lambda _: None)
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
     done: set = set()
     left = list(plan.deps)
     t0, c0 = time.time(), time.process_time()
@@ -99,7 +98,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def max_weight_diff(a: str, b: str, agents: list[str], version: int) -> float:
-    from flexmarl_core.worker import load_weights
+    from flexmarl_core.runtime.worker import load_weights
 
     worst = 0.0
     for agent in agents:
@@ -117,7 +116,7 @@ def flexmarl_run(train, api: str, overrides: list[str], steps: int, ref_dir: str
     from bench.e2e import server_cpu_s
     from flexmarl_core.config import load_config
     from flexmarl_core.meg import MEG
-    from flexmarl_core.plan import Plan
+    from flexmarl_core.orchestrator.plan import Plan
 
     load0, srv0 = os.getloadavg()[0], server_cpu_s(home)
     with temporary_settings(updates={PREFECT_API_URL: api}):
@@ -128,7 +127,7 @@ def flexmarl_run(train, api: str, overrides: list[str], steps: int, ref_dir: str
     s = state.result()["summary"]
     cfg = load_config(CONFIG, overrides)
     meg = MEG.from_config(cfg.team)
-    gaps = dispatch_ms(Path(s["run_dir"]), Plan.build(cfg, meg).deps)
+    gaps = dispatch_ms(Path(s["run_dir"]), Plan.build(cfg).deps)
     ops = s["ops"]
     return {
         "wall_s": s["wall_s"], "ops": ops,

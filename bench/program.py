@@ -42,10 +42,10 @@ from pathlib import Path
 
 from flexmarl.prefect_api import ensure_api
 from flexmarl_core.config import load_config
+from flexmarl_core.driver.sft import warm_start
 from flexmarl_core.models.tokenizer import default_cache_dir
 from flexmarl_core.programs.report import call_cpu_ms, program_figures
 from flexmarl_core.programs.team import program_team
-from flexmarl_core.sft import warm_start
 from flexmarl_core.workloads import make_workload
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ BUCKET = "bench-runs"
 
 
 def _stage_s(run_dir: str) -> dict[str, float]:
-    from flexmarl_core.location import RunLocation
+    from flexmarl_core.runtime.location import RunLocation
 
     out: dict[str, float] = {}
     for line in RunLocation(run_dir).read_text("metrics/ops.jsonl").splitlines():

@@ -2,7 +2,7 @@
 
     python bench/task_run_events.py --json runs/bench/task_run_events.json [--ops 600] [--repeats 2]
 
-Reports `n` ops of one flow run through `tasks/stages.py` `TaskRunReporter` the way the training
+Reports `n` ops of one flow run through `tasks/task_runs.py` `TaskRunReporter` the way the training
 flow does, in three ways, alternating: `one_event` (each op ends before `pending_after_s`: its
 final state only, the default), `two_events` (`pending_after_s=0`: Pending at submit, then
 Completed), and `post_batches` (the same final-state events sent 50 per `POST /api/events`
@@ -48,7 +48,7 @@ def _report(mode: str, n: int, flow_run_id: str, api: str) -> None:
     import httpx
 
     from flexmarl_core.ops import Op, StageResult
-    from tasks.stages import TaskRunReporter
+    from tasks.task_runs import TaskRunReporter
 
     r = TaskRunReporter(flow_run_id, 1, pending_after_s=0.0 if mode == "two_events" else 3600.0, flush_s=0.0)
     sent: list = []

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import NoReturn
 
-from flexmarl_core.config_checks import ConfigError  # light: no pydantic models at parse time
+from flexmarl_core.config.checks import ConfigError  # light: no pydantic models at parse time
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,7 +46,7 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - avoids importing pydant
 
 def _resume_config(args: argparse.Namespace) -> None:
     """`train --resume RUN`: the run's own saved config is the config."""
-    from flexmarl_core.location import CONFIG_NAME, RunLocation, is_uri
+    from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation, is_uri
 
     if args.config is not None:
         raise ConfigError("give either CONFIG or --resume RUN, not both (a resumed run keeps its config)")
@@ -112,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from flexmarl_core.plots import report
+    from flexmarl_core.driver.plots import report
 
     for path in filter(None, [args.run, args.compare]):
         if not (Path(path) / "metrics" / "ops.jsonl").is_file():
@@ -153,8 +153,13 @@ def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentCon
                               "machine (the local cluster's workers run here); use cpu")
     if cfg.cluster.address:
         check_address(cfg.cluster.address)
-    from flexmarl_core.location import LocationError, check_reachable
-    from flexmarl_core.run import ResumeError, RunFolderError, check_resumable, check_run_folder
+    from flexmarl_core.driver.run import (
+        ResumeError,
+        RunFolderError,
+        check_resumable,
+        check_run_folder,
+    )
+    from flexmarl_core.runtime.location import LocationError, check_reachable
 
     try:
         check_reachable("run_dir", cfg.run_dir.format(name=cfg.name))
@@ -168,7 +173,7 @@ def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentCon
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from flexmarl_core.sft import run_sft
+    from flexmarl_core.driver.sft import run_sft
 
     cfg = _config(args)
     out = run_sft(cfg, out_dir=args.out, keep_checks=args.keep_checks, resume_from=args.resume_from)
@@ -196,12 +201,12 @@ def cmd_store_audit(args: argparse.Namespace) -> int:
         # A local folder that is not itself a store is taken for a run folder (its config
         # says where the store is and which samples each iteration must hold); so is a URI
         # that holds a run's config.
-        from flexmarl_core.location import CONFIG_NAME, RunLocation
+        from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation
 
         loc = RunLocation(path)
         run_like = Path(path).is_dir() if loc.local else loc.is_file(CONFIG_NAME)
         if run_like and not loc.exists(MARKER):
-            from flexmarl_core.audit import audit_run
+            from flexmarl_core.driver.audit import audit_run
 
             uri, problems = audit_run(path)
         else:
@@ -218,8 +223,8 @@ def cmd_store_audit(args: argparse.Namespace) -> int:
 
 def cmd_humaneval(args: argparse.Namespace) -> int:
     """Grade a model's completions (or the canonical / empty bodies) on a HumanEval file."""
-    from flexmarl_core.humaneval import HumanEvalError, grade_humaneval, humaneval_path
     from flexmarl_core.sandbox import SandboxError
+    from flexmarl_core.workloads.humaneval import HumanEvalError, grade_humaneval, humaneval_path
 
     try:
         source = args.completions or ("canonical" if args.canonical else "empty")
@@ -301,7 +306,7 @@ def _simulate_tables(args: argparse.Namespace) -> int:
 
 def _simulate_calibrate(args: argparse.Namespace) -> int:
     """Fit RUN's cost model from its op log and replay its config (with --set: a what-if)."""
-    from flexmarl_core.plots import load_trace, timeline
+    from flexmarl_core.driver.plots import load_trace, timeline
     from flexmarl_core.sim import report, study
 
     out, sim = study.replay(args.calibrate, args.set)

@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flexmarl_core.metrics import metric_agents
+from flexmarl_core.driver.metrics import metric_agents
 from flexmarl_core.ops import OpRecord, agent_key
-from flexmarl_core.plan import Plan
+from flexmarl_core.orchestrator.plan import Plan
 
 # At least 100 columns when the output is not a terminal (a log file, a pipe), where rich would
 # otherwise assume 80 and cut the table.

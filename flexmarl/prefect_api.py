@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from flexmarl_core.config_checks import ConfigError
+from flexmarl_core.config.checks import ConfigError
 
 DEFAULT_PORT = 4200
 #: The local server we start runs this much nicer than the run. It turns the flow's events into

@@ -18,9 +18,11 @@ import string
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from flexmarl_core.config_agent import AgentConfig
-from flexmarl_core.config_models import EdgeConfig, TeamConfig
+if TYPE_CHECKING:  # types only: the config package checks teams through this module
+    from flexmarl_core.config.agent import AgentConfig
+    from flexmarl_core.config.models import EdgeConfig, TeamConfig
 
 INPUT = "input"
 
@@ -69,8 +71,9 @@ class MEG:
     edges: list[EdgeConfig]
     rounds: int = 1
     output: str | None = None
-    #: a program team (`team.program`): one node per agent, no edges; the calls are the program's
-    program: str | None = None
+    #: graph: the edges are the data flow; flat (any other team shape, e.g. a program): one
+    #: node per agent and no edges, the team deciding at run time who is called and how often
+    flat: bool = False
     #: unrolled DAG, filled by validate()
     nodes: list[NodeKey] = field(default_factory=list)
     parents: dict[NodeKey, list[NodeKey]] = field(default_factory=dict)
@@ -86,7 +89,7 @@ class MEG:
             edges=list(team.edges),
             rounds=team.rounds,
             output=team.output,
-            program=team.program,
+            flat=team.shape != "graph",
         )
         meg.validate()
         return meg
@@ -102,9 +105,9 @@ class MEG:
                     f"agent {a.name!r}: share_model_with {a.share_model_with!r} is not an agent; "
                     f"agents: {sorted(self.agents)}"
                 )
-        if self.program is not None:
-            # The program decides who is called and how often: each agent is one node whose
-            # calls (turns) it makes; the edges are discovered per call (`programs/capture.py`).
+        if self.flat:
+            # Each agent is one node whose calls (turns) the team makes; a program's edges are
+            # discovered per call (`programs/capture.py`).
             self.nodes = [NodeKey(a, 0) for a in self.agents]
             self.parents = {n: [] for n in self.nodes}
             self.output = self.output or list(self.agents)[-1]
@@ -252,6 +255,11 @@ class MEG:
 
     def topological_order(self) -> list[NodeKey]:
         return list(self.nodes)
+
+    def call_order(self) -> dict[tuple[str, int], int]:
+        """(agent, turn) -> its position in a trajectory's calls: the graph's order, round by
+        round (GAE's chain and `credit: step_discount` both follow it)."""
+        return {(n.agent, n.turn): i for i, n in enumerate(self.nodes)}
 
     def children_of(self, node: NodeKey) -> list[NodeKey]:
         return [n for n in self.nodes if node in self.parents[n]]

@@ -16,7 +16,7 @@ from typing import Any, Literal
 OpKind = Literal["rollout", "reward", "train", "step", "sync", "program", "value"]
 OP_KINDS: tuple[OpKind, ...] = ("rollout", "reward", "train", "step", "sync", "program", "value")
 #: kinds that run on the agent's (or critic's) trainer (one at a time: its state lives in one
-#: process); `value` is a critic's forward over a micro-batch (`flexmarl_core/critic.py`)
+#: process); `value` is a critic's forward over a micro-batch (`flexmarl_core/config/critic.py`)
 TRAINER_KINDS: frozenset[str] = frozenset({"train", "step", "sync", "value"})
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flexmarl_core.evaluate import evaluation_iteration
+from flexmarl_core.driver.evaluate import evaluation_iteration
 from tasks import report as report_tasks
 
 

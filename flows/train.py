@@ -17,15 +17,15 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
 from flexmarl.console import IterationProgress
-from flexmarl_core import cluster, run
+from flexmarl_core import cluster
 from flexmarl_core.config import load_config
 from flexmarl_core.control import GradientHelper, MoveInstance, TrainSlot
-from flexmarl_core.hooks import Callbacks
-from flexmarl_core.location import default_cache_dir
-from flexmarl_core.meg import MEG
-from flexmarl_core.metrics import run_summary
-from flexmarl_core.plan import Plan
-from flexmarl_core.sft import warm_start_path
+from flexmarl_core.driver import run
+from flexmarl_core.driver.metrics import run_summary
+from flexmarl_core.driver.sft import warm_start_path
+from flexmarl_core.orchestrator.hooks import Callbacks
+from flexmarl_core.orchestrator.plan import Plan
+from flexmarl_core.runtime.location import default_cache_dir
 from flexmarl_core.workloads import make_workload
 from tasks import lean as lean_tasks
 from tasks import report as report_tasks
@@ -92,7 +92,7 @@ def train(
         cluster.log_to_files(client, scratch / "logs", workers=cfg.cluster.address is None)
         names = cluster.worker_names(client)
         workers_cpu0, cpu0 = cluster.worker_cpu_s(client), time.process_time()
-        plan = Plan.build(cfg, MEG.from_config(cfg.team))
+        plan = Plan.build(cfg)
         bar = IterationProgress(plan) if progress else None
         try:
             with bar or contextlib.nullcontext():

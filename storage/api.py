@@ -30,6 +30,11 @@ class Store(Protocol):
         """Status changes (reward, advantage, value, consumed_step) of samples already written."""
         ...
 
+    def mark_consumed(self, agent: str, iteration: int, samples: Rows, step: int,
+                      advantages: Sequence[float] | None = None) -> list[str]:
+        """Status rows: optimizer step `step` trained on `samples` (with their advantages)."""
+        ...
+
     def write_inputs(self, iteration: int, rows: Rows) -> str:
         """The inputs of one iteration; the fragment written."""
         ...

@@ -97,11 +97,15 @@ class Writer(Committer):
             "status", self._status_dir(agent, iteration), table, ",".join(set_fields)
         )
 
-    def mark_consumed(self, agent: str, iteration: int, samples: Rows, step: int) -> list[str]:
-        """Record that optimizer step ``step`` trained on ``samples`` (rows or a table)."""
+    def mark_consumed(self, agent: str, iteration: int, samples: Rows, step: int,
+                      advantages: Sequence[float] | None = None) -> list[str]:
+        """Record that optimizer step ``step`` trained on ``samples`` (rows or a table), with
+        the advantage each was trained with when given (one per sample, in order)."""
         table = samples if isinstance(samples, pa.Table) else pa.Table.from_pylist(list(samples))
         cols = ["sample_id", "policy_version"] + (["mb"] if "mb" in table.column_names else [])
         table = table.select(cols)
+        if advantages is not None:
+            table = table.append_column("advantage", pa.array(list(advantages), pa.float32()))
         table = table.append_column(
             "consumed_step", pa.repeat(pa.scalar(step, pa.int64()), table.num_rows)
         )

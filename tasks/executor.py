@@ -1,10 +1,10 @@
 """The orchestrator's executor on the real stack: ops as Dask tasks, reported as Prefect task runs.
 
 Each op runs as a plain Dask task with the resources (and pinned worker) the router chose at
-that moment (`cluster.DaskExecutor`), retried in the worker per `tasks.stages.RETRIES`; the flow
+that moment (`cluster.DaskExecutor`), retried in the worker per `tasks.task_runs.RETRIES`; the flow
 process reports it as a task run of the current flow run whose upstream inputs are the task
 runs of the ops it waited for, so the Prefect UI draws each iteration as the MEG's graph
-(rollout -> reward -> train -> step -> sync). Why not one Prefect task per op: `tasks/stages.py`.
+(rollout -> reward -> train -> step -> sync). Why not one Prefect task per op: `tasks/task_runs.py`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import distributed
 
 from flexmarl_core import cluster
 from flexmarl_core.ops import FusedResult, Op, Route, StageResult
-from tasks.stages import FLUSH_S, PENDING_AFTER_S, RETRIES, RETRY_DELAY_S, TaskRunReporter
+from tasks.task_runs import FLUSH_S, PENDING_AFTER_S, RETRIES, RETRY_DELAY_S, TaskRunReporter
 
 
 class PrefectDaskExecutor(cluster.DaskExecutor):

@@ -1,7 +1,7 @@
 """Cheap Prefect reporting from processes flexmarl starts: the local server's batching and the
 workers' Prefect settings.
 
-Stage ops no longer run Prefect's task engine in the workers (`tasks/stages.py`), so workers
+Stage ops no longer run Prefect's task engine in the workers (`tasks/task_runs.py`), so workers
 talk to Prefect only if user code in them does (a custom reward logging to Prefect). For that
 code the lean settings still apply, as measured when every op was a worker-side task run
 (~0.43 CPU-s per task run stock, ~0.08 lean):

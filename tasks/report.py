@@ -19,11 +19,12 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flexmarl_core import run, stages
+from flexmarl_core import stages
 from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.metrics import metric_agents
+from flexmarl_core.driver import run
+from flexmarl_core.driver.metrics import metric_agents
+from flexmarl_core.driver.plots import report as draw
 from flexmarl_core.ops import agent_key
-from flexmarl_core.plots import report as draw
 
 #: per-iteration columns shown first, in this order; other metrics (stage_s/*, busy_s/*) follow
 ITERATION_LEAD = ["iteration", "e2e_s", "tokens", "tokens_per_s", "utilization", "accuracy"]

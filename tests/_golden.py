@@ -35,7 +35,7 @@ def _projections(t: torch.Tensor, name: str) -> list[float]:
 
 def fingerprint(run_dir: str | Path) -> dict[str, Any]:
     from flexmarl_core.config import load_config
-    from flexmarl_core.worker import load_weights
+    from flexmarl_core.runtime.worker import load_weights
     from storage import MEGStore
 
     run_dir = Path(run_dir)

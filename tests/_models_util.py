@@ -77,8 +77,8 @@ def assert_same_tensors(a: dict, b: dict) -> None:
 def train_one_worker(cfg, **kwargs):
     """Prepare `cfg`'s run and train it on one in-process worker (`ThreadExecutor`, tags rollout
     and train); returns `(run_dir, run.train's result)`. `kwargs` go to `run.train`."""
-    from flexmarl_core import run
-    from flexmarl_core.executors import ThreadExecutor, stage_fn
+    from flexmarl_core.driver import run
+    from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 
     run_dir = run.prepare_run(cfg)
     ex = ThreadExecutor(stage_fn(str(run_dir)), {"w0": {"rollout": 1, "train": 1}})

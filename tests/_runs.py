@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from flexmarl_core.meg import MEG
+from flexmarl_core.runtime.worker import weights_path
 from flexmarl_core.stages import faults_dir
-from flexmarl_core.worker import weights_path
 from storage import MEGStore
 
 REPO = Path(__file__).resolve().parents[1]

@@ -482,7 +482,7 @@ def test_training_dp_needs_deepspeed():
 def test_team_with_a_dp2_deepspeed_agent_trains_through_the_flow(prefect_api, dask_cluster, tmp_path):
     """solver on DeepSpeed ZeRO-2 over 2 rank processes, the others on torch: the Prefect flow on
     the session's Dask cluster, so the rank processes start from a (daemonic) Dask worker."""
-    from flexmarl_core.worker import trainer_state_path
+    from flexmarl_core.runtime.worker import trainer_state_path
     from flows.train import train
 
     run_dir = tmp_path / "run"

@@ -193,9 +193,9 @@ def test_a_resumed_run_starts_from_its_earlier_attempts_measurements(tmp_path):
     """The earlier attempt's op log (written by a real `run.train`) warms a new control plane:
     its estimates are the measured durations' moving averages, not the defaults."""
     from flexmarl_core.control import ControlPlane
-    from flexmarl_core.executors import ThreadExecutor
+    from flexmarl_core.driver.run import completed_records, train
+    from flexmarl_core.executors.threads import ThreadExecutor
     from flexmarl_core.ops import StageResult
-    from flexmarl_core.run import completed_records, train
 
     secs = {"planner": 0.02, "solver": 0.06}
 

@@ -48,8 +48,8 @@ def test_core_never_imports_prefect_and_only_the_adapter_imports_dask():
 
 @pytest.mark.slow  # a fresh interpreter per check
 def test_importing_the_run_path_loads_no_prefect_or_dask():
-    code = ("import sys; import flexmarl_core.run, flexmarl_core.stages, flexmarl_core.control, "
-            "flexmarl_core.executors, flexmarl_core.metrics; "
+    code = ("import sys; import flexmarl_core.driver.run, flexmarl_core.stages, flexmarl_core.control, "
+            "flexmarl_core.executors.threads, flexmarl_core.driver.metrics; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'prefect', 'dask', 'distributed'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"

@@ -3,7 +3,7 @@ own command lines (`dask scheduler`, `dask worker --resources ...`), each proces
 empty working directory, HOME, TMPDIR and flexmarl cache, the session's Prefect API, and moto's
 S3 server on loopback holding the run folder and the MEG Store, reached through a seeded fault
 proxy that answers some requests with 503s, drops connections before or after forwarding them
-and delays them (`storage.fault_proxy`; the store and run location retry, `storage.retry`).
+and delays them (`tests._fault_proxy`; the store and run location retry, `storage.retry`).
 
 The workers get flexmarl's code from the flow through Dask (`cluster.upload` of this checkout:
 they have no PYTHONPATH to it), the scheduler and the flow process through PYTHONPATH; the
@@ -28,7 +28,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from storage.fault_proxy import FaultProxy
+from tests._fault_proxy import FaultProxy
 from tests._s3 import make_bucket
 
 REPO = Path(__file__).resolve().parents[1]

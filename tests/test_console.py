@@ -11,17 +11,16 @@ import pytest
 
 from flexmarl.console import IterationProgress, iteration_line
 from flexmarl_core.config import load_config
-from flexmarl_core.meg import MEG
-from flexmarl_core.metrics import IterationTracker
+from flexmarl_core.driver.metrics import IterationTracker
 from flexmarl_core.ops import OpRecord, StageResult, agent_key
-from flexmarl_core.plan import Plan
+from flexmarl_core.orchestrator.plan import Plan
 
 DEFAULT = str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
 
 
 def _plan(iterations: int) -> Plan:
     cfg = load_config(DEFAULT, [f"train.iterations={iterations}"])
-    return Plan.build(cfg, MEG.from_config(cfg.team))
+    return Plan.build(cfg)
 
 
 def _rec(op) -> OpRecord:

@@ -9,14 +9,15 @@ import torch
 
 from flexmarl_core.algorithms import explained_variance, gae_chain, gae_tokens, value_loss
 from flexmarl_core.config import ConfigError, config_from_dict
-from flexmarl_core.critic import call_order, critic_names
-from flexmarl_core.critic_updates import targets
-from flexmarl_core.location import RunLocation
+from flexmarl_core.config.critic import critic_names
 from flexmarl_core.meg import MEG, sample_id
 from flexmarl_core.ops import Op
-from flexmarl_core.plan import Plan
+from flexmarl_core.orchestrator.plan import Plan
+from flexmarl_core.runtime.critic import targets
+from flexmarl_core.runtime.location import RunLocation
+from flexmarl_core.runtime.worker import WorkerContext
+from flexmarl_core.teams import team_shape
 from flexmarl_core.training.critic import CriticTrainer, ValueSample
-from flexmarl_core.worker import WorkerContext
 from storage import MEGStore
 from tests._models_util import tiny_model
 
@@ -61,7 +62,7 @@ def test_gae_targets_follow_the_call_order_across_agents_and_rounds(tmp_path):
     of the input's two trajectories is its own chain."""
     cfg = gae_cfg()
     meg = MEG.from_config(cfg.team)
-    order = call_order(meg)
+    order = meg.call_order()
     assert sorted(order, key=order.get) == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("b", 1), ("c", 1)]
     store = MEGStore(str(tmp_path / "store"))
     for agent in ("c", "a", "b"):
@@ -77,7 +78,7 @@ def test_gae_targets_follow_the_call_order_across_agents_and_rounds(tmp_path):
                                "reward": REWARDS[k] * (1 + traj), "value": VALUES[k] * (1 + traj)})
         store.write_samples(agent, 0, rows)
         store.write_status(agent, 0, status)
-    ctx = WorkerContext(loc=RunLocation(tmp_path), cfg=cfg, meg=meg, _store=store)
+    ctx = WorkerContext(loc=RunLocation(tmp_path), cfg=cfg, team=team_shape(cfg), _store=store)
     rows, tg = targets(ctx, 0, 0)
     assert [(r["traj"], r["agent"], r["turn"]) for r in rows] == [
         (t, a, k) for t in (0, 1) for k in (0, 1) for a in "abc"]
@@ -208,7 +209,7 @@ def test_plan_critic_ops_wait_for_their_micro_batch_only():
         "edges": ["p -> s"]})
     cfg = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"inputs_per_iteration": 4,
                                                                        "micro_batch_inputs": 2})})
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
     assert critic_names(cfg) == {"critic": ["p", "s"]}
     deps = plan.deps
     assert deps[Op(0, "value", "critic", mb=1)] == [Op(0, "reward", mb=1)]
@@ -220,7 +221,7 @@ def test_plan_critic_ops_wait_for_their_micro_batch_only():
     per = gae_cfg(shared=False, team={
         "agents": [{"name": "p", "template": "{input}"}, {"name": "s", "template": "{input} {p}"}],
         "edges": ["p -> s"]})
-    plan = Plan.build(per, MEG.from_config(per.team))
+    plan = Plan.build(per)
     # each critic's training needs every critic's values of the micro-batch (one GAE chain)
     assert set(plan.deps[Op(0, "train", "critic-p", mb=0)]) == {
         Op(0, "value", "critic-p", mb=0), Op(0, "value", "critic-s", mb=0)}
@@ -249,8 +250,8 @@ def test_step_discount_credit_pays_each_call_by_its_place(tmp_path):
     """`credit: step_discount` in a real (threaded) run of the tiny chain: per trajectory the
     planner, solver and verifier get 0.81, 0.9 and 1 x the one team reward (format term off)."""
     from flexmarl_core.config import load_config
-    from flexmarl_core.executors import ThreadExecutor, stage_fn
-    from flexmarl_core.run import prepare_run, train
+    from flexmarl_core.driver.run import prepare_run, train
+    from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
     from tests._runs import TINY
 
     cfg = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "train.iterations=1", "train.evaluate=false",
@@ -278,8 +279,8 @@ def test_critic_ops_rerun_after_the_step_find_their_work_done(tmp_path):
     """A resumed run may rerun a critic op that finished but was not logged: after the critic
     stepped, its value, train and step ops of that iteration change nothing."""
     from flexmarl_core.config import load_config
-    from flexmarl_core.executors import ThreadExecutor, stage_fn
-    from flexmarl_core.run import prepare_run, train
+    from flexmarl_core.driver.run import prepare_run, train
+    from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
     from flexmarl_core.stages import context, run_stage
     from tests._runs import TINY
 
@@ -300,10 +301,10 @@ def test_critic_ops_rerun_after_the_step_find_their_work_done(tmp_path):
 def test_per_token_critic_through_a_run(tmp_path):
     """`critic.per_token`: every stored sample carries one value per response token (its first
     the call's value), the agents train on per-token advantages, and the audit is clean."""
-    from flexmarl_core.audit import audit_run
     from flexmarl_core.config import load_config
-    from flexmarl_core.executors import ThreadExecutor, stage_fn
-    from flexmarl_core.run import prepare_run, train
+    from flexmarl_core.driver.audit import audit_run
+    from flexmarl_core.driver.run import prepare_run, train
+    from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
     from tests._runs import TINY
 
     cfg = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "train.iterations=2", "train.evaluate=false",

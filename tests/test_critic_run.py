@@ -12,11 +12,11 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from flexmarl_core.audit import audit_run
 from flexmarl_core.config import load_config
-from flexmarl_core.location import RunLocation
-from flexmarl_core.meg import MEG
-from flexmarl_core.worker import WorkerContext, weights_path
+from flexmarl_core.driver.audit import audit_run
+from flexmarl_core.runtime.location import RunLocation
+from flexmarl_core.runtime.worker import WorkerContext, weights_path
+from flexmarl_core.teams import team_shape
 from tests._runs import (
     COMMON,
     ITERATIONS,
@@ -62,7 +62,7 @@ def test_gae_run_resumes_a_failed_critic_op_to_the_same_weights(prefect_api, das
         == list(range(ITERATIONS))
     # checkpointed like one: another process swaps the critic's last state in, and it holds
     # exactly the weights the critic's last sync published
-    fresh = WorkerContext(loc=RunLocation(base.resolved_run_dir()), cfg=base, meg=MEG.from_config(base.team))
+    fresh = WorkerContext(loc=RunLocation(base.resolved_run_dir()), cfg=base, team=team_shape(base))
     tr, swap = fresh.trainer("critic", ITERATIONS)
     assert tr.version == ITERATIONS and swap["swap_in_bytes"] > 0
     published = load_file(str(weights_path(base.resolved_run_dir(), "critic", ITERATIONS)))

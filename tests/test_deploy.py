@@ -22,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from flexmarl_core.worker import weights_path
+from flexmarl_core.runtime.worker import weights_path
 from storage import MEGStore
 
 REPO = Path(__file__).resolve().parents[1]

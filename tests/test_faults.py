@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import load_file
 
 from flexmarl_core.config import load_config
-from flexmarl_core.location import RunLocation
 from flexmarl_core.meg import MEG
+from flexmarl_core.runtime.location import RunLocation
+from flexmarl_core.runtime.worker import trainer_state_path, weights_path
 from flexmarl_core.stages import faults_dir
-from flexmarl_core.worker import trainer_state_path, weights_path
 from tests._holds import Holds
 from tests._runs import (
     COMMON,
@@ -378,7 +378,7 @@ def test_kill_9_between_checkpoints_then_resume_replays(prefect_api, dask_cluste
 
 
 def test_resume_refuses_a_changed_config(tmp_path):
-    from flexmarl_core import run
+    from flexmarl_core.driver import run
 
     cfg = load_config(TINY, [f"run_dir={tmp_path}/run", "train.iterations=1"])
     (tmp_path / "run").mkdir()

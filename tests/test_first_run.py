@@ -82,7 +82,7 @@ def test_the_warm_start_is_reused(first_run):
     tmp, res = first_run
     assert res.returncode == 0
     from flexmarl_core.config import load_config
-    from flexmarl_core.sft import warm_start
+    from flexmarl_core.driver.sft import warm_start
 
     cfg = load_config(REPO / "configs" / "tiny.yaml", [*TINY_FIRST_RUN, "train.iterations=7"])
     folder, info = warm_start(cfg, tmp / "cache", log=lambda _: None)

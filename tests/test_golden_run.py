@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from flexmarl_core.config import load_config
-from flexmarl_core.meg import MEG
-from flexmarl_core.plan import Plan
+from flexmarl_core.orchestrator.plan import Plan
 from tests import _golden
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +70,7 @@ def test_prefect_graph_has_the_megs_edges(golden_run):
     the flow run's graph in the UI is the plan's dependency graph, edge for edge."""
     _, overrides, state = golden_run
     cfg = load_config(DEFAULT, overrides)
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
     runs = asyncio.run(_task_runs(state.state_details.flow_run_id, len(plan.deps)))
     by_name = {r.name: r for r in runs if r.name.split("[")[0].split(" ")[0] in ("rollout", "reward", "train", "step", "sync")}
     assert set(by_name) == {op.name for op in plan.ops()}

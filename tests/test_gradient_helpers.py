@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from flexmarl_core.config import load_config
 from flexmarl_core.control import GradientHelper
-from flexmarl_core.executors import ThreadExecutor, stage_fn
-from flexmarl_core.location import gradient_key
+from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.ops import Op, StageResult
+from flexmarl_core.runtime.location import gradient_key
 from tests.test_orchestrator import cfg_of
 from tests.test_orchestrator import run as run_on_threads
 
@@ -89,7 +89,7 @@ def _real_run(tmp_path: Path, name: str, helpers: bool, lose_gradients: bool = F
     worker) until a solver helper op has started, so a helper takes the other micro-batch while
     the trainer's slot is busy. `lose_gradients`: each helper's gradient file is deleted as its
     op ends, as if the helper's storage lost it."""
-    from flexmarl_core import run
+    from flexmarl_core.driver import run
 
     cfg = load_config(TINY, [f"run_dir={tmp_path}/{name}", "train.iterations=2", "train.evaluate=false",
                              "batch.inputs_per_iteration=4", "batch.micro_batch_inputs=2",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flexmarl.cli import main
-from flexmarl_core.humaneval import HumanEvalError, grade_humaneval, load_humaneval
+from flexmarl_core.workloads.humaneval import HumanEvalError, grade_humaneval, load_humaneval
 from tests.conftest import dataset_folder
 
 

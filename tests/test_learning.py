@@ -12,8 +12,8 @@ import torch
 
 from flexmarl_core.config import load_config
 from flexmarl_core.meg import MEG
+from flexmarl_core.runtime.worker import load_weights
 from flexmarl_core.training import Sample
-from flexmarl_core.worker import load_weights
 from storage import MEGStore
 from tests._models_util import tiny_model, train_one_worker, trainer
 

@@ -188,8 +188,8 @@ def test_a_worker_holds_one_engine_and_one_training_base_per_base(tmp_path):
     """In one worker process, LoRA agents on one base share the rollout engine and the fp32
     training copy; the run folder holds the base once and adapter-only weights."""
     from flexmarl_core.config import load_config
-    from flexmarl_core.run import prepare_run
-    from flexmarl_core.worker import context
+    from flexmarl_core.driver.run import prepare_run
+    from flexmarl_core.runtime.worker import context
 
     lora = "{base: tiny-1m, lora: {rank: 4}}"
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"),

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flexmarl_core import run
 from flexmarl_core.config import load_config
-from flexmarl_core.executors import ThreadExecutor, stage_fn
-from flexmarl_core.hooks import Callbacks
+from flexmarl_core.driver import run
+from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.ops import OpRecord
+from flexmarl_core.orchestrator.hooks import Callbacks
 
 REPO = Path(__file__).resolve().parents[1]
 AGENTS = ("planner", "solver", "verifier")
@@ -65,7 +65,7 @@ def test_tracker_rows_equal_a_full_scan_of_every_record():
     iterations whose ops overlap (async pipeline) and a worker idle in later iterations."""
     import random
 
-    from flexmarl_core.metrics import IterationTracker, iteration_metrics
+    from flexmarl_core.driver.metrics import IterationTracker, iteration_metrics
     from flexmarl_core.ops import Op, StageResult
 
     rng = random.Random(0)

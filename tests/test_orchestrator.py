@@ -10,12 +10,11 @@ import pytest
 
 from flexmarl_core.config import config_from_dict
 from flexmarl_core.control import MoveInstance, Router, TrainSlot
-from flexmarl_core.executors import ThreadExecutor
-from flexmarl_core.hooks import Callbacks
-from flexmarl_core.meg import MEG
+from flexmarl_core.executors.threads import ThreadExecutor
 from flexmarl_core.ops import Op, StageResult
-from flexmarl_core.orchestrator import Orchestrator, OrchestratorError
-from flexmarl_core.plan import Plan
+from flexmarl_core.orchestrator.hooks import Callbacks
+from flexmarl_core.orchestrator.loop import Orchestrator, OrchestratorError
+from flexmarl_core.orchestrator.plan import Plan
 
 TEAM = {
     "agents": [
@@ -110,7 +109,7 @@ def run(cfg, workers=WORKERS, delay=lambda op: 0.01, helpers: list[Op] | None = 
 
     ex = RecordingExecutor(fn, workers, seen)
     try:
-        res = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex).run()
+        res = Orchestrator(Plan.build(cfg), cfg, ex).run()
     finally:
         ex.close()
     res.released = released
@@ -127,7 +126,7 @@ def end(log, op):
 
 def test_plan_counts_and_names():
     cfg = cfg_of(ALL_OFF, iterations=3, mbs=2)
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
     assert plan.count("rollout") == 3 * 3 * 2
     assert plan.count("reward") == 3 * 2
     assert plan.count("train") == 3 * 3 * 2 and plan.count("step") == 9 and plan.count("sync") == 9
@@ -139,7 +138,7 @@ def test_every_op_runs_once_and_after_its_deps():
     for codesign in (ALL_OFF, {}):
         cfg = cfg_of(codesign)
         res, log = run(cfg)
-        plan = Plan.build(cfg, MEG.from_config(cfg.team))
+        plan = Plan.build(cfg)
         assert sorted(o for o, *_ in log) == sorted(plan.ops())
         for op, deps in plan.deps.items():
             for d in deps:
@@ -165,9 +164,8 @@ def test_serial_runs_one_agent_at_a_time():
                       {"name": "c", "template": "{input} {a} {b}"}], "edges": ["a -> c", "b -> c"]}
     cfg = config_from_dict({"team": fan, "codesign": {**ALL_OFF, "serial": True}, "train": {"iterations": 2},
                             "batch": {"inputs_per_iteration": 4, "micro_batch_inputs": 2}})
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
-    sync = Plan.build(cfg.model_copy(update={"codesign": cfg.codesign.model_copy(update={"serial": False})}),
-                      MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
+    sync = Plan.build(cfg.model_copy(update={"codesign": cfg.codesign.model_copy(update={"serial": False})}))
     assert Op(0, "rollout", "a", 0, 1) not in sync.deps[Op(0, "rollout", "b", 0, 0)]
     assert Op(0, "rollout", "a", 0, 1) in plan.deps[Op(0, "rollout", "b", 0, 0)]
     assert Op(1, "sync", "b") in plan.deps[Op(1, "train", "c", mb=0)]
@@ -184,7 +182,7 @@ def test_serial_runs_one_agent_at_a_time():
 
 def test_dependency_parallel_and_async_overlap():
     cfg = cfg_of({"load_balancing": False, "on_demand_allocation": False})
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
     assert plan.deps[Op(0, "rollout", "solver", 0, 1)] == [Op(0, "rollout", "planner", 0, 1)]
     assert plan.deps[Op(0, "train", "solver", mb=1)] == [Op(0, "reward", mb=1)]
     assert plan.deps[Op(1, "rollout", "planner", 0, 0)] == [Op(0, "sync", "planner")]
@@ -331,7 +329,7 @@ def test_balancer_moves_instances_to_the_hot_agent():
                    holds={first: lambda seen: any(o.agent == "planner" and o.kind == "rollout" and w == "w1"
                                                   for o, w in seen.started.items())})
     assert res.released == [first], "no planner rollout ran on w1 while w0 was busy"
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
     assert sorted(o for o, *_ in log) == sorted(plan.ops())
     moves = [d for d in res.decisions if isinstance(d, MoveInstance)]
     assert any(d.to_agent == "planner" and d.worker == "w1" for d in moves), moves
@@ -380,7 +378,7 @@ def test_late_binding_holds_rollouts_until_an_instance_is_idle(late):
                    delay=lambda op: 0.08 if op.kind == "rollout" and op.agent == "solver" else 0.01,
                    holds={long: lambda seen: others <= seen.submitted})
     assert res.released == [long]
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
     assert sorted(o for o, *_ in log) == sorted(plan.ops())
     for o, _, t0, _ in log:
         for d in plan.deps[o]:
@@ -403,7 +401,7 @@ def test_late_binding_submits_trainer_ops_before_rollouts():
     cfg = cfg_of({**ALL_ON, "late_binding": True}, iterations=2, mbs=2)
     ex = ThreadExecutor(lambda op, w: StageResult(op, worker=w), WORKERS)
     try:
-        late = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex).policies.late_binding
+        late = Orchestrator(Plan.build(cfg), cfg, ex).policies.late_binding
         assert late is not None
         key = late.key
     finally:
@@ -459,7 +457,7 @@ def run_one_agent(cfg, lose: Op | None = None, delay_s: float = 0.02, fail: Op |
     log: list[tuple[Op, float, float]] = []
     lock = threading.Lock()
     lost: list[Op] = []
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
     children = {op: [c for c, ds in plan.deps.items() if op in ds] for op in plan.deps}
 
     def chained(op: Op) -> bool:
@@ -485,7 +483,7 @@ def run_one_agent(cfg, lose: Op | None = None, delay_s: float = 0.02, fail: Op |
     if executor is not None:
         executor.append(ex)
     try:
-        res = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex).run()
+        res = Orchestrator(Plan.build(cfg), cfg, ex).run()
     finally:
         ex.close()
     return res, log
@@ -496,7 +494,7 @@ def test_look_ahead_chains_ops_whose_route_is_fixed():
     (so the cluster starts it without waiting for this loop), yet starts only after it ends;
     without it, each op is submitted after its dependency ended."""
     cfg = one_agent_cfg()
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
     for look_ahead in (True, False):
         # With look-ahead each op is held until its children are chained on it (they are
         # submitted while it runs, however long this loop takes to get there under load).
@@ -524,7 +522,7 @@ def test_look_ahead_op_waits_again_when_its_dependency_is_lost():
     # The step was chained on the run that was lost, then submitted again after the rerun.
     assert sum(Op(1, "step", "solver") in sub for sub in exs[0].submissions) == 2
     cfg = one_agent_cfg()
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
     assert sorted(o for o, *_ in log) == sorted(plan.ops())  # every op succeeded exactly once
     resubmits = [d for d in res.decisions if type(d).__name__ == "Resubmit"]
     assert [d.op for d in resubmits] == [lose.name]
@@ -537,7 +535,7 @@ def test_a_fixed_route_chain_runs_fused_one_task_per_iteration():
     would all run on w0, so each is one fused run (one submission); every op still runs once,
     after its dependencies, and has its own record. Fusing off: one submission per op."""
     cfg = one_agent_cfg(fuse=True)
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
     per_it = [o for o in plan.deps if o.iteration == 0]
     for fuse in (True, False):
         exs: list = []
@@ -567,7 +565,7 @@ def test_a_fused_run_that_loses_its_worker_midway_keeps_what_ran(kind, look_ahea
     exs: list = []
     res, log = run_one_agent(one_agent_cfg(iterations=4, fuse=True, look_ahead=look_ahead), lose=lose, executor=exs)
     cfg = one_agent_cfg(iterations=4)
-    plan = Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = Plan.build(cfg)
     assert sorted(o for o, *_ in log) == sorted(plan.ops())
     assert sorted(r.op for r in res.records) == sorted(plan.ops())  # no op recorded twice
     assert [d.op for d in res.decisions if type(d).__name__ == "Resubmit"] == [lose.name]
@@ -585,7 +583,7 @@ def test_a_fused_run_whose_op_fails_records_the_ones_before_it():
     ex = LosingExecutor(lambda op, w: (_ for _ in ()).throw(ValueError("step broke")) if op == fail
                         else StageResult(op, worker=w), {"w0": {"rollout": 1, "train": 1}})
     try:
-        orch = Orchestrator(Plan.build(cfg, MEG.from_config(cfg.team)), cfg, ex,
+        orch = Orchestrator(Plan.build(cfg), cfg, ex,
                             hooks=[Callbacks(lambda rec: done.append(rec.op))])
         with pytest.raises(OrchestratorError, match=r"step\[solver\] it=1 failed: step broke"):
             orch.run()

@@ -11,16 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from flexmarl_core import run
-from flexmarl_core.audit import audit_run
 from flexmarl_core.config import load_config
 from flexmarl_core.control import ControlPlane, MoveInstance
-from flexmarl_core.executors import ThreadExecutor, stage_fn
-from flexmarl_core.meg import MEG
+from flexmarl_core.driver import run
+from flexmarl_core.driver.audit import audit_run
+from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.ops import Op, StageResult
 from flexmarl_core.programs.team import program_team
-from flexmarl_core.sft import demonstrations
-from flexmarl_core.updates import advantages
+from flexmarl_core.runtime.policy import advantages
+from flexmarl_core.teams import team_shape
 from flexmarl_core.workloads import make_workload
 from storage import MEGStore
 
@@ -96,8 +95,8 @@ def test_sft_demonstrations_of_a_program_are_its_own_prompts():
     problems = wl.problems("train", 12, seed=3)
     team = program_team(cfg.team, cfg.seed)
     got = team.demonstrations(wl, problems, seed=0, perturb=0.0)
-    want = demonstrations(MEG.from_config(yaml_cfg.team), make_workload(yaml_cfg.workload, yaml_cfg.team),
-                          problems, random.Random(0), 0.0)
+    want = team_shape(yaml_cfg).demonstrations(make_workload(yaml_cfg.workload, yaml_cfg.team), problems,
+                                               seed=0, rng=random.Random(0), perturb=0.0)
     tok = team.agents["solver"].tokenizer
     for agent in ("planner", "solver", "verifier"):
         assert sorted((tok.decode(ids), target) for ids, target in got[agent]) == sorted(want[agent]), agent

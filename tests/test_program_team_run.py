@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from flexmarl_core.audit import audit_run
 from flexmarl_core.config import load_config
+from flexmarl_core.driver.audit import audit_run
 from flexmarl_core.programs.manifest import committed_ids, read_manifest
 from flexmarl_core.stages import faults_dir
 from flexmarl_core.workloads import make_workload

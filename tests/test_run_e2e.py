@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from flexmarl_core.config import load_config
 from flexmarl_core.meg import MEG
-from flexmarl_core.plan import Plan
-from flexmarl_core.worker import weights_path
+from flexmarl_core.orchestrator.plan import Plan
+from flexmarl_core.runtime.worker import weights_path
 from storage import MEGStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def test_train_flow_end_to_end(runs, mode):
     out = state.result()
     cfg = load_config(TINY, overrides)
     meg = MEG.from_config(cfg.team)
-    plan = Plan.build(cfg, meg)
+    plan = Plan.build(cfg)
 
     # Every task run completed: one per op of the graph, plus prepare-run, evaluate, report, pictures.
     # The server records task runs from events in batches: poll briefly.

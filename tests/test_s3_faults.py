@@ -1,4 +1,4 @@
-"""Object-store faults between flexmarl and a real S3 server: `storage.fault_proxy` in front of
+"""Object-store faults between flexmarl and a real S3 server: `tests._fault_proxy` in front of
 moto answers requests with 503s, drops connections before or after forwarding them and delays
 them, per a seeded schedule. The store's and the run location's reads and writes retry
 (`storage.retry`), lose and duplicate nothing, and publish nothing half-written; a failure that
@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from flexmarl_core.location import RunLocation
+from flexmarl_core.runtime.location import RunLocation
 from storage import MEGStore, StoreError, check_store, retry
-from storage.fault_proxy import FAULTS, FaultProxy
+from tests._fault_proxy import FAULTS, FaultProxy
 from tests._s3 import make_bucket, s3_kwargs
 from tests.test_store_s3 import G, make_rows
 

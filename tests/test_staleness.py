@@ -11,11 +11,10 @@ import torch
 
 from flexmarl_core.algorithms.losses import POLICY_LOSSES, clipped, decoupled_ppo
 from flexmarl_core.config import AlgorithmConfig, ConfigError, load_config
-from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op
-from flexmarl_core.plan import Plan
+from flexmarl_core.orchestrator.plan import Plan
+from flexmarl_core.runtime.policy import check_staleness
 from flexmarl_core.stages.registry import ConsistencyError
-from flexmarl_core.stages.train import check_staleness
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -24,7 +23,7 @@ OFF_POLICY = [f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in ("
 
 def _plan(*overrides: str) -> Plan:
     cfg = load_config(TINY, ["train.iterations=4", *overrides])
-    return Plan.build(cfg, MEG.from_config(cfg.team))
+    return Plan.build(cfg)
 
 
 def test_k0_plan_is_the_on_policy_plan_and_k1_gates_on_the_sync_before():
@@ -169,7 +168,7 @@ def test_a_partial_rollout_resumes_under_the_weights_a_sync_publishes(prefect_ap
     audited exactly-once."""
     import json
 
-    from flexmarl_core.location import weights_key
+    from flexmarl_core.runtime.location import weights_key
     from flexmarl_core.stages.faults import held_ops
     from flows.train import train
     from storage import MEGStore
@@ -207,7 +206,7 @@ def test_resume_with_a_partial_rollout_in_flight(prefect_api, tmp_path):
     import sys
     import time
 
-    from flexmarl_core.location import weights_key
+    from flexmarl_core.runtime.location import weights_key
     from flexmarl_core.stages.faults import faults_dir, held_ops
     from storage import MEGStore
     from tests._holds import Holds

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flexmarl_core.config import ConfigError, load_config
-from flexmarl_core.location import trainer_key, weights_key
+from flexmarl_core.runtime.location import trainer_key, weights_key
 from flexmarl_core.training.handles import StateFileError, StateHandle, get, load, put
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,7 +79,7 @@ def test_state_file_header_is_json_and_round_trips(tmp_path):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    from flexmarl_core import run
+    from flexmarl_core.driver import run
 
     cfg = load_config(TINY, [f"run_dir={tmp_path_factory.mktemp('crafted')}/run", "train.iterations=1"])
     return Path(run.prepare_run(cfg, log=lambda _: None))
@@ -88,7 +88,7 @@ def run_dir(tmp_path_factory) -> Path:
 def test_worker_refuses_a_crafted_checkpoint_in_the_run_folder(run_dir, tmp_path):
     """Through the path a worker takes when it swaps a trainer state in (on-demand allocation,
     resume): the planted checkpoint is refused by name and nothing in it runs."""
-    from flexmarl_core.worker import context
+    from flexmarl_core.runtime.worker import context
 
     marker = tmp_path / "pwned"
     target = run_dir / trainer_key("solver", 1)
@@ -102,7 +102,7 @@ def test_worker_refuses_a_crafted_checkpoint_in_the_run_folder(run_dir, tmp_path
 
 
 def test_worker_refuses_crafted_weights_and_config(run_dir, tmp_path):
-    from flexmarl_core.worker import WorkerContext, context, load_weights
+    from flexmarl_core.runtime.worker import WorkerContext, context, load_weights
 
     marker = tmp_path / "pwned"
     w = run_dir / weights_key("planner", 1)

@@ -1,4 +1,4 @@
-"""How ops show as Prefect task runs (`tasks/stages.py` `TaskRunReporter`), against the real
+"""How ops show as Prefect task runs (`tasks/task_runs.py` `TaskRunReporter`), against the real
 API of the session's test server: an op that ends within `pending_after_s` of its submission
 is one event, its final state; a longer one shows Pending while it runs, then its end."""
 
@@ -42,7 +42,7 @@ def test_short_op_is_one_event_long_op_shows_pending_while_it_runs(prefect_api):
     from prefect import flow
     from prefect.runtime import flow_run
 
-    from tasks.stages import TaskRunReporter
+    from tasks.task_runs import TaskRunReporter
 
     delay = 0.3
     now = [100.0]  # the flow's clock, given here: the test does not race the wall clock
@@ -82,7 +82,7 @@ def test_final_states_are_held_for_flush_s_and_a_failure_sends_them_first(prefec
     from prefect import flow
     from prefect.runtime import flow_run
 
-    from tasks.stages import TaskRunReporter
+    from tasks.task_runs import TaskRunReporter
 
     now = [100.0]
     ok, bad = Op(0, "reward", mb=1), Op(0, "rollout", "solver", mb=1)

@@ -11,10 +11,11 @@ import torch
 
 from flexmarl_core.algorithms import make_loss_fn, token_weight
 from flexmarl_core.config import AlgorithmConfig, SamplingConfig, load_config
+from flexmarl_core.driver.sft import demonstration_tokens, sft_loss
 from flexmarl_core.inference import HFInferenceEngine
 from flexmarl_core.inference.tools import generate_with_tool, split_demonstration
 from flexmarl_core.meg import MEG
-from flexmarl_core.sft import demonstration_tokens, demonstrations, sft_loss
+from flexmarl_core.teams import team_shape
 from flexmarl_core.training import Sample, TorchTrainer, collate
 from flexmarl_core.workloads import WorkloadError, make_workload
 from storage import MEGStore
@@ -37,7 +38,7 @@ def test_calculator_workload_rounds_and_demonstrations():
     train = {p.text for p in wl.problems("train", 200, seed=0)}
     held = wl.problems("heldout", 200, seed=0)
     assert not train & {p.text for p in held}
-    demos = demonstrations(meg, wl, held[:20], random.Random(0), 0.0)
+    demos = team_shape(cfg).demonstrations(wl, held[:20], seed=0, rng=random.Random(0), perturb=0.0)
     for i, p in enumerate(held[:20]):
         steps = p.meta["steps"]
         # The planner names round 0's operation; the solver's last round holds the answer.
@@ -93,8 +94,9 @@ BOOST = 12.0
 def team_demos():
     """The tool team's workload, 8 training problems' solver demonstrations (prompt, target),
     and the tokenizer."""
-    _, wl, meg = _team()
-    demos = demonstrations(meg, wl, wl.problems("train", 8, seed=0), random.Random(0), 0.0)["solver"]
+    cfg, wl, _ = _team()
+    demos = team_shape(cfg).demonstrations(wl, wl.problems("train", 8, seed=0), seed=0, rng=random.Random(0),
+                                           perturb=0.0)["solver"]
     return wl, demos, tokenizer()
 
 

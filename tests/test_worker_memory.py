@@ -13,7 +13,7 @@ import pytest
 
 from flexmarl_core.config import load_config
 from flexmarl_core.ops import Op
-from flexmarl_core.orchestrator import WorkerMemoryError
+from flexmarl_core.orchestrator.loop import WorkerMemoryError
 from flexmarl_core.stages import faults_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,8 +21,9 @@ pytestmark = pytest.mark.stack  # a Dask cluster of its own
 
 
 def test_memory_restart_names_op_agent_and_limit(tmp_path, monkeypatch):
-    from flexmarl_core import cluster, run
+    from flexmarl_core import cluster
     from flexmarl_core.cluster import workers
+    from flexmarl_core.driver import run
 
     # The run ends when the scheduler gives up on the op with no worker left (the cluster's
     # no-workers-timeout), and the error names the memory restart only if one was recorded by

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from flexmarl_core.config import load_config
-from flexmarl_core.meg import MEG
-from flexmarl_core.sft import demonstrations
+from flexmarl_core.teams import team_shape
 from flexmarl_core.workloads import CodeWorkload, WorkloadError, make_workload
 from flexmarl_core.workloads.code import parse_tests
 
@@ -92,9 +91,8 @@ def test_parse_tests_takes_literals_only():
 
 
 def test_sft_demonstrations_and_perturbations_follow_the_meg(cfg, wl):
-    meg = MEG.from_config(cfg.team)
     problems = wl.problems("train", 8, seed=0)
-    demos = demonstrations(meg, wl, problems, random.Random(0), perturb=0.5)
+    demos = team_shape(cfg).demonstrations(wl, problems, seed=0, rng=random.Random(0), perturb=0.5)
     assert [t for _, t in demos["coder"]] == [p.answer for p in problems]
     prompts = [pr for pr, _ in demos["tester"]]
     assert all(pr.startswith(p.text) and "\nC:" in pr for pr, p in zip(prompts, problems, strict=True))

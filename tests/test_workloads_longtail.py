@@ -133,9 +133,10 @@ def test_evaluation_in_length_batches_gives_the_same_outputs():
     long-tail team's answer length follows it); greedy outputs are each row's own, so the
     outputs and the accuracy equal one batch's (left padding is masked: padded keys add exact
     zeros, so no tolerance is needed)."""
-    from flexmarl_core.evaluate import evaluate_team
+    from flexmarl_core.driver.evaluate import evaluate_team
     from flexmarl_core.inference import make_inference_engine
     from flexmarl_core.meg import MEG
+    from flexmarl_core.teams import team_shape
     from tests._models_util import tiny_model, tokenizer
 
     # tiny-1m everywhere and short answers: a random model writes to max_new_tokens.
@@ -146,14 +147,15 @@ def test_evaluation_in_length_batches_gives_the_same_outputs():
     engines = {a: make_inference_engine(cfg.agent(a), tiny_model(seed=i), tokenizer())
                for i, a in enumerate(meg.agent_names)}
     held = wl.problems("heldout", 10, seed=0)
-    one = evaluate_team(meg, wl, engines, held, seed=0)
-    split = evaluate_team(meg, wl, engines, held, seed=0, batch=3)
+    team = team_shape(cfg)
+    one = evaluate_team(team, wl, engines, held, seed=0)
+    split = evaluate_team(team, wl, engines, held, seed=0, batch=3)
     assert split["outputs"] == one["outputs"] and split["accuracy"] == one["accuracy"]
     assert len({len(p.text) for p in held}) > 3  # the batches really regroup the problems
 
 
 def test_sft_chunk_budget_is_part_of_the_warm_start_key_only_when_set():
-    from flexmarl_core.sft import warm_start_key
+    from flexmarl_core.driver.sft import warm_start_key
 
     base = load_config(CONFIG, ["train.sft_chunk_tokens=null"])
     assert warm_start_key(base) != warm_start_key(load_config(CONFIG, ["train.sft_chunk_tokens=2048"]))
@@ -163,7 +165,7 @@ def test_sft_chunk_budget_is_part_of_the_warm_start_key_only_when_set():
 
 
 def test_warm_start_key_holds_only_what_sft_reads():
-    from flexmarl_core.sft import warm_start_key
+    from flexmarl_core.driver.sft import warm_start_key
 
     key = warm_start_key(load_config(CONFIG))
     # RL-only fields: each staleness k and each RL loss or learning rate reuses one SFT.

@@ -3,6 +3,7 @@
 from flexmarl_core.algorithms.advantages import (
     ADVANTAGES,
     GroupStats,
+    Scope,
     advantage_scope,
     compute_advantages,
     get_advantage,
@@ -26,6 +27,7 @@ __all__ = [
     "POLICY_LOSSES",
     "GroupStats",
     "Registry",
+    "Scope",
     "advantage_scope",
     "compute_advantages",
     "explained_variance",

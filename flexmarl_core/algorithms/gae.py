@@ -89,6 +89,6 @@ def explained_variance(values: Sequence[float], returns: Sequence[float]) -> flo
 @register_advantage("gae", scope="critic")
 def _gae_needs_values(rewards: torch.Tensor, group_index: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     """GAE with a critic (module docstring): the pipeline computes it from the critic's values
-    along each trajectory's calls (`flexmarl_core/critic.py`), not from a group of rewards."""
+    along each trajectory's calls (`flexmarl_core/config/critic.py`), not from a group of rewards."""
     raise ValueError("algorithm.advantage 'gae' needs the critic's values along each trajectory: "
                      "use flexmarl_core.algorithms.gae.gae_chain (a run computes it in its train ops)")

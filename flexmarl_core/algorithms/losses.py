@@ -19,7 +19,7 @@ multiplies by the caller's `loss_scale`, one constant for the whole global batch
   This is Dr. GRPO's constant normaliser, not GRPO's: GRPO divides each sequence's token sum
   by its own length and averages sequences, which weighs a token of a short answer more than
   one of a long answer; here every sampled token weighs the same.
-- SFT (`flexmarl_core/sft.py`): 1 / (loss tokens of the global batch), from `token_weight`,
+- SFT (`flexmarl_core/driver/sft.py`): 1 / (loss tokens of the global batch), from `token_weight`,
   since the demonstrations are all known up front.
 
 Metrics come back scaled the same way; the RL train stage reports them as per-token means.
@@ -36,7 +36,7 @@ import torch
 from flexmarl_core.algorithms.registry import Registry
 
 if TYPE_CHECKING:  # contracts only: the trainers import this module
-    from flexmarl_core.config_agent import AlgorithmConfig
+    from flexmarl_core.config.agent import AlgorithmConfig
     from flexmarl_core.training.api import LossFn, MicroBatch, TokenBatch
 
 

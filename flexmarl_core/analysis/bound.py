@@ -38,12 +38,12 @@ from collections import defaultdict
 from pathlib import Path
 
 from flexmarl_core.config import SWITCHES, load_config, switch_overrides
-from flexmarl_core.hooks import TrackIterations
+from flexmarl_core.driver.metrics import IterationTracker, run_summary
 from flexmarl_core.meg import MEG
-from flexmarl_core.metrics import IterationTracker, run_summary
 from flexmarl_core.ops import TRAINER_KINDS, Op
-from flexmarl_core.orchestrator import Orchestrator
-from flexmarl_core.plan import Plan
+from flexmarl_core.orchestrator.hooks import TrackIterations
+from flexmarl_core.orchestrator.loop import Orchestrator
+from flexmarl_core.orchestrator.plan import Plan
 from flexmarl_core.sim.cost import AgentCost, CostModel, LengthDist
 from flexmarl_core.sim.executor import SimExecutor
 
@@ -79,7 +79,7 @@ def longest_first(d: dict[Op, float], agent: str) -> dict[Op, float]:
 def codesign_deps(run_dir: Path) -> dict[Op, list[Op]]:
     """The run's plan with every co-design switch on (its staleness as it was)."""
     cfg = load_config(Path(run_dir) / "config.yaml", switch_overrides(on=SWITCHES))
-    return Plan.build(cfg, MEG.from_config(cfg.team)).deps
+    return Plan.build(cfg).deps
 
 
 def _topo(deps: dict[Op, list[Op]]) -> list[Op]:
@@ -185,7 +185,7 @@ def replay(run_dir: Path, overrides: list[str], dispatch_s: float = 0.02, clock:
     one = AgentCost(prompt_tokens=1, lengths=LengthDist(1, 0, 1), weight_bytes=0, state_bytes=0)
     cost = CostModel(agents=dict.fromkeys(meg.agent_names, one), dispatch_s=dispatch_s)
     workers = {w.name: dict(w.resources) for w in cfg.cluster.workers}
-    plan = Plan.build(cfg, meg)
+    plan = Plan.build(cfg)
     ex = Replay(cost, workers, cfg, meg)
     rows: list[dict] = []
     tracker = IterationTracker(plan.sizes(), rows.append, lambda: len(workers))

@@ -30,8 +30,8 @@ from flexmarl_core.control.decisions import (
 from flexmarl_core.control.ledger import DEFAULT_OP_S, WorkLedger, token_sizes
 from flexmarl_core.control.router import OrchestratorError, Router
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
-from flexmarl_core.location import base_weights_key, weights_key
 from flexmarl_core.ops import Op, Route, StageResult
+from flexmarl_core.runtime.location import base_weights_key, weights_key
 
 __all__ = [
     "DEFAULT_OP_S", "ROLLOUT_TAG", "TRAIN_TAG", "ControlPlane", "Decision", "GradientHelper", "InstanceBalancer",

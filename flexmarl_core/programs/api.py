@@ -19,7 +19,7 @@ from flexmarl_core.config import SamplingConfig
 from flexmarl_core.inference.api import Generation
 
 if TYPE_CHECKING:
-    from flexmarl_core.worker import WorkerContext
+    from flexmarl_core.runtime.worker import WorkerContext
 
 
 class ProgramError(RuntimeError):

@@ -14,7 +14,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexmarl_core.inference.api import Generation
 from flexmarl_core.programs.api import (
@@ -24,7 +24,9 @@ from flexmarl_core.programs.api import (
     MachineryError,
     ProgramHost,
 )
-from flexmarl_core.worker import WorkerContext
+
+if TYPE_CHECKING:
+    from flexmarl_core.runtime.worker import WorkerContext
 
 
 def generate_groups(engine: Any, groups: Sequence[DecodeGroup]) -> list[list[Generation]]:

@@ -21,12 +21,12 @@ from typing import Any
 
 from flexmarl_core.config import ConfigError, ExperimentConfig
 from flexmarl_core.control import Decision, MoveInstance, TrainSlot
-from flexmarl_core.hooks import TrackIterations
+from flexmarl_core.driver.metrics import IterationTracker, critical_path, run_summary
 from flexmarl_core.meg import MEG
-from flexmarl_core.metrics import IterationTracker, critical_path, run_summary
 from flexmarl_core.ops import OpRecord
-from flexmarl_core.orchestrator import Orchestrator
-from flexmarl_core.plan import Plan
+from flexmarl_core.orchestrator.hooks import TrackIterations
+from flexmarl_core.orchestrator.loop import Orchestrator
+from flexmarl_core.orchestrator.plan import Plan
 from flexmarl_core.sim.cost import CostModel
 from flexmarl_core.sim.executor import SimExecutor
 
@@ -107,7 +107,7 @@ def simulate(cfg: ExperimentConfig, cost: CostModel, workers: dict[str, dict[str
     its defaults, as before any warm start existed)."""
     pools = pools or dict.fromkeys(workers, "workers")
     meg = MEG.from_config(cfg.team)
-    plan = Plan.build(cfg, meg)
+    plan = Plan.build(cfg)
     if plan.critics:
         raise ConfigError(f"the simulator has no cost model for a critic ({sorted(plan.critics)}): simulate "
                           "the team with a critic-free algorithm.advantage (grpo)")

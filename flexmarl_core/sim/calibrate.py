@@ -27,10 +27,9 @@ from typing import Any
 import numpy as np
 
 from flexmarl_core.config import ConfigError, ExperimentConfig, load_config
-from flexmarl_core.location import CONFIG_NAME
-from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op
-from flexmarl_core.plan import Plan
+from flexmarl_core.orchestrator.plan import Plan
+from flexmarl_core.runtime.location import CONFIG_NAME
 from flexmarl_core.sim.cost import AgentCost, CostModel, LengthDist
 
 #: log-sigma of response lengths (the op log has per-op means only)
@@ -90,7 +89,7 @@ def _op(r: dict[str, Any]) -> Op:
 def latencies(cfg: ExperimentConfig, rows: list[dict[str, Any]]) -> dict[str, float]:
     """dispatch_s: ready (last dependency seen finished) to start, for ops whose worker was
     idle then; gap_s: previous end to start on a worker that had the op queued; report_s."""
-    deps = Plan.build(cfg, MEG.from_config(cfg.team)).deps
+    deps = Plan.build(cfg).deps
     by_op = {_op(r): r for r in rows}
     t0 = min(r["submitted"] for r in rows)
     by_worker: dict[str, list[dict[str, Any]]] = defaultdict(list)

@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flexmarl_core.config import ConfigError, ExperimentConfig, parse_overrides
-from flexmarl_core.config_load import _set_path
+from flexmarl_core.config.load import _set_path
 from flexmarl_core.control import TRAIN_TAG, rollout_tag
 from flexmarl_core.sim.cost import AgentCost, CostModel, LengthDist
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl_core.control import Decision, MoveInstance, TrainSlot
+from flexmarl_core.driver.plots import RunTrace, timeline
 from flexmarl_core.ops import OpRecord
-from flexmarl_core.plots import RunTrace, timeline
 
 LABEL = "simulated"
 

@@ -7,7 +7,9 @@ rewrites the same store rows (deduplicated by sample id and policy version) or f
 already done.
 """
 
-from flexmarl_core.stages import critic, program, reward, rollout, sync, train  # noqa: F401  (registers the stages)
+from flexmarl_core.runtime.policy import loss_scale
+from flexmarl_core.runtime.worker import context
+from flexmarl_core.stages import program, reward, rollout, sync, train, value  # noqa: F401  (registers the stages)
 from flexmarl_core.stages.evaluate import evaluate
 from flexmarl_core.stages.faults import InjectedFault, faults_dir
 from flexmarl_core.stages.registry import (
@@ -21,8 +23,6 @@ from flexmarl_core.stages.registry import (
     stage_seed,
     weights_version,
 )
-from flexmarl_core.stages.train import loss_scale
-from flexmarl_core.worker import context
 
 __all__ = [
     "STAGES", "ConsistencyError", "InjectedFault", "context", "evaluate", "faults_dir",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from flexmarl_core.evaluate import evaluate_team
+from flexmarl_core.driver.evaluate import evaluate_team
+from flexmarl_core.runtime.worker import context
 from flexmarl_core.stages.registry import weights_version
-from flexmarl_core.worker import context
 
 
 def evaluate(run_dir: str, iteration: int) -> dict[str, Any]:
@@ -16,7 +16,7 @@ def evaluate(run_dir: str, iteration: int) -> dict[str, Any]:
     problems = ctx.workload.problems("heldout", ctx.cfg.workload.heldout_size, seed=ctx.cfg.seed)
     with ctx.lock:
         engines = {a: ctx.engine(a, weights_version(ctx, a, iteration)) for a in ctx.meg.agent_names}
-        res = evaluate_team(ctx.meg, ctx.workload, engines, problems, seed=ctx.cfg.seed,
+        res = evaluate_team(ctx.team, ctx.workload, engines, problems, seed=ctx.cfg.seed,
                            batch=ctx.cfg.train.eval_batch)
     return {"iteration": iteration, "heldout_accuracy": res["accuracy"], "heldout_n": res["n"],
             **{f"heldout_reward/{a}": v for a, v in res["reward"].items()}}

@@ -1,7 +1,7 @@
 """The one table of stages: op kind -> `fn(ctx, op) -> StageResult`.
 
 `run_stage(run_dir, op)` is what every executor runs in a worker (Prefect tasks are generated
-from this table in `tasks/stages.py`): fault point, the worker's context, the stage, and the
+from this table in `tasks/task_runs.py`): fault point, the worker's context, the stage, and the
 measurements every stage reports (worker, wall and CPU time).
 """
 
@@ -16,11 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from flexmarl_core.inference.api import PartialBackend
-from flexmarl_core.location import weights_key
 from flexmarl_core.ops import OP_KINDS, FusedResult, Op, OpKind, StageResult, check_after
 from flexmarl_core.ops import ConsistencyError as ConsistencyError  # where the stages' callers look
+from flexmarl_core.runtime.location import weights_key
+from flexmarl_core.runtime.worker import WorkerContext, context
 from flexmarl_core.stages.faults import fault_point
-from flexmarl_core.worker import WorkerContext, context
 from storage import retry
 
 StageFn = Callable[[WorkerContext, Op], StageResult]

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from flexmarl_core.critic import call_order
 from flexmarl_core.ops import Op, StageResult, agent_key
+from flexmarl_core.runtime.worker import WorkerContext
 from flexmarl_core.stages.registry import stage
-from flexmarl_core.worker import WorkerContext
 from flexmarl_core.workloads.api import Problem
 from flexmarl_core.workloads.base import step_discount
 
@@ -37,7 +36,7 @@ def reward(ctx: WorkerContext, op: Op) -> StageResult:
         correct.append(float(ctx.workload.is_correct(problem, outputs)))
     metrics = {"team/accuracy": sum(correct) / max(len(correct), 1)}
     wl = ctx.cfg.workload
-    order = call_order(ctx.meg) if wl.credit == "step_discount" else {}
+    order = ctx.team.call_order() if wl.credit == "step_discount" else {}
     for agent, rows in samples.items():
         # The last turn gets the trajectory's reward; the workload may pay earlier turns for
         # their own work (`turn_rewards`).

@@ -6,6 +6,7 @@ from flexmarl_core.inference.api import PartialBackend
 from flexmarl_core.inference.tools import generate_with_tool, tool_of
 from flexmarl_core.meg import NodeKey, sample_id
 from flexmarl_core.ops import Op, StageResult, agent_key
+from flexmarl_core.runtime.worker import WorkerContext
 from flexmarl_core.stages.registry import (
     RESUME_EVERY,
     newer_weights,
@@ -13,7 +14,6 @@ from flexmarl_core.stages.registry import (
     stage_seed,
     weights_version,
 )
-from flexmarl_core.worker import WorkerContext
 
 
 @stage("rollout")

@@ -3,11 +3,10 @@ checkpoint is due or other processes roll out, `WorkerContext.checkpoint_due`)."
 
 from __future__ import annotations
 
-from flexmarl_core.critic import is_critic
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
+from flexmarl_core.runtime.weights import publish_weights
+from flexmarl_core.runtime.worker import WorkerContext
 from flexmarl_core.stages.registry import stage
-from flexmarl_core.weights import publish_weights
-from flexmarl_core.worker import WorkerContext
 
 
 @stage("sync")
@@ -34,7 +33,7 @@ def sync(ctx: WorkerContext, op: Op) -> StageResult:
     push: dict[str, float] = {}
     # Only for a remote location: a file on local disk (page cache) reads in milliseconds, less
     # than a broadcast costs the sync.
-    if blob and not ctx.loc.local and not is_critic(ctx.cfg, agent):  # no instance serves a critic
+    if blob and not ctx.loc.local and ctx.kind(agent).serves_instances:
         push = ctx.transport.push(ctx.loc.uri, agent, tr.version, blob)
     return StageResult(op, version=tr.version, bytes=len(blob),
                        metrics={agent_key(agent, f"sync/{k}"): v for k, v in push.items()})

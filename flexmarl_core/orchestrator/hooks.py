@@ -20,7 +20,7 @@ from flexmarl_core.ops import OpRecord
 
 if TYPE_CHECKING:
     from flexmarl_core.control import Decision
-    from flexmarl_core.metrics import IterationTracker, MetricsWriter
+    from flexmarl_core.driver.metrics import IterationTracker, MetricsWriter
 
 
 class RunHook:

@@ -1,21 +1,26 @@
-"""A critic's work on the MEG Store's samples: the values of a micro-batch (`value` op), the
-GAE targets every train op reads (`targets`), the critic's micro-batch backward and its step,
-the same way in an op and in a replay after a restart (as `updates.py` does for an agent).
+"""The critic trainer kind: a critic's work on the MEG Store's samples (the values of a
+micro-batch for its `value` op, the GAE targets every train op reads, its micro-batch backward
+and its step), the same way in an op and in a replay after a restart, as `policy.py` does for
+an agent. Which critics a run has, and what each values: `config/critic.py`.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flexmarl_core.algorithms.gae import explained_variance, gae_chain, gae_tokens
-from flexmarl_core.critic import call_order, critic_names
-from flexmarl_core.ops import agent_key
+from flexmarl_core.config.critic import base_agent, critic_names
+from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
+from flexmarl_core.runtime.kinds import Stepped, register_trainer_kind
+from flexmarl_core.runtime.weights import load_weights
+from flexmarl_core.training.api import TrainBackend
 from flexmarl_core.training.critic import CriticTrainer, ValueSample
 
 if TYPE_CHECKING:
-    from flexmarl_core.worker import WorkerContext
+    from flexmarl_core.runtime.worker import WorkerContext
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +38,7 @@ def chain_rows(ctx: WorkerContext, it: int, mb: int) -> list[dict[str, Any]]:
     for agents in critic_names(ctx.cfg).values():
         for a in agents:
             rows += ctx.store.ready(a, it, need=("reward", "value"), unconsumed=False, mb=mb).to_pylist()
-    order = call_order(ctx.meg)
+    order = ctx.team.call_order()
     rows.sort(key=lambda r: (r["input_id"], r["traj"], order[(r["agent"], r["turn"])]))
     return rows
 
@@ -156,3 +161,68 @@ def step_critic(ctx: WorkerContext, critic: str, tr: CriticTrainer,
         pairs[s.agent][1].extend(s.returns)
     ev = {agent_key(a, "explained_var"): explained_variance(v, g) for a, (v, g) in pairs.items()}
     return res.grad_norm, missing, {k: v for k, v in ev.items() if v == v}  # NaN left out
+
+
+def critic_trainer(ctx: WorkerContext, critic: str, it: int) -> tuple[CriticTrainer, dict[str, float]]:
+    """This process's trainer of `critic` at `it` (and swap figures), checked to be a critic's."""
+    with ctx.lock:
+        tr, swap = ctx.trainer(critic, it)
+    if not isinstance(tr, CriticTrainer):
+        raise TypeError(f"{critic!r}: expected a critic's trainer, got {type(tr).__name__}")
+    return tr, swap
+
+
+@register_trainer_kind("critic")
+class CriticKind:
+    """A value model beside the agents (`algorithm.advantage: gae`): its `value` op
+    (`stages/value.py`) stores the values the agents' advantages use; its train op regresses
+    on the GAE returns. No rollout instance serves it."""
+
+    serves_instances = False
+
+    def new_trainer(self, ctx: WorkerContext, critic: str) -> TrainBackend:
+        """A seeded value head on a frozen copy of its base agent's initial model
+        (`config.critic.base_agent`)."""
+        src, ccfg = base_agent(ctx.cfg, critic), ctx.cfg.critic
+        model, tok = ctx.fresh_model(src)
+        if ctx.cfg.agent(src).model.lora is None:
+            model.load_state_dict(load_weights(ctx.loc, src, 0))
+        return CriticTrainer(model, hidden=ccfg.head_hidden, per_token=ccfg.per_token, lr=ccfg.lr,
+                             max_grad_norm=ccfg.max_grad_norm, value_clip=ccfg.value_clip,
+                             seed=zlib.crc32(f"{ctx.cfg.seed}:{critic}".encode()), pad_id=tok.pad_token_id or 0,
+                             agents=critic_names(ctx.cfg)[critic])
+
+    def train(self, ctx: WorkerContext, op: Op) -> StageResult:
+        """Backward of the critic's value loss on one micro-batch (GAE returns from the stored
+        values and rewards) into its accumulated gradients."""
+        critic, it, mb = op.agent, op.iteration, op.mb
+        tr, swap = critic_trainer(ctx, critic, it)
+        done = ctx.accumulated.setdefault(critic, set())
+        if tr.version != it or (it, mb) in done:
+            return StageResult(op, skipped=True, swap=swap)  # a retry after the work was done
+        with ctx.lock:
+            metrics, n = accumulate(ctx, critic, tr, it, mb)
+            done.add((it, mb))
+        return StageResult(op, samples=n, tokens=n, swap=swap, metrics=metrics)
+
+    def step(self, ctx: WorkerContext, critic: str, tr: TrainBackend, it: int, *,
+             replaying: bool = False) -> Stepped:
+        if not isinstance(tr, CriticTrainer):
+            raise TypeError(f"{critic!r}: expected a critic's trainer, got {type(tr).__name__}")
+        grad_norm, missing, metrics = step_critic(ctx, critic, tr, it)
+        return Stepped(grad_norm, missing, [], metrics)
+
+
+def value(ctx: WorkerContext, op: Op) -> StageResult:
+    """The critic at version `it` values the micro-batch's calls of its agents (the values the
+    advantages of iteration `it` use). A retry after the critic stepped finds them stored."""
+    critic, it, mb = op.agent, op.iteration, op.mb
+    tr, swap = critic_trainer(ctx, critic, it)
+    if tr.version != it:
+        if valued(ctx, critic, it, mb):  # a rerun after the critic stepped (resume): done
+            return StageResult(op, skipped=True, swap=swap)
+        raise ConsistencyError(f"{op.name}: the critic is at version {tr.version}, expected {it}, and "
+                               "the micro-batch has no values (its step ran before it was valued)")
+    with ctx.lock:
+        n = compute_values(ctx, critic, tr, it, mb)
+    return StageResult(op, samples=n, version=it, swap=swap)

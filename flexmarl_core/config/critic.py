@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flexmarl_core.meg import MEG
-
 if TYPE_CHECKING:
     from flexmarl_core.config import ExperimentConfig
 
@@ -45,8 +43,11 @@ def critic_of(cfg: ExperimentConfig, agent: str) -> str:
     raise KeyError(f"agent {agent!r} has no critic (its algorithm.advantage is not gae)")
 
 
-def is_critic(cfg: ExperimentConfig, name: str) -> bool:
-    return name in critic_names(cfg)
+def trainer_kinds(cfg: ExperimentConfig) -> dict[str, str]:
+    """Every trainer of the run -> its kind (`runtime/kinds.py`): each trainable agent's
+    policy, each critic."""
+    return {**{a.name: "policy" for a in cfg.team.agents if a.trainable},
+            **dict.fromkeys(critic_names(cfg), "critic")}
 
 
 def base_agent(cfg: ExperimentConfig, critic: str) -> str:
@@ -59,7 +60,7 @@ def critic_problems(cfg: ExperimentConfig) -> list[str]:
     """What makes a gae team (or step_discount credit) unrunnable, one sentence each naming the
     field (config_load): both need the graph's call order."""
     out = []
-    if cfg.workload.credit == "step_discount" and cfg.team.program is not None:
+    if cfg.workload.credit == "step_discount" and cfg.team.shape != "graph":
         out.append("workload.credit step_discount needs the call order of a YAML team's graph; a "
                    "program team's calls are not ordered across agents in the store: use team or per_agent")
     trainable = [a.name for a in cfg.team.agents if a.trainable]
@@ -70,7 +71,7 @@ def critic_problems(cfg: ExperimentConfig) -> list[str]:
     if others:
         out.append(f"agents {gae} use algorithm.advantage gae but {others} do not: a critic's GAE "
                    "chains every trainable agent's calls, so give them all gae (or none)")
-    if cfg.team.program is not None:
+    if cfg.team.shape != "graph":
         out.append("algorithm.advantage gae needs the call order of a YAML team's graph; a program "
                    "team's calls are not ordered across agents in the store: use grpo")
     names = {a.name for a in cfg.team.agents}
@@ -80,10 +81,3 @@ def critic_problems(cfg: ExperimentConfig) -> list[str]:
     if cfg.critic.base is not None and cfg.critic.base not in names:
         out.append(f"critic.base {cfg.critic.base!r} is not an agent of the team; agents: {sorted(names)}")
     return out
-
-
-def call_order(meg: MEG) -> dict[tuple[str, int], int]:
-    """(agent, turn) -> its position in a trajectory's calls (the graph's order, round by round;
-    GAE's chain and `credit: step_discount` both follow it)."""
-    return {(n.agent, n.turn): i for i, n in enumerate(meg.topological_order())}
-

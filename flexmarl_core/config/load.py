@@ -12,9 +12,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from flexmarl_core.config_checks import ConfigError
-from flexmarl_core.config_models import ExperimentConfig
-from flexmarl_core.critic import critic_problems
+from flexmarl_core.config.checks import ConfigError
+from flexmarl_core.config.critic import critic_problems
+from flexmarl_core.config.models import ExperimentConfig
 from flexmarl_core.meg import MEG, MEGError
 
 

@@ -22,10 +22,10 @@ from typing import Any
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.control import ControlPlane
-from flexmarl_core.executor_api import ChainingExecutor, Executor, FusingExecutor
+from flexmarl_core.executors.api import ChainingExecutor, Executor, FusingExecutor
 from flexmarl_core.meg import NodeKey
 from flexmarl_core.ops import TRAINER_KINDS, Op, Route
-from flexmarl_core.plan import Plan
+from flexmarl_core.orchestrator.plan import Plan
 
 #: The most ops fused into one run (a chain is cut at its iteration's end anyway).
 MAX_FUSED = 16

@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from flexmarl_core.config_agent import AgentConfig, CriticConfig, _Strict
-from flexmarl_core.config_checks import check_name, check_template
-from flexmarl_core.config_codesign import CodesignConfig
+from flexmarl_core.config.agent import AgentConfig, CriticConfig, _Strict
+from flexmarl_core.config.checks import check_name, check_template
+from flexmarl_core.config.codesign import CodesignConfig
 from flexmarl_core.ops import OP_KINDS
 
 
@@ -28,6 +28,12 @@ class EdgeConfig(_Strict):
 
 
 class TeamConfig(_Strict):
+    shape: str = Field(
+        "graph",
+        description="The kind of team (a registered team shape, `flexmarl_core/teams/`): graph (agents "
+        "with templates fed along `edges`) or program (`team.program` calls its agents). Default: "
+        "program when `team.program` is set, else graph.",
+    )
     agents: list[AgentConfig] = Field(description="The agents (MEG nodes).")
     edges: list[EdgeConfig] = Field(default_factory=list, description="Data flow (MEG edges).")
     rounds: int = Field(1, ge=1, le=16, description="Rounds unrolled into the DAG.")
@@ -72,8 +78,18 @@ class TeamConfig(_Strict):
             return f"{path.absolute()}:{fn}"
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_shape(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("shape") is None:
+            data = {**data, "shape": "program" if data.get("program") is not None else "graph"}
+        return data
+
     @model_validator(mode="after")
     def _program_team(self) -> TeamConfig:
+        if (self.program is not None) != (self.shape == "program"):
+            raise ValueError(f"team.shape {self.shape!r} with team.program {self.program!r}: a program "
+                             "team sets both (shape: program), any other shape neither")
         if self.program is not None and (self.edges or self.rounds != 1):
             raise ValueError("team.program: a program team calls its agents itself; remove team.edges and "
                              "team.rounds (the program decides who is called, and how often)")
@@ -231,14 +247,14 @@ class ClusterConfig(_Strict):
         2.0, ge=0.0,
         description="An op's Prefect task run shows Pending once the op has been submitted this "
         "long; a shorter op sends only its final state (one event instead of two). 0: Pending at "
-        "submission (tasks/stages.py).",
+        "submission (tasks/task_runs.py).",
     )
     task_run_flush_s: float = Field(
         2.0, ge=0.0,
         description="The final states of ops that went well are sent to the Prefect API together "
         "this often, so the API server records them in bursts instead of waking for every op (the "
         "UI lags by at most this); retries, failures and Pending go at once. 0: each as it "
-        "happens (tasks/stages.py).",
+        "happens (tasks/task_runs.py).",
     )
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig,
                                       description="When a running op counts as hung.")
@@ -417,7 +433,7 @@ class ExperimentConfig(_Strict):
 
     def run_location(self) -> Any:
         """Where the run's files live (`location.RunLocation`): a local folder or a URI."""
-        from flexmarl_core.location import RunLocation
+        from flexmarl_core.runtime.location import RunLocation
 
         return RunLocation(self.run_dir.format(name=self.name))
 

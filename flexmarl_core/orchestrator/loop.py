@@ -21,17 +21,17 @@ from typing import Any
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.control import ControlPlane, Decision, OrchestratorError, token_sizes
-from flexmarl_core.executor_api import (
+from flexmarl_core.executors.api import (
     AbandonsHungOps,
     ChainingExecutor,
     Executor,
     FusingExecutor,
     ReportsMemoryRestarts,
 )
-from flexmarl_core.hooks import RunHook
 from flexmarl_core.ops import TRAINER_KINDS, FusedResult, MemoryRestart, Op, OpRecord, Route
-from flexmarl_core.plan import Plan
-from flexmarl_core.policies import Running, Schedule, policies_for
+from flexmarl_core.orchestrator.hooks import RunHook
+from flexmarl_core.orchestrator.plan import Plan
+from flexmarl_core.orchestrator.policies import Running, Schedule, policies_for
 
 __all__ = ["LOST_WORKER_RESUBMITS", "Executor", "Orchestrator", "OrchestratorError", "RunResult",
            "WorkerMemoryError"]

@@ -16,31 +16,33 @@ import json
 import os
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from flexmarl_core.config import ExperimentConfig, config_from_text
-from flexmarl_core.critic import base_agent, critic_names, is_critic
+from flexmarl_core.config.critic import trainer_kinds
 from flexmarl_core.inference import InferenceBackend, make_inference_engine
 from flexmarl_core.inference.api import SharedBaseBackend
 from flexmarl_core.inference.coalesce import Coalescer
 from flexmarl_core.inference.lora_engine import SharedBaseEngine
 from flexmarl_core.inference.vllm_lora import VLLMSharedBaseEngine
-from flexmarl_core.location import CONFIG_NAME, RunLocation, as_location, trainer_key, weights_key
 from flexmarl_core.meg import MEG
 from flexmarl_core.models import load_agent_model
 from flexmarl_core.models.lora import SharedBase, base_key
-from flexmarl_core.training import TrainBackend, make_trainer
-from flexmarl_core.training.api import GradientTrainer
-from flexmarl_core.training.critic import CriticTrainer
-from flexmarl_core.training.factory import make_lora_trainer
-from flexmarl_core.training.handles import dump, load
-from flexmarl_core.transport import WeightTransport, serving, weight_transport
-from flexmarl_core.updates import replay
-from flexmarl_core.weights import (
+from flexmarl_core.runtime import critic as _critic  # noqa: F401  (registers the critic kind)
+from flexmarl_core.runtime import policy as _policy  # noqa: F401  (registers the policy kind)
+from flexmarl_core.runtime.kinds import TRAINER_KINDS, TrainerKind
+from flexmarl_core.runtime.location import (
+    CONFIG_NAME,
+    RunLocation,
+    as_location,
+    trainer_key,
+    weights_key,
+)
+from flexmarl_core.runtime.transport import WeightTransport, serving, weight_transport
+from flexmarl_core.runtime.weights import (
     State,
     from_safetensors,
     load_base,
@@ -50,6 +52,10 @@ from flexmarl_core.weights import (
     trainer_state_path,
     weights_path,
 )
+from flexmarl_core.teams import TeamShape, team_shape
+from flexmarl_core.training import TrainBackend
+from flexmarl_core.training.api import GradientTrainer
+from flexmarl_core.training.handles import dump, load
 from flexmarl_core.workloads import make_workload
 from flexmarl_core.workloads.api import Workload
 from storage import MEGStore, Store, retry
@@ -62,7 +68,8 @@ __all__ = ["CONFIG_NAME", "WorkerContext", "as_location", "context", "load_weigh
 class WorkerContext:
     loc: RunLocation
     cfg: ExperimentConfig
-    meg: MEG
+    #: the team's shape (`teams/`), chosen once from the config
+    team: TeamShape
     engines: dict[str, InferenceBackend] = field(default_factory=dict)
     trainers: dict[str, TrainBackend] = field(default_factory=dict)
     #: per agent, a trainer that only computes gradients (`helper`)
@@ -85,6 +92,14 @@ class WorkerContext:
     pushed_loads: int = 0
 
     @property
+    def meg(self) -> MEG:
+        return self.team.meg
+
+    def kind(self, name: str) -> TrainerKind:
+        """The kind of `name`'s trainer (an agent's policy, a critic), chosen by the config."""
+        return TRAINER_KINDS.get(trainer_kinds(self.cfg)[name])
+
+    @property
     def store(self) -> Store:
         if self._store is None:
             self._store = MEGStore(self.cfg.resolved_store_uri())
@@ -104,19 +119,13 @@ class WorkerContext:
     def inputs(self, iteration: int, mb: int) -> list[dict[str, Any]]:
         """The inputs of one micro-batch in their original order, read once per iteration."""
         if iteration not in self._inputs:
-            by_mb: dict[int, list[dict[str, Any]]] = {}
-            for r in self.store.read_inputs(iteration).to_pylist():
-                r["meta"] = json.loads(r["meta"] or "{}")
-                by_mb.setdefault(r["meta"]["mb"], []).append(r)
-            for rows in by_mb.values():
-                rows.sort(key=lambda r: r["meta"]["pos"])
-            self._inputs[iteration] = by_mb
+            self._inputs[iteration] = inputs_by_mb(self.store, iteration)
         rows = self._inputs[iteration].get(mb)
         if not rows:
             raise RuntimeError(f"iteration {iteration} micro-batch {mb}: no inputs in the store")
         return rows
 
-    def _fresh_model(self, agent: str) -> tuple[Any, Any]:
+    def fresh_model(self, agent: str) -> tuple[Any, Any]:
         """The agent's model on `cluster.device`: its engine and trainer follow the model."""
         mcfg = self.cfg.agent(agent).model
         with _MODEL_LOCK:  # transformers' loading patches torch globally: one thread at a time
@@ -133,7 +142,7 @@ class WorkerContext:
         shared = self.shared_engines.get((key, backend))
         if shared is not None:
             return shared
-        model, tok = self._fresh_model(agent)
+        model, tok = self.fresh_model(agent)
         if backend == "vllm":  # one vllm.LLM per base, sized for every LoRA agent on it
             peers = [a.model.lora for a in self.cfg.team.agents if a.model.lora is not None
                      and a.backend.inference == "vllm" and base_key(a.model, self.cfg.seed) == key]
@@ -174,35 +183,9 @@ class WorkerContext:
         self.engine(agent, version)
         return self._shared_engine(agent), self.pushed_loads > pushed
 
-    def _new_trainer(self, agent: str) -> TrainBackend:
-        """A trainer at version 0; LoRA agents on one base share this process's copy of it."""
-        if is_critic(self.cfg, agent):
-            return self._new_critic(agent)
-        acfg = self.cfg.agent(agent)
-        if acfg.model.lora is None:
-            model, _ = self._fresh_model(agent)
-            model.load_state_dict(load_weights(self.loc, agent, 0))
-            return make_trainer(acfg, model)
-        key = base_key(acfg.model, self.cfg.seed)
-        shared = self.shared_train_bases.get(key)
-        if shared is None:
-            model, _ = self._fresh_model(agent)
-            shared = self.shared_train_bases[key] = SharedBase(model)
-        shared.add(agent, acfg.model.lora)
-        shared.load_adapter_state(agent, load_weights(self.loc, agent, 0))
-        return make_lora_trainer(acfg, shared)
-
-    def _new_critic(self, critic: str) -> CriticTrainer:
-        """A critic at version 0: a seeded value head on a frozen copy of its base agent's
-        initial model (`critic.base_agent`)."""
-        src, ccfg = base_agent(self.cfg, critic), self.cfg.critic
-        model, tok = self._fresh_model(src)
-        if self.cfg.agent(src).model.lora is None:
-            model.load_state_dict(load_weights(self.loc, src, 0))
-        return CriticTrainer(model, hidden=ccfg.head_hidden, per_token=ccfg.per_token, lr=ccfg.lr,
-                             max_grad_norm=ccfg.max_grad_norm, value_clip=ccfg.value_clip,
-                             seed=zlib.crc32(f"{self.cfg.seed}:{critic}".encode()), pad_id=tok.pad_token_id or 0,
-                             agents=critic_names(self.cfg)[critic])
+    def _new_trainer(self, name: str) -> TrainBackend:
+        """A trainer at version 0, of the kind `name` is (`runtime/kinds.py`)."""
+        return self.kind(name).new_trainer(self, name)
 
     @property
     def one_process(self) -> bool:
@@ -244,7 +227,7 @@ class WorkerContext:
         if eng is None and self.cfg.agent(agent).model.lora is not None:
             eng = self.engines[agent] = self._adapter_engine(agent, version)
         elif eng is None:
-            model, tok = self._fresh_model(agent)
+            model, tok = self.fresh_model(agent)
             eng = make_inference_engine(self.cfg.agent(agent), model, tok)
             eng.update_weights(self.weights(agent, version), version)
             self.engines[agent] = eng
@@ -306,7 +289,8 @@ class WorkerContext:
             self.accumulated[agent] = set()
         self.trainers[agent] = tr
         with self.lock:
-            replay(self, agent, tr, version)
+            while tr.version < version:  # the steps since the checkpoint, from the store's samples
+                self.kind(agent).step(self, agent, tr, tr.version, replaying=True)
         return tr, {**swap, "swap_in_s": time.perf_counter() - t0}
 
     def _load_trainer_state(self, tr: TrainBackend, agent: str, version: int) -> int:
@@ -326,6 +310,18 @@ class WorkerContext:
         for old in self.loc.versions(f"trainers/{agent}")[:-2]:
             self.loc.delete(trainer_key(agent, old))
         return {"swap_out_s": time.perf_counter() - t0, "swap_out_bytes": float(nbytes)}
+
+
+def inputs_by_mb(store: Store, iteration: int) -> dict[int, list[dict[str, Any]]]:
+    """An iteration's inputs per micro-batch, in their original order (`meta` parsed: the run
+    wrote each input's micro-batch and position there, `driver/run.py`)."""
+    by_mb: dict[int, list[dict[str, Any]]] = {}
+    for r in store.read_inputs(iteration).to_pylist():
+        r["meta"] = json.loads(r["meta"] or "{}")
+        by_mb.setdefault(r["meta"]["mb"], []).append(r)
+    for rows in by_mb.values():
+        rows.sort(key=lambda r: r["meta"]["pos"])
+    return by_mb
 
 
 _CONTEXTS: dict[str, WorkerContext] = {}
@@ -349,6 +345,6 @@ def context(run_dir: str | os.PathLike[str] | RunLocation) -> WorkerContext:
                     "location on this worker as in the flow process?)") from None
             cfg = config_from_text(text, source=loc.display(CONFIG_NAME))
             retry.configure(retry.RetryPolicy(**cfg.store.retries.model_dump()))
-            ctx = WorkerContext(loc=loc, cfg=cfg, meg=MEG.from_config(cfg.team))
+            ctx = WorkerContext(loc=loc, cfg=cfg, team=team_shape(cfg))
             _CONTEXTS[loc.uri] = ctx
         return ctx

@@ -4,14 +4,30 @@ once, and every status row belongs to a stored sample (`flexmarl store audit RUN
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from flexmarl_core.config import ConfigError, config_from_text
-from flexmarl_core.critic import critic_names
-from flexmarl_core.location import CONFIG_NAME, RunLocation, weights_key
-from flexmarl_core.meg import MEG
-from flexmarl_core.programs.manifest import committed_ids
-from storage import MEGStore, Problem, audit_store
+from flexmarl_core.config.critic import critic_names
+from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation, weights_key
+from flexmarl_core.runtime.worker import inputs_by_mb
+from flexmarl_core.teams import team_shape
+from storage import MEGStore, Problem, Store, audit_store
+
+
+@dataclass
+class _RunFiles:
+    """A run's files, store and inputs, as the team shape reads them (`teams.RunView`)."""
+
+    loc: RunLocation
+    store: Store
+    _inputs: dict[int, dict[int, list[dict[str, Any]]]] = field(default_factory=dict)
+
+    def inputs(self, iteration: int, mb: int) -> list[dict[str, Any]]:
+        if iteration not in self._inputs:
+            self._inputs[iteration] = inputs_by_mb(self.store, iteration)
+        return self._inputs[iteration].get(mb, [])
 
 
 def completed_iterations(run_dir: str | Path | RunLocation, iterations: int, trainable: list[str]) -> list[int]:
@@ -44,21 +60,17 @@ def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
     if not loc.is_file(CONFIG_NAME):
         raise ConfigError(f"{loc.uri}: neither a MEG store nor a run folder (no {CONFIG_NAME})")
     cfg = config_from_text(loc.read_text(CONFIG_NAME), source=loc.display(CONFIG_NAME))
-    meg = MEG.from_config(cfg.team)
+    team = team_shape(cfg)
+    meg = team.meg
     uri = cfg.resolved_store_uri()
     store = MEGStore(uri, create=False)
     expected: dict[tuple[str, int], list[str]] = {}
     critics = critic_names(cfg)
     done = completed_iterations(loc, cfg.train.iterations, [*meg.trainable_agents, *critics])
+    run = _RunFiles(loc, store)
     for it in done:
-        if meg.program is not None:  # a program's calls vary: what its ops committed
-            for agent in meg.agent_names:
-                ids = committed_ids(loc, it, range(cfg.batch.num_micro_batches), agent)
-                expected[(agent, it)] = sorted(ids)
-            continue
-        ids = store.read_inputs(it).column("input_id").to_pylist()
-        for node in meg.instantiate(ids, cfg.batch.group_size):
-            expected.setdefault((node.agent, it), []).append(node.sample_id)
+        for agent in meg.agent_names:
+            expected[(agent, it)] = sorted(team.expected_ids(run, it, range(cfg.batch.num_micro_batches), agent))
     problems = audit_store(uri, expected)
     valued = {a for agents in critics.values() for a in agents}
     for agent in meg.trainable_agents:

@@ -16,8 +16,16 @@ from typing import Any
 import yaml
 
 from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.hooks import RunHook, TrackIterations, WriteOpLog
-from flexmarl_core.location import (
+from flexmarl_core.driver.metrics import IterationTracker, MetricsWriter, critical_path
+from flexmarl_core.driver.sft import warm_start
+from flexmarl_core.meg import MEG
+from flexmarl_core.models import default_cache_dir, load_agent_model
+from flexmarl_core.models.lora import base_key, initial_adapter_state
+from flexmarl_core.ops import OpRecord, StageResult
+from flexmarl_core.orchestrator.hooks import RunHook, TrackIterations, WriteOpLog
+from flexmarl_core.orchestrator.loop import Executor, Orchestrator
+from flexmarl_core.orchestrator.plan import Plan
+from flexmarl_core.runtime.location import (
     CONFIG_NAME,
     RUN_MARKER,
     WARM_START_NAME,
@@ -26,15 +34,7 @@ from flexmarl_core.location import (
     base_weights_key,
     weights_key,
 )
-from flexmarl_core.meg import MEG
-from flexmarl_core.metrics import IterationTracker, MetricsWriter, critical_path
-from flexmarl_core.models import default_cache_dir, load_agent_model
-from flexmarl_core.models.lora import base_key, initial_adapter_state
-from flexmarl_core.ops import OpRecord, StageResult
-from flexmarl_core.orchestrator import Executor, Orchestrator
-from flexmarl_core.plan import Plan
-from flexmarl_core.sft import warm_start
-from flexmarl_core.weights import initial_weights, load_base, publish_base, publish_weights
+from flexmarl_core.runtime.weights import initial_weights, load_base, publish_base, publish_weights
 from flexmarl_core.workloads import make_workload
 from storage import MEGStore, retry
 
@@ -246,7 +246,7 @@ def train(
     loc = as_location(run_dir)
     earlier = completed_records(loc) if resume else []
     writer = MetricsWriter(loc.scratch_dir(), mirror=None if loc.local else loc)
-    plan = plan or Plan.build(cfg, MEG.from_config(cfg.team))
+    plan = plan or Plan.build(cfg)
 
     def emit(row: dict[str, Any]) -> None:
         writer.iteration(row)

@@ -26,17 +26,16 @@ import torch
 
 from flexmarl_core.algorithms import token_weight
 from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.evaluate import evaluate_team
+from flexmarl_core.driver.evaluate import evaluate_team
 from flexmarl_core.inference import make_inference_engine
 from flexmarl_core.inference.tools import split_demonstration, tool_of
-from flexmarl_core.meg import MEG
 from flexmarl_core.models import load_agent_model
 from flexmarl_core.models.lora import base_key
 from flexmarl_core.models.tokenizer import tokenizer_key
-from flexmarl_core.programs.team import program_team
+from flexmarl_core.runtime.weights import initial_weights, save_state_atomic
+from flexmarl_core.teams import team_shape
 from flexmarl_core.training import Sample, make_trainer
 from flexmarl_core.training.api import TokenBatch
-from flexmarl_core.weights import initial_weights, save_state_atomic
 from flexmarl_core.workloads import make_workload
 from storage.atomic import atomic_folder
 
@@ -61,27 +60,6 @@ def demonstration_tokens(tok: Any, text: str, tool: Any) -> tuple[list[int], lis
     return ids, mask
 
 
-def demonstrations(
-    meg: MEG, workload: Any, problems: list[Any], rng: random.Random, perturb: float
-) -> dict[str, list[tuple[str, str]]]:
-    """(prompt, target) pairs per agent, the chain teacher-forced along the MEG."""
-    out: dict[str, list[tuple[str, str]]] = {a: [] for a in meg.agent_names}
-    can_perturb = hasattr(workload, "perturbation")
-    for p in problems:
-        outputs: dict[str, str] = {}
-        for node in meg.nodes:
-            parents = {q.agent: outputs[q.agent] for q in meg.parents[node]}
-            prompt = meg.render_prompt(node.agent, p.text, parents)
-            target = workload.demonstration(p, node.agent, parents)
-            out[node.agent].append((prompt, target))
-            # What children see: usually the right output, sometimes a realistic mistake.
-            shown = target
-            if can_perturb and perturb > 0 and rng.random() < perturb and meg.children_of(node):
-                shown = workload.perturbation(p, node.agent, rng)
-            outputs[node.agent] = shown
-    return out
-
-
 def run_sft(
     cfg: ExperimentConfig,
     out_dir: str | Path | None = None,
@@ -100,7 +78,8 @@ def run_sft(
     weights, and its step count from its `sft.json`, so the next steps see the problems an
     uninterrupted run would. The optimizer's moments are not saved, so they start again."""
     torch.manual_seed(cfg.seed)
-    meg = MEG.from_config(cfg.team)
+    team = team_shape(cfg)
+    meg = team.meg
     workload = make_workload(cfg.workload, cfg.team)
     # Beside the run folder, not in it: a fresh run replaces its run folder.
     out = Path(out_dir) if out_dir else Path(f"{cfg.resolved_run_dir()}-sft")
@@ -155,7 +134,7 @@ def run_sft(
         elif step % tc.sft_eval_every == 0:
             for agent in refresh:
                 engines[agent].update_weights(trainers[agent].weights(), step)
-            acc = evaluate_team(meg, workload, engines, heldout, seed=cfg.seed,
+            acc = evaluate_team(team, workload, engines, heldout, seed=cfg.seed,
                                 batch=tc.eval_batch)["accuracy"]
             history.append({"step": step, "accuracy": acc, "time_s": time.time() - t0})
             log(f"sft step {step}: held-out accuracy {acc:.3f}")
@@ -165,11 +144,7 @@ def run_sft(
             if acc >= tc.sft_target_accuracy or step >= tc.sft_max_steps:
                 break
         problems = workload.problems("train", tc.sft_batch, seed=cfg.seed + 1, offset=step * tc.sft_batch)
-        if meg.program is not None:  # the program's own prompts, answered from the demonstrations
-            demos = program_team(cfg.team, cfg.seed).demonstrations(workload, problems, cfg.seed + step,
-                                                                    tc.sft_perturb)
-        else:
-            demos = demonstrations(meg, workload, problems, rng, tc.sft_perturb)
+        demos = team.demonstrations(workload, problems, seed=cfg.seed + step, rng=rng, perturb=tc.sft_perturb)
         for agent, tr in trainers.items():
             tok = toks[agent]
             stop = (cfg.agent(agent).sampling.stop or [""])[0]

@@ -12,7 +12,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flexmarl_core.config_checks import (
+from flexmarl_core.config.checks import (
     OPTIONAL_BACKENDS,
     PRESET_NAMES,
     backend_available,
@@ -271,7 +271,7 @@ class AgentConfig(_Strict):
 
 
 class CriticConfig(_Strict):
-    """The value model of agents with `algorithm.advantage: gae` (`flexmarl_core/critic.py`)."""
+    """The value model of agents with `algorithm.advantage: gae` (`flexmarl_core/config/critic.py`)."""
 
     shared: bool = Field(
         True, description="true: one critic for the team (MARFT), named `critic`; false: one per "

@@ -10,7 +10,7 @@ file and the field.
 
 from __future__ import annotations
 
-from flexmarl_core.config_agent import (
+from flexmarl_core.config.agent import (
     AgentConfig,
     AlgorithmConfig,
     BackendConfig,
@@ -19,16 +19,16 @@ from flexmarl_core.config_agent import (
     ModelConfig,
     SamplingConfig,
 )
-from flexmarl_core.config_checks import PRESET_NAMES, ConfigError, backend_available
-from flexmarl_core.config_codesign import REQUIRES, SWITCHES, CodesignConfig, switch_overrides
-from flexmarl_core.config_load import (
+from flexmarl_core.config.checks import PRESET_NAMES, ConfigError, backend_available
+from flexmarl_core.config.codesign import REQUIRES, SWITCHES, CodesignConfig, switch_overrides
+from flexmarl_core.config.load import (
     check_config,
     config_from_dict,
     config_from_text,
     load_config,
     parse_overrides,
 )
-from flexmarl_core.config_models import (
+from flexmarl_core.config.models import (
     BatchConfig,
     ClusterConfig,
     EdgeConfig,

@@ -1,5 +1,6 @@
-"""Held-out evaluation of a team: every agent decodes greedily (or samples), in MEG order, over a
-batch of problems; the team is correct when the workload says the output agent's answer is."""
+"""Held-out evaluation of a team: the team answers a batch of problems on the given engines
+(greedily, or sampling), as its shape runs it (`teams/`); the team is correct when the workload
+says the output agent's answer is."""
 
 from __future__ import annotations
 
@@ -7,11 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flexmarl_core.config import TeamConfig, config_from_text
-from flexmarl_core.inference.tools import generate_with_tool, tool_of
-from flexmarl_core.location import CONFIG_NAME, RunLocation, weights_key
-from flexmarl_core.meg import MEG
-from flexmarl_core.programs.team import program_team
+from flexmarl_core.config import config_from_text
+from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation, weights_key
+from flexmarl_core.teams import TeamShape
 from flexmarl_core.workloads.api import Problem, Workload
 
 if TYPE_CHECKING:
@@ -19,7 +18,7 @@ if TYPE_CHECKING:
 
 
 def evaluate_team(
-    meg: MEG,
+    team: TeamShape,
     workload: Workload,
     engines: Mapping[str, Any],
     problems: Sequence[Problem],
@@ -28,7 +27,7 @@ def evaluate_team(
     batch: int | None = None,
     greedy: bool = True,
 ) -> dict[str, Any]:
-    """Greedy team rollout over `problems`; returns accuracy, mean reward per agent, outputs.
+    """The team's answers to `problems`; returns accuracy, mean reward per agent, outputs.
 
     `batch`: decode at most this many problems at once, grouped by the length of the problem's
     text. A batch decodes until its longest row ends, so where the answer's length follows the
@@ -40,32 +39,11 @@ def evaluate_team(
         outs: list[dict[str, str]] = [{} for _ in problems]
         for k in range(0, len(order), batch):
             rows = order[k:k + batch]
-            part = _team_outputs(meg, workload, engines, [problems[i] for i in rows], seed + k, greedy)
+            part = team.outputs(workload, engines, [problems[i] for i in rows], seed=seed + k, greedy=greedy)
             for i, o in zip(rows, part, strict=True):
                 outs[i] = o
         return _scored(workload, problems, outs)
-    return _scored(workload, problems, _team_outputs(meg, workload, engines, problems, seed, greedy))
-
-
-def _team_outputs(
-    meg: MEG, workload: Workload, engines: Mapping[str, Any], problems: Sequence[Problem], seed: int,
-    greedy: bool = True,
-) -> list[dict[str, str]]:
-    if meg.program is not None:  # the program calls its agents: greedy through the endpoint
-        team = TeamConfig(agents=list(meg.agents.values()), program=meg.program, output=meg.output)
-        return program_team(team, seed).evaluate(engines, problems)
-    outputs: list[dict[str, str]] = [{} for _ in problems]
-    for node in meg.nodes:
-        agent = meg.agents[node.agent]
-        prompts = [
-            meg.render_prompt(node.agent, p.text, {q.agent: outputs[i][q.agent] for q in meg.parents[node]})
-            for i, p in enumerate(problems)
-        ]
-        sampling = agent.sampling.model_copy(update={"temperature": 0.0}) if greedy else agent.sampling
-        gens = generate_with_tool(engines[node.agent], prompts, sampling, seed, tool_of(workload, node.agent))
-        for i, g in enumerate(gens):
-            outputs[i][node.agent] = g.text
-    return outputs
+    return _scored(workload, problems, team.outputs(workload, engines, problems, seed=seed, greedy=greedy))
 
 
 def _scored(workload: Workload, problems: Sequence[Problem], outputs: list[dict[str, str]]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure  # no pyplot: no global figure state, no GU
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from flexmarl_core.metrics import metric_agents
+from flexmarl_core.driver.metrics import metric_agents
 
 #: one hue family per op kind; agents get shades of it
 KIND_COLOURS = {"rollout": "Blues", "reward": "Greys", "train": "Oranges", "step": "Reds", "sync": "Greens",

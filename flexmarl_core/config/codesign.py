@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from pydantic import Field, model_validator
 
-from flexmarl_core.config_agent import _Strict
+from flexmarl_core.config.agent import _Strict
 
 
 class CodesignConfig(_Strict):

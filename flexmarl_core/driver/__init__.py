@@ -1,0 +1,1 @@
+"""What runs a run: the run folder and loop, warm start, evaluation, audit, metrics and pictures."""

@@ -1,0 +1,1 @@
+"""The Joint Orchestrator: the plan, the event loop, its submission policies and hooks."""

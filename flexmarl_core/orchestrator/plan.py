@@ -1,0 +1,150 @@
+"""The iteration task graph: every op of a run and the ops it waits for, derived from the MEG
+and the co-design switches. Per iteration `it` and micro-batch `mb` (whole GRPO groups):
+
+    rollout(agent@turn, it, mb) ─► ... ─► reward(it, mb) ─► train(agent, it, mb) ─► step(agent, it) ─► sync(agent, it)
+                 ▲                                                                                       │
+                 └──────────────────────── rollout(agent@*, it+1, *) waits for it ◄──────────────────────┘
+
+`dependency_parallel` and `async_pipeline` change dependencies only, never the work itself;
+`max_staleness` also changes the work: a rollout may sample with an older weights version.
+
+- `dependency_parallel`: a rollout waits for its parents' *same micro-batch*; off: for the
+  parents' whole batch (and rewards wait for every rollout of the iteration).
+- `async_pipeline`: training of a micro-batch waits only for its rewards and an agent's next
+  iteration only for its own weight sync (plus its parents); off: training waits for the whole
+  rollout phase and iteration it+1 waits for every agent's sync of it (the synchronous baseline).
+- the estimator's scope (`algorithms.advantage_scope`) is a rule of the plan: a batch-scoped
+  estimator (`reinforce_pp`) normalises over the iteration, so its train ops wait for every
+  reward of the iteration whatever the pipeline; a group-scoped one needs its micro-batch's.
+- critics (agents with `algorithm.advantage: gae`, `critic.py`): `value(c, it, mb)` after the
+  micro-batch's reward, `train(c, it, mb)`, `step(c, it)`, `sync(c, it)`; an agent's train op
+  of a micro-batch also waits for the critics' values of that micro-batch.
+- `serial` (a baseline, with the two above off): one agent at a time. A turn's rollouts wait
+  for every rollout of the turn before it in topological order (not only for their parents), and
+  each agent's (then each critic's) train ops wait for the sync of the one trained before it,
+  as a loop over a single-agent trainer runs a team.
+- `max_staleness` k > 0 (bounded staleness): iteration it's rollouts wait for the syncs of
+  iteration it-1-k instead of it-1 (weights version >= it-k exist), so rollouts run up to k
+  iterations ahead of training; a train op then waits for its agent's previous step itself
+  (before, the rollout's wait on that sync implied it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flexmarl_core.algorithms import Scope, advantage_scope
+from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.config.critic import critic_names
+from flexmarl_core.meg import MEG
+from flexmarl_core.ops import Op, OpKind
+from flexmarl_core.teams import TeamShape, team_shape
+
+
+@dataclass
+class Plan:
+    """All ops of a run and their dependencies, derived from the team's shape and the switches."""
+
+    team: TeamShape
+    iterations: int
+    num_mb: int
+    dependency_parallel: bool
+    async_pipeline: bool
+    max_staleness: int = 0
+    serial: bool = False
+    #: critic -> the agents it values (`config.critic.critic_names`); empty without gae
+    critics: dict[str, list[str]] = field(default_factory=dict)
+    #: trainable agent -> its advantage estimator's scope
+    scopes: dict[str, Scope] = field(default_factory=dict)
+    deps: dict[Op, list[Op]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cfg: ExperimentConfig, team: TeamShape | None = None) -> Plan:
+        team = team or team_shape(cfg)
+        plan = cls(
+            team=team,
+            iterations=cfg.train.iterations,
+            num_mb=cfg.batch.num_micro_batches,
+            dependency_parallel=cfg.codesign.dependency_parallel,
+            async_pipeline=cfg.codesign.async_pipeline,
+            max_staleness=cfg.codesign.max_staleness,
+            serial=cfg.codesign.serial,
+            critics=critic_names(cfg),
+            scopes={a: advantage_scope(cfg.agent(a).algorithm.advantage) for a in team.meg.trainable_agents},
+        )
+        for it in range(cfg.train.iterations):
+            plan._add_iteration(it)
+        return plan
+
+    @property
+    def meg(self) -> MEG:
+        return self.team.meg
+
+    def gate(self, it: int, agent: str) -> list[Op]:
+        """The syncs a rollout of `agent` in iteration `it` waits for: with `async_pipeline`
+        its own of iteration it-1-k (k = `max_staleness`), else every trainer's (the critics'
+        of it-1 too)."""
+        g = it - 1 - self.max_staleness
+        trainable = self.meg.trainable_agents
+        if self.async_pipeline:
+            return [Op(g, "sync", agent)] if g >= 0 and agent in trainable else []
+        every = [Op(g, "sync", a) for a in trainable] if g >= 0 else []
+        return every + ([Op(it - 1, "sync", c) for c in self.critics] if it > 0 else [])
+
+    def _add_iteration(self, it: int) -> None:
+        gen = self.team.generation(self, it)
+        self.deps.update(gen.deps)
+        rewarded = gen.rewarded
+        every = list(dict.fromkeys(op for ops in rewarded for op in ops))
+        for a in self.meg.trainable_agents:
+            rule = SCOPE_RULES[self.scopes[a]]
+            for j in range(self.num_mb):
+                d = rule(self, it, j, rewarded[j] if self.async_pipeline else every, every)
+                if self.max_staleness and it > 0:  # the trainer must be at version it
+                    d.append(Op(it - 1, "step", a))
+                self.deps[Op(it, "train", a, mb=j)] = d
+            self.deps[Op(it, "step", a)] = [Op(it, "train", a, mb=j) for j in range(self.num_mb)]
+            self.deps[Op(it, "sync", a)] = [Op(it, "step", a)]
+        self._add_critics(it, rewarded, every)
+        if self.serial:  # each agent's (then each critic's) training after the one before it
+            order = [*self.meg.trainable_agents, *self.critics]
+            for prev, agent in zip(order, order[1:], strict=False):
+                for j in range(self.num_mb):
+                    self.deps[Op(it, "train", agent, mb=j)].append(Op(it, "sync", prev))
+
+    def _add_critics(self, it: int, rewarded: list[list[Op]], every: list[Op]) -> None:
+        """Each critic values a micro-batch once its rewards are in, with its weights of
+        iteration `it` (its previous sync), then trains on it once every critic valued it (the
+        GAE chain reads them all); step and sync close its iteration as an agent's do."""
+        for c in self.critics:
+            for j in range(self.num_mb):
+                d = list(rewarded[j]) if self.async_pipeline else list(every)
+                self.deps[Op(it, "value", c, mb=j)] = d + ([Op(it - 1, "sync", c)] if it > 0 else [])
+                self.deps[Op(it, "train", c, mb=j)] = [Op(it, "value", c2, mb=j) for c2 in self.critics]
+            self.deps[Op(it, "step", c)] = [Op(it, "train", c, mb=j) for j in range(self.num_mb)]
+            self.deps[Op(it, "sync", c)] = [Op(it, "step", c)]
+
+    def sizes(self) -> dict[int, int]:
+        """Ops per iteration."""
+        out: dict[int, int] = {}
+        for op in self.deps:
+            out[op.iteration] = out.get(op.iteration, 0) + 1
+        return out
+
+    def ops(self) -> list[Op]:
+        return list(self.deps)
+
+    def count(self, kind: OpKind) -> int:
+        return sum(1 for op in self.deps if op.kind == kind)
+
+
+#: what an agent's train op of micro-batch j waits for, by its estimator's scope: `mine` is
+#: the micro-batch's rewarding ops (off the async pipeline: every one), `every` the iteration's
+ScopeRule = Callable[[Plan, int, int, list[Op], list[Op]], list[Op]]
+SCOPE_RULES: dict[Scope, ScopeRule] = {
+    "group": lambda plan, it, j, mine, every: list(mine),
+    "batch": lambda plan, it, j, mine, every: list(every),
+    # GAE: the critics' values of this micro-batch only, no barrier on the batch
+    "critic": lambda plan, it, j, mine, every: [*mine, *(Op(it, "value", c, mb=j) for c in plan.critics)],
+}
