@@ -58,7 +58,7 @@ from flexmarl_core.algorithms import make_loss_fn, token_weight
 from flexmarl_core.config import AlgorithmConfig, ModelConfig, SamplingConfig
 from flexmarl_core.inference import HFInferenceEngine
 from flexmarl_core.models import build_model, get_tokenizer, num_params
-from flexmarl_core.training import Sample, TorchTrainer
+from flexmarl_core.training import Sample, TorchTrainer, TrainerOptions
 
 GEN_BATCH, GEN_NEW = 32, 64
 TRAIN_BATCH, TRAIN_PROMPT, TRAIN_LEN = 16, 32, 128
@@ -117,9 +117,7 @@ def train_batch(vocab: int) -> list[Sample]:
 
 def bench_train(model, samples: list[Sample], reps: int) -> tuple[float, float]:
     algo = AlgorithmConfig(lr=1e-5)
-    trainer = TorchTrainer(
-        copy.deepcopy(model), loss_fn=make_loss_fn(algo), loss_weight_fn=token_weight, lr=algo.lr
-    )
+    trainer = TorchTrainer(copy.deepcopy(model), TrainerOptions(make_loss_fn(algo), token_weight, lr=algo.lr))
     plain_model = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(plain_model.parameters(), lr=algo.lr, weight_decay=0.0)
     ids = torch.tensor([s.prompt_ids + s.response_ids for s in samples])
@@ -199,8 +197,8 @@ def bench_deepspeed(model, samples: list[Sample], reps: int) -> dict:
     from flexmarl_core.training.handles import drop, get, put
 
     algo = AlgorithmConfig(lr=1e-5)
-    tr = DeepSpeedTrainer(copy.deepcopy(model), loss_fn=make_loss_fn(algo), loss_weight_fn=token_weight,
-                          lr=algo.lr, zero_stage=2)
+    tr = DeepSpeedTrainer(copy.deepcopy(model), TrainerOptions(make_loss_fn(algo), token_weight, lr=algo.lr),
+                          zero_stage=2)
     scale = 1.0 / token_weight(samples)
     step_s, swap_s, offload_s = [], [], []
     for r in range(reps + 1):
@@ -225,8 +223,8 @@ def bench_deepspeed_dp(model, samples: list[Sample], reps: int, dp: int = 2) -> 
 
     algo = AlgorithmConfig(lr=1e-5)
     t0 = time.perf_counter()
-    tr = DataParallelDeepSpeedTrainer(copy.deepcopy(model), name="bench", dp=dp,
-                                      loss_fn=make_loss_fn(algo), loss_weight_fn=token_weight, lr=algo.lr)
+    tr = DataParallelDeepSpeedTrainer(copy.deepcopy(model), TrainerOptions(make_loss_fn(algo), token_weight, lr=algo.lr),
+                                      name="bench", dp=dp)
     start_s = time.perf_counter() - t0
     try:
         scale = 1.0 / token_weight(samples)
@@ -332,12 +330,12 @@ def bench_lora_team(preset: str, tok, n: int, reps: int) -> dict:
             full_s.append(t2 - t1)
     del full_engines, shared
     # Training: N full trainers vs N adapter trainers on one fp32 base, after one step each.
-    full_tr = [TorchTrainer(copy.deepcopy(base), loss_fn=loss, loss_weight_fn=token_weight) for _ in agents]
+    full_tr = [TorchTrainer(copy.deepcopy(base), TrainerOptions(loss, token_weight)) for _ in agents]
     sb = SharedBase(copy.deepcopy(base))
     lora_tr = []
     for a in agents:
         sb.add(a, spec)
-        lora_tr.append(LoraTrainer(sb, a, loss_fn=loss, loss_weight_fn=token_weight))
+        lora_tr.append(LoraTrainer(sb, a, TrainerOptions(loss, token_weight)))
     for tr in [*full_tr, *lora_tr]:
         tr.accumulate(samples, loss_scale=1e-3)
         tr.step()

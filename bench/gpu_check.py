@@ -67,7 +67,7 @@ from flexmarl_core.algorithms import make_loss_fn, token_weight
 from flexmarl_core.config import AlgorithmConfig, ModelConfig, SamplingConfig
 from flexmarl_core.inference import HFInferenceEngine
 from flexmarl_core.models import build_model, get_tokenizer, num_params
-from flexmarl_core.training import Sample, TorchTrainer, drop, get, put
+from flexmarl_core.training import Sample, TorchTrainer, TrainerOptions, drop, get, put
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,8 +152,7 @@ def samples_of(vocab: int, n: int) -> list[Sample]:
 
 def make_trainer(model: torch.nn.Module, dev: torch.device, *, bf16: bool = False) -> TorchTrainer:
     algo = AlgorithmConfig(lr=LR)
-    return TorchTrainer(copy.deepcopy(model).to(dev), loss_fn=make_loss_fn(algo),
-                        loss_weight_fn=token_weight, lr=LR, bf16=bf16)
+    return TorchTrainer(copy.deepcopy(model).to(dev), TrainerOptions(make_loss_fn(algo), token_weight, lr=LR, bf16=bf16))
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

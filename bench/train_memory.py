@@ -32,11 +32,11 @@ def probe(preset: str, rows: int, tokens: int, budget: int | None) -> dict[str, 
     from flexmarl_core.algorithms import make_loss_fn, token_weight
     from flexmarl_core.config import AlgorithmConfig, ModelConfig
     from flexmarl_core.models import load_agent_model
-    from flexmarl_core.training import Sample, TorchTrainer
+    from flexmarl_core.training import Sample, TorchTrainer, TrainerOptions
 
     model, _ = load_agent_model(ModelConfig(preset=preset), seed=0)
     algo = AlgorithmConfig()
-    tr = TorchTrainer(model, loss_fn=make_loss_fn(algo), loss_weight_fn=token_weight,
+    tr = TorchTrainer(model, TrainerOptions(make_loss_fn(algo), token_weight),
                       chunk_tokens=budget if budget is not None else 10**12)
     rng = random.Random(0)
     batch = []

@@ -14,7 +14,7 @@ import torch
 from flexmarl_core.algorithms import make_loss_fn, token_weight
 from flexmarl_core.config import AlgorithmConfig, ModelConfig
 from flexmarl_core.models import build_model, get_tokenizer
-from flexmarl_core.training import Sample, TorchTrainer
+from flexmarl_core.training import Sample, TorchTrainer, TrainerOptions
 
 # Tiny models on a shared, noisy 2-core box: one thread avoids OpenMP contention (measured 2-4x
 # faster for the 1M model under load). Tests are the caller; library code never sets this.
@@ -38,16 +38,18 @@ def tiny_model(seed: int = 0):
     return build_model(ModelConfig(preset="tiny-1m"), seed=seed, tokenizer=tokenizer())
 
 
-def trainer(model=None, *, algo: AlgorithmConfig | None = None, **kw) -> TorchTrainer:
+def options(algo: AlgorithmConfig | None = None, **kw) -> tuple[TrainerOptions, dict]:
+    """(`TrainerOptions` of `algo` with the options among `kw`, the rest of `kw`)."""
     algo = algo or AlgorithmConfig(lr=1e-3)
-    return TorchTrainer(
-        model if model is not None else tiny_model(),
-        loss_fn=make_loss_fn(algo),
-        loss_weight_fn=token_weight,
-        lr=algo.lr,
-        max_grad_norm=algo.max_grad_norm,
-        **kw,
-    )
+    names = set(TrainerOptions.__dataclass_fields__)
+    opts = TrainerOptions(make_loss_fn(algo), token_weight, lr=algo.lr, max_grad_norm=algo.max_grad_norm,
+                          **{k: v for k, v in kw.items() if k in names})
+    return opts, {k: v for k, v in kw.items() if k not in names}
+
+
+def trainer(model=None, *, algo: AlgorithmConfig | None = None, **kw) -> TorchTrainer:
+    opts, rest = options(algo, **kw)
+    return TorchTrainer(model if model is not None else tiny_model(), opts, **rest)
 
 
 def random_samples(n: int, seed: int = 0, *, vocab: int = 1000) -> list[Sample]:

@@ -33,7 +33,14 @@ from flexmarl_core.programs.gateway import AgentSpec, Gateway, Session
 from flexmarl_core.programs.runner import run_program
 from flexmarl_core.training import Sample, TorchTrainer, global_loss_scale
 from flexmarl_core.training.handles import StateHandle, get, put
-from tests._models_util import random_samples, tiny_model, tokenizer, train_one_worker, trainer
+from tests._models_util import (
+    options,
+    random_samples,
+    tiny_model,
+    tokenizer,
+    train_one_worker,
+    trainer,
+)
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 HAVE_DS = importlib.util.find_spec("deepspeed") is not None
@@ -243,18 +250,10 @@ def test_vllm_lora_mixed_batch_equals_the_hf_shared_base_engine(vllm_env):
 
 # -- DeepSpeed -------------------------------------------------------------------------------
 def _ds_trainer(model=None, *, algo: AlgorithmConfig | None = None, **kw):
-    from flexmarl_core.algorithms import make_loss_fn, token_weight
     from flexmarl_core.training.deepspeed_trainer import DeepSpeedTrainer
 
-    algo = algo or AlgorithmConfig(lr=1e-3)
-    return DeepSpeedTrainer(
-        model if model is not None else tiny_model(),
-        loss_fn=make_loss_fn(algo),
-        loss_weight_fn=token_weight,
-        lr=algo.lr,
-        max_grad_norm=algo.max_grad_norm,
-        **kw,
-    )
+    opts, rest = options(algo, **kw)
+    return DeepSpeedTrainer(model if model is not None else tiny_model(), opts, **rest)
 
 
 def _train_step(tr, micro_batches) -> object:
@@ -399,13 +398,10 @@ DP_ATOL = 1e-5
 def dp_trainer():
     """One 2-rank ZeRO-2 trainer for the module (starting rank processes takes ~30-60 s here);
     each test starts from its initial state."""
-    from flexmarl_core.algorithms import make_loss_fn, token_weight
     from flexmarl_core.training.dp_trainer import DataParallelDeepSpeedTrainer
 
     algo = AlgorithmConfig(lr=1e-4)
-    tr = DataParallelDeepSpeedTrainer(tiny_model(), name="solver", dp=2, loss_fn=make_loss_fn(algo),
-                                      loss_weight_fn=token_weight, lr=algo.lr,
-                                      max_grad_norm=algo.max_grad_norm, timeout_s=120)
+    tr = DataParallelDeepSpeedTrainer(tiny_model(), options(algo)[0], name="solver", dp=2, timeout_s=120)
     tr.initial_state = tr.state()  # type: ignore[attr-defined]
     yield tr
     tr.close()

@@ -187,3 +187,84 @@ def test_partial_generation_resumes_under_new_weights():
         atol = hidden * eps * float(want.abs().max())
         torch.testing.assert_close(torch.tensor(lp_old[:8]), want[:8], atol=atol, rtol=0)
         torch.testing.assert_close(torch.tensor(lp_new[8:]), want[8:], atol=atol, rtol=0)
+
+
+# -- the decode loop's parts, each alone ---------------------------------------------------------
+
+def test_sample_rows_draws_each_request_as_it_would_alone():
+    """Sampling: two requests in one call (one greedy, one at temperature 1) get the tokens and
+    logprobs each gets alone; a request's draws come from its own generator only."""
+    from flexmarl_core.inference.hf import sample_rows
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 50, generator=gen)
+    greedy, hot = SamplingConfig(temperature=0.0, max_new_tokens=4), SamplingConfig(temperature=1.0, max_new_tokens=4)
+    spans = [(0, 2, greedy, 1), (2, 5, hot, 2)]
+
+    def gens():
+        return [torch.Generator().manual_seed(s[3]) for s in spans]
+
+    both_t, both_s = sample_rows(logits, [0, 1], spans, gens(), [1.0, 1.0])
+    alone = [sample_rows(logits[lo:hi], [0], [(0, hi - lo, s, seed)], [g], [1.0])
+             for (lo, hi, s, seed), g in zip(spans, gens(), strict=True)]
+    assert torch.equal(both_t, torch.cat([a[0] for a in alone]))
+    assert torch.equal(both_s, torch.cat([a[1] for a in alone]))
+    assert torch.equal(both_t[:2], logits[:2].argmax(-1))
+
+
+def test_evict_ended_keeps_the_requests_with_a_row_still_decoding():
+    """Eviction: a request leaves the batch only once all its rows ended; the kept batch
+    positions are those of the requests still live, in order."""
+    from flexmarl_core.inference.hf import evict_ended
+
+    s = SamplingConfig()
+    spans = [(0, 2, s, 0), (2, 3, s, 0), (3, 5, s, 0)]
+    assert evict_ended([0, 1, 2], spans, [True, False, False, True, False]) is None
+    assert evict_ended([0, 1, 2], spans, [True, True, False, True, False]) == ([2, 3, 4], [1, 2])
+    # after that eviction, positions count the live requests' rows only
+    assert evict_ended([1, 2], spans, [True, True, True, True, False]) == ([1, 2], [2])
+
+
+def test_select_row_kwargs_keeps_the_kept_rows_adapters():
+    """Adapter groups: a per-row forward argument follows its rows out of the batch; others stay."""
+    from flexmarl_core.inference.hf import select_row_kwargs
+
+    fkw = {"adapter_names": ["a", "a", "b", "c"], "flag": True, "other": [1, 2]}
+    assert select_row_kwargs(fkw, [1, 3], 4) == {"adapter_names": ["a", "c"], "flag": True, "other": [1, 2]}
+
+
+def test_reprefill_gives_the_next_logits_of_a_fresh_prefill():
+    """Re-prefill: the context re-read under the model's weights gives the logits a prefill of
+    that whole context gives (the same forward, up to the padding of ended rows' pad tokens)."""
+    from flexmarl_core.inference.hf import left_pad, reprefill
+
+    model = tiny_model(3).eval()
+    prompts = [[5, 6, 7], [8, 9]]
+    input_ids, attn, _ = left_pad(prompts, 0, torch.device("cpu"))
+    tokens = torch.tensor([[11, 12, 0], [13, 14, 0]])
+    nxt = torch.tensor([12, 14])
+    attn = torch.cat([attn, attn.new_ones((2, 2))], dim=-1)  # two sampled tokens in the context
+    with torch.inference_mode():
+        out, pos = reprefill(model, input_ids, tokens, torch.arange(2), 1, nxt, attn, {})
+        for i, p in enumerate(prompts):
+            ctx = torch.tensor([[*p, int(tokens[i, 0]), int(nxt[i])]])
+            ref = model(input_ids=ctx, use_cache=False).logits[0, -1]
+            # fp32 forwards of one tiny model on the same tokens: equal up to summation order
+            assert torch.allclose(out.logits[i, -1], ref, atol=1e-5, rtol=0)
+            assert int(pos[i, 0]) == len(p) + 1
+
+
+def test_token_versions_mark_tokens_from_each_switch_on():
+    """Token versions: a generation still decoding at a switch carries, per token, the version
+    that sampled it; one that ended before the first switch carries none."""
+    from flexmarl_core.inference.api import Generation
+    from flexmarl_core.inference.hf import token_versions
+
+    def gen(n: int) -> Generation:
+        return Generation(prompt_ids=[1], response_ids=list(range(n)), text="", logprobs=[0.0] * n,
+                          finish_reason="length", version=3)
+
+    short, long = gen(2), gen(7)
+    token_versions([short, long], [(2, 4), (5, 6)], 3)
+    assert short.token_versions is None
+    assert long.token_versions == [3, 3, 4, 4, 4, 6, 6]

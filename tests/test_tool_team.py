@@ -16,7 +16,7 @@ from flexmarl_core.inference import HFInferenceEngine
 from flexmarl_core.inference.tools import generate_with_tool, split_demonstration
 from flexmarl_core.meg import MEG
 from flexmarl_core.teams import team_shape
-from flexmarl_core.training import Sample, TorchTrainer, collate
+from flexmarl_core.training import Sample, TorchTrainer, TrainerOptions, collate
 from flexmarl_core.workloads import WorkloadError, make_workload
 from storage import MEGStore
 from tests._models_util import ScriptedLM, tiny_model, tokenizer
@@ -169,8 +169,7 @@ def test_tool_loop_inserts_calculator_output_masked(team_demos):
     # it gives the engine's logprobs back. fp32 end to end, values of magnitude ~1-10 through a
     # few layers: 1e-4 is ~100x the accumulated float32 rounding.
     samples = [Sample(g.prompt_ids, g.response_ids, g.logprobs, 0.0, g.loss_mask) for g in gens]
-    tr = TorchTrainer(model, loss_fn=make_loss_fn(AlgorithmConfig()), loss_weight_fn=token_weight,
-                      lr=1e-3, temperature=1.0)
+    tr = TorchTrainer(model, TrainerOptions(make_loss_fn(AlgorithmConfig()), token_weight, lr=1e-3))
     for s, lp in zip(samples, tr.logprobs(samples), strict=True):
         mask = s.loss_mask or [1] * len(s.response_ids)
         got = [a for a, m in zip(lp, mask, strict=True) if m]
@@ -189,7 +188,7 @@ def test_inserted_tokens_contribute_exactly_zero_gradient(team_demos):
                               rng.choice((-1.0, 1.0)) * rng.uniform(0.5, 1.0), mask))
     # On-policy behaviour logprobs on sampled tokens (ratio 1: no clipping zeroes a gradient),
     # 0.0 on inserted ones, as a rollout stores them.
-    scorer = TorchTrainer(tiny_model(seed=1), loss_fn=sft_loss, loss_weight_fn=token_weight, lr=1e-3)
+    scorer = TorchTrainer(tiny_model(seed=1), TrainerOptions(sft_loss, token_weight, lr=1e-3))
     for s, lp in zip(samples, scorer.logprobs(samples), strict=True):
         s.logprobs = [x if m else 0.0 for x, m in zip(lp, s.loss_mask, strict=True)]
     # The loss mask separates sampled tokens from inserted ones, and only sampled ones count.
@@ -208,7 +207,7 @@ def test_inserted_tokens_contribute_exactly_zero_gradient(team_demos):
 
     def grads(batch_samples):
         torch.manual_seed(0)
-        tr = TorchTrainer(tiny_model(seed=1), loss_fn=loss_fn, loss_weight_fn=token_weight, lr=1e-3)
+        tr = TorchTrainer(tiny_model(seed=1), TrainerOptions(loss_fn, token_weight, lr=1e-3))
         tr.accumulate(batch_samples, loss_scale=1.0 / token_weight(batch_samples))
         return {n: p.grad.clone() for n, p in tr.model.named_parameters()}, seen["logprobs"].grad
 

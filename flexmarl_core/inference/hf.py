@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from itertools import groupby
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -192,7 +193,11 @@ class HFInferenceEngine:
         Each request draws from its own generator seeded by its own seed, over its own rows
         only, with its own temperature, top-p, stop strings and length, so its tokens are the
         ones it would sample alone (the shared forward pass changes the logits' summation order
-        only: a few ulps, see tests/test_lora.py). One request is exactly `generate`."""
+        only: a few ulps, see tests/test_lora.py). One request is exactly `generate`. The parts
+        of a step are functions of their own: `sample_rows` (sampling), `evict_ended`
+        (requests that ended leave the batch), `select_row_kwargs` (a LoRA engine's per-row
+        adapter names follow their rows), `reprefill` (a partial rollout resumes under newer
+        weights) and `token_versions` (which weights sampled each token)."""
         spans, all_prompts = [], []
         for prompts, sampling, seed in groups:
             spans.append((len(all_prompts), len(all_prompts) + len(prompts), sampling, seed))
@@ -203,7 +208,7 @@ class HFInferenceEngine:
         fkw = dict(forward_kwargs or {})
         prompt_ids = encode_prompts(self.tokenizer, all_prompts)
         dev = self.device
-        bsz, plen = len(prompt_ids), max(len(p) for p in prompt_ids)
+        bsz = len(prompt_ids)
         max_new = max(s[2].max_new_tokens for s in spans)
         gens = [torch.Generator(device=dev).manual_seed(int(s[3])) for s in spans]
         temps = [scoring_temperature(s[2].temperature) for s in spans]
@@ -212,13 +217,7 @@ class HFInferenceEngine:
                                dtype=torch.long, device=dev)
 
         # 1. left padding: (B, P)
-        input_ids = torch.full((bsz, plen), self.pad_id, dtype=torch.long, device=dev)
-        attn = torch.zeros((bsz, plen), dtype=torch.long, device=dev)
-        for i, ids in enumerate(prompt_ids):
-            input_ids[i, plen - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attn[i, plen - len(ids) :] = 1
-        pos = (attn.cumsum(-1) - 1).clamp_(min=0)
-
+        input_ids, attn, pos = left_pad(prompt_ids, self.pad_id, dev)
         tokens = torch.full((bsz, max_new), self.pad_id, dtype=torch.long, device=dev)
         logps = torch.zeros((bsz, max_new), dtype=torch.float32, device=dev)
         lengths = torch.zeros(bsz, dtype=torch.long, device=dev)
@@ -232,103 +231,58 @@ class HFInferenceEngine:
 
         with torch.inference_mode():
             # 2. prefill
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attn,
-                position_ids=pos,
-                use_cache=True,
-                logits_to_keep=1,
-                **fkw,
-            )
+            out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                             logits_to_keep=1, **fkw)
             cache = out.past_key_values
             logits = out.logits[:, -1].float()  # (B, V)
             live = list(range(len(spans)))  # the requests in the model's batch, in row order
             rows = torch.arange(bsz, device=dev)  # the batch's rows as indices into all rows
             for step in range(max_new):
-                # 3. sample, score, append: each request over its own rows, with its own generator
-                # (a run of requests with one temperature and top-p draws and scores as one batch)
-                picks, scores, at = [], [], 0
-                for run in _runs(live, spans):
-                    s = spans[run[0]][2]
-                    n = sum(spans[j][1] - spans[j][0] for j in run)
-                    lg = logits[at : at + n]
-                    if s.temperature == 0:
-                        picks.append(lg.argmax(dim=-1))
-                    else:
-                        u = torch.cat([torch.rand((spans[j][1] - spans[j][0], 1), generator=gens[j], device=dev)
-                                       for j in run])
-                        picks.append(draw(lg, s, u))
-                    scores.append(token_logprobs(lg, picks[-1], temps[run[0]]))
-                    at += n
-                nxt = torch.cat(picks)  # (b,)
+                # 3. sample, score, append; check EOS, lengths and stop strings
+                nxt, scores = sample_rows(logits, live, spans, gens, temps)  # (b,), (b,)
                 running = ~done[rows]
                 tokens[rows, step] = torch.where(running, nxt, self.pad_id)
-                logps[rows, step] = torch.cat(scores)
+                logps[rows, step] = scores
                 lengths[rows] += running.long()
                 if eos.numel():
                     done[rows] |= running & torch.isin(nxt, eos)
                 done |= lengths >= row_max
                 if any(spans[j][2].stop for j in live):
                     self._check_stops(tokens, lengths, done, stop_hit, [spans[j] for j in live],
-                                         [windows[j] for j in live])
+                                      [windows[j] for j in live])
                 if bool(done.all()) or step == max_new - 1:
                     break
-                # A request whose rows have all ended leaves the batch: they would only pad it
-                # (one request never does: it ends with the loop).
-                ended = done.tolist()
-                if any(all(ended[spans[j][0] : spans[j][1]]) for j in live):
-                    keep, at, still = [], 0, []
-                    for j in live:
-                        n = spans[j][1] - spans[j][0]
-                        if not all(ended[spans[j][0] : spans[j][1]]):
-                            keep += range(at, at + n)
-                            still.append(j)
-                        at += n
+                # 4. requests whose rows all ended leave the batch: they would only pad it
+                evicted = evict_ended(live, spans, done.tolist())
+                if evicted is not None:
+                    keep, live = evicted
                     idx = torch.tensor(keep, dtype=torch.long, device=dev)
-                    fkw = {k: [v[i] for i in keep] if isinstance(v, list) and len(v) == len(rows) else v
-                           for k, v in fkw.items()}  # per-row arguments (adapter_names)
-                    rows, attn, pos, nxt, live = rows[idx], attn[idx], pos[idx], nxt[idx], still
+                    fkw = select_row_kwargs(fkw, keep, len(rows))
+                    rows, attn, pos, nxt = rows[idx], attn[idx], pos[idx], nxt[idx]
                     cache.batch_select_indices(idx)
                 attn = torch.cat([attn, attn.new_ones((len(rows), 1))], dim=-1)
+                # 5. the next token's logits: one decode step, or a re-prefill under newer weights
                 if refresh is not None and (step + 1) % refresh[1] == 0 and refresh[0]():
-                    # Newer weights: prefill the live rows' whole context with them (the cache
-                    # of the old weights would mix both into the next tokens' distribution).
                     switches.append((step + 1, self._version))
-                    ctx_ids = torch.cat([input_ids[rows], tokens[rows, : step + 1]], dim=-1)
-                    ctx_ids[:, -1] = nxt  # a row that ended holds pad in `tokens`; any token does
-                    full_pos = (attn.cumsum(-1) - 1).clamp_(min=0)
-                    out = self.model(input_ids=ctx_ids, attention_mask=attn, position_ids=full_pos,
-                                     use_cache=True, logits_to_keep=1, **fkw)
-                    pos = full_pos[:, -1:]
+                    out, pos = reprefill(self.model, input_ids, tokens, rows, step, nxt, attn, fkw)
                 else:
                     pos = pos[:, -1:] + 1
-                    out = self.model(
-                        input_ids=nxt.unsqueeze(-1),
-                        attention_mask=attn,
-                        position_ids=pos,
-                        past_key_values=cache,
-                        use_cache=True,
-                        **fkw,
-                    )
+                    out = self.model(input_ids=nxt.unsqueeze(-1), attention_mask=attn, position_ids=pos,
+                                     past_key_values=cache, use_cache=True, **fkw)
                 cache = out.past_key_values
                 logits = out.logits[:, -1].float()
 
-        # 4. build outputs
+        # 6. build outputs
         tok_rows, lp_rows, len_list = tokens.tolist(), logps.tolist(), lengths.tolist()
         eos_set = set(self.eos_ids)
         vers = list(versions) if versions is not None else [start_version] * bsz
-        gens = [
+        out_gens = [
             finish_generation(self.tokenizer, prompt_ids[i], tok_rows[i][: len_list[i]],
                               lp_rows[i][: len_list[i]], s.stop, eos_set, vers[i])
             for lo, hi, s, _ in spans for i in range(lo, hi)
         ]
-        for g in gens if switches else ():
-            if len(g.response_ids) > switches[0][0]:  # it was still decoding at the first switch
-                tv = [start_version] * len(g.response_ids)
-                for first, v in switches:
-                    tv[first:] = [v] * max(len(tv) - first, 0)
-                g.token_versions = tv
-        return gens
+        token_versions(out_gens, switches, start_version)
+        return out_gens
 
     def _check_stops(
         self,
@@ -358,6 +312,97 @@ class HFInferenceEngine:
             if any(x in text for x in st):
                 done[r] = True
                 stop_hit[r] = True
+
+
+#: a request of one decode: its rows [lo, hi) in the batch, its sampling and seed
+Span = tuple[int, int, SamplingConfig, int]
+
+
+def left_pad(prompt_ids: Sequence[Sequence[int]], pad_id: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention mask, position ids), each (B, P): prompts left-padded to the
+    longest, positions counting real tokens only, so padding is invisible to the model."""
+    bsz, plen = len(prompt_ids), max(len(p) for p in prompt_ids)
+    input_ids = torch.full((bsz, plen), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros((bsz, plen), dtype=torch.long, device=device)
+    for i, ids in enumerate(prompt_ids):
+        input_ids[i, plen - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attn[i, plen - len(ids) :] = 1
+    return input_ids, attn, (attn.cumsum(-1) - 1).clamp_(min=0)
+
+
+def sample_rows(logits: torch.Tensor, live: Sequence[int], spans: Sequence[Span],
+                gens: Sequence[torch.Generator], temps: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, V) logits of the live requests' rows, in row order -> (b,) tokens and (b,) their
+    logprobs: each request over its own rows, with its own generator, temperature and top-p
+    (a run of neighbours with one temperature and top-p draws and scores as one batch), so a
+    request's tokens are the ones it would draw alone."""
+    picks, scores, at = [], [], 0
+    for run in _runs(live, spans):
+        s = spans[run[0]][2]
+        n = sum(spans[j][1] - spans[j][0] for j in run)
+        lg = logits[at : at + n]
+        if s.temperature == 0:
+            picks.append(lg.argmax(dim=-1))
+        else:
+            u = torch.cat([torch.rand((spans[j][1] - spans[j][0], 1), generator=gens[j], device=logits.device)
+                           for j in run])
+            picks.append(draw(lg, s, u))
+        scores.append(token_logprobs(lg, picks[-1], temps[run[0]]))
+        at += n
+    return torch.cat(picks), torch.cat(scores)
+
+
+def evict_ended(live: Sequence[int], spans: Sequence[Span],
+                ended: Sequence[bool]) -> tuple[list[int], list[int]] | None:
+    """None while every live request has a row still decoding; else (the batch positions to
+    keep, the requests still live). `ended` is per row of the whole decode."""
+    if not any(all(ended[spans[j][0] : spans[j][1]]) for j in live):
+        return None
+    keep: list[int] = []
+    still: list[int] = []
+    at = 0
+    for j in live:
+        n = spans[j][1] - spans[j][0]
+        if not all(ended[spans[j][0] : spans[j][1]]):
+            keep += range(at, at + n)
+            still.append(j)
+        at += n
+    return keep, still
+
+
+def select_row_kwargs(fkw: Mapping[str, object], keep: Sequence[int], nrows: int) -> dict[str, object]:
+    """Forward arguments after rows left the batch: a per-row list (a LoRA engine's
+    `adapter_names`, one adapter group per request) keeps the kept rows' entries."""
+    return {k: [v[i] for i in keep] if isinstance(v, list) and len(v) == nrows else v for k, v in fkw.items()}
+
+
+def reprefill(model: PreTrainedModel, input_ids: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor,
+              step: int, nxt: torch.Tensor, attn: torch.Tensor,
+              fkw: Mapping[str, object]) -> tuple[Any, torch.Tensor]:
+    """The live rows' whole context (prompt, tokens 0..step) prefilled again under the model's
+    current weights: the old weights' cache would mix both into the next tokens'
+    distribution. `attn` already covers the next position. Returns the forward's output and
+    the next step's position ids (b, 1)."""
+    ctx_ids = torch.cat([input_ids[rows], tokens[rows, : step + 1]], dim=-1)
+    ctx_ids[:, -1] = nxt  # a row that ended holds pad in `tokens`; any token does
+    full_pos = (attn.cumsum(-1) - 1).clamp_(min=0)
+    out = model(input_ids=ctx_ids, attention_mask=attn, position_ids=full_pos, use_cache=True,
+                logits_to_keep=1, **fkw)
+    return out, full_pos[:, -1:]
+
+
+def token_versions(gens: Sequence[Generation], switches: Sequence[tuple[int, int]], start: int) -> None:
+    """Set `token_versions` on each generation still decoding at the first weight switch
+    (step, version): tokens from that step on were sampled by that version's weights."""
+    if not switches:
+        return
+    for g in gens:
+        if len(g.response_ids) > switches[0][0]:
+            tv = [start] * len(g.response_ids)
+            for first, v in switches:
+                tv[first:] = [v] * max(len(tv) - first, 0)
+            g.token_versions = tv
 
 
 def finish_generation(

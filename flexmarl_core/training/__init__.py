@@ -8,9 +8,10 @@ from flexmarl_core.training.api import (
     StepResult,
     TokenBatch,
     TrainBackend,
+    TrainerOptions,
 )
 from flexmarl_core.training.collate import collate, global_loss_scale
-from flexmarl_core.training.factory import make_trainer
+from flexmarl_core.training.factory import make_trainer, options_for
 from flexmarl_core.training.handles import StateHandle, drop, get, put
 from flexmarl_core.training.torch_trainer import TorchTrainer
 
@@ -24,10 +25,12 @@ __all__ = [
     "TokenBatch",
     "TorchTrainer",
     "TrainBackend",
+    "TrainerOptions",
     "collate",
     "drop",
     "get",
     "global_loss_scale",
     "make_trainer",
+    "options_for",
     "put",
 ]

@@ -76,6 +76,26 @@ LossFn = Callable[["torch.Tensor", TokenBatch], tuple["torch.Tensor", Mapping[st
 LossWeightFn = Callable[[MicroBatch], float]
 
 
+@dataclass(frozen=True)
+class TrainerOptions:
+    """How a policy trainer is set up, whatever its backend (plain torch, DeepSpeed, a LoRA
+    adapter): its loss, the loss's normaliser, the optimizer's settings and the temperature
+    its logprobs are scored at (the sampling temperature). `training.options_for(agent)`
+    reads them from an agent's config."""
+
+    loss_fn: LossFn
+    loss_weight_fn: LossWeightFn
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    #: forward and backward under bf16 autocast (master weights stay fp32)
+    bf16: bool = False
+    temperature: float = 1.0
+    #: None: the model config's pad token (0 if it has none)
+    pad_id: int | None = None
+
+
 @dataclass(slots=True)
 class StepResult:
     """What one optimizer step did."""

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-1/2 trainer (`deepspeed` extra) behind the `TrainBackend` calls; CPU + gloo.
 
-    trainer = DeepSpeedTrainer(model, loss_fn=..., loss_weight_fn=token_weight, lr=1e-4, zero_stage=2)
+    trainer = DeepSpeedTrainer(model, TrainerOptions(loss_fn, token_weight, lr=1e-4), zero_stage=2)
     scale = global_loss_scale(micro_batches, trainer.loss_weight)
     for mb in micro_batches:               # the pipeline's micro-batches, whenever they are ready
         trainer.accumulate(mb, scale)      # engine.backward(loss_fn(mb) * scale)
@@ -47,7 +47,7 @@ import torch
 from transformers import PreTrainedModel
 
 from flexmarl_core.runtime.location import default_cache_dir
-from flexmarl_core.training.api import LossFn, LossWeightFn, MicroBatch
+from flexmarl_core.training.api import MicroBatch, TrainerOptions
 from flexmarl_core.training.collate import collate
 from flexmarl_core.training.torch_trainer import PolicyGradientSteps, response_logprobs
 
@@ -171,17 +171,9 @@ class DeepSpeedTrainer(PolicyGradientSteps):
     def __init__(
         self,
         model: PreTrainedModel,
+        opts: TrainerOptions,
         *,
-        loss_fn: LossFn,
-        loss_weight_fn: LossWeightFn,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 1.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        bf16: bool = False,
-        temperature: float = 1.0,
         ref_model: PreTrainedModel | None = None,
-        pad_id: int | None = None,
         zero_stage: int = 2,
         cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -192,26 +184,17 @@ class DeepSpeedTrainer(PolicyGradientSteps):
             )
         deepspeed = init_distributed(cache_dir)
         self._cache_dir = cache_dir
-        self.loss_fn = loss_fn
-        self.loss_weight_fn = loss_weight_fn
-        self.max_grad_norm = max_grad_norm
-        self.bf16 = bf16
-        self.temperature = temperature
+        self._set_options(model, opts, ref_model)
         self.zero_stage = zero_stage
-        self.ref_model = ref_model
-        if ref_model is not None:
-            ref_model.eval().requires_grad_(False)
-        cfg_pad = getattr(model.config, "pad_token_id", None)
-        self.pad_id = pad_id if pad_id is not None else (cfg_pad if isinstance(cfg_pad, int) else 0)
         model = model.float().train()
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay)
         config = {
             "train_micro_batch_size_per_gpu": 1,  # nominal: batches come whole from the pipeline
             "gradient_accumulation_steps": 1,
             # The caller owns the boundary: backward() only accumulates, step() reduces + updates.
             "managed_gradient_accumulation": False,
-            "gradient_clipping": max_grad_norm,
+            "gradient_clipping": opts.max_grad_norm,
             # Each rank's loss is already scaled by the GLOBAL normaliser (fixed before any
             # backward), so the full gradient is the sum over data-parallel ranks, not the mean.
             # No-op in a 1-process world.

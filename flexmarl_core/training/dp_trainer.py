@@ -1,6 +1,6 @@
 """Data-parallel DeepSpeed trainer for ONE agent: N rank processes, one `TrainBackend` in front.
 
-    trainer = DataParallelDeepSpeedTrainer(model, name="solver", dp=2, loss_fn=..., loss_weight_fn=...)
+    trainer = DataParallelDeepSpeedTrainer(model, TrainerOptions(loss_fn, token_weight), name="solver", dp=2)
     scale = global_loss_scale(micro_batches, trainer.loss_weight)
     for mb in micro_batches:
         trainer.accumulate(mb, scale)      # mb split by samples: rank r backprops its share
@@ -57,7 +57,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from flexmarl_core.runtime.location import default_cache_dir
-from flexmarl_core.training.api import LossFn, LossWeightFn, MicroBatch, StepResult
+from flexmarl_core.training.api import MicroBatch, StepResult, TrainerOptions
 from flexmarl_core.training.deepspeed_trainer import DeepSpeedTrainer, free_port, init_distributed
 
 _POLL_S = 0.2  #: how often the watcher checks that the helpers are alive
@@ -110,19 +110,17 @@ class DataParallelDeepSpeedTrainer:
     def __init__(
         self,
         model: PreTrainedModel,
+        opts: TrainerOptions,
         *,
         name: str,
         dp: int,
-        loss_fn: LossFn,
-        loss_weight_fn: LossWeightFn,
         ref_model: PreTrainedModel | None = None,
         zero_stage: int = 2,
         cache_dir: str | os.PathLike[str] | None = None,
         timeout_s: float = 600.0,
         start_timeout_s: float = 900.0,
-        **trainer_kwargs: Any,
     ) -> None:
-        """`trainer_kwargs` go to each rank's `DeepSpeedTrainer` (lr, max_grad_norm, bf16, ...).
+        """Each rank's `DeepSpeedTrainer` gets `opts` (so its loss functions must pickle).
         `start_timeout_s` covers the helpers' imports and, on a fresh machine, DeepSpeed's JIT
         compile of its ops (~1 min each here)."""
         if dp < 2:
@@ -134,14 +132,13 @@ class DataParallelDeepSpeedTrainer:
             raise ValueError(f"agent {name!r}: backend.training_dp={dp} needs one GPU per rank, "
                              f"{torch.cuda.device_count()} visible")
         self.name, self.dp, self.zero_stage = name, dp, zero_stage
-        self.loss_weight_fn = loss_weight_fn
+        self.loss_weight_fn = opts.loss_weight_fn
         self.timeout_s = timeout_s
         self._cache_dir = cache_dir
         init = {
             "model": model, "ref_model": ref_model, "threads": torch.get_num_threads(),
             "timeout_s": timeout_s, "cache_dir": None if cache_dir is None else str(cache_dir),
-            "kwargs": dict(trainer_kwargs, loss_fn=loss_fn, loss_weight_fn=loss_weight_fn,
-                           zero_stage=zero_stage, cache_dir=cache_dir),
+            "opts": opts, "kwargs": {"zero_stage": zero_stage, "cache_dir": cache_dir},
         }
         try:
             payload = pickle.dumps(init, protocol=pickle.HIGHEST_PROTOCOL)
@@ -428,7 +425,7 @@ def _rank_main(control_port: int, timeout_s: int) -> int:
     try:
         torch.set_num_threads(init["threads"])
         init_distributed(init["cache_dir"], timeout=datetime.timedelta(seconds=init["timeout_s"]))
-        trainer = DeepSpeedTrainer(init["model"], ref_model=init["ref_model"], **init["kwargs"])
+        trainer = DeepSpeedTrainer(init["model"], init["opts"], ref_model=init["ref_model"], **init["kwargs"])
         del init
     except Exception:
         _send(group, 0, ("error", traceback.format_exc()))

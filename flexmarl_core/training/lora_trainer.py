@@ -16,17 +16,17 @@ from typing import Any
 import torch
 
 from flexmarl_core.models.lora import SharedBase
-from flexmarl_core.training.api import MicroBatch
+from flexmarl_core.training.api import MicroBatch, TrainerOptions
 from flexmarl_core.training.torch_trainer import TorchTrainer
 
 
 class LoraTrainer(TorchTrainer):
-    def __init__(self, shared: SharedBase, agent: str, **kwargs: Any) -> None:
+    def __init__(self, shared: SharedBase, agent: str, opts: TrainerOptions, **kwargs: Any) -> None:
         if kwargs.get("ref_model") is not None:
             raise ValueError(f"agent {agent!r}: a LoRA trainer has no KL reference (algorithm.kl_coef must be 0)")
         self.shared, self.agent = shared, agent
         shared.activate(agent, trainable=True)  # only its tensors require grad: they get flattened
-        super().__init__(shared.model, **kwargs)
+        super().__init__(shared.model, opts, **kwargs)
         # PeftModel.forward takes **kwargs; the base's own signature says whether it crops logits.
         self._keep_ok = "logits_to_keep" in inspect.signature(shared.base.forward).parameters
 

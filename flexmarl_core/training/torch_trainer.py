@@ -1,7 +1,7 @@
 """Plain PyTorch trainer (CPU default, one GPU works too): AdamW, grad accumulation, bf16 autocast.
 
-    trainer = TorchTrainer(model, loss_fn=make_loss_fn(algo), loss_weight_fn=token_weight,
-                           lr=algo.lr, temperature=agent.sampling.temperature)
+    trainer = TorchTrainer(model, TrainerOptions(make_loss_fn(algo), token_weight, lr=algo.lr,
+                                                 temperature=agent.sampling.temperature))
     scale = global_loss_scale(micro_batches, trainer.loss_weight)
     for mb in micro_batches:
         trainer.accumulate(mb, scale)
@@ -22,7 +22,14 @@ import torch
 from transformers import PreTrainedModel
 
 from flexmarl_core.models.logprobs import token_logprobs
-from flexmarl_core.training.api import LossFn, LossWeightFn, MicroBatch, StepResult, TokenBatch
+from flexmarl_core.training.api import (
+    LossFn,
+    LossWeightFn,
+    MicroBatch,
+    StepResult,
+    TokenBatch,
+    TrainerOptions,
+)
 from flexmarl_core.training.collate import collate
 from flexmarl_core.training.memory import chunk_rows, default_chunk_tokens
 
@@ -92,9 +99,25 @@ class PolicyGradientSteps(ABC):
     pad_id: int
     ref_model: torch.nn.Module | None
     loss_fn: LossFn
+    loss_weight_fn: LossWeightFn
+    max_grad_norm: float
+    bf16: bool
+    #: logprobs are scored at the sampling temperature (flexmarl_core/models/logprobs.py)
+    temperature: float
     _pending: int
     _metrics: dict[str, float]
     _version: int
+
+    def _set_options(self, model: PreTrainedModel, opts: TrainerOptions,
+                     ref_model: PreTrainedModel | None) -> None:
+        """What every backend keeps of its options and reference model."""
+        self.loss_fn, self.loss_weight_fn = opts.loss_fn, opts.loss_weight_fn
+        self.max_grad_norm, self.bf16, self.temperature = opts.max_grad_norm, opts.bf16, opts.temperature
+        self.ref_model = ref_model
+        if ref_model is not None:
+            ref_model.eval().requires_grad_(False)
+        cfg_pad = getattr(model.config, "pad_token_id", None)
+        self.pad_id = opts.pad_id if opts.pad_id is not None else (cfg_pad if isinstance(cfg_pad, int) else 0)
 
     @property
     @abstractmethod
@@ -169,17 +192,9 @@ class TorchTrainer(PolicyGradientSteps):
     def __init__(
         self,
         model: PreTrainedModel,
+        opts: TrainerOptions,
         *,
-        loss_fn: LossFn,
-        loss_weight_fn: LossWeightFn,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 1.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        bf16: bool = False,
-        temperature: float = 1.0,
         ref_model: PreTrainedModel | None = None,
-        pad_id: int | None = None,
         chunk_tokens: int | None = None,
         activation_checkpointing: bool = False,
     ) -> None:
@@ -189,23 +204,14 @@ class TorchTrainer(PolicyGradientSteps):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.chunk_tokens = chunk_tokens if chunk_tokens is not None else default_chunk_tokens(
             model.config, activation_checkpointing=activation_checkpointing)
-        self.loss_fn = loss_fn
-        self.loss_weight_fn = loss_weight_fn
-        self.max_grad_norm = max_grad_norm
-        self.bf16 = bf16
-        #: logprobs are scored at the sampling temperature (flexmarl_core/models/logprobs.py)
-        self.temperature = temperature
-        self.ref_model = ref_model
-        if ref_model is not None:
-            ref_model.eval().requires_grad_(False)
-        cfg_pad = getattr(model.config, "pad_token_id", None)
-        self.pad_id = pad_id if pad_id is not None else (cfg_pad if isinstance(cfg_pad, int) else 0)
+        self._set_options(model, opts, ref_model)
         self._flatten_params()
         # AdamW is elementwise, so one flat tensor gives the per-parameter update; the optimizer
         # state is then 2 tensors instead of 3 per parameter (see `_flatten_params`). One
         # difference: a parameter that got no gradient in a step is still stepped (zero grad,
         # so only momentum and weight decay move it), where per-parameter AdamW skips it.
-        self.optimizer = torch.optim.AdamW([self._flat], lr=lr, betas=betas, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW([self._flat], lr=opts.lr, betas=opts.betas,
+                                           weight_decay=opts.weight_decay)
         self._version = 0
         self._pending = 0  # micro-batches accumulated since the last step
         self._metrics: dict[str, float] = {}
