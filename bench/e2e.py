@@ -187,19 +187,14 @@ def plain_dask_run(config: str, overrides: list[str]) -> dict:
     from flexmarl_core import cluster
     from flexmarl_core.config import load_config
     from flexmarl_core.driver import run
-    from flexmarl_core.driver.metrics import run_summary
 
     cfg = load_config(config, overrides)
     run_dir = run.prepare_run(cfg)
     with cluster.cluster_for(cfg.cluster) as client:
-        ex = cluster.DaskExecutor(client, str(run_dir))
-        w0, c0 = cluster.worker_cpu_s(client), time.process_time()
-        out = run.train(cfg, run_dir, ex)
-        flow_cpu = time.process_time() - c0
-        workers_cpu = cluster.worker_cpu_s(client) - w0
-    s = run_summary(out["iterations"], out["wall_s"])
-    s.update(total_cpu_s=workers_cpu + flow_cpu, flow_cpu_s=flow_cpu, workers_cpu_s=workers_cpu,
-             stage_cpu_s=sum(m["cpu_s"] for m in out["iterations"]))
+        out = run.train(cfg, run_dir, cluster.DaskExecutor(client, str(run_dir)))
+    workers_cpu = out.worker_cpu_s or 0.0
+    s = out.summary()
+    s.update(total_cpu_s=workers_cpu + out.flow_cpu_s, workers_cpu_s=workers_cpu)
     print(f"{'codesign on plain Dask':32s}      : {s['e2e_s_per_iteration']:.2f} s/it, "
           f"total CPU {s['total_cpu_s']:.1f} s", flush=True)
     return s

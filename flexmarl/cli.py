@@ -71,8 +71,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # events client), but the flow run's own states are API calls: 7 retries back off for
     # 2+4+...+128 s, so an API server away for up to ~4 minutes is ridden out.
     os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", str(API_RETRIES))
-    from flexmarl.console import console, summary_lines, summary_table
     from flexmarl.prefect_api import ensure_api, ui_url
+    from flexmarl_core.driver.console import console, summary_lines, summary_table
 
     if args.resume:
         _resume_config(args)

@@ -9,14 +9,19 @@ runs of the ops it waited for, so the Prefect UI draws each iteration as the MEG
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import distributed
+from prefect.settings import PREFECT_API_URL
 
 from flexmarl_core import cluster
+from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.ops import FusedResult, Op, Route, StageResult
+from tasks import lean
 from tasks.task_runs import FLUSH_S, PENDING_AFTER_S, RETRIES, RETRY_DELAY_S, TaskRunReporter
 
 
@@ -101,3 +106,39 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
         if res.retries and self.log is not None:
             for i, (_, _, err) in enumerate(res.retries, 1):
                 self.log.warning("%s: attempt %d failed (%s); retried (%d/%d)", op.name, i, err, i, RETRIES[op.kind])
+
+
+@contextlib.contextmanager
+def open_executor(cfg: ExperimentConfig, flow_run_id: uuid.UUID | str, flow_run_count: int,
+                  log: logging.Logger | logging.LoggerAdapter) -> Iterator[PrefectDaskExecutor]:
+    """The run's cluster (a local one, or `cluster.address`) and an executor on it that
+    reports each op as a task run of this flow run. Code in the workers that talks to Prefect
+    itself (a custom reward) reports cheaply (`tasks/lean.py`) when the API is one flexmarl
+    reaches directly. Dask's INFO lines go to the run's logs folder, not the terminal. On the
+    way out the held-back reports are sent, whatever happened, and after a run that ended well
+    the workers' names (by address, for the timeline) are written."""
+    loc = cfg.run_location()
+    scratch = loc.scratch_dir()
+    api = PREFECT_API_URL.value()
+    cheap = bool(api) and (cfg.cluster.prefect_lean is True or (
+        cfg.cluster.prefect_lean == "auto" and cfg.cluster.address is None))
+    log.info("run folder %s, store %s%s", loc.uri, cfg.resolved_store_uri(),
+             "" if loc.local else f", local scratch {scratch}")
+    with cluster.cluster_for(cfg.cluster, env=lean.worker_env(api) if cheap else {}) as client:
+        if cfg.cluster.upload:  # before any task or plugin: the workers unpickle them with this code
+            log.info("shipped to the workers: %s", cluster.upload_code(client, cfg.cluster.upload))
+        if cheap:
+            lean.refresh_worker_settings(client)
+        ex = PrefectDaskExecutor(client, loc.uri, flow_run_id, flow_run_count, log=log,
+                                 pending_after_s=cfg.cluster.pending_after_s, flush_s=cfg.cluster.task_run_flush_s)
+        log.info("Dask dashboard: %s", client.dashboard_link)
+        cluster.log_to_files(client, scratch / "logs", workers=cfg.cluster.address is None)
+        names = cluster.worker_names(client)
+        try:
+            yield ex
+        finally:  # the final states held back, whether the run ended well or not
+            ex.reporter.flush()
+        names.update(cluster.worker_names(client))  # restarted workers have new addresses
+    (scratch / "metrics" / "workers.json").write_text(json.dumps(names))
+    if not loc.local:
+        loc.upload(scratch / "metrics" / "workers.json", "metrics/workers.json")

@@ -1,10 +1,9 @@
 """Cheap Prefect reporting from processes flexmarl starts: the local server's batching and the
 workers' Prefect settings.
 
-Stage ops no longer run Prefect's task engine in the workers (`tasks/task_runs.py`), so workers
-talk to Prefect only if user code in them does (a custom reward logging to Prefect). For that
-code the lean settings still apply, as measured when every op was a worker-side task run
-(~0.43 CPU-s per task run stock, ~0.08 lean):
+Stage ops do not run Prefect's task engine in the workers (`tasks/task_runs.py`), so workers
+talk to Prefect only if user code in them does (a custom reward logging to Prefect). That code
+gets lean settings (measured: ~0.43 CPU-s per worker-side task run stock, ~0.08 lean):
 
 - Each worker-side Prefect client builds an SSL context from the 230 KB CA bundle, even for a
   plain-http API (~50 ms here). For an http API we point `PREFECT_API_SSL_CERT_FILE` at a

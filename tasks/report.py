@@ -1,4 +1,4 @@
-"""Run bookkeeping tasks: prepare the run folder, publish the run's artifacts.
+"""A run's report: its held-out evaluation, its summary and the artifacts it publishes.
 
 A training run publishes four artifacts (keys from the run's name, e.g. `arith-tiny-...`):
 `-iterations` (table: E2E time, tokens/s, utilisation, reward/accuracy and training
@@ -21,10 +21,11 @@ from prefect.cache_policies import NO_CACHE
 
 from flexmarl_core import stages
 from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.driver import run
 from flexmarl_core.driver.metrics import metric_agents
 from flexmarl_core.driver.plots import report as draw
+from flexmarl_core.driver.run import RunOutcome
 from flexmarl_core.ops import agent_key
+from flexmarl_core.workloads import make_workload
 
 #: per-iteration columns shown first, in this order; other metrics (stage_s/*, busy_s/*) follow
 ITERATION_LEAD = ["iteration", "e2e_s", "tokens", "tokens_per_s", "utilization", "accuracy"]
@@ -39,24 +40,6 @@ SPARK = "▁▂▃▄▅▆▇█"
 def artifact_key(name: str) -> str:
     """Artifact keys allow lowercase letters, digits and dashes only."""
     return "".join(c if c.isalnum() else "-" for c in name.lower())
-
-
-@task(name="prepare-run", retries=1, cache_policy=NO_CACHE, persist_result=False)
-def prepare_run(cfg: ExperimentConfig, echo: bool = False) -> str:
-    """CPU/IO: run folder, initial weights per agent (SFT first, for a warm start not yet
-    cached), every iteration's inputs in the store. `echo`: SFT progress on the terminal too."""
-    logger = get_run_logger()
-
-    def log(line: str) -> None:
-        logger.info(line)
-        if echo:
-            from flexmarl.console import console
-
-            console.print(f"  {line}")
-
-    run_dir = str(run.prepare_run(cfg, log=log))
-    get_run_logger().info("prepared run folder %s (store %s)", run_dir, cfg.resolved_store_uri())
-    return run_dir
 
 
 @task(name="evaluate", retries=1, cache_policy=NO_CACHE, persist_result=False)
@@ -207,3 +190,28 @@ def evaluation_report(name: str, run_dir: str, result: dict[str, Any]) -> None:
     create_markdown_artifact(key=f"{key}-evaluation", markdown="\n".join(lines),
                              description=f"{name}: held-out evaluation")
     get_run_logger().info("artifact %s-evaluation published for %s", key, run_dir)
+
+
+def summarise(cfg: ExperimentConfig, outcome: RunOutcome) -> dict[str, Any]:
+    """A trained run's summary (`RunOutcome.summary`) with its held-out accuracy before and
+    after (the `evaluate` tasks, as the config asks), published with its artifacts and
+    pictures (a picture that cannot be drawn does not fail a finished run)."""
+    summary = outcome.summary()
+    if cfg.train.evaluate_initial or cfg.train.evaluate:
+        summary["heldout_set"] = make_workload(cfg.workload, cfg.team).heldout_description(cfg.workload.heldout_size)
+    if cfg.train.evaluate_initial:
+        ev = evaluate(outcome.run_dir, 0)
+        summary.update({f"initial_{k}": v for k, v in ev.items() if k.startswith("heldout")})
+    if cfg.train.evaluate:
+        ev = evaluate(outcome.run_dir, cfg.train.iterations)
+        summary.update({k: v for k, v in ev.items() if k.startswith("heldout")})
+    if "initial_heldout_accuracy" in summary and "heldout_accuracy" in summary:
+        summary["heldout_gain"] = summary["heldout_accuracy"] - summary["initial_heldout_accuracy"]
+    report(cfg.name, outcome.iterations, summary, cfg.resolved_store_uri(), [d.as_row() for d in outcome.decisions])
+    try:
+        summary["pictures"] = pictures(cfg.name, outcome.scratch_dir)
+    except Exception as exc:
+        get_run_logger().warning("pictures of %s not drawn: %s: %s", outcome.run_dir, type(exc).__name__, exc)
+        summary["pictures"] = {}
+    get_run_logger().info("done: %s", {k: v for k, v in summary.items() if not isinstance(v, dict)})
+    return summary

@@ -2,28 +2,18 @@
 (`rollout[solver] it=3 mb=2`), with the task runs of the ops it waited for as its upstream
 inputs, so the flow run's graph in the Prefect UI is the MEG's iteration graph.
 
-The op itself runs as a plain Dask task (`stages.run_stage_retrying`): Prefect's task engine on
-the worker cost ~18 ms of worker CPU and the submission ~49 ms of flow CPU per op, more than a
-small stage's own work. Instead the flow process *reports* each task run to the API the way
-Prefect's client-side task engine does: `prefect.task-run.<State>` events (Pending; Running
-and AwaitingRetry per failed attempt; Completed or Failed when it ends, with the worker's own
-timestamps), which the server's task-run recorder turns into task runs and states. The events
-worker sends them on its websocket in the background.
+The op itself runs as a plain Dask task (`stages.run_stage_retrying`); the flow process
+*reports* each task run to the API the way Prefect's client-side task engine does, with
+`prefect.task-run.<State>` events on the events websocket, which the server's task-run
+recorder turns into task runs and states (why: docs/decisions/task-run-reporting.md).
 
-An op that ends within `pending_after_s` (`cluster.pending_after_s`) of its submission is
-reported by one event, its final state (with its start and end times, run count and upstream
-inputs: all a task run needs); one still running then is reported Pending at that moment, so
-the UI shows long ops while they run. That cut the API server's CPU per op from 5.4 to 3.5 ms
-(`bench/task_run_events.py`), CPU on the same cores as the stages when the server is local.
-Batching the events (`POST /api/events`, 50 a request) showed no clear gain (3.1 vs 3.5 ms in
-one run, more than one by one in another), so they go one by one on the websocket.
-
-Final states of ops that went well are held back and sent together every `flush_s`
-(`cluster.task_run_flush_s`, 2 s): the server then records them in one burst instead of
-waking for every op, which on a machine whose cores the stages fill cut the run's wall time by
-~4% (`bench/overhead.py`, docs/results/overhead.md). Anything else (Pending, a retry, a failure) goes at once,
-with everything held before it, so errors and long ops show without delay; the flow flushes at
-its end whatever happened (`flush`).
+- An op that ends within `pending_after_s` (`cluster.pending_after_s`) of its submission is
+  reported by one event, its final state with its start and end times, run count and upstream
+  inputs; one still running then is reported Pending, so the UI shows long ops while they run.
+- Final states of ops that went well are held back and sent together every `flush_s`
+  (`cluster.task_run_flush_s`), so the server records them in one burst; anything else
+  (Pending, a retry, a failure) goes at once, after everything held before it, so the API sees
+  each task run's states in order. The flow flushes at its end whatever happened (`flush`).
 
 Retries per kind below: rollouts and rewards are cheap to redo, a trainer op twice at most.
 They run in the worker (no round trip), and each attempt shows in the API as a retry of that

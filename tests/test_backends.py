@@ -349,7 +349,7 @@ def test_mixed_team_trains_end_to_end(tmp_path, vllm_env):
         "team.agents.solver.backend.training=deepspeed",
     ])
     run_dir, out = train_one_worker(cfg)
-    assert len(out["iterations"]) == 2
+    assert len(out.iterations) == 2
     ctx = stages.context(str(run_dir))
     from flexmarl_core.inference.vllm_engine import VLLMInferenceEngine
     from flexmarl_core.training.deepspeed_trainer import DeepSpeedTrainer
@@ -377,7 +377,7 @@ def test_lora_team_on_vllm_trains_end_to_end(tmp_path, vllm_env):
           for k in (f"model={lora}", "backend.inference=vllm")],
     ])
     run_dir, out = train_one_worker(cfg)
-    assert len(out["iterations"]) == 2
+    assert len(out.iterations) == 2
     ctx = stages.context(str(run_dir))
     (eng,) = ctx.shared_engines.values()  # one engine for the three agents on the one base
     assert isinstance(eng, VLLMSharedBaseEngine)

@@ -137,7 +137,7 @@ def test_codesign_equals_sync_on_each_team(team, tmp_path, request):
             for mode in ("sync", "codesign")}
     (sync, sync_out), (codesign, co_out) = runs["sync"], runs["codesign"]
     for out in (sync_out, co_out):
-        assert [m["iteration"] for m in out["iterations"]] == list(range(ITERATIONS))
+        assert [m["iteration"] for m in out.iterations] == list(range(ITERATIONS))
     # Where the team's own reward is flat for untrained models no advantage moves a weight, and
     # the samples and rewards carry the check: an untrained coder's programs fail in the
     # sandbox (every code-team reward 0), a random planner never names the first operation.

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from flexmarl.console import IterationProgress, iteration_line
 from flexmarl_core.config import load_config
+from flexmarl_core.driver.console import IterationProgress, iteration_line
 from flexmarl_core.driver.metrics import IterationTracker
 from flexmarl_core.ops import OpRecord, StageResult, agent_key
 from flexmarl_core.orchestrator.plan import Plan

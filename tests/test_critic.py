@@ -317,5 +317,5 @@ def test_per_token_critic_through_a_run(tmp_path):
         for r in store.read_samples(agent, 1).to_pylist():
             assert len(r["token_values"]) == len(r["response_ids"]) and r["value"] == r["token_values"][0]
             assert r["consumed_step"] == 1
-    assert all(row["agent/critic/train/grad_norm"] > 0 for row in out["iterations"])
+    assert all(row["agent/critic/train/grad_norm"] > 0 for row in out.iterations)
     assert audit_run(rd)[1] == []

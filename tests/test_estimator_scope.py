@@ -106,7 +106,7 @@ def test_train_ops_wait_for_what_their_estimator_reads(shape, estimator, async_p
         out = run.train(cfg, run_dir, ex, plan=plan)
     finally:
         ex.close()
-    assert out["ops"] == len(plan.deps)
+    assert out.ops == len(plan.deps)
     # The held rewarding op ran after every train op the plan allowed before it: some with a
     # group-scoped estimator on the async pipeline (so the hold really reorders), none else.
     last = max(i for i, op in enumerate(ex.started) if op in rewarding)

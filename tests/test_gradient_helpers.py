@@ -139,14 +139,14 @@ def test_helper_gradients_train_the_same_weights(tmp_path):
     _, help_dir, out, helped = _real_run(tmp_path, "helped", helpers=True)
     assert not none
     assert {o.iteration for o in helped if o.agent == "solver"} == {0, 1}, helped
-    steps = [r for r in out["records"] if r.op.kind == "step"]
+    steps = [r for r in out.records if r.op.kind == "step"]
     assert sum(r.result.metrics[f"agent/{r.op.agent}/helper_mbs"] for r in steps) == len(helped)
     # Every helper's gradient was added by its step and then removed.
     assert not list((help_dir / "gradients").rglob("*.safetensors"))
     _same_weights(plain_dir, help_dir)
     # A helper whose gradient file is lost: the step recomputes that micro-batch from the store.
     _, lost_dir, out, helped = _real_run(tmp_path, "lost", helpers=True, lose_gradients=True)
-    steps = [r for r in out["records"] if r.op.kind == "step"]
+    steps = [r for r in out.records if r.op.kind == "step"]
     assert helped and sum(r.result.metrics[f"agent/{r.op.agent}/helper_mbs"] for r in steps) == 0
     assert sum(r.result.metrics[f"agent/{r.op.agent}/recomputed_mbs"] for r in steps) == len(helped)
     _same_weights(plain_dir, lost_dir)

@@ -77,7 +77,7 @@ def test_concurrent_rollouts_of_two_agents_share_a_decode_and_sample_what_they_s
             out = run.train(cfg, run_dir, ex)
         finally:
             ex.close()
-        prints[name] = (fingerprint(run_dir), out["iterations"])
+        prints[name] = (fingerprint(run_dir), out.iterations)
     assert calls["planner"] >= 2 and not door.broken
     (alone, alone_rows), (mixed, mixed_rows) = prints["alone"], prints["mixed"]
 

@@ -36,12 +36,12 @@ def test_iteration_rows_are_live_and_carry_per_agent_statistics(tmp_path):
         out = run.train(cfg, run_dir, ex, hooks=[Callbacks(on_done)])
     finally:
         ex.close()
-    total = out["ops"]
+    total = out.ops
     # Iteration 0's row was on disk while later iterations still had ops to run.
     first = next(k for k, n in rows_seen if n >= 1)
     assert first < total - 5, rows_seen[-10:]
     rows = [json.loads(x) for x in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [0, 1, 2] and rows == out["iterations"]
+    assert [r["iteration"] for r in rows] == [0, 1, 2] and rows == out.iterations
     for r in rows:
         for a in AGENTS:
             for s in STATS:

@@ -42,7 +42,7 @@ def _threaded(config: str, overrides: list[str], run_dir: Path):
 def test_lora_agents_on_one_base_as_a_program(tmp_path):
     lora = [f"team.agents.{a}.model={{base: tiny-1m, lora: {{rank: 4}}}}" for a in ("planner", "solver", "verifier")]
     cfg, out = _threaded("program_team.yaml", lora, tmp_path / "run")
-    assert [m["iteration"] for m in out["iterations"]] == [0, 1]
+    assert [m["iteration"] for m in out.iterations] == [0, 1]
     assert audit_run(str(cfg.resolved_run_dir()))[1] == []
     store = MEGStore(cfg.resolved_store_uri())
     assert {r["policy_version"] for r in store.read_samples("solver", 1).to_pylist()} == {1}

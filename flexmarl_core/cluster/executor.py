@@ -16,6 +16,7 @@ from flexmarl_core.cluster.workers import (
     lost_worker,
     memory_restarts,
     set_worker_resources,
+    worker_cpu_s,
     worker_names,
     worker_resources,
 )
@@ -166,6 +167,9 @@ class DaskExecutor:
             self._tags = None  # the worker set changed: route the resubmission on fresh tags
             return True
         return False
+
+    def worker_cpu_s(self) -> float:
+        return worker_cpu_s(self.client)
 
     def memory_restarts(self, since: float) -> list[MemoryRestart]:
         try:

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.driver.metrics import IterationTracker, MetricsWriter, critical_path
+from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
+from flexmarl_core.driver.metrics import IterationTracker, MetricsWriter, critical_path, run_summary
 from flexmarl_core.driver.sft import warm_start
+from flexmarl_core.executors.api import CountsWorkerCPU
 from flexmarl_core.meg import MEG
 from flexmarl_core.models import default_cache_dir, load_agent_model
 from flexmarl_core.models.lora import base_key, initial_adapter_state
@@ -87,9 +91,13 @@ def check_run_folder(run_dir: RunDir, init_from: str | None = None) -> None:
         )
 
 
-def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str], None] = print) -> Path | str:
+def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str], None] = print,
+                warm: dict[str, Any] | None = None) -> Path | str:
     """Create the run folder: config, initial weights (a warm start, if configured), inputs for
-    every iteration. Returns its local path, or its URI for a run on an object store."""
+    every iteration. Returns its local path, or its URI for a run on an object store.
+
+    `warm`: the warm start's `sft.json` (`sft.warm_start`) when the caller made it already;
+    otherwise it is made (or taken from the cache) here."""
     meg = MEG.from_config(cfg.team)
     workload = make_workload(cfg.workload, cfg.team)  # bad data fails before the folder is touched
     retry.configure(retry.RetryPolicy(**cfg.store.retries.model_dump()))
@@ -104,8 +112,8 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
     loc.write_bytes(RUN_MARKER, b"")
     init_from = cfg.train.init_from
     if init_from is None and cfg.train.warm_start == "sft":
-        folder, info = warm_start(cfg, default_cache_dir(), log=log)
-        init_from = str(folder)
+        info = warm if warm is not None else warm_start(cfg, default_cache_dir(), log=log)[1]
+        init_from = info["out_dir"]
         loc.write_text(WARM_START_NAME, json.dumps(
             {k: info[k] for k in ("out_dir", "accuracy", "steps", "reused", "target")}, indent=1))
 
@@ -222,6 +230,53 @@ def _reported_iterations(run_dir: RunDir) -> list[dict[str, Any]]:
     return rows
 
 
+@dataclass
+class RunOutcome:
+    """What `train` did: each iteration's metrics row, the ops and decisions, and the CPU the
+    run's processes spent, from which its summary is made (`summary`)."""
+
+    iterations: list[dict[str, Any]]
+    wall_s: float
+    run_dir: str
+    #: this process's own files (metrics, logs, pictures): the run folder, or a local scratch
+    #: folder for a run on object storage
+    scratch_dir: str
+    decisions: list[Decision]
+    #: every op of the run, an earlier attempt's included (resume)
+    records: list[OpRecord]
+    critical_path: dict[str, Any]
+    #: CPU seconds of this process during the run, and of the executor's worker processes
+    #: (None: the executor runs its ops in this process, or does not count its workers)
+    flow_cpu_s: float
+    worker_cpu_s: float | None
+
+    @property
+    def ops(self) -> int:
+        return len(self.records)
+
+    def summary(self) -> dict[str, Any]:
+        """Whole-run figures (`metrics.run_summary`) with where the CPU went: the stages' own
+        work and the bookkeeping around it (the Prefect task engine, API calls, Dask; the API
+        server's CPU is not included), and the control plane's moves, swaps and helpers."""
+        stage = sum(m["cpu_s"] for m in self.iterations)
+        if self.worker_cpu_s is None:  # stages ran in this process: the rest is bookkeeping
+            workers, flow = 0.0, max(self.flow_cpu_s - stage, 0.0)
+        else:
+            workers, flow = max(self.worker_cpu_s - stage, 0.0), self.flow_cpu_s
+        overhead = workers + flow
+        return {
+            **run_summary(self.iterations, self.wall_s),
+            "run_dir": self.run_dir, "scratch_dir": self.scratch_dir, "ops": self.ops,
+            "stage_cpu_s": stage, "bookkeeping_cpu_s": overhead, "flow_cpu_s": self.flow_cpu_s,
+            "worker_bookkeeping_cpu_s": workers,
+            "prefect_overhead_frac": overhead / max(overhead + stage, 1e-9),
+            "critical_path": self.critical_path,
+            "balance_moves": sum(1 for d in self.decisions if isinstance(d, MoveInstance)),
+            "train_swaps": sum(1 for d in self.decisions if isinstance(d, TrainSlot) and d.swap),
+            "gradient_helpers": sum(1 for d in self.decisions if isinstance(d, GradientHelper)),
+        }
+
+
 def train(
     cfg: ExperimentConfig,
     run_dir: RunDir,
@@ -230,9 +285,9 @@ def train(
     hooks: Sequence[RunHook] = (),
     resume: bool = False,
     plan: Plan | None = None,
-) -> dict[str, Any]:
+) -> RunOutcome:
     """Run every iteration through the orchestrator; write the metrics as the run goes (each
-    iteration's row once it is final) and return them.
+    iteration's row once it is final) and return what the run did.
 
     `hooks`: called as each op ends (after the op log and the iteration tracker) and with each
     iteration's metrics row once it is final and written (the console's iteration lines).
@@ -244,6 +299,7 @@ def train(
     its location as they grow (`MetricsWriter`), so a resume needs nothing but the location.
     """
     loc = as_location(run_dir)
+    cpu0, workers0 = time.process_time(), _worker_cpu(executor)
     earlier = completed_records(loc) if resume else []
     writer = MetricsWriter(loc.scratch_dir(), mirror=None if loc.local else loc)
     plan = plan or Plan.build(cfg)
@@ -266,6 +322,13 @@ def train(
         writer.decisions(orch.control.decisions)
         writer.close()
     records = [*earlier, *result.records]
-    return {"iterations": tracker.rows, "wall_s": result.wall_s, "ops": len(records),
-            "run_dir": loc.uri if not loc.local else str(run_dir), "decisions": result.decisions, "records": records,
-            "critical_path": critical_path(records, orch.plan.deps)}
+    workers1 = _worker_cpu(executor)
+    return RunOutcome(
+        iterations=tracker.rows, wall_s=result.wall_s, run_dir=loc.uri if not loc.local else loc.root,
+        scratch_dir=str(loc.scratch_dir()), decisions=result.decisions, records=records,
+        critical_path=critical_path(records, orch.plan.deps), flow_cpu_s=time.process_time() - cpu0,
+        worker_cpu_s=None if workers0 is None or workers1 is None else workers1 - workers0)
+
+
+def _worker_cpu(executor: Executor) -> float | None:
+    return executor.worker_cpu_s() if isinstance(executor, CountsWorkerCPU) else None

@@ -95,3 +95,12 @@ class AbandonsHungOps(Protocol):
         """Cancel the op behind `handle` and restart `worker`, which runs it (a thread cannot
         be stopped, its process can); returns the worker's name."""
         ...
+
+
+@runtime_checkable
+class CountsWorkerCPU(Protocol):
+    """Runs ops in worker processes of its own, whose CPU it can count."""
+
+    def worker_cpu_s(self) -> float:
+        """CPU seconds all its worker processes used so far (every thread)."""
+        ...

@@ -72,8 +72,8 @@ class RunResult:
 
 class Orchestrator:
     """Submits each op when its dependencies are done, with the route chosen at that moment,
-    under the submission policies the config and the executor allow (`policies.policies_for`;
-    `look_ahead` / `fuse` override the config's), calling `hooks` as ops end. `sizes`: the
+    under the submission policies the config and the executor allow (`policies.policies_for`),
+    calling `hooks` as ops end. `sizes`: the
     control plane's op sizes for its warm estimates (default: `token_sizes` of the config).
     `rollout_slots`: see `Router` (the simulator's replica release)."""
 
@@ -85,8 +85,6 @@ class Orchestrator:
         *,
         hooks: Sequence[RunHook] = (),
         skip: Iterable[Op] = (),
-        look_ahead: bool | None = None,
-        fuse: bool | None = None,
         sizes: dict[str, dict[str, float]] | None = None,
         rollout_slots: Callable[[str], int] | None = None,
     ) -> None:
@@ -99,16 +97,8 @@ class Orchestrator:
         #: ops an earlier attempt completed (resume): they count as done
         self.skip = set(skip)
         self.control.ledger.completed.update(self.skip)
-        self.policies = policies_for(plan, cfg, executor, self.control, look_ahead=look_ahead, fuse=fuse)
+        self.policies = policies_for(plan, cfg, executor, self.control)
         self.state = Schedule(plan.deps, self.skip)
-
-    @property
-    def look_ahead(self) -> bool:
-        return self.policies.look_ahead is not None
-
-    @property
-    def fuse(self) -> bool:
-        return self.policies.fusing is not None
 
     def run(self) -> RunResult:
         deps, skip = self.plan.deps, self.skip

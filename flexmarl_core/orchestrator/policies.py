@@ -196,14 +196,12 @@ class Policies:
     fusing: Fusing | None = None
 
 
-def policies_for(plan: Plan, cfg: ExperimentConfig, executor: Executor, control: ControlPlane, *,
-                 look_ahead: bool | None = None, fuse: bool | None = None) -> Policies:
-    """The policies `cfg` asks for that `executor` can carry out (`look_ahead` / `fuse`:
-    override `cluster.look_ahead` / `cluster.fuse_chains`)."""
+def policies_for(plan: Plan, cfg: ExperimentConfig, executor: Executor, control: ControlPlane) -> Policies:
+    """The policies `cfg` asks for (`cluster.look_ahead`, `cluster.fuse_chains`, late binding)
+    that `executor` can carry out."""
     if control.late_binding:
         return Policies(late_binding=LateBinding(plan))
-    ahead = cfg.cluster.look_ahead if look_ahead is None else look_ahead
-    fusing = cfg.cluster.fuse_chains if fuse is None else fuse
+    ahead, fusing = cfg.cluster.look_ahead, cfg.cluster.fuse_chains
     return Policies(
         look_ahead=LookAhead(control) if ahead and isinstance(executor, ChainingExecutor) else None,
         fusing=Fusing(control) if fusing and isinstance(executor, FusingExecutor) else None,

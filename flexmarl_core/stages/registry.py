@@ -1,8 +1,9 @@
 """The one table of stages: op kind -> `fn(ctx, op) -> StageResult`.
 
-`run_stage(run_dir, op)` is what every executor runs in a worker (Prefect tasks are generated
-from this table in `tasks/task_runs.py`): fault point, the worker's context, the stage, and the
-measurements every stage reports (worker, wall and CPU time).
+`run_stage(run_dir, op)` is what every executor runs in a worker (on the real stack as a plain
+Dask task, which the flow reports as a Prefect task run, `tasks/task_runs.py`): fault point,
+the worker's context, the stage, and the measurements every stage reports (worker, wall and
+CPU time).
 """
 
 from __future__ import annotations

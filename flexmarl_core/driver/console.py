@@ -1,8 +1,12 @@
-"""Terminal output of a run: a progress bar per iteration and the closing summary table."""
+"""Terminal output of a run: its few lines, a progress bar per iteration and the closing
+summary table."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +16,34 @@ from rich.table import Table
 
 from flexmarl_core.driver.metrics import metric_agents
 from flexmarl_core.ops import OpRecord, agent_key
+from flexmarl_core.orchestrator.hooks import Callbacks, RunHook
 from flexmarl_core.orchestrator.plan import Plan
 
 # At least 100 columns when the output is not a terminal (a log file, a pipe), where rich would
 # otherwise assume 80 and cut the table.
 console = Console(width=None if sys.stdout.isatty() else 100)
+
+
+class RunConsole:
+    """What a run shows: each line goes to `log` and, with `progress`, to the terminal, where
+    a bar per iteration follows the ops while the run goes (`tracking`)."""
+
+    def __init__(self, progress: bool, log: logging.Logger | logging.LoggerAdapter) -> None:
+        self.progress, self.log = progress, log
+
+    def say(self, line: str) -> None:
+        self.log.info(line)
+        if self.progress:
+            console.print(line, soft_wrap=True)
+
+    @contextlib.contextmanager
+    def tracking(self, plan: Plan) -> Iterator[list[RunHook]]:
+        """The run's hooks that draw its progress (none without `progress`)."""
+        if not self.progress:
+            yield []
+            return
+        with IterationProgress(plan) as bar:
+            yield [Callbacks(bar, bar.iteration)]
 
 
 class IterationProgress:
