@@ -1,9 +1,11 @@
 """Docs that name the code stay true: every backticked reference to a source file, a line, a
-module or a name in docs/ and the README resolves in the tree as it is.
+module or a name in docs/, the README and the product code's own docstrings and comments
+resolves in the tree as it is.
 
 What counts as a reference (inside backticks):
-- a path ending in `.py`, from the repository root or from `flexmarl_core/`
-  (`stages/train.py`); with `:N` the file has a line N, with `:name` it defines `name`;
+- a path ending in `.py`, from the repository root or from `flexmarl_core/` (`stages/train.py`),
+  or, in code, from the file's own folder; with `:N` the file has a line N, with `:name` it
+  defines `name`;
 - a path followed by a backticked name (`` `runtime/worker.py` `checkpoint_due` ``): the file
   defines it (a function, class, method or assignment at any depth);
 - a dotted name rooted in a product package (`flexmarl_core.driver.run.train`): the longest
@@ -20,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 PACKAGES = ("flexmarl_core", "storage", "tasks", "flows", "flexmarl", "bench", "tests")
+CODE = sorted(p for pkg in PACKAGES[:5] for p in (REPO / pkg).rglob("*.py"))
 #: a placeholder in prose, not a file
 PLACEHOLDERS = ("path/to/", "module:function", "file.py:function", "my_rewards/")
 
@@ -62,15 +65,15 @@ def _defined(path: Path) -> frozenset[str]:
     return frozenset(names)
 
 
-def _file(ref: str) -> Path | None:
-    for base in (REPO, REPO / "flexmarl_core"):
+def _file(ref: str, here: Path | None = None) -> Path | None:
+    for base in (REPO, REPO / "flexmarl_core", *([here] if here else [])):
         if (base / ref).is_file():
             return base / ref
     return None
 
 
-def _check_file_ref(ref: str, suffix: str | None, name: str | None) -> str | None:
-    path = _file(ref)
+def _check_file_ref(ref: str, suffix: str | None, name: str | None, here: Path | None = None) -> str | None:
+    path = _file(ref, here)
     if path is None:
         return f"`{ref}`: no such file (from the repository root or flexmarl_core/)"
     if suffix and suffix.isdigit():
@@ -106,7 +109,8 @@ def _problems(page: Path) -> list[str]:
         ref, suffix, name = m.groups()
         if any(p in m.group(0) for p in PLACEHOLDERS) or ref.startswith(("http", "/", "~")):
             continue
-        if (err := _check_file_ref(ref, suffix, name)) is not None:
+        here = page.parent if page.suffix == ".py" else None
+        if (err := _check_file_ref(ref, suffix, name, here)) is not None:
             out.append(err)
     for m in DOTTED_REF.finditer(text):
         if (err := _check_dotted(m.group(1))) is not None:
@@ -117,6 +121,11 @@ def _problems(page: Path) -> list[str]:
 def test_every_code_reference_in_the_docs_resolves():
     bad = [f"{page.relative_to(REPO)}: {p}" for page in PAGES for p in _problems(page)]
     assert not bad, f"{len(bad)} references in the docs name nothing in the code:\n" + "\n".join(bad)
+
+
+def test_every_code_reference_in_the_code_resolves():
+    bad = [f"{path.relative_to(REPO)}: {p}" for path in CODE for p in _problems(path)]
+    assert not bad, f"{len(bad)} references in docstrings and comments name nothing:\n" + "\n".join(bad)
 
 
 def test_the_checker_catches_what_it_should(tmp_path):

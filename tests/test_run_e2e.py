@@ -80,15 +80,15 @@ def test_train_flow_end_to_end(runs, mode):
     meg = MEG.from_config(cfg.team)
     plan = Plan.build(cfg)
 
-    # Every task run completed: one per op of the graph, plus prepare-run, evaluate, report, pictures.
+    # Every task run completed: one per op of the graph, plus warm-start, prepare-run, evaluate, report, pictures.
     # The server records task runs from events in batches: poll briefly.
     deadline = time.time() + 30
     while True:
         runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
-        if len(runs) >= len(plan.ops()) + 4 or time.time() > deadline:
+        if len(runs) >= len(plan.ops()) + 5 or time.time() > deadline:
             break
         time.sleep(0.5)
-    assert len(runs) == len(plan.ops()) + 4
+    assert len(runs) == len(plan.ops()) + 5
     assert all(r.state.is_completed() for r in runs), [r.name for r in runs if not r.state.is_completed()]
     names = {r.name for r in runs}
     assert "rollout[solver] it=1 mb=1" in names and "train[verifier] it=0 mb=0" in names

@@ -1,7 +1,7 @@
 """Experiment configuration: one YAML file per experiment, validated with pydantic.
 
-The one import path for users: the models (`config_models.py`, an agent's in
-`config_agent.py`, the co-design switches in `config_codesign.py`), the readers (`config_load.py`: files, text, `a.b.c=value` overrides, and
+The one import path for users: the models (`models.py`, an agent's in
+`agent.py`, the co-design switches in `codesign.py`), the readers (`load.py`: files, text, `a.b.c=value` overrides, and
 the checks that need the registries and the team graph) and `ConfigError`, which names the
 file and the field.
 

@@ -1,18 +1,20 @@
-"""The critic of a team whose agents use `algorithm.advantage: gae`: which critics a run has,
-what they value and in which order (no torch here: config checks read it).
+"""The trainers of a run and their kinds: each trainable agent's policy and, for a team whose
+agents use `algorithm.advantage: gae`, its critics, with what each critic values (no torch
+here: config checks read it).
 
 A critic is a trainer like an agent's, with a name of its own: `critic` (one for the team,
 `critic.shared: true`, MARFT) or `critic-<agent>` (one per agent, MARTI's independent
-critics). Its ops in the plan (`plan.py`):
+critics). Its ops in the plan (`orchestrator/plan.py`):
 
     reward(it, mb) ─► value(c, it, mb) ─► train(c, it, mb) ─► step(c, it) ─► sync(c, it) ─► value(c, it+1, *)
                               └────────► train(agent, it, mb)   (every agent the critics value)
 
 `value` writes the critic's values of the micro-batch's calls to the store (status field
 `value`, per token `token_values`) with the critic at version `it`; every train op then
-computes the same GAE from the stored rewards and values (`critic_updates.targets`). The chain runs over the
-trainable agents' calls in the team graph's order, round after round, so per-agent critics
-still chain: each call is valued by its own agent's critic.
+computes the same GAE from the stored rewards and values (`runtime/critic.py` `targets`). The
+chain runs over the trainable agents' calls in the team's call order (`TeamShape.call_order`:
+a graph's order, round after round), so per-agent critics still chain: each call is valued by
+its own agent's critic.
 """
 
 from __future__ import annotations

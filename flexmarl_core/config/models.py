@@ -1,8 +1,8 @@
 """The experiment's config models: one pydantic model per component, composed into
-`ExperimentConfig` (an agent's own models are in `config_agent.py`). Every field has a
+`ExperimentConfig` (an agent's own models are in `agent.py`). Every field has a
 description, and every model forbids unknown keys, so a typo fails at load time with the file,
 the field path and what was wrong. Rules that need more than the models (the registries, the
-team graph) are checked where configs are read (`config_load.py`); import all of it from
+team graph) are checked where configs are read (`load.py`); import all of it from
 `flexmarl_core.config`.
 """
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl_core.config import ConfigError, config_from_text
-from flexmarl_core.config.critic import critic_names
+from flexmarl_core.config.critic import trainer_kinds
+from flexmarl_core.runtime.kinds import TRAINER_KINDS, AuditCheck
 from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation, weights_key
 from flexmarl_core.runtime.worker import inputs_by_mb
 from flexmarl_core.teams import team_shape
@@ -65,26 +66,25 @@ def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
     uri = cfg.resolved_store_uri()
     store = MEGStore(uri, create=False)
     expected: dict[tuple[str, int], list[str]] = {}
-    critics = critic_names(cfg)
-    done = completed_iterations(loc, cfg.train.iterations, [*meg.trainable_agents, *critics])
+    trainers = trainer_kinds(cfg)
+    done = completed_iterations(loc, cfg.train.iterations, list(trainers))
     run = _RunFiles(loc, store)
     for it in done:
         for agent in meg.agent_names:
             expected[(agent, it)] = sorted(team.expected_ids(run, it, range(cfg.batch.num_micro_batches), agent))
     problems = audit_store(uri, expected)
-    valued = {a for agents in critics.values() for a in agents}
-    for agent in meg.trainable_agents:
-        # every sample was trained on; one whose advantage came from a critic was also valued
-        checks = [("consumed_step", "unconsumed", "were never trained on")]
-        if agent in valued:
-            checks.append(("value", "unvalued", "have no critic value"))
+    checks: dict[str, list[AuditCheck]] = {}
+    for name, kind in trainers.items():  # each trainer's kind says what its samples must show
+        for agent, cs in TRAINER_KINDS.get(kind).audited(cfg, name).items():
+            checks.setdefault(agent, []).extend(cs)
+    for agent, cs in checks.items():
         for it in done:
-            tbl = store.read_samples(agent, it, columns=["sample_id", *(c for c, _, _ in checks)])
-            for column, kind, what in checks:
-                bare = tbl.filter(tbl.column(column).is_null())
+            tbl = store.read_samples(agent, it, columns=["sample_id", *(c.column for c in cs)])
+            for c in cs:
+                bare = tbl.filter(tbl.column(c.column).is_null())
                 if bare.num_rows:
                     problems.append(Problem(
-                        kind, store.display(store.partition_dir("samples", agent, it)),
-                        f"{bare.num_rows} samples of completed iteration {it} {what}, "
+                        c.kind, store.display(store.partition_dir("samples", agent, it)),
+                        f"{bare.num_rows} samples of completed iteration {it} {c.what}, "
                         f"e.g. {bare.column('sample_id').to_pylist()[:5]}"))
     return uri, problems

@@ -4,7 +4,7 @@
         submit_ready()      route each ready op (control plane) and hand it to the executor
         collect_finished()  wait for any op; record it, release its children
 
-It talks to an `Executor` (`executor_api.py`: submit with routing, wait for any, its clock) so
+It talks to an `Executor` (`executors/api.py`: submit with routing, wait for any, its clock) so
 this module never imports Prefect or Dask: threads (tests), Prefect-on-Dask
 (`tasks/executor.py`) and a simulated clock all run the same loop and the same control plane.
 The loop's own rules are here (ready ops, one op per trainer, lost-worker resubmits, records);

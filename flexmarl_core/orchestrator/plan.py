@@ -16,7 +16,7 @@ and the co-design switches. Per iteration `it` and micro-batch `mb` (whole GRPO 
 - the estimator's scope (`algorithms.advantage_scope`) is a rule of the plan: a batch-scoped
   estimator (`reinforce_pp`) normalises over the iteration, so its train ops wait for every
   reward of the iteration whatever the pipeline; a group-scoped one needs its micro-batch's.
-- critics (agents with `algorithm.advantage: gae`, `critic.py`): `value(c, it, mb)` after the
+- critics (agents with `algorithm.advantage: gae`, `config/critic.py`): `value(c, it, mb)` after the
   micro-batch's reward, `train(c, it, mb)`, `step(c, it)`, `sync(c, it)`; an agent's train op
   of a micro-batch also waits for the critics' values of that micro-batch.
 - `serial` (a baseline, with the two above off): one agent at a time. A turn's rollouts wait

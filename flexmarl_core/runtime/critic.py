@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 from flexmarl_core.algorithms.gae import explained_variance, gae_chain, gae_tokens
 from flexmarl_core.config.critic import base_agent, critic_names
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
-from flexmarl_core.runtime.kinds import Stepped, register_trainer_kind
+from flexmarl_core.runtime.kinds import AuditCheck, Stepped, register_trainer_kind
 from flexmarl_core.runtime.weights import load_weights
 from flexmarl_core.training.api import TrainBackend
 from flexmarl_core.training.critic import CriticTrainer, ValueSample
 
 if TYPE_CHECKING:
+    from flexmarl_core.config import ExperimentConfig
     from flexmarl_core.runtime.worker import WorkerContext
 
 
@@ -179,6 +180,10 @@ class CriticKind:
     on the GAE returns. No rollout instance serves it."""
 
     serves_instances = False
+
+    def audited(self, cfg: ExperimentConfig, critic: str) -> dict[str, list[AuditCheck]]:
+        """Every call of the agents it values has the value their advantages used."""
+        return {a: [AuditCheck("value", "unvalued", "have no critic value")] for a in critic_names(cfg)[critic]}
 
     def new_trainer(self, ctx: WorkerContext, critic: str) -> TrainBackend:
         """A seeded value head on a frozen copy of its base agent's initial model

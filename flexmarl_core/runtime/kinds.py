@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from flexmarl_core.algorithms.registry import Registry
 
 if TYPE_CHECKING:
+    from flexmarl_core.config import ExperimentConfig
     from flexmarl_core.ops import Op, StageResult
     from flexmarl_core.runtime.worker import WorkerContext
     from flexmarl_core.training.api import TrainBackend
@@ -29,11 +30,25 @@ class Stepped(NamedTuple):
     metrics: dict[str, float]
 
 
+class AuditCheck(NamedTuple):
+    """A status column every sample of a completed iteration must have set, the problem's kind
+    when one does not, and what that means (`driver/audit.py`)."""
+
+    column: str
+    kind: str
+    what: str
+
+
 class TrainerKind(Protocol):
     """One kind of trainer (see the module docstring)."""
 
     #: its sync hands the new weights to rollout instances (a critic serves none)
     serves_instances: bool
+
+    def audited(self, cfg: ExperimentConfig, name: str) -> dict[str, list[AuditCheck]]:
+        """Agent -> what the audit checks on its samples once trainer `name` completed an
+        iteration."""
+        ...
 
     def new_trainer(self, ctx: WorkerContext, name: str) -> TrainBackend:
         """`name`'s trainer at version 0 in this process."""

@@ -20,7 +20,7 @@ from flexmarl_core.algorithms.losses import token_weight
 from flexmarl_core.models.lora import SharedBase, base_key
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
 from flexmarl_core.runtime.critic import targets
-from flexmarl_core.runtime.kinds import Stepped, register_trainer_kind
+from flexmarl_core.runtime.kinds import AuditCheck, Stepped, register_trainer_kind
 from flexmarl_core.runtime.location import gradient_key, trainer_key
 from flexmarl_core.runtime.weights import load_gradient, load_weights, publish_gradient
 from flexmarl_core.training import make_trainer
@@ -28,6 +28,7 @@ from flexmarl_core.training.api import GradientTrainer, Sample, TrainBackend
 from flexmarl_core.training.factory import make_lora_trainer
 
 if TYPE_CHECKING:
+    from flexmarl_core.config import ExperimentConfig
     from flexmarl_core.runtime.worker import WorkerContext
 
 #: A micro-batch's store rows (each with its advantage), as read for training.
@@ -211,6 +212,9 @@ class PolicyKind:
     """A trainable agent's policy: trained by the policy loss on its own samples' advantages."""
 
     serves_instances = True
+
+    def audited(self, cfg: ExperimentConfig, agent: str) -> dict[str, list[AuditCheck]]:
+        return {agent: [AuditCheck("consumed_step", "unconsumed", "were never trained on")]}
 
     def new_trainer(self, ctx: WorkerContext, agent: str) -> TrainBackend:
         """LoRA agents on one base share this process's copy of it."""

@@ -5,7 +5,7 @@ unchanged; only the ops' durations come from a `CostModel`.
 Each worker (a device group) runs one op at a time and queues the rest FIFO, like a 1-thread
 Dask worker; with `cost.replica_release`, a rollout frees the group replica by replica and the
 next rollout starts on the replicas already free (`_release`). What a worker holds decides
-what an op costs there, as in `worker.py`: a rollout on a worker without the agent's engine
+what an op costs there, as in `runtime/worker.py`: a rollout on a worker without the agent's engine
 builds it; with an older version it loads the published weights; a trainer op where the
 agent's trainer is not at its version swaps the state in from the checkpoint tier; a step
 checkpoints it (swap out); a sync updates an engine of the agent on the same worker in place.

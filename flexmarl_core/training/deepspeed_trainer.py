@@ -140,7 +140,7 @@ def plain_checkpoint(files: Mapping[str, bytes]) -> dict[str, bytes]:
     whatever a crafted file names. Each `.pt` file must load with torch's weights-only
     unpickler (tensors, containers, scalars and the few DeepSpeed value types of
     `_safe_globals`); `latest` is the tag's text; the helper scripts DeepSpeed writes beside
-    (`zero_to_fp32.py`) are not needed to load and are left out.
+    (its zero_to_fp32.py) are not needed to load and are left out.
 
     Raises:
         ValueError: a file that is not plain data, named.
