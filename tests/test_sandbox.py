@@ -130,6 +130,32 @@ BENIGN: dict[str, tuple[str, list[str]]] = {
                   ["assert candidate(5) == 5"]),
     "recursion_and_stdout": ("def f(n):\n    print('working', n)\n    return 1 if n < 2 else f(n - 1) + f(n - 2)\n",
                              ["assert candidate(15) == 987"]),
+    # What Python runs, the sandbox runs: the program is a real module while it loads.
+    "dataclass": ("from dataclasses import dataclass, field\n@dataclass(frozen=True, order=True)\n"
+                  "class P:\n    x: int\n    tags: list = field(default_factory=list, compare=False)\n"
+                  "def f(n):\n    return sorted(P(i) for i in range(n, 0, -1))[0].x\n",
+                  ["assert candidate(3) == 1"]),
+    "enum": ("import enum\nclass Op(enum.Enum):\n    ADD = '+'\n    MUL = '*'\n"
+             "class Flag(enum.IntFlag):\n    A = 1\n    B = 2\n"
+             "def f(s):\n    return [Op(c).name for c in s] + [int(Flag.A | Flag.B)]\n",
+             ["assert candidate('+*') == ['ADD', 'MUL', 3]"]),
+    "typing": ("from __future__ import annotations\nimport typing\n"
+               "class Pair(typing.NamedTuple):\n    a: int\n    b: int\n"
+               "class Row(typing.TypedDict):\n    n: int\n"
+               "def f(x: int) -> Pair:\n    hints = typing.get_type_hints(f)\n"
+               "    return (Pair(x, x + 1)._asdict()['b'], sorted(hints), Row(n=x)['n'])\n",
+               ["assert candidate(2) == (3, ['return', 'x'], 2)"]),
+    "functools": ("import functools\n@functools.total_ordering\nclass V:\n    def __init__(self, v):\n"
+                  "        self.v = v\n    def __eq__(self, o):\n        return self.v == o.v\n"
+                  "    def __lt__(self, o):\n        return self.v < o.v\n"
+                  "@functools.singledispatch\ndef size(x):\n    return 1\n@size.register\ndef _(x: list):\n"
+                  "    return len(x)\n@functools.lru_cache(maxsize=None)\ndef fib(n):\n"
+                  "    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+                  "def f(n):\n    return (fib(n), size([1, 2]), size(3), V(1) <= V(2))\n",
+                  ["assert candidate(30) == (832040, 2, 1, True)"]),
+    "pickle_own_class": ("import pickle, copy\nclass Node:\n    def __init__(self, v):\n        self.v = v\n"
+                         "def f(v):\n    n = pickle.loads(pickle.dumps(Node(v)))\n    return copy.deepcopy(n).v\n",
+                         ["assert candidate(7) == 7"]),
 }
 
 
@@ -160,6 +186,20 @@ def test_partial_credit_and_per_test_results():
     assert (v.reason, v.passed, v.results) == ("failed", 2, (True, True, False))
     assert v.reward == pytest.approx(2 / 3)
     assert "test 2" in v.detail
+
+
+def test_the_tests_reach_every_function_the_program_defines_but_never_over_a_builtin():
+    """As in HumanEval's harness, a test may call the program's helpers by name; a helper
+    named like a builtin (or a prelude name) does not replace it in the tests, so a program
+    cannot rig the test's own arithmetic."""
+    code = ("def helper(x):\n    return x * 2\n"
+            "def abs(x):\n    return 0\n"
+            "def f(x):\n    return helper(x) + 1\n")
+    tests = ["assert helper(3) == 6 and candidate(3) == 7",
+             "assert abs(candidate(3) - 100) < 1",  # Python's abs: this test must fail
+             "assert prelude_fn(2) == 'prelude'"]
+    v = run_tests(code, tests, ROOMY, entry="f", prelude="def prelude_fn(x):\n    return 'prelude'\n")
+    assert v.results == (True, False, True), v
 
 
 def test_missing_entry_and_syntax_error():

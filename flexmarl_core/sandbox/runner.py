@@ -288,9 +288,10 @@ def run_tests(
 ) -> Verdict:
     """Run `code` in a sandbox and each of `tests` here against its function `entry`.
 
-    A test is Python source run with `candidate` (and `entry`) bound to that function (its arguments and
-    return values cross the pipe, so they must be builtin values: numbers, str, bytes, lists,
-    tuples, sets, dicts); it passes when it raises nothing. `prelude` is trusted source run
+    A test is Python source run with `candidate` (and `entry`) bound to that function, and
+    every other function the code defines bound by its name unless that shadows a builtin or a
+    prelude name (their arguments and return values cross the pipe, so they must be builtin
+    values: numbers, str, bytes, lists, tuples, sets, dicts); it passes when it raises nothing. `prelude` is trusted source run
     first in the tests' namespace (a HumanEval prompt's helpers).
     """
     if not isinstance(code, str):
@@ -317,8 +318,12 @@ def run_tests(
                 _raise_if_limit(ch, msg)
                 raise _Ended("load_error", msg)
             proxy = _Proxy(ch, entry)
+            # The code's other functions by their names, as HumanEval's harness sees them, but
+            # never in place of a builtin or a prelude name: a test's own `abs` stays Python's.
+            helpers = {f: _Proxy(ch, f) for f in loaded.get("functions", [])
+                       if isinstance(f, str) and f.isidentifier() and f not in base and not hasattr(builtins, f)}
             for i, test in enumerate(tests):
-                ns = dict(base, candidate=proxy)
+                ns = dict(base, **helpers, candidate=proxy)
                 ns[entry] = proxy  # a HumanEval check may call the function by its own name
                 try:
                     exec(compile(test, f"<test {i}>", "exec"), ns)
