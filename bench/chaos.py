@@ -151,7 +151,7 @@ def main() -> int:
             decisions = [json.loads(x) for x in chaos_loc.read_text("metrics/decisions.jsonl").splitlines() if x.strip()]
             chaos_ops = {o["op"] for o in ops_of(chaos_loc)}
             task_runs = asyncio.run(_completed_task_runs(chaos_ops))
-        _, problems = audit_run(chaos_uri)
+        problems = audit_run(chaos_uri).problems
         audit_errors = sum(p.severity == "error" for p in problems)
         diff = _weights_diff(peek(calm_uri), chaos_loc, iterations)
     finally:

@@ -2,6 +2,7 @@
 
     flexmarl train CONFIG [--set k=v ...]   train a team (Prefect flow on a local/remote Dask cluster)
     flexmarl train --resume RUN             continue an interrupted run from its last checkpoints
+    flexmarl train CONFIG --overwrite       start afresh over the run in the config's run folder
     flexmarl sft CONFIG [--out DIR]         warm-start checkpoints from demonstrations
     flexmarl store check PATH               list problems in a MEG Store; non-zero exit if any
     flexmarl store audit RUN_OR_STORE       exactly-once audit; exit 1 on duplicates/missing
@@ -79,7 +80,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     elif args.config is None:
         raise ConfigError("train: give a CONFIG file, or --resume RUN to continue a run")
     cfg = _config(args)  # validate before starting anything
-    _preflight(cfg, resume=bool(args.resume))
+    _preflight(cfg, resume=bool(args.resume), overwrite=args.overwrite)
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
         console.print(f"started a local Prefect server at {ui_url(api)} (stop: flexmarl server stop)")
@@ -92,7 +93,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     with temporary_settings(updates={PREFECT_API_URL: api}):
         try:
             state = train(args.config, args.set, progress=not args.no_progress, resume=bool(args.resume),
-                          return_state=True)
+                          overwrite=args.overwrite, return_state=True)
         except httpx.TransportError as exc:  # the API stayed away past every retry
             console.print(f"[red]run stopped: the Prefect API at {api} did not answer "
                           f"({type(exc).__name__}: {exc}); what finished is stored: start the API, "
@@ -126,11 +127,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentConfig
+def _preflight(cfg, *, resume: bool, overwrite: bool = False) -> None:  # noqa: ANN001 - an ExperimentConfig
     """Check what the config points at, now: a broken dataset row or reward callable, a missing
-    warm-start checkpoint, an unreachable `cluster.address` or a resume that cannot work fails
-    here, as a one-line error, before a Prefect server, a cluster or a half-made run folder
-    exists."""
+    warm-start checkpoint, an unreachable `cluster.address`, a run folder another run holds or
+    a resume that cannot work fails here, as a one-line error, before a Prefect server, a
+    cluster or a half-made run folder exists."""
     from flexmarl_core.workloads import make_workload
 
     make_workload(cfg.workload, cfg.team)
@@ -153,6 +154,7 @@ def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentCon
                               "machine (the local cluster's workers run here); use cpu")
     if cfg.cluster.address:
         check_address(cfg.cluster.address)
+    from flexmarl_core.driver.lease import RunExistsError, RunLockedError, check_claim
     from flexmarl_core.driver.run import (
         ResumeError,
         RunFolderError,
@@ -164,11 +166,12 @@ def _preflight(cfg, *, resume: bool) -> None:  # noqa: ANN001 - an ExperimentCon
     try:
         check_reachable("run_dir", cfg.run_dir.format(name=cfg.name))
         check_reachable("store.uri", cfg.resolved_store_uri())
+        check_claim(cfg.run_location(), resume=resume, overwrite=overwrite)
         if resume:
             check_resumable(cfg, cfg.run_location())
         else:
             check_run_folder(cfg.run_location(), cfg.train.init_from)
-    except (LocationError, ResumeError, RunFolderError) as exc:
+    except (LocationError, ResumeError, RunFolderError, RunLockedError, RunExistsError) as exc:
         raise ConfigError(str(exc)) from None
 
 
@@ -208,15 +211,21 @@ def cmd_store_audit(args: argparse.Namespace) -> int:
         if run_like and not loc.exists(MARKER):
             from flexmarl_core.driver.audit import audit_run
 
-            uri, problems = audit_run(path)
+            run = audit_run(path)
+            uri, problems = run.uri, run.problems
+            checked = (f"checked {len(run.iterations)} completed iteration(s), {run.samples} samples, "
+                       f"{run.ops} ops and {run.rows} iteration rows: {run.verdict()}")
         else:
             uri, problems = path, audit_store(path)
+            checked = ""
     except (OSError, StoreError) as exc:
         print(f"error: cannot audit {path}: {exc}", file=sys.stderr)
         return 2
     for p in problems:
         print(p)
     errors = sum(p.severity == "error" for p in problems)
+    if checked:
+        print(checked)
     print(f"{uri}: {errors} error(s), {len(problems) - errors} warning(s)")
     return 1 if errors else 0
 
@@ -375,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config field, e.g. --set batch.group_size=8")
     t.add_argument("--resume", metavar="RUN", default=None,
                    help="continue an interrupted run from its folder (its own config, last checkpoints)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start afresh over the run already in the run folder (its files are deleted)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(fn=cmd_train)
 

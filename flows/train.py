@@ -16,6 +16,7 @@ from prefect.settings import PREFECT_UI_URL
 from flexmarl_core.config import load_config
 from flexmarl_core.driver import run
 from flexmarl_core.driver.console import RunConsole
+from flexmarl_core.driver.lease import RunLease
 from flexmarl_core.orchestrator.plan import Plan
 from tasks import prepare, report
 from tasks.executor import open_executor
@@ -23,11 +24,13 @@ from tasks.executor import open_executor
 
 @flow(name="flexmarl-train")
 def train(config: str, overrides: list[str] | None = None, progress: bool = True,
-          resume: bool = False) -> dict[str, Any]:
+          resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train the team described by `config` (a YAML path) with `overrides` (`a.b=c`).
 
     `resume`: continue the interrupted run in the config's run folder instead of starting
     afresh. A Prefect retry of a failed flow run resumes too (its run folder is kept).
+    `overwrite`: start afresh over a run already in the run folder. The run holds the folder's
+    lease while it goes (`driver/lease.py`): a second launch on it stops with the owner named.
     """
     shown = RunConsole(progress, get_run_logger())
     if PREFECT_UI_URL.value():
@@ -35,13 +38,15 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
     cfg = load_config(config, overrides or [])
     loc = cfg.run_location()  # a local folder or a URI: what the workers are told
     resume = resume or (flow_run.run_count > 1 and loc.exists(run.CONFIG_NAME))
-    if resume:
-        run.check_resumable(cfg, loc)
-        shown.log.info("resuming the run in %s", loc.uri)
-    else:
-        prepare.prepare_run(cfg, prepare.warm_start(cfg, echo=progress), echo=progress)
-    plan = Plan.build(cfg)
-    with open_executor(cfg, flow_run.get_id(), flow_run.run_count, get_run_logger()) as ex, \
-            shown.tracking(plan) as hooks:
-        outcome = run.train(cfg, loc, ex, hooks=hooks, resume=resume, plan=plan)
-    return {"summary": report.summarise(cfg, outcome), "iterations": outcome.iterations}
+    with RunLease.acquire(loc, resume=resume, overwrite=overwrite, flow_run=str(flow_run.get_id())) as lease:
+        prepare.mark_crashed(lease.taken_from)  # the flow run of a run that died without ending
+        if resume:
+            run.check_resumable(cfg, loc)
+            shown.log.info("resuming the run in %s", loc.uri)
+        else:
+            prepare.prepare_run(cfg, prepare.warm_start(cfg, echo=progress), echo=progress)
+        plan = Plan.build(cfg)
+        with open_executor(cfg, flow_run.get_id(), flow_run.run_count, get_run_logger()) as ex, \
+                shown.tracking(plan) as hooks:
+            outcome = run.train(cfg, loc, ex, hooks=hooks, resume=resume, plan=plan)
+        return {"summary": report.summarise(cfg, outcome), "iterations": outcome.iterations}

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Crashed
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.driver import run, sft
 from flexmarl_core.driver.console import console
+from flexmarl_core.driver.lease import Lease
 from flexmarl_core.models import default_cache_dir
 
 
@@ -46,3 +48,20 @@ def prepare_run(cfg: ExperimentConfig, warm: dict[str, Any] | None = None, echo:
     run_dir = str(run.prepare_run(cfg, log=_log(echo), warm=warm))
     get_run_logger().info("prepared run folder %s (store %s)", run_dir, cfg.resolved_store_uri())
     return run_dir
+
+
+def mark_crashed(stale: Lease | None) -> None:
+    """The flow run of a run whose lease this run took over (its process died without ending
+    the flow run) is marked Crashed, so the UI stops showing it Running."""
+    if stale is None or stale.flow_run is None:
+        return
+    log = get_run_logger()
+    try:
+        with get_client(sync_client=True) as client:
+            old = client.read_flow_run(stale.flow_run)
+            if old.state is not None and not old.state.is_final():
+                client.set_flow_run_state(stale.flow_run, Crashed(message=f"its process ({stale.owner()}) ended "
+                                                                          "without ending the run"), force=True)
+                log.info("flow run %s of the run taken over marked Crashed", stale.flow_run)
+    except Exception as exc:  # a flow run of another server, or gone: nothing to mark
+        log.info("flow run %s of the run taken over not marked Crashed: %s", stale.flow_run, exc)

@@ -1,12 +1,13 @@
 """Exactly-once audit of a run: every expected sample of every completed iteration is stored
-once, and every status row belongs to a stored sample (`flexmarl store audit RUN_DIR`)."""
+once, every status row belongs to a stored sample, and the run's op log and iteration log
+record each op and iteration once, in order (`flexmarl store audit RUN_DIR`)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from flexmarl_core.config import ConfigError, config_from_text
 from flexmarl_core.config.critic import trainer_kinds
@@ -36,27 +37,78 @@ def completed_iterations(run_dir: str | Path | RunLocation, iterations: int, tra
     checkpoints its sync in the op log): all their samples were produced, rewarded and
     trained on."""
     loc = run_dir if isinstance(run_dir, RunLocation) else RunLocation(run_dir)
-    synced: set[str] = set()
-    try:
-        lines = loc.read_text("metrics/ops.jsonl").splitlines()
-    except FileNotFoundError:
-        lines = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line
-        if row.get("kind") == "sync":
-            synced.add(row["op"])
+    synced = {row["op"] for row in _rows(loc, "metrics/ops.jsonl") if row.get("kind") == "sync"}
     return [k for k in range(iterations) if trainable and all(
         f"sync[{a}] it={k}" in synced or loc.is_file(weights_key(a, k + 1)) for a in trainable)]
 
 
-def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
-    """(store URI, problems) of a run folder: `audit_store` with the sample_ids each completed
-    iteration must hold (from its inputs and the team graph), and, for trainable agents,
-    samples of a completed iteration that no update consumed (or, with gae, no critic valued);
-    an iteration counts as completed once its critics synced too."""
+class RunAudit(NamedTuple):
+    """What `audit_run` found, and what it checked: completed iterations, the samples they
+    must hold, the op log's ops and the iteration log's rows."""
+
+    uri: str
+    problems: list[Problem]
+    iterations: list[int]
+    samples: int
+    ops: int
+    rows: int
+
+    def verdict(self) -> str:
+        """`clean`, `empty` (nothing completed to check), or the count of errors."""
+        errors = sum(p.severity == "error" for p in self.problems)
+        if errors:
+            return f"{errors} error(s)"
+        return "empty (no completed iteration)" if not self.iterations else "clean"
+
+
+def log_problems(loc: RunLocation) -> tuple[int, int, list[Problem]]:
+    """(ops, iteration rows, problems) of a run's op and iteration logs: an op recorded twice
+    (a train op may be recorded again by a resume before its step, which redoes it), and
+    iteration rows that repeat or go back (two runs wrote into one folder)."""
+    problems: list[Problem] = []
+    seen: dict[str, int] = {}
+    stepped: set[tuple[str, int]] = set()
+    ops = 0
+    for n, row in enumerate(_rows(loc, "metrics/ops.jsonl"), 1):
+        ops += 1
+        name, kind = str(row.get("op")), row.get("kind")
+        if name in seen and not (kind == "train" and (row.get("agent"), row.get("iteration")) not in stepped):
+            problems.append(Problem("op_twice", loc.display("metrics/ops.jsonl"),
+                                    f"{name} recorded twice (lines {seen[name]} and {n}): two runs wrote "
+                                    "into this folder, or an op ran again after it was recorded"))
+        seen.setdefault(name, n)
+        if kind == "step":
+            stepped.add((row.get("agent"), row.get("iteration")))
+    its = [r.get("iteration") for r in _rows(loc, "metrics/iterations.jsonl")]
+    for k, it in enumerate(its):
+        if it != k:
+            problems.append(Problem("iterations_out_of_order", loc.display("metrics/iterations.jsonl"),
+                                    f"row {k + 1} is iteration {it}, expected {k} (rows: {its[:12]}"
+                                    f"{'...' if len(its) > 12 else ''}): two runs wrote into this folder"))
+            break
+    return ops, len(its), problems
+
+
+def _rows(loc: RunLocation, key: str) -> list[dict[str, Any]]:
+    try:
+        lines = loc.read_text(key).splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line
+    return out
+
+
+def audit_run(run_dir: str | Path) -> RunAudit:
+    """A run folder's audit: `audit_store` with the sample_ids each completed iteration must
+    hold (from its inputs and the team's shape), what each trainer's kind checks on its
+    agents' samples (consumed by an update; with gae, valued by a critic), and the op and
+    iteration logs (`log_problems`). An iteration counts as completed once every trainer,
+    critics included, synced it."""
     loc = RunLocation(run_dir)
     if not loc.is_file(CONFIG_NAME):
         raise ConfigError(f"{loc.uri}: neither a MEG store nor a run folder (no {CONFIG_NAME})")
@@ -73,6 +125,8 @@ def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
         for agent in meg.agent_names:
             expected[(agent, it)] = sorted(team.expected_ids(run, it, range(cfg.batch.num_micro_batches), agent))
     problems = audit_store(uri, expected)
+    ops, rows, logged = log_problems(loc)
+    problems += logged
     checks: dict[str, list[AuditCheck]] = {}
     for name, kind in trainers.items():  # each trainer's kind says what its samples must show
         for agent, cs in TRAINER_KINDS.get(kind).audited(cfg, name).items():
@@ -87,4 +141,4 @@ def audit_run(run_dir: str | Path) -> tuple[str, list[Problem]]:
                         c.kind, store.display(store.partition_dir("samples", agent, it)),
                         f"{bare.num_rows} samples of completed iteration {it} {c.what}, "
                         f"e.g. {bare.column('sample_id').to_pylist()[:5]}"))
-    return uri, problems
+    return RunAudit(uri, problems, done, sum(len(v) for v in expected.values()), ops, rows)

@@ -31,6 +31,7 @@ from flexmarl_core.orchestrator.loop import Executor, Orchestrator
 from flexmarl_core.orchestrator.plan import Plan
 from flexmarl_core.runtime.location import (
     CONFIG_NAME,
+    LEASE_NAME,
     RUN_MARKER,
     WARM_START_NAME,
     RunLocation,
@@ -54,7 +55,7 @@ class RunFolderError(ValueError):
 
 
 def _is_run_folder(loc: RunLocation) -> bool:
-    if loc.exists(RUN_MARKER):
+    if loc.exists(RUN_MARKER) or loc.exists(LEASE_NAME):  # a lease is left only on a checked folder
         return True
     try:  # a run folder of an earlier version: its config names this very folder
         saved = yaml.safe_load(loc.read_text(CONFIG_NAME))
@@ -104,7 +105,7 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
     loc = cfg.run_location()
     if fresh:
         check_run_folder(loc, cfg.train.init_from)
-        loc.delete_all()
+        loc.delete_all(keep=(LEASE_NAME,))  # the lease of the run that replaces it
         if not loc.local:  # metrics and logs of an earlier run at this URI
             shutil.rmtree(loc.scratch_dir(), ignore_errors=True)
     if loc.local:

@@ -7,6 +7,7 @@ the endpoint from `AWS_ENDPOINT_URL` for S3-compatible servers). Tasks carry the
 `uri` string; `RunLocation(uri)` opens it again in the worker.
 
     RUN/.flexmarl-run                       marker: this is a run folder (a fresh run may replace it)
+    RUN/run.lease                           its owner while a run uses it (driver/lease.py)
     RUN/config.yaml                         the resolved config, written last by prepare_run
     RUN/weights/<agent>/v<k>.safetensors    published weights, one file per version
     RUN/trainers/<agent>/v<k>.state         trainer state after k steps (training/handles.py format)
@@ -38,6 +39,7 @@ from storage.atomic import atomic_file
 from storage.fs import open_filesystem
 
 RUN_MARKER = ".flexmarl-run"
+LEASE_NAME = "run.lease"
 CONFIG_NAME = "config.yaml"
 WARM_START_NAME = "warm_start.json"
 FAULTS_SUFFIX = ".faults"
@@ -210,16 +212,36 @@ class RunLocation:
         except FileNotFoundError:
             pass
 
-    def delete_all(self) -> None:
-        """Delete everything under this location (a fresh run replacing an old one)."""
+    def delete_all(self, keep: tuple[str, ...] = ()) -> None:
+        """Delete everything under this location (a fresh run replacing an old one) but the
+        top-level entries named in `keep` (the new run's lease)."""
         if self.local:
-            if os.path.exists(self.root):
+            if not os.path.exists(self.root):
+                return
+            if not keep:
                 shutil.rmtree(self.root)
+                return
+            for entry in os.scandir(self.root):
+                if entry.name in keep:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
             return
-        try:
-            self.fs.delete_dir(self.root)
-        except FileNotFoundError:
-            pass
+        if not keep:
+            try:
+                self.fs.delete_dir(self.root)
+            except FileNotFoundError:
+                pass
+            return
+        for info in self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)):
+            if info.base_name in keep:
+                continue
+            if info.type == pafs.FileType.Directory:
+                self.fs.delete_dir(info.path)
+            else:
+                self.fs.delete_file(info.path)
 
 
 class LocationError(ValueError):
