@@ -18,6 +18,9 @@ from flexmarl_core.config.checks import check_name, check_template
 from flexmarl_core.config.codesign import CodesignConfig
 from flexmarl_core.ops import OP_KINDS
 
+#: a reward call's deadline when `cluster.deadlines.per_kind_s` sets none for `reward`
+DEFAULT_REWARD_S = 60.0
+
 
 class EdgeConfig(_Strict):
     src: str = Field(description="Agent whose output is fed forward.")
@@ -185,9 +188,21 @@ class DeadlineConfig(_Strict):
     floor_s: float = Field(300.0, gt=0.0, description="Never hung sooner than this.")
     per_kind_s: dict[str, float] = Field(
         default_factory=dict,
-        description="Fixed deadlines in seconds by op kind (rollout, reward, train, step, sync, "
-        "program), used instead of factor and floor_s.",
+        description="Fixed deadlines in seconds by op kind (rollout, train, step, sync, program), used "
+        "instead of factor and floor_s. `reward` bounds each reward call (one trajectory's scoring, "
+        "in a reward or program op, default 60): past it that input's trajectories fail and train "
+        "nobody, and the run goes on.",
     )
+    reward_timeouts: int = Field(
+        3, ge=1,
+        description="Inputs in a row whose reward ran past its deadline that stop the run (the "
+        "reward function is broken or too slow), with an error naming it and the input.",
+    )
+
+    @property
+    def reward_s(self) -> float:
+        """One reward call's deadline."""
+        return self.per_kind_s.get("reward", DEFAULT_REWARD_S)
 
     @field_validator("per_kind_s")
     @classmethod

@@ -176,13 +176,14 @@ class ControlPlane:
         (`cluster.deadlines`): a fixed one for its kind, else `factor` times its estimate and
         the ops queued ahead of it on its worker, never under `floor_s`."""
         d = self.deadlines
-        if op.kind in d.per_kind_s:
+        if op.kind in d.per_kind_s and op.kind != "reward":  # `reward` bounds each reward call instead
             return d.per_kind_s[op.kind]
         ahead = self.ledger.outstanding.get(route.worker, 0) if route.worker else 0
         return max(d.floor_s, d.factor * self.ledger.estimate(op.kind, op.agent) * (1 + ahead))
 
-    def hung(self, op: Op, worker: str, deadline_s: float, waited_s: float) -> None:
-        self.decisions.append(HungOp(t=self.clock(), op=op.name, worker=worker,
+    def hung(self, ops: str, worker: str, deadline_s: float, waited_s: float) -> None:
+        """`ops` (one op's name, or a fused run's names joined by ` + `) ran past its deadline."""
+        self.decisions.append(HungOp(t=self.clock(), op=ops, worker=worker,
                                      deadline_s=round(deadline_s, 3), waited_s=round(waited_s, 3)))
 
     def resubmitted(self, op: Op, route: Route, exc: BaseException) -> None:

@@ -92,7 +92,8 @@ class Resubmit:
 @dataclass(frozen=True, slots=True)
 class HungOp:
     """An op ran past its deadline (`cluster.deadlines`) without ending or failing: it was
-    cancelled, `worker` (the one running it) restarted, and the op submitted again."""
+    cancelled, `worker` (the one running it) restarted, and the op submitted again. `op`: its
+    name, or a fused run's names joined by ` + ` (one Dask task ran them all)."""
 
     decision: ClassVar[str] = "hung_op"
     t: float

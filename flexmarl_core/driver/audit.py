@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from flexmarl_core.config import ConfigError, config_from_text
 from flexmarl_core.config.critic import trainer_kinds
 from flexmarl_core.runtime.kinds import TRAINER_KINDS, AuditCheck
@@ -121,9 +124,12 @@ def audit_run(run_dir: str | Path) -> RunAudit:
     trainers = trainer_kinds(cfg)
     done = completed_iterations(loc, cfg.train.iterations, list(trainers))
     run = _RunFiles(loc, store)
+    mbs = range(cfg.batch.num_micro_batches)
+    trained: dict[tuple[str, int], set[str]] = {}
     for it in done:
         for agent in meg.agent_names:
-            expected[(agent, it)] = sorted(team.expected_ids(run, it, range(cfg.batch.num_micro_batches), agent))
+            expected[(agent, it)] = sorted(team.expected_ids(run, it, mbs, agent, trained=False))
+            trained[(agent, it)] = team.expected_ids(run, it, mbs, agent)
     problems = audit_store(uri, expected)
     ops, rows, logged = log_problems(loc)
     problems += logged
@@ -134,6 +140,8 @@ def audit_run(run_dir: str | Path) -> RunAudit:
     for agent, cs in checks.items():
         for it in done:
             tbl = store.read_samples(agent, it, columns=["sample_id", *(c.column for c in cs)])
+            ours = pa.array(sorted(trained[(agent, it)]), pa.string())  # a failed trajectory trains nobody
+            tbl = tbl.filter(pc.is_in(tbl.column("sample_id"), value_set=ours))
             for c in cs:
                 bare = tbl.filter(tbl.column(c.column).is_null())
                 if bare.num_rows:

@@ -103,6 +103,9 @@ def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: in
     m["balance_moves"] = sum(1 for d in decisions if isinstance(d, MoveInstance) and prev_end < d.t <= end)
     m["train_swaps"] = sum(1 for d in decisions if isinstance(d, TrainSlot) and d.iteration == it and d.swap)
     m["gradient_helpers"] = sum(1 for d in decisions if isinstance(d, GradientHelper) and d.iteration == it)
+    # trajectories that train nobody: a program that raised, a reward past its deadline
+    m["failed_trajectories"] = sum(r.result.metrics.get("team/program/failed", 0.0)
+                                   + r.result.metrics.get("team/reward/failed", 0.0) for r in ops)
     m.update({f"stage_s/{k}": v for k, v in sorted(stage_s.items())})
     m.update({f"busy_s/{w}": busy.get(w, 0.0) for w in workers})
     m.update(_train_stats(ops))

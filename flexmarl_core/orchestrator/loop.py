@@ -297,10 +297,12 @@ class Orchestrator:
             worker = ex.abandon(handle, where)
             del st.running[handle]
             self._unsubmit(handle, run)
-            self.control.hung(run.op, worker, run.deadline_s, now - run.since)
+            # A fused run is one task: name every op of it, the one that hung among them.
+            what = " + ".join(o.name for o, _ in run.ops)
+            self.control.hung(what, worker, run.deadline_s, now - run.since)
             if self._resubmits[run.op] >= LOST_WORKER_RESUBMITS:
                 raise OrchestratorError(
-                    f"{run.op.name} hung {self._resubmits[run.op] + 1} times: it ran past its "
+                    f"{what} hung {self._resubmits[run.op] + 1} times: it ran past its "
                     f"deadline of {run.deadline_s:.0f} s (cluster.deadlines) on worker {worker}")
             self._requeue(run, run.op)
 

@@ -27,6 +27,7 @@ from flexmarl_core.programs.engines import DemoDispatcher, LocalDispatcher
 from flexmarl_core.programs.gateway import AgentSpec, Gateway, Session
 from flexmarl_core.programs.runner import Job, check_failures, load_program, run_program
 from flexmarl_core.workloads.api import Problem, SupportsPerturbation, Workload
+from flexmarl_core.workloads.bounded import Deadline
 
 
 def _model_folder(acfg: AgentConfig, seed: int) -> Path:
@@ -146,20 +147,33 @@ class Scored:
 
 
 def score(team: ProgramTeam, workload: Workload, problems: Mapping[str, Problem],
-          results: Sequence[TrajectoryResult], trainable: set[str]) -> Scored:
+          results: Sequence[TrajectoryResult], trainable: set[str], deadline: Deadline | None = None) -> Scored:
     """Rewards of every trajectory that ended with an answer (`workload.reward` on each agent's
-    last output, the program's answer as the output agent's), the rows of their calls, and per
-    micro-batch the manifest of what was written: the sample ids that count, the failures."""
+    last output, the program's answer as the output agent's, each call within `deadline`), the
+    rows of their calls, and per micro-batch the manifest of what was written: the sample ids
+    that count, the failures (a trajectory that raised, or whose input's reward hung)."""
     out = Scored({}, {}, {}, [], {}, {})
+    hung: set[str] = set()
     for res in results:
         man = out.manifest.setdefault(res.mb, {"samples": {}, "failed": []})
-        if res.error is not None:
-            man["failed"].append({"input_id": res.input_id, "traj": res.traj, "error": res.error[:500]})
+        if res.error is not None or res.input_id in hung:
+            why = res.error or "its input's reward ran past its deadline"
+            man["failed"].append({"input_id": res.input_id, "traj": res.traj, "error": why[:500]})
             continue
         problem = problems[res.input_id]
         outputs = team.outputs(res)
-        rewards = workload.reward(problem, outputs)
-        out.correct.append(float(workload.is_correct(problem, outputs)))
+
+        def scored(p: Problem = problem, o: dict[str, str] = outputs) -> tuple[dict[str, float], float]:
+            return workload.reward(p, o), float(workload.is_correct(p, o))
+
+        ok, got = deadline.call(scored, res.input_id) if deadline is not None else (True, scored())
+        if not ok or got is None:
+            hung.add(res.input_id)
+            man["failed"].append({"input_id": res.input_id, "traj": res.traj,
+                                  "error": f"the reward ran past its deadline of {deadline.seconds:g} s"})
+            continue
+        rewards, acc = got
+        out.correct.append(acc)
         for agent in team.agents:
             out.calls[agent] = out.calls.get(agent, 0) + sum(1 for r in res.records if r.agent == agent)
         for agent, rs in trajectory_rows(res, team.decode).items():

@@ -63,6 +63,12 @@ def program_key(iteration: int, mb: int) -> str:
     return f"programs/it{iteration}/mb{mb}.json"
 
 
+def reward_key(iteration: int, mb: int) -> str:
+    """A reward op's manifest of one micro-batch when some of its trajectories failed (their
+    reward ran past its deadline): `{"failed": [{"input_id", "traj", "error"}]}`."""
+    return f"rewards/it{iteration}/mb{mb}.json"
+
+
 def gradient_key(agent: str, iteration: int, mb: int) -> str:
     """A gradient helper's gradient of one micro-batch (`codesign.gradient_helpers`), until the
     agent's step of `iteration` adds it."""

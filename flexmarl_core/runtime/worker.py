@@ -58,6 +58,7 @@ from flexmarl_core.training.api import GradientTrainer
 from flexmarl_core.training.handles import dump, load
 from flexmarl_core.workloads import make_workload
 from flexmarl_core.workloads.api import Workload
+from flexmarl_core.workloads.bounded import Deadline
 from storage import MEGStore, Store, retry
 
 __all__ = ["CONFIG_NAME", "WorkerContext", "as_location", "context", "load_weights", "publish_weights",
@@ -86,6 +87,7 @@ class WorkerContext:
     _inputs: dict[int, dict[int, list[dict[str, Any]]]] = field(default_factory=dict)
     _store: Store | None = None
     _workload: Workload | None = None
+    _reward_deadline: Deadline | None = None
     #: re-entrant: a rollout holding it may replay its trainer (`trainer`), which takes it too
     lock: threading.RLock = field(default_factory=threading.RLock)
     #: weights versions this process took from a sync's push instead of reading the file
@@ -110,6 +112,16 @@ class WorkerContext:
         if self._workload is None:
             self._workload = make_workload(self.cfg.workload, self.cfg.team)
         return self._workload
+
+    @property
+    def reward_deadline(self) -> Deadline:
+        """The deadline of each reward call of this run in this process
+        (`cluster.deadlines`), with its count of inputs in a row past it."""
+        if self._reward_deadline is None:
+            d, wl = self.cfg.cluster.deadlines, self.cfg.workload
+            what = f"workload.reward {wl.reward!r}" if wl.reward else f"the {wl.kind} workload's reward"
+            self._reward_deadline = Deadline(what, d.reward_s, d.reward_timeouts)
+        return self._reward_deadline
 
     @property
     def transport(self) -> WeightTransport:

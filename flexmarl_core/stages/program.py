@@ -43,7 +43,7 @@ def program(ctx: WorkerContext, op: Op) -> StageResult:
     with host.detached():  # the op waits on its calls; the worker runs other ops meanwhile
         results, session = team.run(jobs, host.dispatcher(ctx, worker_name()), versions,
                                     lambda i, t, a, c: stage_seed(seed, it, i, t, a, c), where=op.name)
-    got = score(team, ctx.workload, problems, results, set(ctx.meg.trainable_agents))
+    got = score(team, ctx.workload, problems, results, set(ctx.meg.trainable_agents), ctx.reward_deadline)
     for agent, rows in got.rows.items():
         ctx.store.write_samples(agent, it, rows)
     for agent, rows in got.status.items():
@@ -71,6 +71,7 @@ def _result(op: Op, got: Any, results: list, session: Any, versions: dict[str, i
     metrics: dict[str, float] = {
         "team/accuracy": sum(got.correct) / max(len(got.correct), 1),
         "team/program/failed": float(len(results) - n_ok),
+        "team/reward/failed": float(sum(len(m["failed"]) for m in got.manifest.values()) - (len(results) - n_ok)),
         "team/program/requests_per_decode": sum(d[1] for d in session.decodes) / max(len(session.decodes), 1),
         "team/program/decodes": float(len(session.decodes)),
     }

@@ -1,11 +1,19 @@
-"""Reward: score one micro-batch of trajectories and append the rewards to the store."""
+"""Reward: score one micro-batch of trajectories and append the rewards to the store.
+
+Each trajectory's scoring runs under the reward's deadline (`WorkerContext.reward_deadline`):
+an input whose reward runs past it fails with all its trajectories, which get no reward and
+train nobody; they are listed in the micro-batch's reward manifest (`location.reward_key`),
+which the team's shape reads to say which samples training and the audit expect.
+"""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from typing import Any
 
 from flexmarl_core.ops import Op, StageResult, agent_key
+from flexmarl_core.runtime.location import reward_key
 from flexmarl_core.runtime.worker import WorkerContext
 from flexmarl_core.stages.registry import stage
 from flexmarl_core.workloads.api import Problem
@@ -28,36 +36,50 @@ def reward(ctx: WorkerContext, op: Op) -> StageResult:
     rewards: dict[tuple[str, int], dict[str, float]] = {}
     correct = []
     problems: dict[str, Problem] = {}
+    failed: dict[tuple[str, int], str] = {}
+    hung: set[str] = set()  # inputs whose reward ran past its deadline: their other trajectories fail too
+    wl = ctx.workload
     for (input_id, traj), outputs in final.items():
         inp = inputs[input_id]
         problem = problems.setdefault(input_id, Problem(input_id=input_id, text=inp["text"],
                                                         answer=inp["answer"], meta=inp["meta"]))
-        rewards[(input_id, traj)] = ctx.workload.reward(problem, outputs)
-        correct.append(float(ctx.workload.is_correct(problem, outputs)))
-    metrics = {"team/accuracy": sum(correct) / max(len(correct), 1)}
-    wl = ctx.cfg.workload
-    order = ctx.team.call_order() if wl.credit == "step_discount" else {}
+        if input_id in hung:
+            failed[(input_id, traj)] = "its input's reward ran past its deadline"
+            continue
+        ok, got = ctx.reward_deadline.call(
+            lambda p=problem, o=outputs: (wl.reward(p, o), float(wl.is_correct(p, o))), input_id)
+        if not ok or got is None:
+            hung.add(input_id)
+            failed[(input_id, traj)] = f"the reward ran past its deadline of {ctx.reward_deadline.seconds:g} s"
+            continue
+        rewards[(input_id, traj)], acc = got
+        correct.append(acc)
+    metrics = {"team/accuracy": sum(correct) / max(len(correct), 1), "team/reward/failed": float(len(failed))}
+    order = ctx.team.call_order() if ctx.cfg.workload.credit == "step_discount" else {}
     for agent, rows in samples.items():
         # The last turn gets the trajectory's reward; the workload may pay earlier turns for
         # their own work (`turn_rewards`).
         turns: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
         for r in rows:
-            turns[(r["input_id"], r["traj"])].append(r)
+            if (r["input_id"], r["traj"]) not in failed:
+                turns[(r["input_id"], r["traj"])].append(r)
         per_sample: dict[str, float] = {}
         for key, trs in turns.items():
             trs.sort(key=lambda r: r["turn"])
-            given = ctx.workload.turn_rewards(problems[key[0]], agent, [r["response_text"] for r in trs],
-                                              rewards[key][agent])
+            given = wl.turn_rewards(problems[key[0]], agent, [r["response_text"] for r in trs], rewards[key][agent])
             if order:  # credit: step_discount, by the call's place in the trajectory
-                given = [step_discount(v, order[(agent, r["turn"])], len(order), wl.credit_gamma)
+                given = [step_discount(v, order[(agent, r["turn"])], len(order), ctx.cfg.workload.credit_gamma)
                          for r, v in zip(trs, given, strict=True)]
             per_sample.update((r["sample_id"], float(v)) for r, v in zip(trs, given, strict=True))
         status = [
             {"sample_id": r["sample_id"], "policy_version": r["policy_version"], "mb": mb,
              "reward": per_sample[r["sample_id"]]}
-            for r in rows
+            for r in rows if r["sample_id"] in per_sample
         ]
         if ctx.cfg.agent(agent).trainable:
             ctx.store.write_status(agent, it, status)
         metrics[agent_key(agent, "reward")] = sum(s["reward"] for s in status) / max(len(status), 1)
+    if failed:  # last: what training reads to leave them out
+        ctx.loc.write_text(reward_key(it, mb), json.dumps({"failed": [
+            {"input_id": i, "traj": t, "error": why} for (i, t), why in sorted(failed.items())]}))
     return StageResult(op, samples=len(correct), metrics=metrics)

@@ -88,9 +88,11 @@ class TeamShape(Protocol):
         """Iteration `it`'s sample-producing ops (with the plan's gates and switches)."""
         ...
 
-    def expected_ids(self, run: RunView, it: int, mbs: Sequence[int], agent: str) -> set[str]:
+    def expected_ids(self, run: RunView, it: int, mbs: Sequence[int], agent: str, *,
+                     trained: bool = True) -> set[str]:
         """The sample ids of `agent` that micro-batches `mbs` of iteration `it` committed (or
-        must commit): what a train op and the audit hold the store to."""
+        must commit), what the audit holds the store to; `trained`: those of them that train
+        (not of a trajectory that failed), what a train op reads."""
         ...
 
     def outputs(self, workload: Workload, engines: Mapping[str, Any], problems: Sequence[Problem],

@@ -8,6 +8,7 @@ trajectories.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from flexmarl_core.inference.tools import generate_with_tool, tool_of
 from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op
+from flexmarl_core.runtime.location import reward_key
 from flexmarl_core.teams.api import Demonstrations, Generation, PlanView, RunView, register_shape
 
 if TYPE_CHECKING:
@@ -62,10 +64,14 @@ class GraphTeam:
                     d += [b for b in before if b not in d]
         return Generation(deps, [[Op(it, "reward", mb=j)] for j in mbs])
 
-    def expected_ids(self, run: RunView, it: int, mbs: Sequence[int], agent: str) -> set[str]:
-        """Every (input, trajectory, turn) of the agent in the micro-batches' inputs."""
+    def expected_ids(self, run: RunView, it: int, mbs: Sequence[int], agent: str, *,
+                     trained: bool = True) -> set[str]:
+        """Every (input, trajectory, turn) of the agent in the micro-batches' inputs; `trained`:
+        but those of trajectories whose reward failed (the reward manifest)."""
         inputs = [r["input_id"] for j in mbs for r in run.inputs(it, j)]
-        return {n.sample_id for n in self.meg.instantiate(inputs, self.group_size) if n.agent == agent}
+        failed = {(f["input_id"], f["traj"]) for j in mbs for f in _failed(run, it, j)} if trained else set()
+        return {n.sample_id for n in self.meg.instantiate(inputs, self.group_size)
+                if n.agent == agent and (n.input_id, n.traj) not in failed}
 
     def outputs(self, workload: Workload, engines: Mapping[str, Any], problems: Sequence[Problem],
                 *, seed: int, greedy: bool) -> list[dict[str, str]]:
@@ -107,3 +113,11 @@ class GraphTeam:
 
     def call_order(self) -> dict[tuple[str, int], int]:
         return self.meg.call_order()
+
+
+def _failed(run: RunView, it: int, mb: int) -> list[dict[str, Any]]:
+    """The trajectories of a micro-batch whose reward failed (`stages/reward.py`)."""
+    try:
+        return list(json.loads(run.loc.read_text(reward_key(it, mb)))["failed"])
+    except FileNotFoundError:
+        return []

@@ -45,8 +45,10 @@ class ProgramShape:
         return Generation({p: list(gates) for p in progs},
                           [[p for p in progs if p.mb in (j, -1)] for j in range(plan.num_mb)])
 
-    def expected_ids(self, run: RunView, it: int, mbs: Sequence[int], agent: str) -> set[str]:
-        """A program's calls vary: exactly what its ops' manifests list."""
+    def expected_ids(self, run: RunView, it: int, mbs: Sequence[int], agent: str, *,
+                     trained: bool = True) -> set[str]:
+        """A program's calls vary: exactly what its ops' manifests list (a failed trajectory
+        committed nothing)."""
         return committed_ids(run.loc, it, mbs, agent)
 
     def outputs(self, workload: Workload, engines: Mapping[str, Any], problems: Sequence[Problem],

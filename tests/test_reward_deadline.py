@@ -1,0 +1,66 @@
+"""A reward has a deadline of its own, whether its op is fused with a rollout or not: past it,
+the input's trajectories fail (named in the micro-batch's reward manifest and the iteration's
+`failed_trajectories`), train nobody, and the run goes on; several inputs in a row past it stop
+the run with one error naming the reward and the input. Through the real flow on Dask."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from flexmarl_core.config import load_config
+from flexmarl_core.driver.audit import audit_run
+from flexmarl_core.workloads.bounded import Deadline, RewardHungError
+from storage import MEGStore
+from tests._runs import COMMON, flow
+
+HANG = ["cluster.deadlines.per_kind_s.reward=2", "cluster.prefect_lean=true"]
+
+
+def test_a_reward_that_hangs_on_one_input_fails_that_input_and_the_run_goes_on(dask_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    over = [*COMMON, *HANG, f"run_dir={run_dir}", f"cluster.address={dask_cluster}",
+            "workload.reward=tests.reward_fns:hangs_on_one"]
+    state = flow(over)
+    assert state.is_completed(), state.message
+    man = json.loads((run_dir / "rewards" / "it0" / "mb0.json").read_text())
+    cfg = load_config(str(run_dir / "config.yaml"))
+    assert sorted((f["input_id"], f["traj"]) for f in man["failed"]) == [("a0t1", t) for t in range(cfg.batch.group_size)]
+    assert all("deadline of 2 s" in f["error"] or "its input's reward" in f["error"] for f in man["failed"])
+    rows = [json.loads(x) for x in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
+    assert [r["failed_trajectories"] for r in rows] == [cfg.batch.group_size, 0]
+    store = MEGStore(cfg.resolved_store_uri())
+    for agent in ("planner", "solver", "verifier"):
+        tbl = store.read_samples(agent, 0).to_pylist()
+        hung = [r for r in tbl if r["input_id"] == "a0t1"]
+        assert hung and all(r["reward"] is None and r["consumed_step"] is None for r in hung)
+        assert all(r["consumed_step"] == 0 for r in tbl if r["input_id"] != "a0t1")
+    run = audit_run(str(run_dir))
+    assert run.problems == [] and run.verdict() == "clean"
+
+
+def test_a_reward_that_always_hangs_stops_the_run_naming_it_and_the_input(dask_cluster, tmp_path):
+    over = [*COMMON, "cluster.deadlines.per_kind_s.reward=1", "cluster.deadlines.reward_timeouts=2",
+            "cluster.prefect_lean=true", f"run_dir={tmp_path / 'run'}", f"cluster.address={dask_cluster}",
+            "workload.reward=tests.reward_fns:always_hangs"]
+    t0 = time.monotonic()
+    state = flow(over)
+    assert state.is_failed()
+    msg = state.message or ""
+    assert "tests.reward_fns:always_hangs" in msg and "2 inputs in a row" in msg and "input_id 'a0t" in msg, msg
+    assert time.monotonic() - t0 < 240  # not the 1,000 s the reward sleeps, nor hung-op retries
+
+
+def test_the_deadline_returns_in_time_results_and_raises_their_errors():
+    d = Deadline("r", 5.0, 2)
+    assert d.call(lambda: 3, "i0") == (True, 3)
+    with pytest.raises(ZeroDivisionError):
+        d.call(lambda: 1 / 0, "i0")
+    slow = Deadline("r", 0.05, 2)
+    assert slow.call(lambda: time.sleep(5), "i1") == (False, None)
+    assert slow.call(lambda: 7, "i2") == (True, 7) and slow.in_a_row == 0  # a success resets the count
+    slow.call(lambda: time.sleep(5), "i3")
+    with pytest.raises(RewardHungError, match="2 inputs in a row.*'i4'"):
+        slow.call(lambda: time.sleep(5), "i4")
