@@ -6,6 +6,7 @@
     flexmarl sft CONFIG [--out DIR]         warm-start checkpoints from demonstrations
     flexmarl store check PATH               list problems in a MEG Store; non-zero exit if any
     flexmarl store audit RUN_OR_STORE       exactly-once audit; exit 1 on duplicates/missing
+    flexmarl store repair RUN               set damaged fragments aside; a resume writes them again
     flexmarl report RUN [--compare RUN2]    draw timeline.png and curves.png of a run
     flexmarl server stop                    stop the Prefect server `train` started
     flexmarl simulate CONFIG --cluster C    simulated cluster: Table 2/3 of the co-design (simulated)
@@ -80,7 +81,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     elif args.config is None:
         raise ConfigError("train: give a CONFIG file, or --resume RUN to continue a run")
     cfg = _config(args)  # validate before starting anything
-    _preflight(cfg, resume=bool(args.resume), overwrite=args.overwrite)
+    _preflight(cfg, resume=bool(args.resume), overwrite=args.overwrite, check_store=not args.skip_check)
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
         console.print(f"started a local Prefect server at {ui_url(api)} (stop: flexmarl server stop)")
@@ -127,7 +128,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight(cfg, *, resume: bool, overwrite: bool = False) -> None:  # noqa: ANN001 - an ExperimentConfig
+def _preflight(cfg, *, resume: bool, overwrite: bool = False, check_store: bool = True) -> None:  # noqa: ANN001
     """Check what the config points at, now: a broken dataset row or reward callable, a missing
     warm-start checkpoint, an unreachable `cluster.address`, a run folder another run holds or
     a resume that cannot work fails here, as a one-line error, before a Prefect server, a
@@ -155,6 +156,7 @@ def _preflight(cfg, *, resume: bool, overwrite: bool = False) -> None:  # noqa: 
     if cfg.cluster.address:
         check_address(cfg.cluster.address)
     from flexmarl_core.driver.lease import RunExistsError, RunLockedError, check_claim
+    from flexmarl_core.driver.repair import DamagedStoreError, check_before_resume
     from flexmarl_core.driver.run import (
         ResumeError,
         RunFolderError,
@@ -169,9 +171,11 @@ def _preflight(cfg, *, resume: bool, overwrite: bool = False) -> None:  # noqa: 
         check_claim(cfg.run_location(), resume=resume, overwrite=overwrite)
         if resume:
             check_resumable(cfg, cfg.run_location())
+            if check_store:  # never train on what cannot be read
+                check_before_resume(cfg.run_location().uri)
         else:
             check_run_folder(cfg.run_location(), cfg.train.init_from)
-    except (LocationError, ResumeError, RunFolderError, RunLockedError, RunExistsError) as exc:
+    except (LocationError, ResumeError, RunFolderError, RunLockedError, RunExistsError, DamagedStoreError) as exc:
         raise ConfigError(str(exc)) from None
 
 
@@ -228,6 +232,25 @@ def cmd_store_audit(args: argparse.Namespace) -> int:
         print(checked)
     print(f"{uri}: {errors} error(s), {len(problems) - errors} warning(s)")
     return 1 if errors else 0
+
+
+def cmd_store_repair(args: argparse.Namespace) -> int:
+    """Set a run's damaged store fragments aside and rewind the ops that wrote them."""
+    from flexmarl_core.driver.repair import DamagedStoreError, repair_run
+    from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation
+
+    if not RunLocation(args.run).is_file(CONFIG_NAME):
+        raise ConfigError(f"store repair {args.run}: no {CONFIG_NAME} there (give a run folder)")
+    try:
+        fixed = repair_run(args.run)
+    except DamagedStoreError as exc:
+        raise ConfigError(str(exc)) from None
+    for d in fixed:
+        print(f"set aside {d.problem.path} ({d.problem.kind}): {d.table} of {d.agent}, iteration {d.iteration}, "
+              f"micro-batch {d.mb}")
+    print(f"{args.run}: {len(fixed)} damaged file(s) set aside" + (
+        f"; `flexmarl train --resume {args.run}` writes them again" if fixed else ": nothing to repair"))
+    return 0
 
 
 def cmd_humaneval(args: argparse.Namespace) -> int:
@@ -386,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue an interrupted run from its folder (its own config, last checkpoints)")
     t.add_argument("--overwrite", action="store_true",
                    help="start afresh over the run already in the run folder (its files are deleted)")
+    t.add_argument("--skip-check", action="store_true",
+                   help="--resume without checking the store first (a damaged file then fails the op that reads it)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(fn=cmd_train)
 
@@ -413,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("path", help="run folder (also checks each completed iteration's "
                      "expected samples) or store path/URI")
     aud.set_defaults(fn=cmd_store_audit)
+    rep = st_sub.add_parser("repair", help="set a run's damaged store fragments aside; a resume writes them again")
+    rep.add_argument("run", help="run folder")
+    rep.set_defaults(fn=cmd_store_repair)
 
     sim = sub.add_parser("simulate", help="simulate a cluster: the real orchestrator on a virtual clock")
     sim.add_argument("config", nargs="?", default=None, help="experiment YAML (e.g. configs/sim/math-3x14b.yaml)")

@@ -99,8 +99,10 @@ def accumulate(ctx: WorkerContext, tr: TrainBackend, agent: str,
     return tr.accumulate(trained, loss_scale=loss_scale(ctx, agent)), trained, skipped
 
 
-def micro_batch(ctx: WorkerContext, tr: TrainBackend, op: Op) -> tuple[Rows, list[Sample]]:
-    """The (row, advantage) pairs and training samples of `op`'s micro-batch, from the store."""
+def micro_batch(ctx: WorkerContext, tr: TrainBackend, op: Op,
+                version: int | None = None) -> tuple[Rows, list[Sample]]:
+    """The (row, advantage) pairs and training samples of `op`'s micro-batch, from the store,
+    checked against the update of `version` (default: the trainer's)."""
     agent, it, mb = op.agent, op.iteration, op.mb
     alg = ctx.cfg.agent(agent).algorithm
     # Group-scoped estimators need only this micro-batch (whole groups); batch-scoped ones
@@ -121,7 +123,7 @@ def micro_batch(ctx: WorkerContext, tr: TrainBackend, op: Op) -> tuple[Rows, lis
     if len(rows) != len(ids):  # the plan let this op start before its samples were in
         missing = sorted(ids - {r["sample_id"] for r in rows})
         raise RuntimeError(f"{op.name}: {len(missing)} of {len(ids)} samples not ready, e.g. {missing[:3]}")
-    check_staleness(agent, tr.version, rows, ctx.cfg.codesign.max_staleness)
+    check_staleness(agent, tr.version if version is None else version, rows, ctx.cfg.codesign.max_staleness)
     rows.sort(key=lambda r: r["sample_id"])
     per_token: list[list[float] | None] = [None] * len(rows)
     if scope == "critic":
@@ -242,6 +244,9 @@ class PolicyKind:
         done = ctx.accumulated.setdefault(agent, set())
         if tr.version != it or (it, mb) in done:
             # A retry after the work was done (version moved on, or this micro-batch is in the grads).
+            if tr.version > it and ctx.store.ready(agent, it, mb=mb, columns=["sample_id"]).num_rows:
+                # stepped, but some of its status rows are gone (a repaired store): write them back
+                mark_consumed(ctx, agent, it, mb, micro_batch(ctx, tr, op, version=it)[0])
             return StageResult(op, skipped=True, swap=swap)
         rows, batch = micro_batch(ctx, tr, op)
         with ctx.lock:

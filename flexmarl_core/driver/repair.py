@@ -1,0 +1,115 @@
+"""A damaged store before a resume: found (`damaged`), and repaired (`repair_run`).
+
+A resume first checks the run's store (fragment footers, `store check --shallow`): a fragment
+that cannot be read stops it with the file named and the command that repairs it. The repair
+moves each damaged fragment of `samples/` or `status/` aside (`_quarantine/` under the store,
+which readers never list) and takes the ops that wrote it out of the run's op log, so the
+resume runs them again: stages are idempotent and seeded by their op, so they write the same
+rows (a policy's train op after its step writes back the status rows of what it trained). The
+iteration rows from the first iteration it touches on are dropped, to be written again.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from flexmarl_core.config import config_from_text
+from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation
+from storage import Problem
+from storage.check import EXACTLY_ONCE, check_store
+from storage.fs import open_filesystem
+
+QUARANTINE = "_quarantine"
+_FRAGMENT = re.compile(r"(samples|status)/agent=([^/]+)/iteration=(\d+)/mb(\d+)-[^/]+\.parquet$")
+
+
+class DamagedStoreError(RuntimeError):
+    """The run's store has damaged files; the message names the first and the repair."""
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One damaged fragment: its table, agent, iteration and micro-batch, and the problem."""
+
+    table: str
+    agent: str
+    iteration: int
+    mb: int
+    problem: Problem
+
+
+def damaged(store_uri: str) -> tuple[list[Damage], list[Problem]]:
+    """(repairable damaged fragments, other errors) of the store, reading fragment footers."""
+    fixable, other = [], []
+    for p in check_store(store_uri, deep=False):
+        if p.severity != "error":
+            continue
+        m = _FRAGMENT.search(p.path)
+        if m and p.kind not in EXACTLY_ONCE and p.kind != "mb_tag":
+            fixable.append(Damage(m[1], m[2], int(m[3]), int(m[4]), p))
+        else:
+            other.append(p)
+    return fixable, other
+
+
+def check_before_resume(run_dir: str) -> None:
+    """`DamagedStoreError` if the run's store has a damaged file: the resume would train on
+    what it cannot read."""
+    loc = RunLocation(run_dir)
+    cfg = config_from_text(loc.read_text(CONFIG_NAME), source=loc.display(CONFIG_NAME))
+    fixable, other = damaged(cfg.resolved_store_uri())
+    if other:
+        raise DamagedStoreError(f"{other[0]} ({len(fixable) + len(other)} damaged file(s)); "
+                                "`flexmarl store check` lists them; this damage cannot be repaired in place")
+    if fixable:
+        raise DamagedStoreError(f"{fixable[0].problem} ({len(fixable)} damaged file(s)); repair with "
+                                f"`flexmarl store repair {loc.uri}`, then resume (or --skip-check to resume as is)")
+
+
+def _writes(op: dict, d: Damage) -> bool:
+    """Whether the op of an op-log row writes the damaged fragment's rows."""
+    if op.get("iteration") != d.iteration or op.get("mb") not in (d.mb, -1):
+        return False
+    kind = op.get("kind")
+    if d.table == "samples":
+        return kind == "program" or (kind == "rollout" and op.get("agent") == d.agent)
+    return kind in ("reward", "program", "value") or (kind == "train" and op.get("agent") == d.agent)
+
+
+def repair_run(run_dir: str) -> list[Damage]:
+    """Quarantine the run's damaged fragments and rewind the ops that wrote them (module
+    docstring); returns what it repaired. `DamagedStoreError` for damage it cannot repair."""
+    loc = RunLocation(run_dir)
+    cfg = config_from_text(loc.read_text(CONFIG_NAME), source=loc.display(CONFIG_NAME))
+    fixable, other = damaged(cfg.resolved_store_uri())
+    if other:
+        raise DamagedStoreError(f"cannot repair {other[0]}: only unreadable sample and status "
+                                "fragments can be written again")
+    if not fixable:
+        return []
+    fs, root, prefix = open_filesystem(cfg.resolved_store_uri())
+    for d in fixable:
+        path = d.problem.path[len(prefix):]
+        target = f"{root}/{QUARANTINE}/{path[len(root) + 1:]}"
+        fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+        fs.move(path, target)
+    first = min(d.iteration for d in fixable)
+    for key, keep in (("metrics/ops.jsonl", lambda row: not any(_writes(row, d) for d in fixable)),
+                      ("metrics/iterations.jsonl", lambda row: row.get("iteration", 0) < first)):
+        try:
+            lines = loc.read_text(key).splitlines()
+        except FileNotFoundError:
+            continue
+        kept = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line
+            if keep(row):
+                kept.append(line)
+        loc.write_text(key, "".join(f"{x}\n" for x in kept))
+    return fixable
+
