@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -66,22 +67,31 @@ def _resume_config(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    # Prefect's INFO lines (flow and task run states) stay in its API and UI; the terminal shows
-    # the UI link, a line per iteration and the summary. Set before Prefect is imported.
-    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    # Prefect's log lines (flow and task run states, a failure's traceback) stay in its API and
+    # UI; the terminal shows the UI link, a line per iteration and the summary, or one line
+    # saying why the run stopped (--debug: Prefect's warnings and tracebacks too, and Dask's).
+    # Set before Prefect is imported; the workers inherit FLEXMARL_DEBUG.
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING" if args.debug else "CRITICAL")
+    if args.debug:
+        os.environ["FLEXMARL_DEBUG"] = "1"
     # Training never waits on the API (task-run events are buffered and resent by Prefect's
     # events client), but the flow run's own states are API calls: 7 retries back off for
     # 2+4+...+128 s, so an API server away for up to ~4 minutes is ridden out.
     os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", str(API_RETRIES))
     from flexmarl.prefect_api import ensure_api, ui_url
     from flexmarl_core.driver.console import console, summary_lines, summary_table
+    from flexmarl_core.driver.failures import stopped_line
 
     if args.resume:
         _resume_config(args)
     elif args.config is None:
         raise ConfigError("train: give a CONFIG file, or --resume RUN to continue a run")
     cfg = _config(args)  # validate before starting anything
-    _preflight(cfg, resume=bool(args.resume), overwrite=args.overwrite, check_store=not args.skip_check)
+    try:
+        _preflight(cfg, resume=bool(args.resume), overwrite=args.overwrite, check_store=not args.skip_check)
+    except ConfigError as exc:  # one line that names the config file too
+        said = str(exc)
+        raise ConfigError(said if args.config in said else f"{args.config}: {said}") from None
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
         console.print(f"started a local Prefect server at {ui_url(api)} (stop: flexmarl server stop)")
@@ -96,15 +106,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             state = train(args.config, args.set, progress=not args.no_progress, resume=bool(args.resume),
                           overwrite=args.overwrite, return_state=True)
         except httpx.TransportError as exc:  # the API stayed away past every retry
-            console.print(f"[red]run stopped: the Prefect API at {api} did not answer "
+            console.print(f"run stopped: the Prefect API at {api} did not answer "
                           f"({type(exc).__name__}: {exc}); what finished is stored: start the API, "
-                          f"then `flexmarl train --resume {cfg.run_location().uri}`")
+                          f"then `flexmarl train --resume {cfg.run_location().uri}`", style="red", markup=False)
             return 1
-    flow_run_id = getattr(state, "state_details", None) and state.state_details.flow_run_id
     if not state.is_completed():
-        if flow_run_id:
-            console.print(f"Prefect UI for this run: {ui_url(api)}/runs/flow-run/{flow_run_id}")
-        console.print(f"[red]run failed: {state.message}")
+        exc = state.result(raise_on_failure=False)
+        if args.debug and isinstance(exc, BaseException):
+            traceback.print_exception(exc)
+        line = (stopped_line(exc, cfg.run_location().uri) if isinstance(exc, BaseException)
+                else f"run stopped: {state.message}")
+        console.print(line, style="red", markup=False, soft_wrap=True)  # `[solver]` is text, not markup
         return 1
     out = state.result()
     console.print(summary_table(out["iterations"], out["summary"]))
@@ -133,9 +145,12 @@ def _preflight(cfg, *, resume: bool, overwrite: bool = False, check_store: bool 
     warm-start checkpoint, an unreachable `cluster.address`, a run folder another run holds or
     a resume that cannot work fails here, as a one-line error, before a Prefect server, a
     cluster or a half-made run folder exists."""
-    from flexmarl_core.workloads import make_workload
+    from flexmarl_core.workloads import WorkloadError, make_workload
 
-    make_workload(cfg.workload, cfg.team)
+    try:
+        make_workload(cfg.workload, cfg.team)
+    except WorkloadError as exc:
+        raise ConfigError(str(exc)) from None
     if cfg.train.init_from and not resume:
         root = Path(cfg.train.init_from)
         missing = [a.name for a in cfg.team.agents if not (root / a.name / "model.safetensors").is_file()]
@@ -412,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--skip-check", action="store_true",
                    help="--resume without checking the store first (a damaged file then fails the op that reads it)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.add_argument("--debug", action="store_true",
+                   help="on failure, the traceback too; Prefect's and Dask's warnings on the terminal")
     t.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("sft", help="SFT warm start from demonstrations")

@@ -46,18 +46,23 @@ def atomic_path(target: str | os.PathLike[str], *, tmp_dir: str | os.PathLike[st
         Path(tmp_dir).mkdir(parents=True, exist_ok=True)
         tmp = Path(tmp_dir) / f"{uuid.uuid4().hex}.{target.name}.tmp"
     try:
-        yield tmp
-        if fsync:
-            fsync_path(tmp)
         try:
-            os.replace(tmp, target)
-        except FileNotFoundError:
-            if not tmp.exists():
-                raise
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, target)
-        if fsync:
-            fsync_path(target.parent)
+            yield tmp
+            if fsync:
+                fsync_path(tmp)
+            try:
+                os.replace(tmp, target)
+            except FileNotFoundError:
+                if not tmp.exists():
+                    raise
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp, target)
+            if fsync:
+                fsync_path(target.parent)
+        except OSError as exc:
+            if exc.filename is None and exc.errno is not None:  # a full disk's write names no file
+                raise type(exc)(exc.errno, exc.strerror, str(target)) from exc
+            raise
     finally:
         try:
             tmp.unlink(missing_ok=True)

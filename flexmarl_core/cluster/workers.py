@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -220,14 +221,17 @@ def worker_resources(client: Client) -> dict[str, dict[str, float]]:
 
 
 def _log_to_file(path: Path) -> None:
-    """Dask's INFO and up go to `path`; its stream handlers (the terminal) keep WARNING and up."""
+    """Dask's INFO and up go to `path`; its stream handlers (the terminal) keep only CRITICAL
+    (WARNING and up with FLEXMARL_DEBUG set): a lost worker is one line of flexmarl's own
+    (`driver/console.py`), not Dask's errors."""
     lg = logging.getLogger("distributed")
+    terminal = logging.WARNING if os.environ.get("FLEXMARL_DEBUG") else logging.CRITICAL
     for h in list(lg.handlers):
         if getattr(h, "flexmarl_log_file", False):
             lg.removeHandler(h)
             h.close()
         elif isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-            h.setLevel(logging.WARNING)
+            h.setLevel(terminal)
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = logging.FileHandler(path)
     fh.flexmarl_log_file = True  # type: ignore[attr-defined]
@@ -238,8 +242,8 @@ def _log_to_file(path: Path) -> None:
 
 
 class LogFiles(WorkerPlugin):
-    """Each worker logs Dask's INFO lines to `<folder>/dask-<worker>.log` (WARNING and up
-    still reach the terminal). Named, so registering it again replaces it."""
+    """Each worker logs Dask's INFO lines to `<folder>/dask-<worker>.log` (the terminal gets
+    what `_log_to_file` lets through). Named, so registering it again replaces it."""
 
     name = "flexmarl-log-files"
 
