@@ -59,10 +59,13 @@ def _resume_config(args: argparse.Namespace) -> None:
     if not is_uri(args.resume):
         args.config = str(Path(loc.root) / CONFIG_NAME)
         return
-    # A run on object storage: its saved config, copied to this machine (the flow reads a file).
+    # A run on object storage: its saved config, copied to this machine (the flow reads a file),
+    # its folder named where the copy says "this folder".
+    from flexmarl_core.config.load import HERE
+
     local = loc.scratch_dir() / CONFIG_NAME
     local.parent.mkdir(parents=True, exist_ok=True)
-    local.write_bytes(loc.read_bytes(CONFIG_NAME))
+    local.write_text(loc.read_text(CONFIG_NAME).replace(HERE, loc.uri))
     args.config = str(local)
 
 

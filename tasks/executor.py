@@ -132,12 +132,13 @@ def open_executor(cfg: ExperimentConfig, flow_run_id: uuid.UUID | str, flow_run_
         ex = PrefectDaskExecutor(client, loc.uri, flow_run_id, flow_run_count, log=log,
                                  pending_after_s=cfg.cluster.pending_after_s, flush_s=cfg.cluster.task_run_flush_s)
         log.info("Dask dashboard: %s", client.dashboard_link)
-        cluster.log_to_files(client, scratch / "logs", workers=cfg.cluster.address is None)
+        stop_logs = cluster.log_to_files(client, scratch / "logs", workers=cfg.cluster.address is None)
         names = cluster.worker_names(client)
         try:
             yield ex
         finally:  # the final states held back, whether the run ended well or not
             ex.reporter.flush()
+            stop_logs()
         names.update(cluster.worker_names(client))  # restarted workers have new addresses
     (scratch / "metrics" / "workers.json").write_text(json.dumps(names))
     if not loc.local:

@@ -1,6 +1,8 @@
 """A resume checks the store first: a damaged fragment stops it with the file named and the
 repair command; `flexmarl store repair` sets the fragment aside and rewinds the ops that wrote
-it, and the resumed run writes the same rows again. Real CLI, flow, Dask and Parquet."""
+it, and the resumed run writes the same rows again. The run folder is a copy of another run,
+moved after copying: it resumes where it is, and the original is never touched. Real CLI,
+flow, Dask and Parquet."""
 
 from __future__ import annotations
 
@@ -21,16 +23,15 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
-def _copy(baseline, dest: Path) -> Path:
-    src = baseline.resolved_run_dir()
-    shutil.copytree(src, dest)
-    cfg = (dest / "config.yaml").read_text().replace(str(src), str(dest))
-    (dest / "config.yaml").write_text(cfg)
-    return dest
+def _tree(root: Path) -> dict[str, float]:
+    return {str(p.relative_to(root)): p.stat().st_mtime for p in root.rglob("*") if p.is_file()}
 
 
 def test_a_damaged_store_stops_a_resume_and_a_repair_makes_it_whole(baseline, prefect_api, tmp_path):
-    run_dir = _copy(baseline, tmp_path / "run")
+    original = baseline.resolved_run_dir()
+    before = _tree(original)
+    shutil.copytree(original, tmp_path / "copy")
+    run_dir = (tmp_path / "copy").rename(tmp_path / "run")  # copied, then moved
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO)}
     part = run_dir / "store" / "samples" / "agent=solver" / "iteration=1"
     frag = sorted(part.glob("mb000000-*.parquet"))[0]
@@ -50,3 +51,4 @@ def test_a_damaged_store_stops_a_resume_and_a_repair_makes_it_whole(baseline, pr
         ["sample_id", "response_ids", "reward", "consumed_step"]).sort_by("sample_id").to_pylist()
         for d in (run_dir, baseline.resolved_run_dir()))
     assert got == want  # the same tokens, rewards and consumption as before the damage
+    assert _tree(original) == before  # the run the folder was copied from is untouched

@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -220,7 +220,7 @@ def worker_resources(client: Client) -> dict[str, dict[str, float]]:
     return {addr: dict(w.get("resources", {})) for addr, w in info.items()}
 
 
-def _log_to_file(path: Path) -> None:
+def _log_to_file(path: Path) -> logging.Handler:
     """Dask's INFO and up go to `path`; its stream handlers (the terminal) keep only CRITICAL
     (WARNING and up with FLEXMARL_DEBUG set): a lost worker is one line of flexmarl's own
     (`driver/console.py`), not Dask's errors."""
@@ -239,6 +239,7 @@ def _log_to_file(path: Path) -> None:
     fh.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     lg.addHandler(fh)
     lg.setLevel(logging.INFO)
+    return fh
 
 
 class LogFiles(WorkerPlugin):
@@ -254,12 +255,19 @@ class LogFiles(WorkerPlugin):
         _log_to_file(Path(self.folder) / f"dask-{worker.name}.log")
 
 
-def log_to_files(client: Client, folder: str | Path, *, workers: bool) -> None:
+def log_to_files(client: Client, folder: str | Path, *, workers: bool) -> Callable[[], None]:
     """Dask's logs of this process (scheduler, client) and, for a cluster whose workers see
-    `folder` (the local one), of every worker, into files under `folder`."""
-    _log_to_file(Path(folder) / "dask-scheduler.log")
+    `folder` (the local one), of every worker, into files under `folder`. Returns what stops
+    this process's logging there (a later run must not write into this run's folder)."""
+    fh = _log_to_file(Path(folder) / "dask-scheduler.log")
     if workers:
         client.register_plugin(LogFiles(str(folder)))
+
+    def stop() -> None:
+        logging.getLogger("distributed").removeHandler(fh)
+        fh.close()
+
+    return stop
 
 
 def worker_names(client: Client) -> dict[str, str]:

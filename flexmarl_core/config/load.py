@@ -144,9 +144,15 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     return config_from_text(text, source=str(p), overrides=overrides)
 
 
+#: `run_dir` of a run folder's own config.yaml: the folder it is read from, wherever that is
+#: now (a run folder copied or moved resumes where it is)
+HERE = "{here}"
+
+
 def config_from_text(text: str, *, source: str, overrides: list[str] | None = None) -> ExperimentConfig:
     """Parse (YAML, safe loader: plain data only), override and validate one experiment;
-    `source` names it in errors (a path or URI)."""
+    `source` names it in errors (a path or URI), and is where `run_dir: {here}` points (the
+    folder of the file)."""
     p = source
     try:
         data = yaml.safe_load(text)
@@ -158,4 +164,7 @@ def config_from_text(text: str, *, source: str, overrides: list[str] | None = No
         raise ConfigError(f"{p}: not valid YAML{where}: {what}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
+    if isinstance(data.get("run_dir"), str) and HERE in data["run_dir"]:
+        folder = p.rsplit("/", 1)[0] if "://" in p else str(Path(p).resolve().parent)
+        data["run_dir"] = data["run_dir"].replace(HERE, folder)
     return config_from_dict(data, source=p, overrides=overrides)

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.config.load import HERE
 from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
 from flexmarl_core.driver.metrics import IterationTracker, MetricsWriter, critical_path, run_summary
 from flexmarl_core.driver.sft import warm_start
@@ -153,8 +154,10 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
 
 
 def _saved_config(cfg: ExperimentConfig, loc: RunLocation) -> dict[str, Any]:
+    """The config as the run folder keeps it: its `run_dir` is the folder itself (`{here}`),
+    so a copied or moved folder resumes where it is."""
     data = cfg.model_dump(mode="json")
-    data["run_dir"] = loc.uri
+    data["run_dir"] = HERE
     return data
 
 
