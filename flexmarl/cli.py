@@ -301,7 +301,7 @@ def cmd_humaneval(args: argparse.Namespace) -> int:
 def cmd_server_stop(args: argparse.Namespace) -> int:
     from flexmarl.prefect_api import stop_server
 
-    print("stopped" if stop_server() else "no server started by flexmarl")
+    print(stop_server())
     return 0
 
 

@@ -2,11 +2,18 @@
 
 Dask worker processes inherit `PREFECT_API_URL` from the environment, so every task run reports
 to the same API instead of each worker starting a temporary server of its own (~10 s each).
+
+flexmarl talks only to the API that `PREFECT_API_URL` (or `cluster.prefect_api_url`) names,
+or to the server it started itself: its pid file in `PREFECT_HOME` holds the server's pid,
+URL and a token that the server process carries in its environment, so another checkout's
+server on port 4200, or a process that reused a dead server's pid, is never taken for it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -20,6 +27,9 @@ from urllib.parse import urlsplit
 from flexmarl_core.config.checks import ConfigError
 
 DEFAULT_PORT = 4200
+PID_FILE = "flexmarl-server.pid"
+#: the token a server flexmarl started carries, which its pid file names
+TOKEN_ENV = "FLEXMARL_SERVER_TOKEN"
 #: The local server we start runs this much nicer than the run. It turns the flow's events into
 #: task runs from a queue, so on a shared machine it can take the cycles training leaves
 #: (between ops, after the run) instead of slicing a core out of every stage; the UI lags by
@@ -76,8 +86,9 @@ def ui_url(api_url: str) -> str:
 def ensure_api(configured: str | None = None, *, home: Path | None = None) -> tuple[str, bool]:
     """Return `(api_url, started)`; start a detached local server if no API is configured.
 
-    The server is left running after the run so the UI link keeps working; `flexmarl server
-    stop` (or killing the pid in PREFECT_HOME/flexmarl-server.pid) stops it.
+    A server this `home` started earlier (its pid file, checked by its token) is used again;
+    any other server, on port 4200 or elsewhere, is not. The server is left running after the
+    run so the UI link keeps working; `flexmarl server stop` stops it.
     """
     url = configured or current_api_url()
     if url:
@@ -89,14 +100,39 @@ def ensure_api(configured: str | None = None, *, home: Path | None = None) -> tu
             )
         os.environ["PREFECT_API_URL"] = url
         return url, False
-    port = DEFAULT_PORT
-    url = f"http://127.0.0.1:{port}/api"
-    if _healthy(url):
-        os.environ["PREFECT_API_URL"] = url
-        return url, False
-    url = start_server(home or Path(os.environ.get("PREFECT_HOME", Path.cwd() / ".prefect")), port)
+    home = home or _home()
+    own = our_server(home)
+    if own is not None and _healthy(own["url"]):
+        os.environ["PREFECT_API_URL"] = own["url"]
+        return own["url"], False
+    url = start_server(home, DEFAULT_PORT)
     os.environ["PREFECT_API_URL"] = url
     return url, True
+
+
+def _home() -> Path:
+    return Path(os.environ.get("PREFECT_HOME", Path.cwd() / ".prefect"))
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def our_server(home: Path) -> dict | None:
+    """The server this `home`'s pid file names, if it is still that server: its process lives
+    and carries the file's token (None: no file, a dead pid, a pid now someone else's)."""
+    try:
+        info = json.loads((home / PID_FILE).read_text())
+        pid, token = int(info["pid"]), str(info["token"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if f"{TOKEN_ENV}={token}".encode() not in _environ(pid).split(b"\0"):
+        return None
+    return {"pid": pid, "url": str(info["url"]), "token": token}
 
 
 def start_server(home: Path, port: int = DEFAULT_PORT) -> str:
@@ -109,7 +145,8 @@ def start_server(home: Path, port: int = DEFAULT_PORT) -> str:
     log = open(home / "server.log", "ab")  # noqa: SIM115 - handed to the child process
     from tasks.lean import server_env
 
-    env = {**os.environ, **server_env(), "PREFECT_HOME": str(home)}
+    token = secrets.token_hex(16)
+    env = {**os.environ, **server_env(), "PREFECT_HOME": str(home), TOKEN_ENV: token}
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
@@ -117,7 +154,7 @@ def start_server(home: Path, port: int = DEFAULT_PORT) -> str:
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         preexec_fn=_lower_priority,
     )
-    (home / "flexmarl-server.pid").write_text(f"{proc.pid}\n{url}\n")
+    (home / PID_FILE).write_text(json.dumps({"pid": proc.pid, "url": url, "token": token}))
     deadline = time.time() + 180
     while time.time() < deadline:
         if _healthy(url):
@@ -129,21 +166,24 @@ def start_server(home: Path, port: int = DEFAULT_PORT) -> str:
     raise RuntimeError(f"prefect server did not become healthy at {url} in 180 s; see {home / 'server.log'}")
 
 
-def stop_server(home: Path | None = None, sig: int = signal.SIGTERM) -> bool:
-    """Signal the server `start_server` started in `home` (SIGKILL: a drill's sudden loss) and
-    wait up to 10 s for its port to be free, so a new one can start there."""
-    home = home or Path(os.environ.get("PREFECT_HOME", Path.cwd() / ".prefect"))
-    pidfile = home / "flexmarl-server.pid"
+def stop_server(home: Path | None = None, sig: int = signal.SIGTERM) -> str:
+    """Signal the server `start_server` started in `home` (SIGKILL: a drill's sudden loss), once
+    its process is checked to be that server, and wait up to 10 s for its port to be free, so
+    a new one can start there. Returns what it did, in a line."""
+    home = home or _home()
+    pidfile = home / PID_FILE
     if not pidfile.exists():
-        return False
-    pid_text, url = (pidfile.read_text().split() + [""])[:2]
+        return "no server started by flexmarl"
+    own = our_server(home)
+    pidfile.unlink()
+    if own is None:  # its pid is dead, or another process's now: signal nothing
+        return f"the server {pidfile} named is gone (stale pid file removed; nothing signalled)"
     try:
-        os.killpg(int(pid_text), sig)
+        os.killpg(own["pid"], sig)
     except ProcessLookupError:
         pass
-    pidfile.unlink()
-    port = urlsplit(url).port
+    port = urlsplit(own["url"]).port
     deadline = time.time() + 10
     while port and not _port_free(port) and time.time() < deadline:
         time.sleep(0.1)
-    return True
+    return f"stopped the server at {ui_url(own['url'])}"
