@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -75,14 +76,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     # saying why the run stopped (--debug: Prefect's warnings and tracebacks too, and Dask's).
     # Set before Prefect is imported; the workers inherit FLEXMARL_DEBUG.
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING" if args.debug else "CRITICAL")
+    if not args.debug:  # Prefect's own machinery (its event and log shippers) logs apart
+        os.environ.setdefault("PREFECT_LOGGING_INTERNAL_LEVEL", "CRITICAL")
     if args.debug:
         os.environ["FLEXMARL_DEBUG"] = "1"
     # Training never waits on the API (task-run events are buffered and resent by Prefect's
     # events client), but the flow run's own states are API calls: 7 retries back off for
     # 2+4+...+128 s, so an API server away for up to ~4 minutes is ridden out.
     os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", str(API_RETRIES))
-    from flexmarl.prefect_api import ensure_api, ui_url
-    from flexmarl_core.driver.console import console, summary_lines, summary_table
+    from flexmarl.prefect_api import drop_unsent, ensure_api, ui_url
+    from flexmarl_core.driver.console import console
     from flexmarl_core.driver.failures import stopped_line
 
     if args.resume:
@@ -103,12 +106,28 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from flows.train import train
 
+    if not args.debug:  # an API that went away is one line of ours, not Prefect's retries' noise
+        import logging
+
+        logging.raiseExceptions = False  # Prefect's log shipper writes its failures to stderr otherwise
+        for name in ("prefect.events.clients", "prefect.client"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
     # Settings may have been loaded before ensure_api set the env var: pin the API explicitly.
+    started_at = time.time()
     with temporary_settings(updates={PREFECT_API_URL: api}):
         try:
             state = train(args.config, args.set, progress=not args.no_progress, resume=bool(args.resume),
                           overwrite=args.overwrite, return_state=True)
         except httpx.TransportError as exc:  # the API stayed away past every retry
+            drop_unsent()  # what it could not take: the process's exit must not retry it all
+            out = _finished(cfg, started_at)
+            if out is not None:  # the training finished: only its end could not be reported
+                _print_summary(out)
+                console.print(f"the run finished, but the Prefect API at {api} stopped answering "
+                              f"({type(exc).__name__}), so its UI does not show the run's end", style="yellow",
+                              markup=False, soft_wrap=True)
+                return 0
             console.print(f"run stopped: the Prefect API at {api} did not answer "
                           f"({type(exc).__name__}: {exc}); what finished is stored: start the API, "
                           f"then `flexmarl train --resume {cfg.run_location().uri}`", style="red", markup=False)
@@ -121,11 +140,26 @@ def cmd_train(args: argparse.Namespace) -> int:
                 else f"run stopped: {state.message}")
         console.print(line, style="red", markup=False, soft_wrap=True)  # `[solver]` is text, not markup
         return 1
-    out = state.result()
+    _print_summary(state.result())
+    return 0
+
+
+def _finished(cfg, since: float) -> dict | None:  # noqa: ANN001 - an ExperimentConfig
+    """The summary this launch's run wrote at its end (`tasks.report.SUMMARY_NAME`), if any."""
+    from tasks.report import SUMMARY_NAME
+
+    path = cfg.run_location().scratch_dir() / "metrics" / SUMMARY_NAME
+    if not path.is_file() or path.stat().st_mtime < since:
+        return None
+    return json.loads(path.read_text())
+
+
+def _print_summary(out: dict) -> None:
+    from flexmarl_core.driver.console import console, summary_lines, summary_table
+
     console.print(summary_table(out["iterations"], out["summary"]))
     for line in summary_lines(out["summary"]):
         console.print(line, soft_wrap=True)  # a long path stays one line, not broken mid-word
-    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:

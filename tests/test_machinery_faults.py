@@ -277,3 +277,48 @@ def test_api_server_away_for_a_minute_mid_run_training_goes_on(baseline, tmp_pat
         assert want <= got, sorted(want - got)[:10]
     finally:
         stop_server(home, signal.SIGKILL)
+
+
+def test_api_server_left_dead_mid_run_the_run_finishes_and_says_so_in_one_line(tmp_path):
+    """The Prefect API server is killed in iteration 0 and never comes back. Training goes on
+    (it needs no API); the run's end figures are made without task runs; the flow's own end
+    cannot be reported, and after the client's retries (2 here, ~7 with the CLI's default: about
+    4 minutes) the CLI prints the summary and one line saying the UI misses the run's end,
+    exits 0, and the terminal shows no traceback."""
+    from flexmarl.prefect_api import start_server, stop_server
+    from flexmarl_core.driver.audit import audit_run
+    from flexmarl_core.stages.faults import held_ops, release
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tmp_path / "prefect"
+    api = f"http://127.0.0.1:{port}/api"
+    run_dir = tmp_path / "run"
+    victim = "rollout[solver] it=0 mb=1"
+    plant_fault(run_dir, "hold", victim, "600")
+    env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_HOME": str(home), "PYTHONPATH": str(REPO),
+           "PREFECT_CLIENT_MAX_RETRIES": "2"}
+    assert start_server(home, port) == api
+    sets = [x for o in [f"run_dir={run_dir}", *COMMON] for x in ("--set", o)]
+    proc = subprocess.Popen([sys.executable, "-m", "flexmarl.cli", "train", str(TINY), *sets, "--no-progress"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while victim not in held_ops(run_dir) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert victim in held_ops(run_dir), "the held rollout was never reached"
+        stop_server(home, signal.SIGKILL)
+        release(run_dir, victim)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    lines = [x for x in out.splitlines() if x.strip()]
+    said = [x for x in lines if "Prefect API" in x]
+    assert len(said) == 1 and "the run finished" in said[0] and api in said[0], lines
+    assert not any("Traceback" in x or "may be lost" in x for x in lines), lines
+    assert any("held-out" in x or "E2E" in x for x in lines)  # the summary, as after any run
+    assert audit_run(str(run_dir)).verdict() == "clean"
