@@ -271,6 +271,7 @@ def cmd_store_audit(args: argparse.Namespace) -> int:
             uri, problems = run.uri, run.problems
             checked = (f"checked {len(run.iterations)} completed iteration(s), {run.samples} samples, "
                        f"{run.ops} ops and {run.rows} iteration rows: {run.verdict()}")
+            _stale_owner(loc)
         else:
             uri, problems = path, audit_store(path)
             checked = ""
@@ -303,6 +304,28 @@ def cmd_store_repair(args: argparse.Namespace) -> int:
     print(f"{args.run}: {len(fixed)} damaged file(s) set aside" + (
         f"; `flexmarl train --resume {args.run}` writes them again" if fixed else ": nothing to repair"))
     return 0
+
+
+def _stale_owner(loc) -> None:  # noqa: ANN001 - a RunLocation
+    """A run folder whose owner died: say so, and mark its flow run Crashed where the API that
+    ran it (PREFECT_API_URL, or the server flexmarl started) answers."""
+    from flexmarl.prefect_api import _answers, _home, our_server
+    from flexmarl_core.driver.lease import read_lease
+
+    lease = read_lease(loc)
+    if lease is None or lease.alive():
+        return
+    print(f"{loc.uri}: its run stopped without ending ({lease.owner()} is gone): "
+          f"`flexmarl train --resume {loc.uri}` continues it")
+    own = our_server(_home())
+    api = os.environ.get("PREFECT_API_URL") or (own["url"] if own else None)
+    if lease.flow_run and api and _answers(api):
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        from tasks.prepare import mark_crashed
+
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            mark_crashed(lease)
 
 
 def cmd_humaneval(args: argparse.Namespace) -> int:

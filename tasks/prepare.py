@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from prefect import get_client, get_run_logger, task
@@ -51,11 +52,15 @@ def prepare_run(cfg: ExperimentConfig, warm: dict[str, Any] | None = None, echo:
 
 
 def mark_crashed(stale: Lease | None) -> None:
-    """The flow run of a run whose lease this run took over (its process died without ending
-    the flow run) is marked Crashed, so the UI stops showing it Running."""
+    """The flow run of a run whose lease is stale (its process died without ending the flow
+    run: this run takes it over, or the audit found it) is marked Crashed, so the UI stops
+    showing it Running."""
     if stale is None or stale.flow_run is None:
         return
-    log = get_run_logger()
+    try:
+        log: Any = get_run_logger()
+    except Exception:  # outside a flow run (the audit)
+        log = logging.getLogger("flexmarl")
     try:
         with get_client(sync_client=True) as client:
             old = client.read_flow_run(stale.flow_run)

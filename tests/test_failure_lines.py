@@ -62,3 +62,18 @@ def test_a_bad_config_line_names_the_config_file(config, sets, says, tmp_path):
     assert res.returncode == 2, _lines(res)
     lines = _lines(res)
     assert len(lines) == 1 and lines[0].startswith(f"error: {config}: ") and says in lines[0], lines
+
+
+def test_a_lost_worker_is_one_line_of_flexmarls_not_dasks_errors(prefect_api, tmp_path):
+    from tests._runs import plant_fault
+
+    run_dir = tmp_path / "run"
+    plant_fault(run_dir, "kill", "rollout[solver] it=1 mb=0")  # the worker process dies once
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO)}
+    res = _cli("train", TINY, *[x for o in [f"run_dir={run_dir}", *COMMON] for x in ("--set", o)], env=env)
+    assert res.returncode == 0, _lines(res)[-30:]
+    lines = _lines(res)
+    lost = [x for x in lines if " lost (" in x]
+    assert len(lost) == 1 and "run again" in lost[0], lines
+    assert not any("distributed." in x or "Traceback" in x or "ERROR" in x for x in lines), lines
+    assert audit_run(str(run_dir)).verdict() == "clean"

@@ -301,6 +301,13 @@ def test_kill_9_training_process_then_resume(baseline, prefect_api, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     done_before = [json.loads(x)["op"] for x in log.read_text().splitlines() if x.strip()]
     assert not any(f"step[{a}] it=1" in done_before for a in ("planner", "solver", "verifier"))
+    # The killed run's flow run stops showing Running once its dead lease is seen.
+    killed = json.loads((run_dir / "run.lease").read_text())["flow_run"]
+    seen = subprocess.run([sys.executable, "-m", "flexmarl.cli", "store", "audit", str(run_dir)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert "stopped without ending" in seen.stdout, seen.stdout + seen.stderr
+    run, _ = asyncio.run(flow_run(killed))
+    assert run.state.is_crashed(), run.state
     shutil.rmtree(holds)  # the resumed run goes through
     resumed = _cli("train", "--resume", str(run_dir), "--no-progress", env=env)
     out, _ = resumed.communicate(timeout=900)
@@ -315,6 +322,13 @@ def test_kill_9_training_process_then_resume(baseline, prefect_api, tmp_path):
     assert all(n.startswith("train[") and " it=1 " in n + " " for n in repeated), repeated
     iterations = [json.loads(x) for x in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in iterations] == list(range(ITERATIONS))
+    # The iteration the kill cut through leaves the downtime out of its time, and says so.
+    rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    spans = [m for m in iterations if m.get("downtime_s")]
+    assert [m["iteration"] for m in spans] == [1], [(m["iteration"], m.get("downtime_s")) for m in iterations]
+    it1 = [r for r in rows if r["iteration"] == 1]
+    raw = max(r["t_end"] for r in it1) - max(r["t_end"] for r in rows if r["iteration"] == 0)
+    assert spans[0]["e2e_s"] == pytest.approx(raw - spans[0]["downtime_s"], rel=1e-6)
 
 
 #: one worker, so trainer states and weight files stay in its memory between checkpoints

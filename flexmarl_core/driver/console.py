@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from flexmarl_core.control import Decision, Resubmit
 from flexmarl_core.driver.metrics import metric_agents
 from flexmarl_core.ops import OpRecord, agent_key
 from flexmarl_core.orchestrator.hooks import Callbacks, RunHook
@@ -38,12 +39,38 @@ class RunConsole:
 
     @contextlib.contextmanager
     def tracking(self, plan: Plan) -> Iterator[list[RunHook]]:
-        """The run's hooks that draw its progress (none without `progress`)."""
+        """The run's hooks: a line when a worker is lost, and with `progress` the bars."""
+        lost = LostWorkers(self.say)
         if not self.progress:
-            yield []
+            yield [lost]
             return
         with IterationProgress(plan) as bar:
-            yield [Callbacks(bar, bar.iteration)]
+            yield [lost, Callbacks(bar, bar.iteration)]
+
+
+class LostWorkers(RunHook):
+    """One line when ops are run again because their worker died (Dask's own errors about it
+    stay in the run's logs): once per worker, or per moment when the op had no pinned one."""
+
+    #: resubmissions this close together are one loss
+    WITHIN_S = 30.0
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self._seen = 0
+        self._said: dict[str | None, float] = {}
+
+    def op_done(self, record: OpRecord, *, decisions: list[Decision] | None = None, **kwargs: Any) -> None:
+        new = (decisions or [])[self._seen:]
+        self._seen += len(new)
+        for d in new:
+            if not isinstance(d, Resubmit):
+                continue
+            last = self._said.get(d.worker)
+            if last is None or d.t - last > self.WITHIN_S:
+                who = f"worker {d.worker}" if d.worker else "a worker"
+                self.say(f"{who} lost ({d.error.split(':')[0]}); its ops run again elsewhere, from what is stored")
+            self._said[d.worker] = d.t
 
 
 class IterationProgress:
@@ -116,7 +143,8 @@ def iteration_line(m: dict[str, Any], iterations: int) -> str:
     rewards = " ".join(f"{a} {m[agent_key(a, 'reward')]:.3f}" for a in metric_agents([m]))
     return (f"iteration {m['iteration'] + 1}/{iterations}  E2E {m['e2e_s']:.2f} s  "
             f"acc {m['accuracy']:.3f}  util {m['utilization']:.2f}"
-            + (f"  reward {rewards}" if rewards else ""))
+            + (f"  reward {rewards}" if rewards else "")
+            + (f"  ({m['downtime_s']:.0f} s down before the resume left out)" if m.get("downtime_s") else ""))
 
 
 def summary_table(per_it: list[dict[str, Any]], summary: dict[str, Any]) -> Table:

@@ -68,10 +68,13 @@ def _train_stats(ops: list[OpRecord]) -> dict[str, float]:
 
 def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: int,
                       prev_end: float, n_workers: int = 0, *, ops: list[OpRecord] | None = None,
-                      workers: Iterable[str] | None = None) -> dict[str, Any]:
+                      workers: Iterable[str] | None = None,
+                      gaps: Iterable[tuple[float, float]] = ()) -> dict[str, Any]:
     """Iteration `it`'s figures. Its window runs from `prev_end` (the end of the previous
-    iteration's last op, or the run's first op) to the end of its own last op; busy time of
-    every worker is the overlap of its ops, whatever iteration they belong to, with it.
+    iteration's last op, or the run's first op) to the end of its own last op, less the `gaps`
+    in it (a resumed run's downtime, `downtime_s`: no op ran then, and it is no iteration's
+    time); busy time of every worker is the overlap of its ops, whatever iteration they belong
+    to, with it.
     Utilisation divides by `n_workers`, or the workers seen in `records` if that is more.
     `ops` (iteration `it`'s records) and `workers` (every worker seen) spare a caller that
     keeps them a scan of every record: `records` need then hold only those that may overlap
@@ -79,7 +82,8 @@ def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: in
     workers = sorted(workers if workers is not None else {r.result.worker for r in records})
     ops = ops if ops is not None else [r for r in records if r.op.iteration == it]
     end = max(r.result.t_end for r in ops)
-    window = max(end - prev_end, 1e-9)
+    down = sum(max(0.0, min(g1, end) - max(g0, prev_end)) for g0, g1 in gaps)
+    window = max(end - prev_end - down, 1e-9)
     busy = _window_busy(records, prev_end, end)
     stage_s: dict[str, float] = defaultdict(float)
     for r in ops:
@@ -96,6 +100,8 @@ def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: in
         "cpu_s": sum(r.result.cpu_s for r in ops),
         "ops": len(ops),
     }
+    if down > 0:
+        m["downtime_s"] = down
     # Swap traffic of on-demand training allocation (checkpoint out after each step, state
     # in where a slot took an agent whose state was elsewhere).
     for key in ("swap_in_s", "swap_in_bytes", "swap_out_s", "swap_out_bytes"):
@@ -135,13 +141,19 @@ class IterationTracker:
         #: emitted ended): scanning every record per iteration made metrics O(ops^2)
         self._live: list[OpRecord] = []
         self._workers: set[str] = set()
+        #: when the run was down between attempts: left out of the windows that span it
+        self.gaps: list[tuple[float, float]] = []
 
-    def resume(self, earlier: list[OpRecord], emitted: list[dict[str, Any]]) -> None:
+    def resume(self, earlier: list[OpRecord], emitted: list[dict[str, Any]],
+               resumed_at: float | None = None) -> None:
         """An interrupted attempt's records, and the rows it already wrote (not written again).
         Iterations it completed but did not report are emitted now: nothing of this attempt
-        can overlap their windows, as nothing of it has started."""
+        can overlap their windows, as nothing of it has started. `resumed_at`: when this
+        attempt started; from the earlier attempt's last op to then, the run was down."""
         for rec in earlier:
             self._take(rec)
+        if earlier and resumed_at is not None:
+            self.gaps.append((max(r.result.t_end for r in earlier), resumed_at))
         for row in emitted:
             if row.get("iteration") != self._next or self.left.get(self._next) != 0:
                 break
@@ -172,7 +184,7 @@ class IterationTracker:
                 self._prev_end = min(r.result.t_start for r in self.records)
             row = iteration_metrics(self._live, self.decisions, self._next, self._prev_end,
                                     n_workers=self.n_workers(), ops=self._by_it[self._next],
-                                    workers=self._workers)
+                                    workers=self._workers, gaps=self.gaps)
             self.rows.append(row)
             self.emit(row)
             self._prev_end = end

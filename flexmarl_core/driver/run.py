@@ -314,8 +314,8 @@ def train(
             hook.iteration_done(row)
 
     tracker = IterationTracker(plan.sizes(), emit, lambda: len(executor.worker_resources()))
-    if resume:
-        tracker.resume(earlier, _reported_iterations(loc))
+    if resume:  # the downtime since the earlier attempt's last op is no iteration's time
+        tracker.resume(earlier, _reported_iterations(loc), resumed_at=executor.now())
     orch = Orchestrator(plan, cfg, executor, skip=[r.op for r in earlier],
                         hooks=[WriteOpLog(writer), TrackIterations(tracker), *hooks])
     orch.control.warm(r.result for r in earlier)
