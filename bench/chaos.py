@@ -14,6 +14,11 @@ sent and retried (`store_retries` of a stage, or the flow's own uploads retried,
 `flow_store_retries`); the API outage, which the run never sees, as every op's task run completed in
 the API afterwards. JSON keys: `faults_injected`, `faults_survived`, `audit_errors`,
 `weights_tolerance_ratio` (at most 1: equal within rtol 1e-4, atol 1e-6), `wall_s_undisturbed`, `wall_s_chaos`, `wall_cost_ratio`, `decisions`.
+
+Then the operator's mistakes (`bench/chaos_operator.py`, `--no-operator` skips them): a double
+launch, a hanging reward, a full disk and a damaged store, each through the CLI on the tiny
+team. JSON keys: `operator_mistakes` (each one's result), `operator_injected`,
+`operator_survived`.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--outage-s", type=float, default=None)
     ap.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
+    ap.add_argument("--no-operator", action="store_true", help="skip the operator's mistakes")
     ap.add_argument("--deadline-floor-s", type=float, default=45.0,
                     help="cluster.deadlines.floor_s: past the S3 burst's backoff, so only the hang trips it")
     args = ap.parse_args()
@@ -151,6 +157,13 @@ def main() -> int:
             decisions = [json.loads(x) for x in chaos_loc.read_text("metrics/decisions.jsonl").splitlines() if x.strip()]
             chaos_ops = {o["op"] for o in ops_of(chaos_loc)}
             task_runs = asyncio.run(_completed_task_runs(chaos_ops))
+        if not args.no_operator:
+            sys.path.insert(0, str(REPO))
+            from chaos_operator import operator_phase
+
+            operator = operator_phase(api)
+        else:
+            operator = {}
         problems = audit_run(chaos_uri).problems
         audit_errors = sum(p.severity == "error" for p in problems)
         diff = _weights_diff(peek(calm_uri), chaos_loc, iterations)
@@ -181,15 +194,20 @@ def main() -> int:
         "decisions": {k: sum(d["decision"] == k for d in decisions) for k in
                       ("resubmit", "hung_op", "store_retries", "move_instance", "train_slot")},
         "proxy_injected": dict(proxy.injected), "flow_store_retries": flow_retries,
+        "operator_mistakes": operator,
+        "operator_injected": sum(1 for r in operator.values() if r["survived"] is not None),
+        "operator_survived": sum(1 for r in operator.values() if r["survived"]),
     }
     print(f"{'fault':<44} survived")
     for k, v in fired.items():
         print(f"{k:<44} {v}")
+    for k, r in operator.items():
+        print(f"{k:<44} {r['survived'] if r['survived'] is not None else 'not run: ' + r.get('not_run', '')}")
     print(f"audit errors {audit_errors}; weights {diff:.3f} of the tolerance; wall {wall_calm:.0f} s undisturbed, "
           f"{wall_chaos:.0f} s with faults ({out['wall_cost_ratio']:.2f}x)")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
-    ok = audit_errors == 0 and diff <= 1.0 and all(fired.values())
+    ok = audit_errors == 0 and diff <= 1.0 and all(fired.values()) and out["operator_survived"] == out["operator_injected"]
     return 0 if ok else 1
 
 

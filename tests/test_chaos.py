@@ -21,7 +21,7 @@ def test_chaos_short_variant_loses_nothing(tmp_path: Path) -> None:
     pytest.importorskip("moto.server")
     out = tmp_path / "chaos.json"
     res = subprocess.run([sys.executable, str(REPO / "bench" / "chaos.py"), "--config", str(REPO / "configs" / "tiny.yaml"),
-                          "--iterations", "3", "--outage-s", "10", "--json", str(out)],
+                          "--iterations", "3", "--outage-s", "10", "--no-operator", "--json", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert out.exists(), (res.stdout + res.stderr)[-4000:]
     got = json.loads(out.read_text())
