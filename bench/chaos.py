@@ -175,7 +175,8 @@ def main() -> int:
     resubmitted = {d["op"] for d in decisions if d["decision"] == "resubmit"}
     fired = {f"kill@{k}": k in resubmitted for k in kills}
     # Cancelled past its deadline, or lost with a worker killed meanwhile: either way rerun.
-    fired[f"hang@{hang}"] = any(d["decision"] in ("hung_op", "resubmit") and d["op"] == hang for d in decisions)
+    fired[f"hang@{hang}"] = any(d["decision"] in ("hung_op", "resubmit") and hang in d["op"].split(" + ")
+                                for d in decisions)  # a fused run's hung_op names all its ops
     # The burst's 503s land on whichever requests come next: a stage's (a `store_retries`
     # decision) or the flow's own (its op-log uploads, retried in this process).
     flow_retries = retry.retried() - flow_r0
