@@ -75,7 +75,7 @@ def session_factory():
     engines = {a: HFInferenceEngine(tiny_model(seed=i), tokenizer()) for i, a in enumerate(["solver", "verifier"])}
     specs = {a: AgentSpec(a, SAMPLING, BUILTIN["plain"], tokenizer(), 2048) for a in engines}
     return lambda: Session("k", specs, {a: 0 for a in engines}, LocalDispatcher.of_engines(engines),
-                           lambda i, t, a, c: 7 * t + c)
+                           lambda i, t, a, c: 7 * t + int(c.split(":")[1]))
 
 
 def test_a_multi_turn_program_through_the_endpoint_becomes_one_sample(session_factory):
@@ -202,7 +202,7 @@ def test_the_langgraph_example_runs_unchanged():
     agents = ["planner", "solver", "verifier"]
     engines = {a: HFInferenceEngine(tiny_model(seed=i), tokenizer()) for i, a in enumerate(agents)}
     specs = {a: AgentSpec(a, SAMPLING, BUILTIN["plain"], tokenizer(), 2048) for a in engines}
-    s = Session("k", specs, dict.fromkeys(engines, 0), LocalDispatcher.of_engines(engines), lambda i, t, a, c: 7 * t + c)
+    s = Session("k", specs, dict.fromkeys(engines, 0), LocalDispatcher.of_engines(engines), lambda i, t, a, c: 7 * t + int(c.split(":")[1]))
     team = load_program(f"{REPO}/examples/programs/langgraph_team.py:team")
     res = run_program(team, [(f"p{k // 2}", k % 2, 0, f"{k}+1*2") for k in range(6)], s, Gateway.shared())
     assert [r.error for r in res] == [None] * 6
@@ -219,7 +219,7 @@ def test_the_mixture_of_agents_example_discovers_its_edges():
     agents = ["p1", "p2", "p3", "aggregator"]
     engines = {a: HFInferenceEngine(tiny_model(seed=i), tokenizer()) for i, a in enumerate(agents)}
     specs = {a: AgentSpec(a, SAMPLING, BUILTIN["plain"], tokenizer(), 2048) for a in engines}
-    s = Session("k", specs, dict.fromkeys(engines, 0), LocalDispatcher.of_engines(engines), lambda i, t, a, c: 7 * t + c)
+    s = Session("k", specs, dict.fromkeys(engines, 0), LocalDispatcher.of_engines(engines), lambda i, t, a, c: 7 * t + int(c.split(":")[1]))
     team = load_program(f"{REPO}/examples/programs/moa_team.py:team")
     results = run_program(team, [("p0", t, 0, "3+4*2") for t in range(2)], s, Gateway.shared())
     tok = tokenizer()

@@ -30,7 +30,7 @@ def engines():
 def _session(engines, *, window_s: float = 0.02, dispatcher=None, template: str = "plain") -> Session:
     specs = {a: AgentSpec(a, SAMPLING, BUILTIN[template], tokenizer(), CONTEXT) for a in engines}
     return Session("the-key", specs, {a: 0 for a in engines}, dispatcher or LocalDispatcher.of_engines(engines),
-                   lambda i, t, a, c: 1000 * t + c, window_s=window_s)
+                   lambda i, t, a, c: 1000 * t + int(c.split(":")[1]), window_s=window_s)
 
 
 @pytest.fixture

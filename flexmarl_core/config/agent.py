@@ -202,7 +202,13 @@ class AgentConfig(_Strict):
         description="Program teams: how a chat request's messages become the prompt. plain: their "
         "contents concatenated; chatml: <|im_start|>role ... <|im_end|> turns (the local tokenizer's "
         "format); tokenizer: the model's own chat template; anything else: a Jinja template "
-        "(variables messages, add_generation_prompt, bos_token, eos_token).",
+        "(variables messages, tools, add_generation_prompt, bos_token, eos_token).",
+    )
+    tool_parser: str = Field(
+        "hermes",
+        description="Program teams: how this agent's tool calls are written and read back (a registered "
+        "parser, flexmarl_core/programs/tools.py): hermes (<tool_call>{json}</tool_call>, Qwen2.5/3 and the "
+        "built-in templates) or mistral ([TOOL_CALLS][...]).",
     )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Which model this agent runs.")
     share_model_with: str | None = Field(

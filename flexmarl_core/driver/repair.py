@@ -61,11 +61,17 @@ def check_before_resume(run_dir: str) -> None:
     cfg = config_from_text(loc.read_text(CONFIG_NAME), source=loc.display(CONFIG_NAME))
     fixable, other = damaged(cfg.resolved_store_uri())
     if other:
-        raise DamagedStoreError(f"{other[0]} ({len(fixable) + len(other)} damaged file(s)); "
+        raise DamagedStoreError(f"{_said(other[0])} ({len(fixable) + len(other)} damaged file(s)); "
                                 "`flexmarl store check` lists them; this damage cannot be repaired in place")
     if fixable:
-        raise DamagedStoreError(f"{fixable[0].problem} ({len(fixable)} damaged file(s)); repair with "
+        raise DamagedStoreError(f"{_said(fixable[0].problem)} ({len(fixable)} damaged file(s)); repair with "
                                 f"`flexmarl store repair {loc.uri}`, then resume (or --skip-check to resume as is)")
+
+
+def _said(p: Problem) -> str:
+    """A problem in one short clause: the file, what is wrong with it, and why."""
+    why = p.message.split(f"{p.path}: ", 1)[-1]
+    return f"the store file {p.path} is {p.kind}: {why}"
 
 
 def _writes(op: dict, d: Damage) -> bool:

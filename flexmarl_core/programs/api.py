@@ -99,6 +99,9 @@ class CallRecord:
     t_end: float
     #: indices (in the trajectory's record list) of the calls answered before this one was made
     after: tuple[int, ...] = ()
+    #: what the call is, not when it arrived: its prompt and its occurrence among identical
+    #: prompts of the agent in the trajectory (the agent's calls are numbered in this order)
+    identity: tuple[tuple[int, ...], int] = ((), 0)
 
 
 @dataclass(slots=True)

@@ -22,12 +22,26 @@ Errors are OpenAI's JSON with a 4xx status (bad body, unknown agent or trajector
 longer than the model's context, a wrong key or a finished trajectory's); the server never
 stops on one. A decode that fails (flexmarl's machinery) is a 503, and the session keeps it:
 the op fails on it and is retried; it is never the program's wrong answer.
+
+A call's identity is what it is, not when it arrived: its agent, its prompt's tokens and its
+occurrence among identical prompts of the trajectory seed its decode, and number the agent's
+calls once the trajectory ends, so concurrent calls (`asyncio.gather`, threads) sample and are
+stored alike run after run. Parsing a body, templating and tokenising run on a thread pool, off
+the event loop, after a size check that needs no tokenizer: a huge message never holds up
+another call.
+
+Tools: a request's `tools` are rendered through the agent's chat template; the answer is read
+back by the agent's tool parser (`tools.py`) into `tool_calls` with `finish_reason:
+"tool_calls"`; `tool_choice` `required` (or a named function) starts the answer with the
+parser's call prefix. A later call that sends the assistant's calls back is rendered with the
+answer's exact text (known by its call ids), so it continues the sample token for token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import json
 import logging
 import secrets
@@ -57,6 +71,7 @@ from flexmarl_core.programs.api import (
 )
 from flexmarl_core.programs.chat import ChatTemplateError, render
 from flexmarl_core.programs.protocol import (
+    Answer,
     ApiError,
     CallRequest,
     chat_response,
@@ -64,11 +79,16 @@ from flexmarl_core.programs.protocol import (
     parse_chat,
     parse_completion,
 )
+from flexmarl_core.programs.tools import TOOL_PARSERS, ToolParser
 
 log = logging.getLogger(__name__)
 
 #: a batch waits at most this many windows after its first request
 MAX_WAIT_WINDOWS = 25
+#: the largest request body the endpoint reads (a larger one is a 413, never parsed)
+MAX_BODY_BYTES = 8 << 20
+#: the header flexmarl's own clients add: the key of the client object the call went through
+VIA_HEADER = "x-flexmarl-via"
 
 
 @dataclass
@@ -81,11 +101,20 @@ class AgentSpec:
     template: str
     tokenizer: Any
     max_context: int
+    parser: ToolParser = field(default_factory=lambda: TOOL_PARSERS.get("hermes"))
+    #: the longest text (UTF-8 bytes) one token stands for: a text of more bytes than this times
+    #: the context is too long, known without tokenising it
+    max_token_bytes: int = 0
 
     def __post_init__(self) -> None:
         # Rust tokenizers refuse concurrent use from two threads: the endpoint's thread
         # tokenizes while an engine in this process decodes with its own.
         self.tokenizer = copy.deepcopy(self.tokenizer)
+        if not self.max_token_bytes:
+            vocab = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            self.max_token_bytes = max((len(str(v).encode()) for v in vocab if v is not None), default=1) or 1
+        # one template render and tokenisation at a time per agent (the tokenizer's own rule)
+        self.lock = threading.Lock()
 
 
 @dataclass
@@ -98,7 +127,14 @@ class Trajectory:
     mb: int
     token: str
     records: list[CallRecord] = field(default_factory=list)
-    calls: dict[str, int] = field(default_factory=dict)
+    #: (agent, prompt digest) -> calls of it so far: a call's occurrence among identical prompts
+    seen: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: tool call id -> the exact text of the answer that made it (what a later call sends back)
+    answers: dict[str, str] = field(default_factory=dict)
+    #: calls that came through a client flexmarl did not make (a program's own, or a shared one)
+    foreign: int = 0
+    #: calls made through another trajectory's client and attributed to this one by context
+    rerouted: int = 0
     pending: int = 0
     live: bool = True
 
@@ -113,7 +149,7 @@ class Session:
     version of each, who decodes, how seeds are derived, and what was measured."""
 
     def __init__(self, key: str, agents: dict[str, AgentSpec], versions: dict[str, int], dispatcher: Dispatcher,
-                 seed_of: Callable[[str, int, str, int], int], *, window_s: float = 0.02, greedy: bool = False,
+                 seed_of: Callable[[str, int, str, str], int], *, window_s: float = 0.02, greedy: bool = False,
                  fingerprint: str = "flexmarl") -> None:
         self.key, self.agents, self.versions, self.dispatcher = key, agents, versions, dispatcher
         self.seed_of, self.window_s, self.greedy, self.fingerprint = seed_of, window_s, greedy, fingerprint
@@ -148,6 +184,8 @@ class Gateway:
         self._in_flight: dict[tuple[int, str, int], int] = {}
         self._timers: set[tuple[int, str, int]] = set()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="flexmarl-decode")
+        #: parsing, templating and tokenising, off the event loop
+        self._prep = ThreadPoolExecutor(max_workers=4, thread_name_prefix="flexmarl-prep")
         # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so, and without it a
         # response (headers, then body) waited ~40 ms for the client's delayed ACK on every call.
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -259,18 +297,26 @@ class Gateway:
         t: Trajectory | None = None
         try:
             t = self._trajectory(request)
-            try:
-                body = json.loads(await request.body())
-            except ValueError as exc:
-                raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+            via = request.headers.get(VIA_HEADER)
+            if via is None:
+                t.foreign += 1
+            elif via != t.token:
+                t.rerouted += 1
+            size = int(request.headers.get("content-length") or 0)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is {size} bytes, more than the {MAX_BODY_BYTES} the endpoint "
+                               "reads: send a shorter prompt", code="request_too_large")
+            raw = await request.body()
             s = t.session
-            req: CallRequest = parse(body, s.defaults)
+            assert self.loop is not None
+            req, prompt_ids, prompt_text, prefix = await self.loop.run_in_executor(
+                self._prep, self._prepare, raw, parse, s, t)
             spec = s.agents[req.agent]
-            prompt_ids, prompt_text = self._prompt(req, spec)
             sampling = req.sampling.model_copy(update={"temperature": 0.0}) if s.greedy else req.sampling
-            first = t.calls.get(req.agent, 0)
-            t.calls[req.agent] = first + req.n
-            seed = req.seed if req.seed is not None else s.seed_of(t.input_id, t.traj, req.agent, first)
+            digest = hashlib.sha1(json.dumps(prompt_ids).encode()).hexdigest()[:16]
+            occ = t.seen.get((req.agent, digest), 0)
+            t.seen[(req.agent, digest)] = occ + req.n
+            seed = req.seed if req.seed is not None else s.seed_of(t.input_id, t.traj, req.agent, f"{digest}:{occ}")
             after, started = tuple(range(len(t.records))), time.time()
             t.pending += 1
             t_queued = time.perf_counter()
@@ -280,10 +326,13 @@ class Gateway:
             finally:
                 t.pending -= 1
             ended = time.time()
+            answers = []
             for k, g in enumerate(gens):
-                t.records.append(CallRecord(req.agent, first + k, list(prompt_ids), prompt_text, g, started, ended, after))
+                t.records.append(CallRecord(req.agent, len(t.records), list(prompt_ids), prompt_text, g, started,
+                                            ended, after, (tuple(prompt_ids), occ + k)))
+                answers.append(self._answer(t, req, spec, prefix + g.text, f"{digest}:{occ + k}"))
             engine_s = time.perf_counter() - t_queued
-            out = respond(req, len(prompt_ids), gens, spec.tokenizer.decode, s.fingerprint)
+            out = respond(req, len(prompt_ids), gens, spec.tokenizer.decode, s.fingerprint, answers)
             s.overheads.append(max(time.perf_counter() - t0 - engine_s, 0.0))
             return JSONResponse(out, headers={"x-flexmarl-decode-ms": f"{stats.seconds * 1e3:.3f}",
                                               "x-flexmarl-engine-ms": f"{engine_s * 1e3:.3f}"})
@@ -301,15 +350,58 @@ class Gateway:
                                 status_code=500)
 
     @staticmethod
-    def _prompt(req: CallRequest, spec: AgentSpec) -> tuple[list[int], str]:
+    def _answer(t: Trajectory, req: CallRequest, spec: AgentSpec, text: str, identity: str) -> Answer:
+        """One choice as the program reads it: its text, or its tool calls (ids derived from the
+        call's identity, the answer's text kept under them for the call that sends them back)."""
+        if not req.tools or req.tool_choice == "none":
+            return Answer(text, [], None)
+        content, calls = spec.parser.extract(text)
+        if not calls:
+            return Answer(text, [], None)
+        if not req.parallel_tool_calls:
+            calls = calls[:1]
+        out = []
+        for j, c in enumerate(calls):
+            cid = "call_" + hashlib.sha1(f"{t.input_id}:{t.traj}:{req.agent}:{identity}:{j}".encode()).hexdigest()[:24]
+            t.answers[cid] = text
+            out.append({"id": cid, "type": "function",
+                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}})
+        return Answer(content or None, out, "tool_calls")
+
+    @staticmethod
+    def _prepare(raw: bytes, parse: Callable, s: Session, t: Trajectory) -> tuple[CallRequest, list[int], str, str]:
+        """(request, prompt ids, prompt text, the answer's forced start) of one body, on a
+        thread of the prep pool."""
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        req: CallRequest = parse(body, s.defaults)
+        spec = s.agents[req.agent]
+        with spec.lock:
+            ids, text, prefix = Gateway._prompt(req, spec, t.answers)
+        return req, ids, text, prefix
+
+    @staticmethod
+    def _prompt(req: CallRequest, spec: AgentSpec, answers: dict[str, str] | None = None) -> tuple[list[int], str, str]:
+        """(prompt ids, prompt text, the answer's forced start: a call's prefix when
+        `tool_choice` requires one)."""
         tok = spec.tokenizer
+        prefix = ""
+        where = "messages" if req.kind == "chat" else "prompt"
         if req.kind == "chat":
+            messages = _replayed(req.messages or [], answers or {})
             try:
-                text = render(spec.template, req.messages or [], tok)
+                text = render(spec.template, messages, tok, tools=req.tools, parser=spec.parser)
             except ChatTemplateError as e:
                 raise ApiError(400, f"agent {spec.name!r}: {e}", "messages") from None
+            if req.tool_choice in ("required", "function"):
+                prefix = spec.parser.forced_prefix(req.tool_function)
+                text += prefix
+            _fits(spec, req, len(text.encode()), where)
             ids = tok.encode(text, add_special_tokens=False)
         elif isinstance(req.prompt, str):
+            _fits(spec, req, len(req.prompt.encode()), where)
             text, ids = req.prompt, tok.encode(req.prompt, add_special_tokens=False)
         else:
             ids = list(req.prompt or [])
@@ -319,14 +411,13 @@ class Gateway:
                                f"{spec.name!r} ({vocab} tokens)", "prompt")
             text = tok.decode(ids, skip_special_tokens=False)
         if not ids:
-            raise ApiError(400, "the prompt is empty after templating: nothing to continue from",
-                           "messages" if req.kind == "chat" else "prompt")
+            raise ApiError(400, "the prompt is empty after templating: nothing to continue from", where)
         room = spec.max_context - len(ids)
         if room < req.sampling.max_new_tokens:
             raise ApiError(400, f"This model's maximum context length is {spec.max_context} tokens; the prompt "
                            f"has {len(ids)} and max_tokens is {req.sampling.max_new_tokens} (agent {spec.name!r})",
-                           "messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")
-        return ids, text
+                           where, code="context_length_exceeded")
+        return ids, text, prefix
 
     # -- batching (the loop's thread) ------------------------------------------------------------
     def _submit(self, s: Session, agent: str, group: DecodeGroup) -> asyncio.Future:
@@ -397,3 +488,25 @@ class Gateway:
                 w.future.set_exception(exc if isinstance(exc, MachineryError) else MachineryError(
                     f"agent {key[1]!r}: decode failed: {type(exc).__name__}: {exc}"))
         self._kick_all()
+
+
+def _replayed(messages: list[dict[str, Any]], answers: dict[str, str]) -> list[dict[str, Any]]:
+    """`messages` with every assistant turn whose tool calls this trajectory's answers made
+    written as that answer's exact text: the prompt then continues the answer token for token."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls and all(c["id"] in answers for c in calls) and len({answers[c["id"]] for c in calls}) == 1:
+            m = {"role": "assistant", "content": answers[calls[0]["id"]]}
+        out.append(m)
+    return out
+
+
+def _fits(spec: AgentSpec, req: CallRequest, nbytes: int, where: str) -> None:
+    """A text of `nbytes` UTF-8 bytes has at least `nbytes / max_token_bytes` tokens: past the
+    context, it is refused before the tokenizer reads it."""
+    at_least = -(-nbytes // spec.max_token_bytes)
+    if at_least + req.sampling.max_new_tokens > spec.max_context:
+        raise ApiError(400, f"This model's maximum context length is {spec.max_context} tokens; the prompt has at "
+                       f"least {at_least} ({nbytes} bytes) and max_tokens is {req.sampling.max_new_tokens} (agent "
+                       f"{spec.name!r}): send a shorter prompt", where, code="context_length_exceeded")

@@ -2,15 +2,18 @@
 
 `parse_chat` / `parse_completion` turn a JSON body into a `CallRequest` (or raise `ApiError`,
 which the endpoint returns as OpenAI's error JSON). Honoured: `temperature`, `top_p`,
-`max_tokens` (`max_completion_tokens`), `stop`, `n`, `logprobs` and `seed`; a field the engines
-cannot honour (`top_logprobs` > 0, penalties, `logit_bias`, tools, streaming, images, ...) is a
-400 that names it, never silently ignored. Fields that change nothing (`user`, `metadata`,
-`store`, `service_tier`, ...) are accepted. What the request leaves out comes from the agent's
-`sampling` in the config.
+`max_tokens` (`max_completion_tokens`), `stop`, `n`, `logprobs`, `seed`, and on chat `tools`,
+`tool_choice` (`auto`, `none`, `required`, a named function) and `parallel_tool_calls`, with
+assistant messages that carry `tool_calls` and `tool` messages that answer them. A field the
+engines cannot honour (`top_logprobs` > 0, penalties, `logit_bias`, streaming, images, ...) is
+a 400 that names it and what to use instead, never silently ignored. Fields that change nothing
+(`user`, `metadata`, `store`, `service_tier`, ...) are accepted. What the request leaves out
+comes from the agent's `sampling` in the config.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -26,18 +29,19 @@ from flexmarl_core.programs.chat import ROLES
 Kind = Literal["chat", "completion"]
 
 #: fields accepted and ignored: they do not change what is sampled
-_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "stream_options",
                       "prompt_cache_key", "safety_identifier"})
 #: fields accepted only at their no-op value
 _NOOP: dict[str, tuple[Any, ...]] = {
     "stream": (None, False), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "logit_bias": (None, {}),
     "functions": (None, []), "function_call": (None, "none", "auto"), "top_logprobs": (None, 0),
     "response_format": (None, {"type": "text"}), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "modalities": (None, ["text"]), "reasoning_effort": (None,),
 }
 _SAMPLING = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n", "seed")
-CHAT_FIELDS = frozenset({"model", "messages", "logprobs", *_SAMPLING}) | _IGNORED | _NOOP.keys()
+CHAT_FIELDS = frozenset({"model", "messages", "logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                         *_SAMPLING}) | _IGNORED | _NOOP.keys()
 COMPLETION_FIELDS = frozenset({"model", "prompt", "logprobs", *_SAMPLING}) | _IGNORED | _NOOP.keys()
 #: the most choices one request may ask for (each is a row of the decode batch)
 MAX_N = 64
@@ -64,24 +68,54 @@ class CallRequest:
     sampling: SamplingConfig
     n: int = 1
     seed: int | None = None
-    #: chat: the messages (role, content); completion: None
-    messages: list[dict[str, str]] | None = None
+    #: chat: the messages (role, content; an assistant's `tool_calls`, a tool's `tool_call_id`);
+    #: completion: None
+    messages: list[dict[str, Any]] | None = None
     #: completion: the prompt as text, or as token ids
     prompt: str | list[int] | None = None
     #: chat: `logprobs: true`; completion: `logprobs: 0/1`
     logprobs: bool = False
+    #: chat: the functions the model may call (`{"name", "description", "parameters"}` each)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    #: `auto` (the model decides), `none` (no call), `required` (a call), or `function`
+    tool_choice: str = "auto"
+    #: the function `tool_choice` names
+    tool_function: str | None = None
+    #: more than one call in one answer
+    parallel_tool_calls: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+
+
+#: what to use instead of a field the engines cannot honour
+_INSTEAD = {
+    "functions": "send 'tools' (the successor of 'functions')",
+    "function_call": "send 'tool_choice' (the successor of 'function_call')",
+    "top_logprobs": "ask for 'logprobs': true (the sampled token's log-prob)",
+    "logit_bias": "leave it out; steer with the prompt or the agent's sampling config",
+    "presence_penalty": "leave it out (the engines sample from the model's own distribution)",
+    "frequency_penalty": "leave it out (the engines sample from the model's own distribution)",
+    "best_of": "ask for 'n' choices and pick among them in the program",
+    "echo": "keep the prompt in the program",
+    "suffix": "put the suffix in the prompt",
+    "modalities": "send text",
+}
+
+
+def _brief(value: Any) -> str:
+    """A value for an error message: short, never a whole schema."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
     for key, value in body.items():
         if key not in allowed:
-            raise ApiError(400, f"unsupported field {key!r}: flexmarl's endpoint does not implement it", key,
-                           code="unsupported_parameter")
+            raise ApiError(400, f"unsupported field {key!r}: flexmarl's endpoint does not implement it; "
+                           f"{_INSTEAD.get(key, 'leave it out')}", key, code="unsupported_parameter")
         if key in _NOOP and value not in _NOOP[key]:
-            raise ApiError(400, f"unsupported value of {key!r} ({value!r}): only {list(_NOOP[key])} are "
-                           "supported by flexmarl's engines", key, code="unsupported_value")
+            raise ApiError(400, f"unsupported value of {key!r} ({_brief(value)}): flexmarl's engines take only "
+                           f"{list(_NOOP[key])}; {_INSTEAD.get(key, 'leave it out')}", key, code="unsupported_value")
 
 
 def _agent(body: Mapping[str, Any], agents: Mapping[str, SamplingConfig]) -> str:
@@ -124,16 +158,43 @@ def _sampling(body: Mapping[str, Any], default: SamplingConfig) -> tuple[Samplin
     return sampling, n, seed
 
 
-def _content(i: int, msg: Any) -> dict[str, str]:
+def _tool_calls(where: str, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, as `{"id", "name", "arguments"}` (arguments parsed)."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"{where}.tool_calls[{j}] must be {{'id', 'type': 'function', 'function': "
+                           "{'name', 'arguments'}}", f"{where}.tool_calls")
+        args = fn.get("arguments") or "{}"
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON object (as a "
+                           "string)", f"{where}.tool_calls")
+        out.append({"id": str(c.get("id") or ""), "name": fn["name"], "arguments": parsed})
+    return out
+
+
+def _content(i: int, msg: Any) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(msg, dict):
         raise ApiError(400, f"{where} must be an object with 'role' and 'content'", where)
     role = msg.get("role")
     if role not in ROLES:
         raise ApiError(400, f"{where}.role {role!r} is not one of {list(ROLES)}", f"{where}.role")
-    if msg.get("tool_calls") or msg.get("function_call"):
-        raise ApiError(400, f"{where}: tool calls are not supported", f"{where}.tool_calls",
-                       code="unsupported_parameter")
+    if msg.get("function_call"):
+        raise ApiError(400, f"{where}.function_call is not supported: send 'tool_calls' (its successor)",
+                       f"{where}.function_call", code="unsupported_parameter")
+    extra: dict[str, Any] = {}
+    if role == "assistant" and msg.get("tool_calls"):
+        extra["tool_calls"] = _tool_calls(where, msg["tool_calls"])
+    if role == "tool":
+        extra["tool_call_id"] = str(msg.get("tool_call_id") or "")
     content = msg.get("content")
     if isinstance(content, list):  # content parts: text only
         parts = []
@@ -147,7 +208,40 @@ def _content(i: int, msg: Any) -> dict[str, str]:
         content = ""
     if not isinstance(content, str):
         raise ApiError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
-    return {"role": role, "content": content}
+    return {"role": role, "content": content, **extra}
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str, str | None, bool]:
+    """(tools, tool_choice, the function it names, parallel_tool_calls) of a chat body."""
+    tools = []
+    for j, t in enumerate(body.get("tools") or []):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(400, f"tools[{j}] must be {{'type': 'function', 'function': {{'name', 'description', "
+                           "'parameters'}}}} (function tools only)", "tools", code="unsupported_value")
+        tools.append({"name": fn["name"], "description": fn.get("description") or "",
+                      "parameters": fn.get("parameters") or {"type": "object", "properties": {}}})
+    names = [t["name"] for t in tools]
+    choice, function = body.get("tool_choice"), None
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', "
+                           "'function': {'name': ...}}", "tool_choice")
+        choice, function = "function", fn["name"]
+    if choice not in ("auto", "none", "required", "function"):
+        raise ApiError(400, f"'tool_choice' {_brief(choice)} is not 'auto', 'none', 'required' or a named "
+                       "function", "tool_choice")
+    if choice in ("required", "function") and not tools:
+        raise ApiError(400, f"'tool_choice' {choice!r} needs 'tools'", "tool_choice")
+    if function is not None and function not in names:
+        raise ApiError(400, f"'tool_choice' names {function!r}, which is not among 'tools': {names}", "tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel not in (None, True, False):
+        raise ApiError(400, "'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    return tools, choice, function, parallel is not False
 
 
 def parse_chat(body: Any, agents: Mapping[str, SamplingConfig]) -> CallRequest:
@@ -163,8 +257,10 @@ def parse_chat(body: Any, agents: Mapping[str, SamplingConfig]) -> CallRequest:
     logprobs = body.get("logprobs")
     if logprobs not in (None, True, False):
         raise ApiError(400, f"invalid 'logprobs' ({logprobs!r}): true or false", "logprobs")
+    tools, choice, function, parallel = _tools(body)
     return CallRequest("chat", agent, sampling, n, seed, messages=[_content(i, m) for i, m in enumerate(messages)],
-                       logprobs=bool(logprobs))
+                       logprobs=bool(logprobs), tools=tools, tool_choice=choice, tool_function=function,
+                       parallel_tool_calls=parallel)
 
 
 def parse_completion(body: Any, agents: Mapping[str, SamplingConfig]) -> CallRequest:
@@ -190,7 +286,19 @@ def parse_completion(body: Any, agents: Mapping[str, SamplingConfig]) -> CallReq
     return CallRequest("completion", agent, sampling, n, seed, prompt=prompt, logprobs=logprobs is not None)
 
 
-def _finish(g: Generation) -> str:
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One choice as the program reads it: its text (None when it is only calls), its tool
+    calls in OpenAI's form, and `tool_calls` as its finish reason when it made some."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str | None
+
+
+def _finish(g: Generation, answer: Answer | None = None) -> str:
+    if answer is not None and answer.finish_reason:
+        return answer.finish_reason
     return "length" if g.finish_reason == "length" else "stop"
 
 
@@ -205,10 +313,12 @@ def _sampled(g: Generation) -> list[tuple[int, float]]:
 
 
 def chat_response(req: CallRequest, prompt_len: int, gens: Sequence[Generation], decode: Any,
-                  fingerprint: str) -> dict[str, Any]:
-    """`chat.completion` for `gens` (one per choice); `decode(ids) -> str` for token strings."""
+                  fingerprint: str, answers: Sequence[Answer] | None = None) -> dict[str, Any]:
+    """`chat.completion` for `gens` (one per choice; `answers`: what each says, its tool calls
+    parsed); `decode(ids) -> str` for token strings."""
     choices = []
     for i, g in enumerate(gens):
+        answer = answers[i] if answers else Answer(g.text, [], None)
         lp = None
         if req.logprobs:
             content = []
@@ -216,14 +326,16 @@ def chat_response(req: CallRequest, prompt_len: int, gens: Sequence[Generation],
                 s = decode([t])
                 content.append({"token": s, "logprob": v, "bytes": list(s.encode()), "top_logprobs": []})
             lp = {"content": content, "refusal": None}
-        choices.append({"index": i, "message": {"role": "assistant", "content": g.text, "refusal": None},
-                        "finish_reason": _finish(g), "logprobs": lp})
+        message: dict[str, Any] = {"role": "assistant", "content": answer.content, "refusal": None}
+        if answer.tool_calls:
+            message["tool_calls"] = answer.tool_calls
+        choices.append({"index": i, "message": message, "finish_reason": _finish(g, answer), "logprobs": lp})
     return {"id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": req.created, "model": req.agent,
             "system_fingerprint": fingerprint, "choices": choices, "usage": _usage(prompt_len, gens)}
 
 
 def completion_response(req: CallRequest, prompt_len: int, gens: Sequence[Generation], decode: Any,
-                        fingerprint: str) -> dict[str, Any]:
+                        fingerprint: str, answers: Sequence[Answer] | None = None) -> dict[str, Any]:
     """`text_completion` for `gens` (one per choice)."""
     choices = []
     for i, g in enumerate(gens):

@@ -9,11 +9,20 @@ nothing from flexmarl, so the same script runs against any OpenAI-compatible ser
 One op runs its trajectories concurrently: a thread each for a plain function, one event loop
 for an `async def` one. A trajectory whose program raises (or returns something other than a
 string) fails alone: it is named in the result, and its calls are not trained on.
+
+Whose call is it: every client flexmarl makes names, on each request, the trajectory whose
+thread or task makes the call (a context variable), whatever client object it goes through. A
+program that installs one trajectory's client as a process-global default (the OpenAI Agents
+SDK's `set_default_openai_client`) is thus recorded right. A client the program builds itself
+from the given `base_url` and `api_key` is its trajectory's; one shared across trajectories
+(built from module-level settings) cannot be told apart, and when calls through such clients
+leave a trajectory with none of its own, the op stops naming the cause and the fix.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import importlib
 import importlib.util
@@ -32,8 +41,8 @@ from typing import Any
 import httpx
 import openai
 
-from flexmarl_core.programs.api import ProgramError, TrajectoryResult
-from flexmarl_core.programs.gateway import Gateway, Session, Trajectory
+from flexmarl_core.programs.api import CallRecord, ProgramError, TrajectoryResult
+from flexmarl_core.programs.gateway import VIA_HEADER, Gateway, Session, Trajectory
 
 #: one trajectory's work: (input_id, traj, mb, problem text)
 Job = tuple[str, int, int, str]
@@ -48,6 +57,24 @@ _LIMITS = httpx.Limits(max_connections=8, max_keepalive_connections=8)
 def _tls() -> ssl.SSLContext:
     """One TLS context for every client of this process (each would build its own: ~38 ms)."""
     return ssl.create_default_context()
+
+
+#: the key of the trajectory whose thread or task runs now (set by `run_program`)
+_CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("flexmarl_caller", default=None)
+
+
+def _attribute(request: httpx.Request) -> None:
+    """The call is the running trajectory's, whichever of flexmarl's clients carries it; the
+    client's own trajectory goes along (`VIA_HEADER`), so the endpoint can count reroutes."""
+    own = request.headers.get("authorization", "").removeprefix("Bearer ")
+    request.headers[VIA_HEADER] = own.rpartition(".")[2]
+    caller = _CALLER.get()
+    if caller and caller != own:
+        request.headers["authorization"] = f"Bearer {caller}"
+
+
+async def _aattribute(request: httpx.Request) -> None:
+    _attribute(request)
 
 
 #: one program loads at a time: a second thread would find the first's module in `sys.modules`
@@ -146,10 +173,38 @@ def run_program(fn: Callable[..., Any], jobs: Sequence[Job], session: Session, g
     finally:
         gateway.close(session)
     for r, t in zip(results, trajs, strict=True):
-        r.records = t.records
+        r.records = _numbered(t.records)
+    _check_routes(trajs, results)
     if results:
         results[0].latencies = latencies
     return results
+
+
+def _numbered(records: list[CallRecord]) -> list[CallRecord]:
+    """Each agent's calls numbered by what they are (prompt, occurrence), not arrival: the
+    same calls get the same numbers (sample ids, GRPO groups) whatever order they came in."""
+    by_agent: dict[str, list[CallRecord]] = {}
+    for rec in records:
+        by_agent.setdefault(rec.agent, []).append(rec)
+    for recs in by_agent.values():
+        for k, rec in enumerate(sorted(recs, key=lambda r: r.identity)):
+            rec.call = k
+    return records
+
+
+def _check_routes(trajs: list[Trajectory], results: list[TrajectoryResult]) -> None:
+    """Calls from clients flexmarl did not make, and a trajectory that answered without a call
+    of its own: its calls went out under another trajectory's key. Refused, never recorded."""
+    foreign = sum(t.foreign for t in trajs)
+    silent = [r for r, t in zip(results, trajs, strict=True) if r.error is None and not t.records]
+    if foreign and silent:
+        raise ProgramError(
+            f"{len(silent)} trajectories answered without a call of their own (e.g. input {silent[0].input_id} "
+            f"trajectory {silent[0].traj}) while {foreign} calls came through clients flexmarl did not make: the "
+            "program sends its calls around the client each trajectory is given (a client built once from "
+            "module-level settings, or shared between trajectories), so they would be recorded under another "
+            "trajectory. Use the client the program function receives, or build yours inside the function "
+            "from its base_url and api_key (docs/programs.md, 'Whose call is it')")
 
 
 def _outcome(res: TrajectoryResult, value: Any) -> None:
@@ -163,8 +218,9 @@ def _run_threads(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Trajec
                  results: list[TrajectoryResult], gateway: Gateway, timer: _Timer,
                  timeout_s: float) -> None:
     def one(k: int) -> None:
+        _CALLER.set(trajs[k].key)  # this pool thread runs trajectory k now
         with httpx.Client(timeout=timeout_s, verify=_tls(), limits=_LIMITS,
-                          event_hooks={"request": [timer.request], "response": [timer.response]}) as http:
+                          event_hooks={"request": [_attribute, timer.request], "response": [timer.response]}) as http:
             client = openai.OpenAI(base_url=gateway.base_url, api_key=trajs[k].key,
                                    http_client=http, max_retries=0)
             try:
@@ -182,8 +238,10 @@ async def _run_async(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Tr
                      results: list[TrajectoryResult], gateway: Gateway, timer: _Timer,
                      timeout_s: float) -> None:
     async def one(k: int) -> None:
+        _CALLER.set(trajs[k].key)  # this task's context: trajectory k
         async with httpx.AsyncClient(timeout=timeout_s, verify=_tls(), limits=_LIMITS,
-                                     event_hooks={"request": [timer.arequest], "response": [timer.aresponse]}) as http:
+                                     event_hooks={"request": [_aattribute, timer.arequest],
+                                                  "response": [timer.aresponse]}) as http:
             client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key=trajs[k].key,
                                         http_client=http, max_retries=0)
             try:

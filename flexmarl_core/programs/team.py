@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import AutoConfig
 
-from flexmarl_core.config import AgentConfig, TeamConfig
+from flexmarl_core.config import AgentConfig, ConfigError, TeamConfig
 from flexmarl_core.models import base_model_dir, load_agent_model, load_tokenizer
 from flexmarl_core.programs.api import Dispatcher, MachineryError, TrajectoryResult
 from flexmarl_core.programs.capture import last_outputs, trajectory_rows
@@ -26,6 +26,7 @@ from flexmarl_core.programs.chat import template_source
 from flexmarl_core.programs.engines import DemoDispatcher, LocalDispatcher
 from flexmarl_core.programs.gateway import AgentSpec, Gateway, Session
 from flexmarl_core.programs.runner import Job, check_failures, load_program, run_program
+from flexmarl_core.programs.tools import TOOL_PARSERS, ToolParser
 from flexmarl_core.workloads.api import Problem, SupportsPerturbation, Workload
 from flexmarl_core.workloads.bounded import Deadline
 
@@ -47,7 +48,15 @@ def agent_spec(acfg: AgentConfig, seed: int) -> AgentSpec:
     folder = _model_folder(acfg, seed)
     tok = load_tokenizer(folder)
     max_ctx = int(getattr(AutoConfig.from_pretrained(str(folder)), "max_position_embeddings", 2048))
-    return AgentSpec(acfg.name, acfg.sampling, template_source(acfg.chat_template, tok), tok, max_ctx)
+    return AgentSpec(acfg.name, acfg.sampling, template_source(acfg.chat_template, tok), tok, max_ctx,
+                     parser=_parser(acfg))
+
+
+def _parser(acfg: AgentConfig) -> ToolParser:
+    try:
+        return TOOL_PARSERS.get(acfg.tool_parser)
+    except ValueError as exc:
+        raise ConfigError(f"agent {acfg.name!r}: {exc}") from None
 
 
 @dataclass
@@ -61,7 +70,7 @@ class ProgramTeam:
     output: str
 
     def run(self, jobs: Sequence[Job], dispatcher: Dispatcher, versions: Mapping[str, int],
-            seed_of: Callable[[str, int, str, int], int], *, greedy: bool = False,
+            seed_of: Callable[[str, int, str, str], int], *, greedy: bool = False,
             where: str = "program", all_may_fail: bool = False) -> tuple[list[TrajectoryResult], Session]:
         """Every job's trajectory through this process's endpoint; raises `MachineryError` if a
         decode failed, `ProgramError` if every trajectory did (unless `all_may_fail`)."""
