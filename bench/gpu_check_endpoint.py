@@ -3,7 +3,8 @@ through flexmarl's OpenAI-compatible endpoint in front of the HF engine on the d
 vLLM imports, in front of vLLM, against the same endpoint in front of the HF engine on the CPU.
 Every call must be recorded with the reference's prompt, its tokens (a divergence passes only
 at a near-tie, as in the greedy check) and logprobs within the fp32 bound; an unknown agent
-must get OpenAI's 404."""
+must get OpenAI's 404. One call offers a tool with `tool_choice: required`, so the chatml
+template's tool rendering and the parser's forced call prefix reach every backend alike."""
 
 from __future__ import annotations
 
@@ -24,11 +25,17 @@ from flexmarl_core.programs.gateway import AgentSpec, Gateway, Session
 from flexmarl_core.programs.runner import run_program
 
 AGENTS = ("planner", "solver")
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Compute one operation of two integers.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
 
 
 def _program(problem: str, client: openai.OpenAI) -> str:
-    """Two calls whose prompts do not depend on an earlier answer, then a refused one."""
+    """Two calls whose prompts do not depend on an earlier answer, a tool call, then a refused one."""
     out = [client.completions.create(model=a, prompt=f"{problem}{a[0]}:").choices[0].text for a in AGENTS]
+    r = client.chat.completions.create(model="solver", messages=[{"role": "user", "content": problem}],
+                                       tools=TOOLS, tool_choice="required")
+    out.append(r.choices[0].message.content or str(r.choices[0].message.tool_calls))
     try:
         client.completions.create(model="nobody", prompt=problem)
     except openai.NotFoundError:
@@ -37,7 +44,7 @@ def _program(problem: str, client: openai.OpenAI) -> str:
 
 
 def _capture(engine: Any, tok: Any, problems: list[str], sampling: SamplingConfig) -> dict[tuple, Any]:
-    specs = {a: AgentSpec(a, sampling, BUILTIN["plain"], tok, 4096) for a in AGENTS}
+    specs = {a: AgentSpec(a, sampling, BUILTIN["chatml"], tok, 4096) for a in AGENTS}
     s = Session("k", specs, dict.fromkeys(AGENTS, 0), LocalDispatcher.of_engines(dict.fromkeys(AGENTS, engine)),
                 lambda *_: 0, greedy=True)
     res = run_program(_program, [(f"p{i}", 0, 0, p) for i, p in enumerate(problems)], s, Gateway.shared())

@@ -161,8 +161,11 @@ def test_tool_choice_required_starts_the_answer_with_a_call_and_none_parses_noth
     assert not seen[1].endswith("{\"name\": ")
 
 
-def test_a_malformed_call_comes_back_as_text_never_an_error():
-    bad = '<tool_call>\n{"name": "calculator", "arguments": {"expression": </tool_call>'
+@pytest.mark.parametrize("bad", [
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": </tool_call>',  # bad JSON
+    '<tool_call>\n{"name": "search", "arguments": {"q": "2+3"}}\n</tool_call>',  # not offered
+], ids=["malformed", "not-offered"])
+def test_a_malformed_call_comes_back_as_text_never_an_error(bad: str):
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 
     def team(problem: str, client: openai.OpenAI) -> str:
@@ -295,3 +298,58 @@ def test_a_huge_body_is_refused_before_it_is_tokenized_and_tokenizing_is_off_the
     assert res.error is None and res.answer == "ok", res.error
     assert spy.encoded == [len("small")]  # the huge one never reached the tokenizer
     assert spy.threads and all(n.startswith("flexmarl-prep") for n in spy.threads)
+
+
+def _demos(config: str):
+    from pathlib import Path
+
+    from flexmarl_core.config import load_config
+    from flexmarl_core.programs.team import program_team
+    from flexmarl_core.workloads import make_workload
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / config), ["workload.heldout_size=8"])
+    wl = make_workload(cfg.workload, cfg.team)
+    problems = wl.problems("train", 4, seed=1)
+    team = program_team(cfg.team, cfg.seed)
+    return problems, team, team.demonstrations(wl, problems, seed=0, perturb=0.0)
+
+
+def test_sft_of_a_react_program_demonstrates_each_tool_call_and_the_answer_in_the_agents_format():
+    """configs/program_react.yaml: LangGraph's ReAct agent run against the demonstrations calls
+    `calculator` once per operation (the hermes format, the right reduction) and then answers;
+    each turn's prompt holds the tool results before it, so every turn is its own SFT pair."""
+    from flexmarl_core.workloads.calculator import chain
+
+    problems, team, demos = _demos("program_react.yaml")
+    tok = team.agents["solver"].tokenizer
+    by_prompt = {p.text: p for p in problems}
+    per_problem: dict[str, list[tuple[str, str]]] = {}
+    for ids, target in demos["solver"]:
+        prompt = tok.decode(ids, skip_special_tokens=False)
+        (text,) = [t for t in by_prompt if f"Compute {t}" in prompt]
+        per_problem.setdefault(text, []).append((prompt, target))
+    assert set(per_problem) == set(by_prompt)
+    for text, pairs in per_problem.items():
+        steps = chain(text)
+        pairs.sort(key=lambda pt: len(pt[0]))  # each turn's prompt extends the one before
+        assert len(pairs) == len(steps) + 1
+        for k, (op, value, _) in enumerate(steps):
+            prompt, target = pairs[k]
+            assert json.loads(target.removeprefix("<tool_call>").removesuffix("</tool_call>")) == {
+                "name": "calculator", "arguments": {"expression": op}}
+            assert pairs[k + 1][0].startswith(prompt.rsplit("<|im_start|>assistant", 1)[0])
+            assert str(value) in pairs[k + 1][0]  # the tool's result is in the next turn's prompt
+        assert pairs[-1][1] == by_prompt[text].answer
+
+
+def test_sft_of_an_agents_sdk_handoff_demonstrates_the_transfer_and_the_solvers_answer():
+    """configs/program_handoff.yaml: the triage agent's demonstrated first turn is the Agents
+    SDK's `transfer_to_solver` call, the SDK then hands the conversation to the solver, whose
+    pair is the answer."""
+    problems, team, demos = _demos("program_handoff.yaml")
+    calls = [json.loads(t.removeprefix("<tool_call>").removesuffix("</tool_call>")) for _, t in demos["planner"]]
+    assert calls == [{"name": "transfer_to_solver", "arguments": {}}] * len(problems)
+    tok = team.agents["solver"].tokenizer
+    answers = sorted(t for _, t in demos["solver"])
+    assert answers == sorted(p.answer for p in problems)
+    assert all("transfer_to_solver" in tok.decode(ids) for ids, _ in demos["solver"])

@@ -281,6 +281,23 @@ def test_weights_include_lm_head_and_step_changes_version():
     assert res.version == t.version == 1 and res.num_micro_batches == 1 and res.grad_norm > 0
 
 
+def test_a_global_batch_without_a_sample_advances_the_version_and_leaves_the_weights():
+    """An agent a program never called this iteration gets empty micro-batches: no update (an
+    optimizer step on zero gradients would still move the weights by momentum), one version."""
+    t = trainer()
+    t.accumulate(random_samples(2), 0.1)
+    t.step()  # momentum is non-zero from here on
+    before = copy.deepcopy(t.weights())
+    assert t.accumulate([], 0.1) == {} and t.accumulate([], 0.1) == {}
+    res = t.step()
+    assert res.version == t.version == 2 and res.num_micro_batches == 2 and res.grad_norm == 0.0
+    assert_same_tensors(t.weights(), before)
+    t.accumulate([], 0.1)
+    t.accumulate(random_samples(2, seed=1), 0.1)  # one sample in the batch: a real step
+    assert t.step().grad_norm > 0
+    assert any(not torch.equal(v, before[k]) for k, v in t.weights().items())
+
+
 def test_training_raises_logprob_of_rewarded_response():
     s = random_samples(1, seed=4)[0]
     s.loss_mask = None

@@ -147,7 +147,10 @@ def run_sft(
         demos = team.demonstrations(workload, problems, seed=cfg.seed + step, rng=rng, perturb=tc.sft_perturb)
         for agent, tr in trainers.items():
             tok = toks[agent]
-            stop = (cfg.agent(agent).sampling.stop or [""])[0]
+            acfg = cfg.agent(agent)
+            # what ends the answer: its stop string, or in a chat template's turns the EOS
+            stop = (acfg.sampling.stop or [""])[0] or (
+                tok.eos_token if acfg.chat_template != "plain" else "")
             tool = tool_of(workload, agent)
             batch = []
             for prompt, target in demos[agent]:

@@ -71,13 +71,15 @@ class LocalDispatcher:
 
 class DemoDispatcher:
     """Answers each call from the workload's demonstrations (the SFT warm start of a program
-    team): `demo(agent, input_id)` gives (target, shown): what the agent should write, and what
-    the program is answered (the target, or a plausible mistake for downstream agents to see).
-    Every call's (agent, prompt ids, target) is kept in `pairs`; nothing is sampled."""
+    team): `demo(agent, input_id, k)` gives (target, shown) for the agent's `k`-th call in the
+    trajectory: what the agent should write, and what the program is answered (the target, or
+    a plausible mistake for downstream agents to see). Every call's (agent, prompt ids, target)
+    is kept in `pairs`; nothing is sampled."""
 
-    def __init__(self, demo: Callable[[str, str], tuple[str, str]], tokenizers: Mapping[str, Any]) -> None:
+    def __init__(self, demo: Callable[[str, str, int], tuple[str, str]], tokenizers: Mapping[str, Any]) -> None:
         self._demo, self._toks = demo, tokenizers
         self.pairs: list[tuple[str, list[int], str]] = []
+        self._turns: dict[tuple[str, int, str], int] = {}
         self._lock = threading.Lock()
 
     def capacity(self, agent: str) -> int:
@@ -87,7 +89,10 @@ class DemoDispatcher:
                stats: DecodeStats) -> list[list[Generation]]:
         out = []
         for g in groups:
-            target, shown = self._demo(agent, g.trajectory[0])
+            with self._lock:  # a trajectory's calls of one agent come one after another
+                k = self._turns.get((*g.trajectory, agent), 0)
+                self._turns[(*g.trajectory, agent)] = k + 1
+            target, shown = self._demo(agent, g.trajectory[0], k)
             with self._lock:
                 self.pairs.append((agent, list(g.prompt_ids), target))
             ids = self._toks[agent].encode(shown, add_special_tokens=False)

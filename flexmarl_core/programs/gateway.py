@@ -356,7 +356,10 @@ class Gateway:
         if not req.tools or req.tool_choice == "none":
             return Answer(text, [], None)
         content, calls = spec.parser.extract(text)
-        if not calls:
+        offered = {tool["name"] for tool in req.tools}
+        if not calls or any(c.name not in offered for c in calls):
+            # a call of a function the request did not offer is text, as with a malformed one:
+            # the program sees what the model wrote and the reward judges it
             return Answer(text, [], None)
         if not req.parallel_tool_calls:
             calls = calls[:1]

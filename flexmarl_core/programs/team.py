@@ -26,8 +26,8 @@ from flexmarl_core.programs.chat import template_source
 from flexmarl_core.programs.engines import DemoDispatcher, LocalDispatcher
 from flexmarl_core.programs.gateway import AgentSpec, Gateway, Session
 from flexmarl_core.programs.runner import Job, check_failures, load_program, run_program
-from flexmarl_core.programs.tools import TOOL_PARSERS, ToolParser
-from flexmarl_core.workloads.api import Problem, SupportsPerturbation, Workload
+from flexmarl_core.programs.tools import TOOL_PARSERS, ToolCall, ToolParser
+from flexmarl_core.workloads.api import Problem, SupportsPerturbation, SupportsToolTurns, Workload
 from flexmarl_core.workloads.bounded import Deadline
 
 
@@ -100,8 +100,12 @@ class ProgramTeam:
         by_id = {p.input_id: p for p in problems}
         can_perturb = isinstance(workload, SupportsPerturbation) and perturb > 0
 
-        def demo(agent: str, input_id: str) -> tuple[str, str]:
+        def demo(agent: str, input_id: str, k: int) -> tuple[str, str]:
             p = by_id[input_id]
+            turn = workload.tool_turn(p, agent, k) if isinstance(workload, SupportsToolTurns) else None
+            if turn is not None:  # a tool loop's k-th turn: a call in the agent's own format, or the answer
+                text = turn if isinstance(turn, str) else self.agents[agent].parser.render(ToolCall(*turn))
+                return text, text
             target = workload.demonstration(p, agent, {})
             rng = random.Random(f"{seed}:{input_id}:{agent}")
             if can_perturb and agent != self.output and rng.random() < perturb:

@@ -248,6 +248,7 @@ class DeepSpeedTrainer(PolicyGradientSteps):
         params = [p for p in self.engine.module.parameters() if p.requires_grad]
         self.engine.backward(sum(p.sum() for p in params) * 0.0, scale_wrt_gas=False)
         self._pending += 1
+        self._filled += 1  # the other ranks step: this one must too
 
     def _optimizer_step(self) -> float:
         self.engine.step()  # the boundary: reduce, clip, AdamW, zero grads
@@ -327,7 +328,7 @@ class DeepSpeedTrainer(PolicyGradientSteps):
             with torch.no_grad():
                 self.ref_model.load_state_dict(state["ref_model"])
         self._version = int(state["version"])
-        self._pending, self._metrics = 0, {}
+        self._pending, self._filled, self._metrics = 0, 0, {}
         torch.set_rng_state(state["rng"])
 
     # -- swap ---------------------------------------------------------------------------------

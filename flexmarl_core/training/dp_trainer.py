@@ -290,7 +290,8 @@ class DataParallelDeepSpeedTrainer:
         # Every rank takes part, even with an empty share: ZeRO-2 reduces gradient partitions in
         # each backward, a collective all ranks must enter.
         shares = split_shares(micro_batch, self.dp)
-        outs = self._call("accumulate", {r: (s, loss_scale) for r, s in enumerate(shares)})
+        joined = bool(micro_batch)  # an empty micro-batch (an agent not called) has no backward
+        outs = self._call("accumulate", {r: (s, loss_scale, joined) for r, s in enumerate(shares)})
         # Losses and metrics are sums over samples (scaled): the ranks' parts add up.
         merged: dict[str, float] = {}
         for out in outs:
@@ -432,8 +433,8 @@ def _rank_main(control_port: int, timeout_s: int) -> int:
         return 1
     _send(group, 0, ("ok", None))
 
-    def accumulate(share: list[Any], loss_scale: float) -> dict[str, float]:
-        if not share:  # fewer samples than ranks: join the backward's collectives with zeros
+    def accumulate(share: list[Any], loss_scale: float, joined: bool) -> dict[str, float]:
+        if not share and joined:  # fewer samples than ranks: join the backward's collectives
             trainer.accumulate_nothing()
             return {}
         return trainer.accumulate(share, loss_scale)

@@ -105,6 +105,8 @@ class PolicyGradientSteps(ABC):
     #: logprobs are scored at the sampling temperature (flexmarl_core/models/logprobs.py)
     temperature: float
     _pending: int
+    #: micro-batches since the last step that had a backward (not all empty)
+    _filled: int = 0
     _metrics: dict[str, float]
     _version: int
 
@@ -143,6 +145,10 @@ class PolicyGradientSteps(ABC):
     chunk_tokens: int | None = None
 
     def accumulate(self, micro_batch: MicroBatch, loss_scale: float) -> dict[str, float]:
+        if not micro_batch:  # no sample (a program that never called this agent): counts, adds nothing
+            self._pending += 1
+            return {}
+        self._filled += 1
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in micro_batch]
         out: dict[str, float] = {}
         # The loss is a token sum, so the chunks' gradients add up to the micro-batch's.
@@ -176,13 +182,15 @@ class PolicyGradientSteps(ABC):
                 "step() called with no accumulated micro-batch; call accumulate(mb, loss_scale) "
                 "for the global batch first"
             )
-        grad_norm = self._optimizer_step()
+        # A global batch without a sample is no update (momentum alone would still move the
+        # weights); the version advances all the same, one per iteration.
+        grad_norm = self._optimizer_step() if self._filled else 0.0
         self._version += 1
         result = StepResult(
             version=self._version, grad_norm=grad_norm, num_micro_batches=self._pending,
             metrics=self._metrics,
         )
-        self._pending, self._metrics = 0, {}
+        self._pending, self._filled, self._metrics = 0, 0, {}
         return result
 
 
@@ -274,7 +282,7 @@ class TorchTrainer(PolicyGradientSteps):
         self._adopt_grads()
         out = self._flat_grad.clone()
         self._flat_grad.zero_()
-        self._pending, self._metrics = 0, {}
+        self._pending, self._filled, self._metrics = 0, 0, {}
         return out
 
     def add_grads(self, flat: torch.Tensor) -> None:

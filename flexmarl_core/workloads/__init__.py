@@ -233,7 +233,7 @@ def make_workload(
         "agent_rewards": agent_rewards,
     }
     if cfg.kind == "calculator":
-        common["rounds"] = team.rounds
+        common["rounds"] = None if team.program else team.rounds  # a program runs its own loop
     workload = _BUILDERS[cfg.kind](cfg, common, base_dir)
     _check_tool_backends(workload, team)
     if isinstance(workload, PoolWorkload):

@@ -102,6 +102,16 @@ class Workload(Protocol):
 
 
 @runtime_checkable
+class SupportsToolTurns(Protocol):
+    """Optional: an agent that calls tools through a program's endpoint (a ReAct loop) is
+    demonstrated turn by turn. `tool_turn` gives its `k`-th turn in a trajectory: a call
+    `(function name, arguments)`, or its final answer as text; None: `agent` calls no tool
+    (its `demonstration` is used)."""
+
+    def tool_turn(self, problem: Problem, agent: str, k: int) -> tuple[str, dict[str, Any]] | str | None: ...
+
+
+@runtime_checkable
 class SupportsPerturbation(Protocol):
     """Optional: a plausible *wrong* output of an agent, to build SFT examples where a
     downstream agent sees (and learns to fix) a parent's mistake. Without such examples a

@@ -220,6 +220,12 @@ class ArithmeticParams(BaseModel):
         description="Agent -> 'plan' or 'answer'. Default: an agent named 'planner' plans, "
         "every other agent answers.",
     )
+    handoffs: dict[str, str] = Field(
+        default_factory=dict,
+        description="Agent -> the tool its first turn calls, with no arguments, to hand the problem "
+        "on (a program's handoff, like the OpenAI Agents SDK's `transfer_to_solver`); what the SFT "
+        "warm start demonstrates for that turn.",
+    )
     turn_credit: bool = Field(
         False, description="With credit: per_agent, each round of an agent but its last is paid for its "
         "own output (an answer: is it the answer; a plan: is it a legal step) instead of the last round's "
@@ -246,6 +252,9 @@ class ArithmeticWorkload(RuleWorkload):
         super().__init__(agents, output_agent, **kwargs)
         self.params = parse_params(ArithmeticParams, params, "arithmetic")
         self.roles: dict[str, Role] = assign_roles(self.params.roles, agents, {"planner": "plan"}, "answer")
+        unknown = sorted(set(self.params.handoffs) - set(agents))
+        if unknown:
+            raise WorkloadError(f"workload.params.handoffs names {unknown}, not agents of the team {agents}")
         if self.roles[output_agent] != "answer":
             raise WorkloadError(
                 f"output agent {output_agent!r} has role 'plan'; the team answer must come from an "
@@ -353,6 +362,12 @@ class ArithmeticWorkload(RuleWorkload):
         if agent not in self.roles:
             raise WorkloadError(f"unknown agent {agent!r}; agents: {self.agents}")
         return problem.meta["plan"] if self.roles[agent] == "plan" else problem.answer
+
+    def tool_turn(self, problem: Problem, agent: str, k: int) -> tuple[str, dict[str, Any]] | str | None:
+        """An agent in `handoffs` hands on in its first turn; every other turn is demonstrated
+        as usual."""
+        tool = self.params.handoffs.get(agent)
+        return (tool, {}) if tool is not None and k == 0 else None
 
     def perturbation(self, problem: Problem, agent: str, rng: random.Random) -> str:
         """A plausible mistake: the plan with its new number off by 1-3, or the answer such a

@@ -117,8 +117,9 @@ def chain(expr: str) -> list[tuple[str, int, str]]:
 
 
 def final_answer(solver_text: str) -> str:
-    """The team's answer: the solver's expression after its last ``;`` (whitespace trimmed)."""
-    return solver_text.rsplit(";", 1)[-1].strip() if ";" in solver_text else ""
+    """The team's answer: the solver's expression after its last ``;``, or, with no ``;`` (a
+    program's own answer), the whole text; whitespace trimmed."""
+    return solver_text.rsplit(";", 1)[-1].strip()
 
 
 class CalculatorWorkload(RuleWorkload):
@@ -127,7 +128,7 @@ class CalculatorWorkload(RuleWorkload):
     _MAX_TRIES = 2000
 
     def __init__(self, agents: list[str], output_agent: str, params: Mapping[str, Any], *,
-                 rounds: int, **kwargs: Any):
+                 rounds: int | None, **kwargs: Any):
         super().__init__(agents, output_agent, **kwargs)
         self.params = p = parse_params(CalculatorParams, params, "calculator")
         if not p.ops or set(p.ops) - set("+-*"):
@@ -143,7 +144,9 @@ class CalculatorWorkload(RuleWorkload):
             raise WorkloadError(f"kind=calculator has a planner and a solver; agent(s) {others} have no role")
         if output_agent != p.solver:
             raise WorkloadError(f"the team output must be the solver {p.solver!r}, not {output_agent!r}")
-        if rounds != p.n_operands - 1:
+        # rounds None: a program team, whose own tool loop calls the calculator (`tool_turn`)
+        self._in_engine = rounds is not None
+        if rounds is not None and rounds != p.n_operands - 1:
             raise WorkloadError(
                 f"team.rounds={rounds}: kind=calculator reduces one operation per round, so "
                 f"{p.n_operands} operands (workload.params.n_operands) need team.rounds={p.n_operands - 1}"
@@ -152,7 +155,7 @@ class CalculatorWorkload(RuleWorkload):
 
     def tool(self, agent: str) -> Calculator | None:
         """The solver's calculator (`inference/tools.py` runs it inside its responses)."""
-        return self.calculator if agent == self.params.solver else None
+        return self.calculator if agent == self.params.solver and self._in_engine else None
 
     # -- problems -----------------------------------------------------------------------------
 
@@ -226,6 +229,17 @@ class CalculatorWorkload(RuleWorkload):
         # The previous round's expression has one operator fewer per round done so far.
         left = len(tokens(final_answer(prev)))
         return min(len(problem.meta["steps"]) - 1, self.params.n_operands - (left + 1) // 2)
+
+    def tool_turn(self, problem: Problem, agent: str, k: int) -> tuple[str, dict[str, Any]] | str | None:
+        """A program's solver with a `calculator(expression)` tool (a ReAct loop): turn k < the
+        chain's length calls it on the k-th reduction (the expression rewritten by the turns
+        before); the last turn answers the number."""
+        if agent != self.params.solver:
+            return None
+        steps = problem.meta["steps"]
+        if k < len(steps):
+            return "calculator", {"expression": steps[k][0]}
+        return problem.answer
 
     def demonstration(self, problem: Problem, agent: str, parent_outputs: Mapping[str, str]) -> str:
         steps = problem.meta["steps"]
