@@ -16,6 +16,7 @@ import asyncio
 import json
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import openai
 import pytest
@@ -300,14 +301,15 @@ def test_a_huge_body_is_refused_before_it_is_tokenized_and_tokenizing_is_off_the
     assert spy.threads and all(n.startswith("flexmarl-prep") for n in spy.threads)
 
 
-def _demos(config: str):
-    from pathlib import Path
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
+
+def _demos(config: str):
     from flexmarl_core.config import load_config
     from flexmarl_core.programs.team import program_team
     from flexmarl_core.workloads import make_workload
 
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / config), ["workload.heldout_size=8"])
+    cfg = load_config(str(CONFIGS / config), ["workload.heldout_size=8"])
     wl = make_workload(cfg.workload, cfg.team)
     problems = wl.problems("train", 4, seed=1)
     team = program_team(cfg.team, cfg.seed)
@@ -353,3 +355,19 @@ def test_sft_of_an_agents_sdk_handoff_demonstrates_the_transfer_and_the_solvers_
     answers = sorted(t for _, t in demos["solver"])
     assert answers == sorted(p.answer for p in problems)
     assert all("transfer_to_solver" in tok.decode(ids) for ids, _ in demos["solver"])
+
+
+def test_sft_says_when_a_demonstration_is_longer_than_the_agents_answers_may_be():
+    """A hermes call is ~60 tokens of the tiny tokenizer: at max_new_tokens=48 every sampled call
+    would be cut mid-JSON and never parse, which SFT says once, naming the agent and the field."""
+    from flexmarl_core.config import load_config
+    from flexmarl_core.driver.sft import _warn_cut
+
+    _, team, demos = _demos("program_react.yaml")
+    toks = {"solver": team.agents["solver"].tokenizer}
+    cfg = load_config(str(CONFIGS / "program_react.yaml"), ["team.agents.solver.sampling.max_new_tokens=48"])
+    said: list[str] = []
+    _warn_cut(cfg, demos, toks, said.append)
+    assert len(said) == 1 and "team.agents.solver.sampling.max_new_tokens=48" in said[0]
+    _warn_cut(load_config(str(CONFIGS / "program_react.yaml")), demos, toks, said.append)
+    assert len(said) == 1  # the shipped config fits its calls

@@ -60,6 +60,18 @@ def demonstration_tokens(tok: Any, text: str, tool: Any) -> tuple[list[int], lis
     return ids, mask
 
 
+def _warn_cut(cfg: ExperimentConfig, demos: dict[str, list[tuple[Any, str]]], toks: dict[str, Any],
+              log: Callable[[str], None]) -> None:
+    """A demonstration longer than the agent's `max_new_tokens` teaches answers its samples
+    can never finish (a tool call cut mid-JSON never parses): said once, at the first step."""
+    for agent, pairs in demos.items():
+        cap = cfg.agent(agent).sampling.max_new_tokens
+        longest = max((len(toks[agent].encode(t, add_special_tokens=False)) + 1 for _, t in pairs), default=0)
+        if longest > cap:
+            log(f"warning: agent {agent!r}'s demonstrations take up to {longest} tokens with their end, "
+                f"more than team.agents.{agent}.sampling.max_new_tokens={cap}: answers like them are cut")
+
+
 def run_sft(
     cfg: ExperimentConfig,
     out_dir: str | Path | None = None,
@@ -145,6 +157,8 @@ def run_sft(
                 break
         problems = workload.problems("train", tc.sft_batch, seed=cfg.seed + 1, offset=step * tc.sft_batch)
         demos = team.demonstrations(workload, problems, seed=cfg.seed + step, rng=rng, perturb=tc.sft_perturb)
+        if step == (resumed_at or 0):
+            _warn_cut(cfg, demos, toks, log)
         for agent, tr in trainers.items():
             tok = toks[agent]
             acfg = cfg.agent(agent)
