@@ -109,10 +109,14 @@ def test_bad_requests_get_openai_errors_and_the_endpoint_goes_on(endpoint):
     code, body = _status(lambda: client.chat.completions.create(
         model="planner", messages=[{"role": "user", "content": "9+" * CONTEXT}]))
     assert code == 400 and body["code"] == "context_length_exceeded" and str(CONTEXT) in body["message"]
-    for field, value in [("presence_penalty", 0.5), ("top_logprobs", 2), ("stream", True), ("logit_bias", {"5": 1})]:
+    for field, value in [("presence_penalty", 0.5), ("top_logprobs", 2), ("logit_bias", {"5": 1}),
+                         ("temperature", 3.0), ("top_p", 1.5)]:  # OpenAI's own bounds: 2 and 1
         code, body = _status(lambda f=field, v=value: client.chat.completions.create(
             model="planner", messages=msgs, **{f: v}))
         assert code == 400 and body["param"] == field, (field, body)
+        assert len(body["message"]) < 300, body  # says what to do, never dumps the value whole
+    code, body = _status(lambda: client.embeddings.create(model="planner", input="x"))
+    assert code == 404 and "POST /v1/responses" in body["message"] and "POST /v1/chat/completions" in body["message"]
     code, body = _status(lambda: client.chat.completions.create(model="planner", messages=msgs, temperature=-1))
     assert code == 400 and body["param"] == "temperature"
     code, body = _status(lambda: client.chat.completions.create(model="planner", messages=msgs,

@@ -21,53 +21,14 @@ from pathlib import Path
 import openai
 import pytest
 
-from flexmarl_core.config import SamplingConfig
-from flexmarl_core.inference.api import Generation
 from flexmarl_core.inference.hf import HFInferenceEngine
-from flexmarl_core.programs.api import DecodeGroup, DecodeStats, ProgramError
-from flexmarl_core.programs.capture import trajectory_rows
+from flexmarl_core.programs.api import ProgramError
 from flexmarl_core.programs.chat import BUILTIN
 from flexmarl_core.programs.engines import LocalDispatcher
 from flexmarl_core.programs.gateway import AgentSpec, Gateway, Session
 from flexmarl_core.programs.runner import run_program
 from tests._models_util import tiny_model, tokenizer
-
-SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=48)
-CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
-
-
-class ScriptDispatcher:
-    """Answers each call with `script(agent, prompt_text)`, as its token ids and EOS."""
-
-    def __init__(self, script: Callable[[str, str], str]) -> None:
-        self.script = script
-        self.tok = tokenizer()
-        self.lock = threading.Lock()
-
-    def capacity(self, agent: str) -> int:
-        return 64
-
-    def decode(self, agent: str, version: int, groups: Sequence[DecodeGroup],
-               stats: DecodeStats) -> list[list[Generation]]:
-        out = []
-        for g in groups:
-            with self.lock:
-                prompt = self.tok.decode(list(g.prompt_ids), skip_special_tokens=False)
-                text = self.script(agent, prompt)
-                ids = [*self.tok.encode(text, add_special_tokens=False), self.tok.eos_token_id]
-            out.append([Generation(prompt_ids=list(g.prompt_ids), response_ids=ids, text=text,
-                                   logprobs=[-0.25] * len(ids), finish_reason="eos", version=version)] * g.n)
-        return out
-
-
-def _session(dispatcher, agents=("planner", "solver"), template: str = "chatml") -> Session:
-    specs = {a: AgentSpec(a, SAMPLING, BUILTIN[template], tokenizer(), 2048) for a in agents}
-    return Session("tools", specs, dict.fromkeys(agents, 0), dispatcher, lambda i, t, a, c: hash(c) % 1000)
-
-
-def _rows(res) -> dict[str, list[dict]]:
-    tok = tokenizer()
-    return trajectory_rows(res, lambda a, ids: tok.decode(ids, skip_special_tokens=False))
+from tests._scripted import CALL, SAMPLING, ScriptDispatcher, capture_rows, scripted_session
 
 
 def _react(problem: str, client: openai.OpenAI) -> str:
@@ -89,12 +50,12 @@ def test_a_langgraph_react_agent_calls_its_tool_and_the_loop_is_one_sample():
     def script(agent: str, prompt: str) -> str:
         return "The answer is 5." if "<tool_response>" in prompt else CALL
 
-    (res,) = run_program(_react, [("p0", 0, 0, "What is 2+3?")], _session(ScriptDispatcher(script)), Gateway.shared())
+    (res,) = run_program(_react, [("p0", 0, 0, "What is 2+3?")], scripted_session(ScriptDispatcher(script)), Gateway.shared())
     assert res.error is None and res.answer == "The answer is 5.", res.error
     first, second = sorted(res.records, key=lambda r: r.call)
     assert "# Tools" in first.prompt_text and '"name": "calculator"' in first.prompt_text  # the tools, rendered
     assert second.prompt_text.endswith("<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
-    (row,) = _rows(res)["solver"]
+    (row,) = capture_rows(res)["solver"]
     tok = tokenizer()
     n1, n2 = len(first.gen.response_ids), len(second.gen.response_ids)
     inserted = second.prompt_ids[len(first.prompt_ids) + n1:]
@@ -125,10 +86,10 @@ def test_an_agents_sdk_handoff_is_a_tool_call_and_each_agent_records_its_own_sam
             return '<tool_call>\n{"name": "transfer_to_solver_agent", "arguments": {}}\n</tool_call>'
         return "42"
 
-    (res,) = run_program(_handoff, [("p1", 0, 0, "What is 6*7?")], _session(ScriptDispatcher(script)),
+    (res,) = run_program(_handoff, [("p1", 0, 0, "What is 6*7?")], scripted_session(ScriptDispatcher(script)),
                          Gateway.shared())
     assert res.error is None and res.answer == "42", res.error
-    rows = _rows(res)
+    rows = capture_rows(res)
     (plan,), (solve,) = rows["planner"], rows["solver"]
     assert '"name": "transfer_to_solver_agent"' in plan["prompt_text"]  # the handoff, offered as a tool
     assert plan["response_text"].startswith("<tool_call>") and plan["loss_mask"] is None
@@ -156,7 +117,7 @@ def test_tool_choice_required_starts_the_answer_with_a_call_and_none_parses_noth
         assert free.choices[0].message.tool_calls is None and free.choices[0].finish_reason == "stop"
         return "ok"
 
-    (res,) = run_program(team, [("p2", 0, 0, "1+1?")], _session(ScriptDispatcher(script)), Gateway.shared())
+    (res,) = run_program(team, [("p2", 0, 0, "1+1?")], scripted_session(ScriptDispatcher(script)), Gateway.shared())
     assert res.error is None, res.error
     assert seen[0].endswith('<|im_start|>assistant\n<tool_call>\n{"name": ')  # the call's start, forced
     assert not seen[1].endswith("{\"name\": ")
@@ -174,7 +135,7 @@ def test_a_malformed_call_comes_back_as_text_never_an_error(bad: str):
         assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
         return r.choices[0].message.content or ""
 
-    (res,) = run_program(team, [("p3", 0, 0, "?")], _session(ScriptDispatcher(lambda a, p: bad)), Gateway.shared())
+    (res,) = run_program(team, [("p3", 0, 0, "?")], scripted_session(ScriptDispatcher(lambda a, p: bad)), Gateway.shared())
     assert res.error is None and res.answer == bad
 
 
@@ -202,7 +163,7 @@ def test_calls_made_at_once_get_the_same_ids_and_tokens_whatever_order_they_arri
         res = run_program(_fan_out(order), [("p4", 0, 0, "Q:7*6"), ("p4", 1, 0, "Q:7*6")], s, Gateway.shared())
         rows = {}
         for r in res:
-            for row in _rows(r)["solver"]:
+            for row in capture_rows(r)["solver"]:
                 rows[row["sample_id"]] = (row["prompt_text"], row["response_ids"])
         return rows
 
@@ -233,7 +194,7 @@ async def _global(problem: str, client: openai.AsyncOpenAI) -> str:
 def test_a_process_global_client_is_recorded_under_the_trajectory_that_calls():
     (res_a, res_b, res_c) = run_program(
         _global, [("pa", 0, 0, "alpha?"), ("pb", 0, 0, "bravo?"), ("pc", 0, 0, "charlie?")],
-        s := _session(ScriptDispatcher(lambda a, p: p.rsplit("\n", 3)[-3] + " done")), Gateway.shared())
+        s := scripted_session(ScriptDispatcher(lambda a, p: p.rsplit("\n", 3)[-3] + " done")), Gateway.shared())
     for res, word in ((res_a, "alpha"), (res_b, "bravo"), (res_c, "charlie")):
         assert res.error is None, res.error
         (rec,) = res.records
@@ -259,7 +220,7 @@ def test_a_client_shared_around_the_given_one_is_refused_naming_the_fix():
     _SHARED.clear()
     with pytest.raises(ProgramError, match="Use the client the program function receives"):
         run_program(_module_client, [("pa", 0, 0, "a"), ("pb", 0, 0, "b"), ("pc", 0, 0, "c")],
-                    _session(ScriptDispatcher(lambda a, p: "x")), Gateway.shared())
+                    scripted_session(ScriptDispatcher(lambda a, p: "x")), Gateway.shared())
 
 
 class _CountingTokenizer:

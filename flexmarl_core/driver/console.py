@@ -186,5 +186,6 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     if local != s["run_dir"]:
         lines.append(f"run files (config, weights, checkpoints, op log) in {s['run_dir']}")
     lines.append(f"metrics, logs and pictures ({', '.join(Path(p).name for p in pics.values())}) in {local}")
-    lines.append(f"live scalars: tensorboard --logdir {local}/metrics/tensorboard")
+    if (Path(local) / "metrics" / "tensorboard").is_dir():  # none when TensorBoard could not load
+        lines.append(f"live scalars: tensorboard --logdir {local}/metrics/tensorboard")
     return lines

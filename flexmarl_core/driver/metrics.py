@@ -285,11 +285,9 @@ class MetricsWriter:
             f.write(json.dumps(m) + "\n")
         self._upload("iterations.jsonl")
         if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # Its writer thread flushes every 2 s (and on close): a flush per iteration cost
-            # a file write per iteration on the flow's main thread for fine-grained runs.
-            self._tb = SummaryWriter(str(self.dir / "tensorboard"), flush_secs=2)
+            self._tb = _tensorboard(self.dir / "tensorboard")
+        if self._tb is False:
+            return
         for k, v in m.items():
             if k != "iteration" and isinstance(v, int | float):
                 self._tb.add_scalar(k, v, m["iteration"])
@@ -297,5 +295,22 @@ class MetricsWriter:
     def close(self) -> None:
         self._ops.close()
         self._upload("ops.jsonl")
-        if self._tb is not None:
+        if self._tb:
             self._tb.close()
+
+
+def _tensorboard(folder: Path) -> Any:
+    """A TensorBoard writer, or False when TensorBoard cannot be imported: the run's metrics are
+    all in the JSONL files, so a broken TensorBoard install (a package installed after flexmarl
+    that downgraded protobuf below what tensorboard was built with) costs the scalars only."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception as exc:  # protobuf's VersionError, an ImportError: the same remedy
+        print(f"warning: no TensorBoard scalars this run ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
+              "the metrics are in metrics/*.jsonl. A package installed after flexmarl likely changed protobuf: "
+              "install it together with flexmarl (pip resolves a tensorboard that agrees) or run "
+              "`pip install 'tensorboard<2.21'` (docs/programs.md, 'Frameworks tried')", flush=True)
+        return False
+    # Its writer thread flushes every 2 s (and on close): a flush per iteration cost a file
+    # write per iteration on the flow's main thread for fine-grained runs.
+    return SummaryWriter(str(folder), flush_secs=2)

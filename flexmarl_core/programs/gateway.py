@@ -3,7 +3,11 @@ program's calls from flexmarl's own engines and records every call.
 
     POST /v1/chat/completions     messages -> the agent's chat template
     POST /v1/completions          a prompt (text or token ids)
+    POST /v1/responses            the Responses API, served as chat calls (`responses.py`)
     GET  /v1/models               the team's agents
+
+Each route is an `Api` (`calls.py`): how its body becomes a prompt and its answer a response;
+`stream: true` answers as server-sent events cut from the finished response (`stream.py`).
 
 A program gets the endpoint's base URL (`Gateway.base_url`) and its trajectory's key
 (`Trajectory.key`: the op's key and the trajectory's token), which says whose call it is;
@@ -40,7 +44,7 @@ answer's exact text (known by its call ids), so it continues the sample token fo
 from __future__ import annotations
 
 import asyncio
-import copy
+import functools
 import hashlib
 import json
 import logging
@@ -50,17 +54,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from flexmarl_core.config import SamplingConfig
 from flexmarl_core.inference.api import Generation
 from flexmarl_core.programs.api import (
     CallRecord,
@@ -69,17 +71,11 @@ from flexmarl_core.programs.api import (
     Dispatcher,
     MachineryError,
 )
-from flexmarl_core.programs.chat import ChatTemplateError, render
-from flexmarl_core.programs.protocol import (
-    Answer,
-    ApiError,
-    CallRequest,
-    chat_response,
-    completion_response,
-    parse_chat,
-    parse_completion,
-)
-from flexmarl_core.programs.tools import TOOL_PARSERS, ToolParser
+from flexmarl_core.programs.calls import APIS, ROUTES, Api, answer, pieces, prepare, remember
+from flexmarl_core.programs.protocol import ApiError
+from flexmarl_core.programs.session import AgentSpec, Session, Trajectory
+
+__all__ = ["VIA_HEADER", "AgentSpec", "Gateway", "Session", "Trajectory"]
 
 log = logging.getLogger(__name__)
 
@@ -89,78 +85,6 @@ MAX_WAIT_WINDOWS = 25
 MAX_BODY_BYTES = 8 << 20
 #: the header flexmarl's own clients add: the key of the client object the call went through
 VIA_HEADER = "x-flexmarl-via"
-
-
-@dataclass
-class AgentSpec:
-    """What the endpoint needs of one agent: sampling defaults, chat template (Jinja source),
-    tokenizer (the endpoint's own copy) and the model's context length."""
-
-    name: str
-    sampling: SamplingConfig
-    template: str
-    tokenizer: Any
-    max_context: int
-    parser: ToolParser = field(default_factory=lambda: TOOL_PARSERS.get("hermes"))
-    #: the longest text (UTF-8 bytes) one token stands for: a text of more bytes than this times
-    #: the context is too long, known without tokenising it
-    max_token_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        # Rust tokenizers refuse concurrent use from two threads: the endpoint's thread
-        # tokenizes while an engine in this process decodes with its own.
-        self.tokenizer = copy.deepcopy(self.tokenizer)
-        if not self.max_token_bytes:
-            vocab = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
-            self.max_token_bytes = max((len(str(v).encode()) for v in vocab if v is not None), default=1) or 1
-        # one template render and tokenisation at a time per agent (the tokenizer's own rule)
-        self.lock = threading.Lock()
-
-
-@dataclass
-class Trajectory:
-    """One run of the program: its calls, in the order they were answered."""
-
-    session: Session
-    input_id: str
-    traj: int
-    mb: int
-    token: str
-    records: list[CallRecord] = field(default_factory=list)
-    #: (agent, prompt digest) -> calls of it so far: a call's occurrence among identical prompts
-    seen: dict[tuple[str, str], int] = field(default_factory=dict)
-    #: tool call id -> the exact text of the answer that made it (what a later call sends back)
-    answers: dict[str, str] = field(default_factory=dict)
-    #: calls that came through a client flexmarl did not make (a program's own, or a shared one)
-    foreign: int = 0
-    #: calls made through another trajectory's client and attributed to this one by context
-    rerouted: int = 0
-    pending: int = 0
-    live: bool = True
-
-    @property
-    def key(self) -> str:
-        """The API key this trajectory's calls carry: its op's key and its own token."""
-        return f"{self.session.key}.{self.token}"
-
-
-class Session:
-    """The trajectories of one program op (or one evaluation): their agents, the weights
-    version of each, who decodes, how seeds are derived, and what was measured."""
-
-    def __init__(self, key: str, agents: dict[str, AgentSpec], versions: dict[str, int], dispatcher: Dispatcher,
-                 seed_of: Callable[[str, int, str, str], int], *, window_s: float = 0.02, greedy: bool = False,
-                 fingerprint: str = "flexmarl") -> None:
-        self.key, self.agents, self.versions, self.dispatcher = key, agents, versions, dispatcher
-        self.seed_of, self.window_s, self.greedy, self.fingerprint = seed_of, window_s, greedy, fingerprint
-        self.defaults = {a: s.sampling for a, s in agents.items()}
-        self.trajectories: dict[str, Trajectory] = {}
-        #: the first machinery failure (a decode that could not run)
-        self.error: BaseException | None = None
-        #: per decode: (agent, requests, rows, what the dispatcher measured)
-        self.decodes: list[tuple[str, int, int, DecodeStats]] = []
-        #: per answered request: seconds in the endpoint beyond waiting for and running its decode
-        self.overheads: list[float] = []
 
 
 @dataclass
@@ -193,8 +117,7 @@ class Gateway:
         self._sock.bind((host, 0))
         self.port = self._sock.getsockname()[1]
         app = Starlette(routes=[
-            Route("/v1/chat/completions", self._chat, methods=["POST"]),
-            Route("/v1/completions", self._completion, methods=["POST"]),
+            *[Route(api.route, functools.partial(self._handle, api=api), methods=["POST"]) for api in APIS],
             Route("/v1/models", self._models, methods=["GET"]),
         ], exception_handlers={HTTPException: self._http_error})
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
@@ -267,7 +190,9 @@ class Gateway:
     # -- HTTP (the loop's thread) --------------------------------------------------------------
     async def _http_error(self, request: Request, exc: Exception) -> JSONResponse:
         status = getattr(exc, "status_code", 500)
-        err = ApiError(status, f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'error')}")
+        served = f"; this endpoint serves {', '.join(ROUTES)}" if status in (404, 405) else ""
+        err = ApiError(status, f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'error')}{served}",
+                       code="unknown_url" if status == 404 else None)
         return JSONResponse(err.body(), status_code=status)
 
     def _trajectory(self, request: Request) -> Trajectory:
@@ -286,13 +211,7 @@ class Gateway:
         data = [{"id": a, "object": "model", "created": 0, "owned_by": "flexmarl"} for a in t.session.agents]
         return JSONResponse({"object": "list", "data": data})
 
-    async def _chat(self, request: Request) -> JSONResponse:
-        return await self._handle(request, parse_chat, chat_response)
-
-    async def _completion(self, request: Request) -> JSONResponse:
-        return await self._handle(request, parse_completion, completion_response)
-
-    async def _handle(self, request: Request, parse: Callable, respond: Callable) -> JSONResponse:
+    async def _handle(self, request: Request, api: Api) -> Response:
         t0 = time.perf_counter()
         t: Trajectory | None = None
         try:
@@ -310,7 +229,7 @@ class Gateway:
             s = t.session
             assert self.loop is not None
             req, prompt_ids, prompt_text, prefix = await self.loop.run_in_executor(
-                self._prep, self._prepare, raw, parse, s, t)
+                self._prep, prepare, raw, api, s, t)
             spec = s.agents[req.agent]
             sampling = req.sampling.model_copy(update={"temperature": 0.0}) if s.greedy else req.sampling
             digest = hashlib.sha1(json.dumps(prompt_ids).encode()).hexdigest()[:16]
@@ -330,12 +249,19 @@ class Gateway:
             for k, g in enumerate(gens):
                 t.records.append(CallRecord(req.agent, len(t.records), list(prompt_ids), prompt_text, g, started,
                                             ended, after, (tuple(prompt_ids), occ + k)))
-                answers.append(self._answer(t, req, spec, prefix + g.text, f"{digest}:{occ + k}"))
+                answers.append(answer(t, req, spec, prefix + g.text, f"{digest}:{occ + k}"))
             engine_s = time.perf_counter() - t_queued
-            out = respond(req, len(prompt_ids), gens, spec.tokenizer.decode, s.fingerprint, answers)
+            out = api.respond(req, len(prompt_ids), gens, spec.tokenizer.decode, s.fingerprint, answers)
+            remember(t, req, out, answers[0])
+            headers = {"x-flexmarl-decode-ms": f"{stats.seconds * 1e3:.3f}",
+                       "x-flexmarl-engine-ms": f"{engine_s * 1e3:.3f}"}
+            if req.stream:
+                text = functools.partial(spec.tokenizer.decode, skip_special_tokens=True)
+                events = "".join(api.events(out, req, pieces(gens, answers, text)))
+                s.overheads.append(max(time.perf_counter() - t0 - engine_s, 0.0))
+                return Response(events, media_type="text/event-stream", headers=headers)
             s.overheads.append(max(time.perf_counter() - t0 - engine_s, 0.0))
-            return JSONResponse(out, headers={"x-flexmarl-decode-ms": f"{stats.seconds * 1e3:.3f}",
-                                              "x-flexmarl-engine-ms": f"{engine_s * 1e3:.3f}"})
+            return JSONResponse(out, headers=headers)
         except ApiError as e:
             return JSONResponse(e.body(), status_code=e.status)
         except MachineryError as e:
@@ -348,79 +274,6 @@ class Gateway:
                 t.session.error = MachineryError(f"endpoint failure: {type(e).__name__}: {e}")
             return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}", type_="server_error").body(),
                                 status_code=500)
-
-    @staticmethod
-    def _answer(t: Trajectory, req: CallRequest, spec: AgentSpec, text: str, identity: str) -> Answer:
-        """One choice as the program reads it: its text, or its tool calls (ids derived from the
-        call's identity, the answer's text kept under them for the call that sends them back)."""
-        if not req.tools or req.tool_choice == "none":
-            return Answer(text, [], None)
-        content, calls = spec.parser.extract(text)
-        offered = {tool["name"] for tool in req.tools}
-        if not calls or any(c.name not in offered for c in calls):
-            # a call of a function the request did not offer is text, as with a malformed one:
-            # the program sees what the model wrote and the reward judges it
-            return Answer(text, [], None)
-        if not req.parallel_tool_calls:
-            calls = calls[:1]
-        out = []
-        for j, c in enumerate(calls):
-            cid = "call_" + hashlib.sha1(f"{t.input_id}:{t.traj}:{req.agent}:{identity}:{j}".encode()).hexdigest()[:24]
-            t.answers[cid] = text
-            out.append({"id": cid, "type": "function",
-                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}})
-        return Answer(content or None, out, "tool_calls")
-
-    @staticmethod
-    def _prepare(raw: bytes, parse: Callable, s: Session, t: Trajectory) -> tuple[CallRequest, list[int], str, str]:
-        """(request, prompt ids, prompt text, the answer's forced start) of one body, on a
-        thread of the prep pool."""
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-        req: CallRequest = parse(body, s.defaults)
-        spec = s.agents[req.agent]
-        with spec.lock:
-            ids, text, prefix = Gateway._prompt(req, spec, t.answers)
-        return req, ids, text, prefix
-
-    @staticmethod
-    def _prompt(req: CallRequest, spec: AgentSpec, answers: dict[str, str] | None = None) -> tuple[list[int], str, str]:
-        """(prompt ids, prompt text, the answer's forced start: a call's prefix when
-        `tool_choice` requires one)."""
-        tok = spec.tokenizer
-        prefix = ""
-        where = "messages" if req.kind == "chat" else "prompt"
-        if req.kind == "chat":
-            messages = _replayed(req.messages or [], answers or {})
-            try:
-                text = render(spec.template, messages, tok, tools=req.tools, parser=spec.parser)
-            except ChatTemplateError as e:
-                raise ApiError(400, f"agent {spec.name!r}: {e}", "messages") from None
-            if req.tool_choice in ("required", "function"):
-                prefix = spec.parser.forced_prefix(req.tool_function)
-                text += prefix
-            _fits(spec, req, len(text.encode()), where)
-            ids = tok.encode(text, add_special_tokens=False)
-        elif isinstance(req.prompt, str):
-            _fits(spec, req, len(req.prompt.encode()), where)
-            text, ids = req.prompt, tok.encode(req.prompt, add_special_tokens=False)
-        else:
-            ids = list(req.prompt or [])
-            vocab = len(tok)
-            if max(ids) >= vocab:
-                raise ApiError(400, f"'prompt' has token id {max(ids)}, beyond the vocabulary of agent "
-                               f"{spec.name!r} ({vocab} tokens)", "prompt")
-            text = tok.decode(ids, skip_special_tokens=False)
-        if not ids:
-            raise ApiError(400, "the prompt is empty after templating: nothing to continue from", where)
-        room = spec.max_context - len(ids)
-        if room < req.sampling.max_new_tokens:
-            raise ApiError(400, f"This model's maximum context length is {spec.max_context} tokens; the prompt "
-                           f"has {len(ids)} and max_tokens is {req.sampling.max_new_tokens} (agent {spec.name!r})",
-                           where, code="context_length_exceeded")
-        return ids, text, prefix
 
     # -- batching (the loop's thread) ------------------------------------------------------------
     def _submit(self, s: Session, agent: str, group: DecodeGroup) -> asyncio.Future:
@@ -491,25 +344,3 @@ class Gateway:
                 w.future.set_exception(exc if isinstance(exc, MachineryError) else MachineryError(
                     f"agent {key[1]!r}: decode failed: {type(exc).__name__}: {exc}"))
         self._kick_all()
-
-
-def _replayed(messages: list[dict[str, Any]], answers: dict[str, str]) -> list[dict[str, Any]]:
-    """`messages` with every assistant turn whose tool calls this trajectory's answers made
-    written as that answer's exact text: the prompt then continues the answer token for token."""
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if calls and all(c["id"] in answers for c in calls) and len({answers[c["id"]] for c in calls}) == 1:
-            m = {"role": "assistant", "content": answers[calls[0]["id"]]}
-        out.append(m)
-    return out
-
-
-def _fits(spec: AgentSpec, req: CallRequest, nbytes: int, where: str) -> None:
-    """A text of `nbytes` UTF-8 bytes has at least `nbytes / max_token_bytes` tokens: past the
-    context, it is refused before the tokenizer reads it."""
-    at_least = -(-nbytes // spec.max_token_bytes)
-    if at_least + req.sampling.max_new_tokens > spec.max_context:
-        raise ApiError(400, f"This model's maximum context length is {spec.max_context} tokens; the prompt has at "
-                       f"least {at_least} ({nbytes} bytes) and max_tokens is {req.sampling.max_new_tokens} (agent "
-                       f"{spec.name!r}): send a shorter prompt", where, code="context_length_exceeded")

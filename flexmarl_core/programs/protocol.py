@@ -2,11 +2,13 @@
 
 `parse_chat` / `parse_completion` turn a JSON body into a `CallRequest` (or raise `ApiError`,
 which the endpoint returns as OpenAI's error JSON). Honoured: `temperature`, `top_p`,
-`max_tokens` (`max_completion_tokens`), `stop`, `n`, `logprobs`, `seed`, and on chat `tools`,
+`max_tokens` (`max_completion_tokens`), `stop`, `n`, `logprobs`, `seed`, `stream` (with
+`stream_options.include_usage`; events in `stream.py`), and on chat `tools`,
 `tool_choice` (`auto`, `none`, `required`, a named function) and `parallel_tool_calls`, with
 assistant messages that carry `tool_calls` and `tool` messages that answer them. A field the
-engines cannot honour (`top_logprobs` > 0, penalties, `logit_bias`, streaming, images, ...) is
-a 400 that names it and what to use instead, never silently ignored. Fields that change nothing
+engines cannot honour (`top_logprobs` > 0, penalties, `logit_bias`, images, ...) is a 400 that
+names it and what to use instead, never silently ignored; a value outside OpenAI's own range
+(`temperature` above 2, `top_p` above 1) is refused as OpenAI refuses it. Fields that change nothing
 (`user`, `metadata`, `store`, `service_tier`, ...) are accepted. What the request leaves out
 comes from the agent's `sampling` in the config.
 """
@@ -29,17 +31,19 @@ from flexmarl_core.programs.chat import ROLES
 Kind = Literal["chat", "completion"]
 
 #: fields accepted and ignored: they do not change what is sampled
-_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "stream_options",
-                      "prompt_cache_key", "safety_identifier"})
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 #: fields accepted only at their no-op value
 _NOOP: dict[str, tuple[Any, ...]] = {
-    "stream": (None, False), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "functions": (None, []), "function_call": (None, "none", "auto"), "top_logprobs": (None, 0),
     "response_format": (None, {"type": "text"}), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "modalities": (None, ["text"]), "reasoning_effort": (None,),
 }
-_SAMPLING = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n", "seed")
+_SAMPLING = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n", "seed", "stream",
+             "stream_options")
+#: OpenAI's own bounds of a value (it refuses what lies outside)
+_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
 CHAT_FIELDS = frozenset({"model", "messages", "logprobs", "tools", "tool_choice", "parallel_tool_calls",
                          *_SAMPLING}) | _IGNORED | _NOOP.keys()
 COMPLETION_FIELDS = frozenset({"model", "prompt", "logprobs", *_SAMPLING}) | _IGNORED | _NOOP.keys()
@@ -83,6 +87,12 @@ class CallRequest:
     tool_function: str | None = None
     #: more than one call in one answer
     parallel_tool_calls: bool = True
+    #: answer as server-sent events (`stream.py`), with a last usage chunk when `include_usage`
+    stream: bool = False
+    include_usage: bool = False
+    #: Responses API: the conversation a later `previous_response_id` continues (without the
+    #: request's `instructions`, which OpenAI does not carry over); None for the other APIs
+    carry: list[dict[str, Any]] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
 
@@ -99,6 +109,7 @@ _INSTEAD = {
     "echo": "keep the prompt in the program",
     "suffix": "put the suffix in the prompt",
     "modalities": "send text",
+    "response_format": "ask for the format in the prompt and parse the answer in the program",
 }
 
 
@@ -128,7 +139,24 @@ def _agent(body: Mapping[str, Any], agents: Mapping[str, SamplingConfig]) -> str
     return model
 
 
+def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage) of a body."""
+    on, opts = body.get("stream"), body.get("stream_options")
+    if on not in (None, True, False):
+        raise ApiError(400, f"invalid 'stream' ({_brief(on)}): true or false", "stream")
+    if opts is not None and (not isinstance(opts, dict) or opts.get("include_usage") not in (None, True, False)):
+        raise ApiError(400, "'stream_options' must be {'include_usage': true or false}", "stream_options")
+    if opts and not on:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+    return bool(on), bool((opts or {}).get("include_usage"))
+
+
 def _sampling(body: Mapping[str, Any], default: SamplingConfig) -> tuple[SamplingConfig, int, int | None]:
+    for key, (lo, hi) in _RANGES.items():
+        v = body.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and not lo <= v <= hi:
+            raise ApiError(400, f"Invalid '{key}': {v} is outside [{lo:g}, {hi:g}]", key,
+                           code="decimal_above_max_value" if v > hi else "decimal_below_min_value")
     upd: dict[str, Any] = {}
     for key, to in (("temperature", "temperature"), ("top_p", "top_p"), ("max_tokens", "max_new_tokens"),
                     ("max_completion_tokens", "max_new_tokens")):
@@ -258,9 +286,10 @@ def parse_chat(body: Any, agents: Mapping[str, SamplingConfig]) -> CallRequest:
     if logprobs not in (None, True, False):
         raise ApiError(400, f"invalid 'logprobs' ({logprobs!r}): true or false", "logprobs")
     tools, choice, function, parallel = _tools(body)
+    on, usage = _stream(body)
     return CallRequest("chat", agent, sampling, n, seed, messages=[_content(i, m) for i, m in enumerate(messages)],
                        logprobs=bool(logprobs), tools=tools, tool_choice=choice, tool_function=function,
-                       parallel_tool_calls=parallel)
+                       parallel_tool_calls=parallel, stream=on, include_usage=usage)
 
 
 def parse_completion(body: Any, agents: Mapping[str, SamplingConfig]) -> CallRequest:
@@ -283,7 +312,9 @@ def parse_completion(body: Any, agents: Mapping[str, SamplingConfig]) -> CallReq
     if logprobs not in (None, 0, 1) or isinstance(logprobs, bool):
         raise ApiError(400, f"unsupported 'logprobs' ({logprobs!r}): 0 or 1 (the sampled token's log-prob; "
                        "top-k alternatives are not computed)", "logprobs", code="unsupported_value")
-    return CallRequest("completion", agent, sampling, n, seed, prompt=prompt, logprobs=logprobs is not None)
+    on, usage = _stream(body)
+    return CallRequest("completion", agent, sampling, n, seed, prompt=prompt, logprobs=logprobs is not None,
+                       stream=on, include_usage=usage)
 
 
 @dataclass(frozen=True, slots=True)
