@@ -220,13 +220,13 @@ def _preflight(cfg, *, resume: bool, overwrite: bool = False, check_store: bool 
     try:
         check_reachable("run_dir", cfg.run_dir.format(name=cfg.name))
         check_reachable("store.uri", cfg.resolved_store_uri())
+        if not resume:  # first: a folder that is not a run's is never offered for --overwrite
+            check_run_folder(cfg.run_location(), cfg.train.init_from)
         check_claim(cfg.run_location(), resume=resume, overwrite=overwrite)
         if resume:
             check_resumable(cfg, cfg.run_location())
             if check_store:  # never train on what cannot be read
                 check_before_resume(cfg.run_location().uri)
-        else:
-            check_run_folder(cfg.run_location(), cfg.train.init_from)
     except (LocationError, ResumeError, RunFolderError, RunLockedError, RunExistsError, DamagedStoreError) as exc:
         raise ConfigError(str(exc)) from None
 

@@ -131,9 +131,9 @@ class RunLease:
                 flow_run: str | None = None) -> RunLease:
         """Take `loc` for this process (see `check_claim`); a fresh run also checks that the
         folder is empty or a run folder (`run.check_run_folder`) before it leaves a lease."""
-        stale = check_claim(loc, resume=resume, overwrite=overwrite)
         if not resume:
             check_run_folder(loc)
+        stale = check_claim(loc, resume=resume, overwrite=overwrite)
         now = time.time()
         mine = Lease(socket.gethostname(), os.getpid(), _process_start(os.getpid()), now, now,
                      uuid.uuid4().hex, flow_run)
