@@ -4,12 +4,16 @@ vLLM imports, in front of vLLM, against the same endpoint in front of the HF eng
 Every call must be recorded with the reference's prompt, its tokens (a divergence passes only
 at a near-tie, as in the greedy check) and logprobs within the fp32 bound; an unknown agent
 must get OpenAI's 404. One call offers a tool with `tool_choice: required`, so the chatml
-template's tool rendering and the parser's forced call prefix reach every backend alike."""
+template's tool rendering and the parser's forced call prefix reach every backend alike. A
+second program asks for JSON of a schema (`response_format`): each backend constrains its own
+way (lm-format-enforcer on hf, vLLM's structured outputs), so its tokens are not compared, but
+every answer must be JSON of the schema (`json_valid`)."""
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 from typing import Any
 
 import openai
@@ -41,6 +45,29 @@ def _program(problem: str, client: openai.OpenAI) -> str:
     except openai.NotFoundError:
         return "".join(out)
     raise AssertionError("an unknown agent was not refused with a 404")
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+          "required": ["answer", "sure"]}
+
+
+def _structured(problem: str, client: openai.OpenAI) -> str:
+    r = client.chat.completions.create(model="solver", messages=[{"role": "user", "content": problem}], max_tokens=160,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "v",
+                                                                                               "schema": SCHEMA}})
+    return r.choices[0].message.content or ""
+
+
+def _json_valid(engine: Any, tok: Any, problems: list[str]) -> bool:
+    specs = {a: AgentSpec(a, SamplingConfig(temperature=1.0, max_new_tokens=160), BUILTIN["chatml"], tok, 4096)
+             for a in AGENTS}
+    s = Session("j", specs, dict.fromkeys(AGENTS, 0), LocalDispatcher.of_engines(dict.fromkeys(AGENTS, engine)),
+                lambda i, t, a, c: hash((i, t, a, c)) % 100_000)
+    res = run_program(_structured, [(f"p{i}", 0, 0, p) for i, p in enumerate(problems)], s, Gateway.shared())
+    try:
+        return all(r.error is None and set(json.loads(r.answer or "")) == {"answer", "sure"} for r in res)
+    except ValueError:
+        return False
 
 
 def _capture(engine: Any, tok: Any, problems: list[str], sampling: SamplingConfig) -> dict[tuple, Any]:
@@ -86,8 +113,9 @@ def check_endpoint(model: Any, tok: Any, dev: torch.device, plan: Plan) -> dict[
             out[name] = {"calls_recorded": sorted(got) == sorted(want), "max_logprob_diff": lp,
                          "rows_diverged": len(diverged), "divergences": diverged,
                          "prompts_equal": all(got[k].prompt_ids == w.prompt_ids for k, w in want.items())}
+            out[name]["json_valid"] = _json_valid(eng, tok, problems)
             out[name]["passed"] = (out[name]["calls_recorded"] and out[name]["prompts_equal"] and lp <= bound
-                                   and all(d["near_tie"] for d in diverged))
+                                   and all(d["near_tie"] for d in diverged) and out[name]["json_valid"])
     finally:
         if "vllm" in engines:
             engines["vllm"].close()

@@ -28,6 +28,16 @@ weights (the YAML team's SFT warm start, made on first use and cached). Medians 
   as decoding grows (bigger models, longer answers: `--set` a longer `max_new_tokens`).
 
 `--quick`: 1 repeat of 2 iterations. The load average around each run is in `load`.
+
+`--decode-bound`: the same pair where decoding dominates: every agent `tiny-10m`, answers of
+`DECODE_BOUND_TOKENS` new tokens with no stop string, both teams from the same untrained
+weights (no warm start: what is measured is speed, not accuracy). Its `tokens_per_s_ratio` is
+the figure for real model sizes (target >= 0.9).
+
+`--tools-from DIR`: also run `configs/program_react.yaml` (LangGraph's ReAct agent with a
+calculator tool) from the checkpoints in DIR (e.g. its SFT warm start) and report its calls'
+`tool_call_overhead_ms_p50` / `_p99` (the same client-side overhead, for calls that carry
+tools and tool results) and `tool_calls_per_trajectory`.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from flexmarl.prefect_api import ensure_api
 from flexmarl_core.config import load_config
@@ -50,6 +61,14 @@ from flexmarl_core.workloads import make_workload
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"yaml": REPO / "configs" / "default.yaml", "program": REPO / "configs" / "program_team.yaml"}
+#: `--decode-bound`: new tokens per answer (every agent, no stop string)
+DECODE_BOUND_TOKENS = 96
+
+
+def decode_bound_overrides() -> list[str]:
+    agents = [a.name for a in load_config(CONFIGS["yaml"]).team.agents]
+    return [f"team.agents.{a}.{k}" for a in agents for k in (
+        "model.preset=tiny-10m", f"sampling.max_new_tokens={DECODE_BOUND_TOKENS}", "sampling.stop=[]")]
 
 
 def main() -> int:
@@ -61,7 +80,13 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], help="config overrides for both teams")
     ap.add_argument("--init-from", default=None, metavar="DIR",
                     help="start both teams from these checkpoints (default: the YAML team's SFT warm start)")
+    ap.add_argument("--decode-bound", action="store_true",
+                    help=f"every agent tiny-10m with {DECODE_BOUND_TOKENS}-token answers, from untrained weights")
+    ap.add_argument("--tools-from", default=None, metavar="DIR",
+                    help="also run configs/program_react.yaml from these checkpoints (tool-call overhead)")
     args = ap.parse_args()
+    if args.decode_bound:
+        args.set = [*decode_bound_overrides(), "train.warm_start=none", *args.set]
     repeats = args.repeats or (1 if args.quick else 3)
     iterations = args.iterations or (2 if args.quick else 4)
 
@@ -70,8 +95,10 @@ def main() -> int:
     from flows.train import train
 
     api, _ = ensure_api()
-    start = Path(args.init_from) if args.init_from else \
-        warm_start(load_config(CONFIGS["yaml"], args.set), default_cache_dir(), log=print)[0]
+    start: Path | None = Path(args.init_from) if args.init_from else None
+    if start is None and not args.decode_bound:
+        start = warm_start(load_config(CONFIGS["yaml"], args.set), default_cache_dir(), log=print)[0]
+    init = [f"train.init_from={start}"] if start is not None else []
     out_dir = REPO / "runs" / "bench-program"
     runs: dict[str, list[dict]] = {m: [] for m in CONFIGS}
     t0 = time.time()
@@ -81,7 +108,7 @@ def main() -> int:
                 run_dir = out_dir / f"{mode}-{rep}"
                 load = os.getloadavg()[0]
                 state = train(str(CONFIGS[mode]), [f"run_dir={run_dir}", f"train.iterations={iterations}",
-                                                   f"train.init_from={start}", "train.evaluate=false",
+                                                   *init, "train.evaluate=false",
                                                    "train.evaluate_initial=false", *args.set],
                               progress=False, return_state=True)
                 if not state.is_completed():
@@ -94,6 +121,7 @@ def main() -> int:
                                    "load": [load, os.getloadavg()[0]]})
                 print(f"{mode:8s} rep {rep}: {s['e2e_s_per_iteration']:.2f} s/it, {s['tokens_per_s']:.0f} tok/s, "
                       f"util {s['utilization']:.2f}", flush=True)
+        tools = _tool_calls(train, Path(args.tools_from), out_dir, iterations) if args.tools_from else {}
     med = lambda mode, key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
     prog = runs["program"]
     pcfg = load_config(CONFIGS["program"], args.set)
@@ -116,6 +144,7 @@ def main() -> int:
         "client_cpu_ms_per_call": cost["client"], "endpoint_cpu_ms_per_call": cost["endpoint"],
         "calls_per_iteration": calls, "yaml_cpu_s_per_iteration": yaml_cpu,
         "tokens_per_s_ratio_bound": yaml_cpu / (yaml_cpu + calls * (cost["client"] + cost["endpoint"]) / 1e3),
+        "decode_bound": args.decode_bound, **tools,
         "bench_wall_s": time.time() - t0, "runs": runs,
     }
     res["tokens_per_s_ratio"] = res["tokens_per_s_program"] / res["tokens_per_s_yaml"]
@@ -130,7 +159,26 @@ def main() -> int:
     print(f"per call beyond its decode: client {res['client_cpu_ms_per_call']:.2f} ms + endpoint "
           f"{res['endpoint_cpu_ms_per_call']:.2f} ms CPU, {calls:.0f} calls per iteration against "
           f"{yaml_cpu:.1f} CPU-s of YAML work: ratio bound {res['tokens_per_s_ratio_bound']:.3f}")
+    if tools:
+        print(f"tool-calling program (ReAct): call overhead p50 {tools['tool_call_overhead_ms_p50']:.1f} ms, "
+              f"p99 {tools['tool_call_overhead_ms_p99']:.1f} ms, {tools['tool_calls_per_trajectory']:.2f} calls "
+              "per trajectory")
     return 0
+
+
+def _tool_calls(train: Any, start: Path, out_dir: Path, iterations: int) -> dict[str, float]:
+    """`configs/program_react.yaml` from `start` for `iterations`: its calls' overhead."""
+    run_dir = out_dir / "react"
+    state = train(str(REPO / "configs" / "program_react.yaml"),
+                  [f"run_dir={run_dir}", f"train.iterations={iterations}", f"train.init_from={start}",
+                   "train.evaluate=false", "train.evaluate_initial=false"], progress=False, return_state=True)
+    if not state.is_completed():
+        raise RuntimeError(f"program_react failed: {state.message}")
+    ops = [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines() if x.strip()]
+    fig = program_figures(ops)
+    return {"tool_call_overhead_ms_p50": fig["call_overhead_ms_p50"],
+            "tool_call_overhead_ms_p99": fig["call_overhead_ms_p99"],
+            "tool_calls_per_trajectory": sum(fig["calls_per_trajectory"].values())}
 
 
 if __name__ == "__main__":

@@ -8,12 +8,21 @@ The agents are scripted (`tests/_scripted.py`): what is checked is the mechanism
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Literal
 
 import openai
 import pytest
+import torch
+from pydantic import BaseModel
 
-from flexmarl_core.programs.gateway import Gateway
+from flexmarl_core.config import SamplingConfig
+from flexmarl_core.inference.hf import HFInferenceEngine
+from flexmarl_core.programs.chat import BUILTIN
+from flexmarl_core.programs.engines import LocalDispatcher
+from flexmarl_core.programs.gateway import AgentSpec, Gateway, Session
 from flexmarl_core.programs.runner import run_program
+from tests._models_util import tiny_model, tokenizer
 from tests._scripted import CALL, ScriptDispatcher, capture_rows, scripted_session
 
 
@@ -161,7 +170,7 @@ def test_previous_response_id_continues_a_trajectorys_own_response_and_streams()
 def test_responses_refusals_say_what_to_do():
     def team(problem: str, client: openai.OpenAI) -> str:
         for kw, param in (({"tools": [{"type": "web_search"}]}, "tools"),
-                          ({"text": {"format": {"type": "json_object"}}}, "text"),
+                          ({"conversation": "conv_1"}, "conversation"),
                           ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]")):
             with pytest.raises(openai.BadRequestError) as err:
                 client.responses.create(model="solver", **{"input": "x", **kw})
@@ -183,3 +192,78 @@ def test_async_streams_through_an_async_client():
                          Gateway.shared())
     assert res.error is None and res.answer == "ok then", res.error
     assert asyncio.iscoroutinefunction(team)
+
+
+# -- structured output: constrained decoding on the real (tiny, untrained) model -------------
+
+class Verdict(BaseModel):
+    answer: Literal["yes", "no"]
+    sure: bool
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return HFInferenceEngine(tiny_model(seed=3), tokenizer())
+
+
+def _model_session(engine, max_tokens: int = 160) -> Session:
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_tokens)
+    spec = AgentSpec("solver", sampling, BUILTIN["chatml"], tokenizer(), 4096)
+    return Session("json", {"solver": spec}, {"solver": 0}, LocalDispatcher.of_engines({"solver": engine}),
+                   lambda i, t, a, c: hash((i, t, a, c)) % 100_000)
+
+
+def test_with_structured_output_and_parse_get_json_of_the_schema_from_an_untrained_model(engine):
+    """An untrained model writes the schema's JSON only because decoding allows nothing else:
+    LangChain's `with_structured_output` (json_schema) and the openai client's `.parse()`."""
+    def team(problem: str, client: openai.OpenAI) -> str:
+        from langchain_openai import ChatOpenAI
+
+        llm = ChatOpenAI(model="solver", base_url=str(client.base_url), api_key=client.api_key, max_retries=0)
+        got = llm.with_structured_output(Verdict, method="json_schema").invoke(problem)
+        parsed = client.chat.completions.parse(model="solver", messages=[{"role": "user", "content": problem}],
+                                               response_format=Verdict).choices[0].message.parsed
+        free = client.chat.completions.create(model="solver", messages=[{"role": "user", "content": problem}],
+                                              response_format={"type": "json_object"}, max_tokens=400)
+        # any JSON object: an untrained model's string may run past max_tokens, else it parses
+        choice = free.choices[0]
+        assert choice.finish_reason == "length" or isinstance(json.loads(choice.message.content), dict)
+        return f"{got.answer}|{parsed.answer}"
+
+    jobs = [(f"p{k}", k, 0, "Is 2+2 four?") for k in range(4)]
+    results = run_program(team, jobs, _model_session(engine), Gateway.shared())
+    for res in results:
+        assert res.error is None, res.error
+        assert all(a in ("yes", "no") for a in res.answer.split("|"))
+
+
+def test_constrained_logprobs_are_the_sampled_distributions(engine):
+    """The behaviour log-prob of each token is the model's, renormalised over the tokens the
+    schema allowed at that step (recomputed here with a fresh enforcer, one forward pass)."""
+    from flexmarl_core.inference.constrained import RowConstraints
+
+    schema = Verdict.model_json_schema()
+
+    def team(problem: str, client: openai.OpenAI) -> str:
+        r = client.chat.completions.create(model="solver", messages=[{"role": "user", "content": problem}],
+                                           response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "v", "schema": schema}})
+        return r.choices[0].message.content or ""
+
+    (res,) = run_program(team, [("p9", 0, 0, "Is 3 odd?")], _model_session(engine), Gateway.shared())
+    assert res.error is None, res.error
+    Verdict.model_validate_json(res.answer)
+    (rec,) = res.records
+    ids, resp = rec.prompt_ids, rec.gen.response_ids
+    with torch.inference_mode():
+        logits = engine.model(input_ids=torch.tensor([ids + resp])).logits[0, len(ids) - 1 : -1].float()
+    check = RowConstraints(engine.tokenizer, engine.eos_ids, [schema], [ids])
+    want = []
+    for k, tok in enumerate(resp):
+        row = logits[k : k + 1].clone()
+        check.apply(row, torch.tensor([0]), torch.tensor([resp]), torch.tensor([k]), torch.tensor([False]))
+        want.append(float(torch.log_softmax(row[0], -1)[tok]))
+    # fp32 logits of O(10): a batched and a single forward differ by a few ulps
+    assert rec.gen.logprobs == pytest.approx(want, abs=1e-4)
+    free = torch.log_softmax(logits, -1).gather(1, torch.tensor(resp)[:, None])[:, 0].tolist()
+    assert sum(want) > sum(free)  # the constraint moved probability onto what was sampled

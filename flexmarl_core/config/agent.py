@@ -112,6 +112,11 @@ class SamplingConfig(_Strict):
     stop: list[str] = Field(
         default_factory=list, description="Generation ends at the first of these strings."
     )
+    json_schema: dict[str, Any] | None = Field(
+        None, description="Constrained decoding: every answer is JSON following this JSON schema, enforced "
+        "token by token ({'type': 'object'}: any JSON object). A program's `response_format` sets it per call. "
+        "The behaviour log-probs are those of the constrained distribution actually sampled.",
+    )
 
 
 class AlgorithmConfig(_Strict):

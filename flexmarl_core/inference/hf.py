@@ -228,6 +228,12 @@ class HFInferenceEngine:
         windows = [max((len(st.encode()) for st in s[2].stop), default=0) + 1 for s in spans]
         start_version = self._version
         switches: list[tuple[int, int]] = []  # (first step sampled by them, weights version)
+        schemas = [s[2].json_schema for s in spans for _ in range(s[1] - s[0])]
+        constraints = None
+        if any(x is not None for x in schemas):
+            from flexmarl_core.inference.constrained import RowConstraints
+
+            constraints = RowConstraints(self.tokenizer, self.eos_ids, schemas, prompt_ids)
 
         with torch.inference_mode():
             # 2. prefill
@@ -239,6 +245,8 @@ class HFInferenceEngine:
             rows = torch.arange(bsz, device=dev)  # the batch's rows as indices into all rows
             for step in range(max_new):
                 # 3. sample, score, append; check EOS, lengths and stop strings
+                if constraints is not None:  # a schema's rows draw and score among the tokens it allows
+                    constraints.apply(logits, rows, tokens, lengths, done)
                 nxt, scores = sample_rows(logits, live, spans, gens, temps)  # (b,), (b,)
                 running = ~done[rows]
                 tokens[rows, step] = torch.where(running, nxt, self.pad_id)

@@ -226,7 +226,13 @@ class VLLMInferenceEngine:
         return out_groups
 
     def _params(self, sampling: SamplingConfig, seed: int) -> Any:
+        structured = {}
+        if sampling.json_schema is not None:  # vLLM's own constrained decoding
+            from vllm.sampling_params import StructuredOutputsParams
+
+            structured = {"structured_outputs": StructuredOutputsParams(json=sampling.json_schema)}
         return self._vllm.SamplingParams(
+            **structured,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             max_tokens=sampling.max_new_tokens,

@@ -3,7 +3,8 @@
 `parse_chat` / `parse_completion` turn a JSON body into a `CallRequest` (or raise `ApiError`,
 which the endpoint returns as OpenAI's error JSON). Honoured: `temperature`, `top_p`,
 `max_tokens` (`max_completion_tokens`), `stop`, `n`, `logprobs`, `seed`, `stream` (with
-`stream_options.include_usage`; events in `stream.py`), and on chat `tools`,
+`stream_options.include_usage`; events in `stream.py`), and on chat `response_format` (JSON
+by constrained decoding), `tools`,
 `tool_choice` (`auto`, `none`, `required`, a named function) and `parallel_tool_calls`, with
 assistant messages that carry `tool_calls` and `tool` messages that answer them. A field the
 engines cannot honour (`top_logprobs` > 0, penalties, `logit_bias`, images, ...) is a 400 that
@@ -37,7 +38,7 @@ _NOOP: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "functions": (None, []), "function_call": (None, "none", "auto"), "top_logprobs": (None, 0),
-    "response_format": (None, {"type": "text"}), "echo": (None, False), "best_of": (None, 1),
+    "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "modalities": (None, ["text"]), "reasoning_effort": (None,),
 }
 _SAMPLING = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n", "seed", "stream",
@@ -45,7 +46,7 @@ _SAMPLING = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "sto
 #: OpenAI's own bounds of a value (it refuses what lies outside)
 _RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
 CHAT_FIELDS = frozenset({"model", "messages", "logprobs", "tools", "tool_choice", "parallel_tool_calls",
-                         *_SAMPLING}) | _IGNORED | _NOOP.keys()
+                         "response_format", *_SAMPLING}) | _IGNORED | _NOOP.keys()
 COMPLETION_FIELDS = frozenset({"model", "prompt", "logprobs", *_SAMPLING}) | _IGNORED | _NOOP.keys()
 #: the most choices one request may ask for (each is a row of the decode batch)
 MAX_N = 64
@@ -109,7 +110,6 @@ _INSTEAD = {
     "echo": "keep the prompt in the program",
     "suffix": "put the suffix in the prompt",
     "modalities": "send text",
-    "response_format": "ask for the format in the prompt and parse the answer in the program",
 }
 
 
@@ -272,6 +272,24 @@ def _tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str, str | No
     return tools, choice, function, parallel is not False
 
 
+def json_schema_of(fmt: Any, field: str = "response_format") -> dict[str, Any] | None:
+    """The JSON schema a `response_format` asks for (None: text): `json_object` is any JSON
+    object, `json_schema` its `schema`; decoding then follows it (`inference/constrained.py`)."""
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema", fmt)  # chat nests it; the Responses API's `text.format` does not
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if isinstance(schema, dict):
+            return schema
+        raise ApiError(400, f"'{field}' of type json_schema needs a JSON schema object in 'schema'", field)
+    raise ApiError(400, f"'{field}' type {_brief(kind)} is not 'text', 'json_object' or 'json_schema'", field,
+                   code="unsupported_value")
+
+
 def parse_chat(body: Any, agents: Mapping[str, SamplingConfig]) -> CallRequest:
     """A `/v1/chat/completions` body; `agents` maps each agent to its sampling defaults."""
     if not isinstance(body, dict):
@@ -282,6 +300,9 @@ def parse_chat(body: Any, agents: Mapping[str, SamplingConfig]) -> CallRequest:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", "messages")
     sampling, n, seed = _sampling(body, agents[agent])
+    schema = json_schema_of(body.get("response_format"))
+    if schema is not None:
+        sampling = sampling.model_copy(update={"json_schema": schema})
     logprobs = body.get("logprobs")
     if logprobs not in (None, True, False):
         raise ApiError(400, f"invalid 'logprobs' ({logprobs!r}): true or false", "logprobs")

@@ -17,7 +17,13 @@ from typing import Any
 
 from flexmarl_core.config import SamplingConfig
 from flexmarl_core.inference.api import Generation
-from flexmarl_core.programs.protocol import Answer, ApiError, CallRequest, parse_chat
+from flexmarl_core.programs.protocol import (
+    Answer,
+    ApiError,
+    CallRequest,
+    json_schema_of,
+    parse_chat,
+)
 from flexmarl_core.programs.stream import Piece
 
 #: accepted and ignored: they do not change what is sampled
@@ -25,17 +31,16 @@ _IGNORED = frozenset({"store", "metadata", "user", "prompt_cache_key", "safety_i
 #: accepted only at these values
 _NOOP: dict[str, tuple[Any, ...]] = {
     "include": (None, []), "truncation": (None, "disabled"), "reasoning": (None, {}, {"effort": None}),
-    "text": (None, {"format": {"type": "text"}}), "top_logprobs": (None, 0), "background": (None, False),
+    "top_logprobs": (None, 0), "background": (None, False),
     "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
 }
 _INSTEAD = {
-    "text": "ask for the format in the prompt and parse the answer in the program",
     "conversation": "chain calls with 'previous_response_id' (a trajectory's own responses)",
     "background": "call synchronously: every call is answered in one decode batch",
 }
 _FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
                      "temperature", "top_p", "max_output_tokens", "stream", "stream_options",
-                     "previous_response_id"}) | _IGNORED | _NOOP.keys()
+                     "previous_response_id", "text"}) | _IGNORED | _NOOP.keys()
 
 
 def _text(where: str, content: Any) -> str:
@@ -137,6 +142,12 @@ def parse_responses(body: Any, agents: Mapping[str, SamplingConfig],
                      ("stream_options", "stream_options")):
         if body.get(src) is not None:
             chat[dst] = body[src]
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+            raise ApiError(400, "'text' must be {'format': {...}}", "text")
+        if json_schema_of(text.get("format"), "text") is not None:
+            chat["response_format"] = {"type": "json_schema", "json_schema": {"schema": json_schema_of(text["format"])}}
     if body.get("tools"):
         chat["tools"] = _tools(body["tools"])
         if body.get("tool_choice") is not None:
@@ -184,7 +195,9 @@ def response_body(req: CallRequest, prompt_len: int, gens: Sequence[Generation],
         "parallel_tool_calls": req.parallel_tool_calls, "tool_choice": choice,
         "tools": [{"type": "function", "strict": False, **t} for t in req.tools],
         "temperature": req.sampling.temperature, "top_p": req.sampling.top_p,
-        "max_output_tokens": req.sampling.max_new_tokens, "text": {"format": {"type": "text"}},
+        "max_output_tokens": req.sampling.max_new_tokens,
+        "text": {"format": {"type": "text"} if req.sampling.json_schema is None else {
+            "type": "json_schema", "name": "output", "schema": req.sampling.json_schema, "strict": True}},
         "truncation": "disabled", "metadata": {}, "service_tier": "default",
         "usage": {"input_tokens": prompt_len, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": out,
                   "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt_len + out},
