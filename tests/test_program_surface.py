@@ -267,3 +267,22 @@ def test_constrained_logprobs_are_the_sampled_distributions(engine):
     assert rec.gen.logprobs == pytest.approx(want, abs=1e-4)
     free = torch.log_softmax(logits, -1).gather(1, torch.tensor(resp)[:, None])[:, 0].tolist()
     assert sum(want) > sum(free)  # the constraint moved probability onto what was sampled
+
+
+def test_plain_template_on_a_chat_of_several_roles_warns_once_naming_the_fix(caplog):
+    from flexmarl_core.programs import calls
+
+    calls._PLAIN_WARNED.discard("solver")
+
+    def team(problem: str, client: openai.OpenAI) -> str:
+        msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": problem}]
+        for _ in range(2):
+            client.chat.completions.create(model="solver", messages=msgs)
+        return client.chat.completions.create(model="solver", messages=msgs[1:]).choices[0].message.content or ""
+
+    with caplog.at_level("WARNING", logger="flexmarl_core.programs.calls"):
+        (res,) = run_program(team, [("p6", 0, 0, "hi")],
+                             scripted_session(ScriptDispatcher(lambda a, p: "ok"), template="plain"), Gateway.shared())
+    assert res.error is None, res.error
+    said = [r.getMessage() for r in caplog.records if "chat_template 'plain'" in r.getMessage()]
+    assert len(said) == 1 and "system/user" in said[0] and "team.agents.solver.chat_template" in said[0]
