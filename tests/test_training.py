@@ -298,6 +298,28 @@ def test_a_global_batch_without_a_sample_advances_the_version_and_leaves_the_wei
     assert any(not torch.equal(v, before[k]) for k, v in t.weights().items())
 
 
+def test_which_micro_batches_had_samples_survives_a_state_and_a_helper():
+    """A state taken mid-batch keeps whether a sample was accumulated (a swap between the
+    micro-batches of one step must not turn it into no update), and a gradient helper's
+    gradient counts as a filled micro-batch."""
+    a = trainer(tiny_model(0))
+    a.accumulate(random_samples(2), 0.1)
+    a.step()
+    a.accumulate(random_samples(2, seed=3), 0.1)
+    b = trainer(tiny_model(7))
+    b.load_state(a.state())
+    ra, rb = a.step(), b.step()
+    assert ra.grad_norm == rb.grad_norm > 0
+    assert_same_tensors(a.weights(), b.weights())
+    helper = trainer(tiny_model(0))
+    helper.set_weights(a.weights(), a.version)
+    helper.accumulate(random_samples(2, seed=4), 0.1)
+    before = copy.deepcopy(a.weights())
+    a.add_grads(helper.take_grads())  # the whole step's gradient came from a helper
+    assert a.step().grad_norm > 0
+    assert any(not torch.equal(v, before[k]) for k, v in a.weights().items())
+
+
 def test_training_raises_logprob_of_rewarded_response():
     s = random_samples(1, seed=4)[0]
     s.loss_mask = None

@@ -7,10 +7,12 @@ overlap of its ops (whatever iteration they belong to) with that window.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +259,8 @@ class MetricsWriter:
                     (self.dir / name).write_bytes(mirror.read_bytes(f"metrics/{name}"))
                 except FileNotFoundError:
                     (self.dir / name).unlink(missing_ok=True)
+        for name in self.FILES:
+            _cut_torn_line(self.dir / name)
         self._ops = open(self.dir / "ops.jsonl", "a")  # noqa: SIM115 - closed in close()
         self._tb: Any = None
         self._mirrored = 0.0
@@ -267,22 +271,20 @@ class MetricsWriter:
 
     def op(self, rec: OpRecord) -> None:
         row = {**rec.result.to_row(), "submitted": rec.submitted, "finished": rec.finished}
-        self._ops.write(json.dumps(row, default=str) + "\n")
-        self._ops.flush()
+        with _naming(self.dir / "ops.jsonl"):
+            self._ops.write(json.dumps(row, default=str) + "\n")
+            self._ops.flush()
         if self.mirror is not None and time.monotonic() - self._mirrored >= self.MIRROR_EVERY_S:
             self._upload("ops.jsonl")
             self._mirrored = time.monotonic()
 
     def decisions(self, decisions: list[Decision]) -> None:
         """Every control-plane decision (instance moves, training slots) as JSONL."""
-        with open(self.dir / "decisions.jsonl", "a") as f:
-            for d in decisions:
-                f.write(json.dumps(d.as_row(), default=str) + "\n")
+        _append(self.dir / "decisions.jsonl", "".join(json.dumps(d.as_row(), default=str) + "\n" for d in decisions))
         self._upload("decisions.jsonl")
 
     def iteration(self, m: dict[str, Any]) -> None:
-        with open(self.dir / "iterations.jsonl", "a") as f:
-            f.write(json.dumps(m) + "\n")
+        _append(self.dir / "iterations.jsonl", json.dumps(m) + "\n")
         self._upload("iterations.jsonl")
         if self._tb is None:
             self._tb = _tensorboard(self.dir / "tensorboard")
@@ -293,10 +295,54 @@ class MetricsWriter:
                 self._tb.add_scalar(k, v, m["iteration"])
 
     def close(self) -> None:
-        self._ops.close()
+        with _naming(self.dir / "ops.jsonl"):
+            self._ops.close()
         self._upload("ops.jsonl")
         if self._tb:
             self._tb.close()
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """A failed write names its file (a full disk's OSError from write() carries no filename,
+    and the operator's one-line failure must say where)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+        raise
+
+
+def _append(path: Path, text: str) -> None:
+    with _naming(path), open(path, "a") as f:
+        f.write(text)
+
+
+def _cut_torn_line(path: Path) -> None:
+    """Drop a last line an earlier attempt died writing (a full disk, a kill): appended to, it
+    would swallow the next line too."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            keep = size
+            while keep > 0:  # back to the last newline, in blocks
+                start = max(0, keep - 65536)
+                f.seek(start)
+                block = f.read(keep - start)
+                nl = block.rfind(b"\n")
+                if nl >= 0:
+                    keep = start + nl + 1
+                    break
+                keep = start
+            f.truncate(keep)
+    except FileNotFoundError:
+        return
 
 
 def _tensorboard(folder: Path) -> Any:

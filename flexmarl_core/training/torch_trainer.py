@@ -294,6 +294,7 @@ class TorchTrainer(PolicyGradientSteps):
         self._adopt_grads()
         self._flat_grad.add_(flat.to(self._flat_grad.device))
         self._pending += 1
+        self._filled += 1
 
     # -- flat buffers -------------------------------------------------------------------------
     def _flatten_params(self) -> None:
@@ -387,6 +388,7 @@ class TorchTrainer(PolicyGradientSteps):
             "adam": {k: v.detach().clone() for k, v in opt.items()} if opt else None,
             "version": self._version,
             "pending": self._pending,
+            "filled": self._filled,
             "metrics": dict(self._metrics),
             "rng": torch.get_rng_state(),
         }
@@ -412,6 +414,8 @@ class TorchTrainer(PolicyGradientSteps):
                 self.ref_model.load_state_dict(state["ref_model"])
         self._version = int(state["version"])
         self._pending = int(state["pending"])
+        # A state from before empty micro-batches were told apart: every one had samples.
+        self._filled = int(state.get("filled", self._pending))
         self._metrics = dict(state["metrics"])
         torch.set_rng_state(state["rng"])
 
