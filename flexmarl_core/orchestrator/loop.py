@@ -156,7 +156,10 @@ class Orchestrator:
             handle = ex.submit(op, route, [d for d in self.plan.deps[op] if d not in self.skip])
         run = Running(op, ex.now(), route, set(pending or ()), tail)
         run.since = run.submitted
-        run.deadline_s = sum(self.control.deadline(o, r) for o, r in run.ops)
+        # A resubmission after a hang or a lost worker starts cold (a restarted worker builds
+        # its engine and loads weights inside the op): twice the time per earlier attempt, or a
+        # loaded machine restarts the same worker again and again for an op that is not hung.
+        run.deadline_s = sum(self.control.deadline(o, r) for o, r in run.ops) * 2 ** self._resubmits[op]
         st.running[handle] = run
         for o, r in run.ops:
             st.handle[o] = handle
