@@ -290,16 +290,18 @@ class MetricsWriter:
             self._tb = _tensorboard(self.dir / "tensorboard")
         if self._tb is False:
             return
-        for k, v in m.items():
-            if k != "iteration" and isinstance(v, int | float):
-                self._tb.add_scalar(k, v, m["iteration"])
+        with _naming(self.dir / "tensorboard"):  # its writer thread's error surfaces here
+            for k, v in m.items():
+                if k != "iteration" and isinstance(v, int | float):
+                    self._tb.add_scalar(k, v, m["iteration"])
 
     def close(self) -> None:
         with _naming(self.dir / "ops.jsonl"):
             self._ops.close()
         self._upload("ops.jsonl")
         if self._tb:
-            self._tb.close()
+            with _naming(self.dir / "tensorboard"):
+                self._tb.close()
 
 
 @contextlib.contextmanager
