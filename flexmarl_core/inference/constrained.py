@@ -49,8 +49,12 @@ def _tokenizer_data(tokenizer: Any, eos_ids: Sequence[int]) -> Any:
 @functools.lru_cache(maxsize=64)
 def _parser(schema: str) -> Any:
     from lmformatenforcer import JsonSchemaParser
+    from lmformatenforcer.characterlevelparser import CharacterLevelParserConfig
 
-    return JsonSchemaParser(json.loads(schema))
+    # At most 2 whitespace characters in a row (the library allows 12): compact JSON, as OpenAI
+    # returns it. With 12, a model that has not learned the format spends most of its tokens
+    # on the whitespace allowed between every two tokens and runs past max_new_tokens.
+    return JsonSchemaParser(json.loads(schema), CharacterLevelParserConfig(max_consecutive_whitespaces=2))
 
 
 class RowConstraints:
