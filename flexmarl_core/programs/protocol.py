@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -119,14 +119,17 @@ def _brief(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
+def check_fields(body: Mapping[str, Any], allowed: Collection[str], noop: Mapping[str, tuple[Any, ...]] = _NOOP,
+                 instead: Mapping[str, str] = _INSTEAD) -> None:
+    """A 400 for a field the route does not serve, or a value of a no-op field its engines do
+    not take, naming the supported way (`instead`)."""
     for key, value in body.items():
         if key not in allowed:
             raise ApiError(400, f"unsupported field {key!r}: flexmarl's endpoint does not implement it; "
-                           f"{_INSTEAD.get(key, 'leave it out')}", key, code="unsupported_parameter")
-        if key in _NOOP and value not in _NOOP[key]:
+                           f"{instead.get(key, 'leave it out')}", key, code="unsupported_parameter")
+        if key in noop and value not in noop[key]:
             raise ApiError(400, f"unsupported value of {key!r} ({_brief(value)}): flexmarl's engines take only "
-                           f"{list(_NOOP[key])}; {_INSTEAD.get(key, 'leave it out')}", key, code="unsupported_value")
+                           f"{list(noop[key])}; {instead.get(key, 'leave it out')}", key, code="unsupported_value")
 
 
 def _agent(body: Mapping[str, Any], agents: Mapping[str, SamplingConfig]) -> str:
@@ -294,7 +297,7 @@ def parse_chat(body: Any, agents: Mapping[str, SamplingConfig]) -> CallRequest:
     """A `/v1/chat/completions` body; `agents` maps each agent to its sampling defaults."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    _check_fields(body, CHAT_FIELDS)
+    check_fields(body, CHAT_FIELDS)
     agent = _agent(body, agents)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -317,7 +320,7 @@ def parse_completion(body: Any, agents: Mapping[str, SamplingConfig]) -> CallReq
     """A `/v1/completions` body: one prompt, as text or token ids."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    _check_fields(body, COMPLETION_FIELDS)
+    check_fields(body, COMPLETION_FIELDS)
     agent = _agent(body, agents)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):

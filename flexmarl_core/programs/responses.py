@@ -21,6 +21,7 @@ from flexmarl_core.programs.protocol import (
     Answer,
     ApiError,
     CallRequest,
+    check_fields,
     json_schema_of,
     parse_chat,
 )
@@ -117,13 +118,7 @@ def parse_responses(body: Any, agents: Mapping[str, SamplingConfig],
     """A `/v1/responses` body as a chat request (see the module docstring)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for key, value in body.items():
-        if key not in _FIELDS:
-            raise ApiError(400, f"unsupported field {key!r}: flexmarl's endpoint does not implement it; "
-                           f"{_INSTEAD.get(key, 'leave it out')}", key, code="unsupported_parameter")
-        if key in _NOOP and value not in _NOOP[key]:
-            raise ApiError(400, f"unsupported value of {key!r}: flexmarl's engines take only {list(_NOOP[key])}; "
-                           f"{_INSTEAD.get(key, 'leave it out')}", key, code="unsupported_value")
+    check_fields(body, _FIELDS, _NOOP, _INSTEAD)
     prev_id = body.get("previous_response_id")
     history: list[dict[str, Any]] = []
     if prev_id is not None:
