@@ -166,6 +166,53 @@ def test_concurrent_calls_of_an_agent_decode_together(engines):
     assert len(set(out)) == 1  # greedy: one answer, eight times
 
 
+class _SlowClock:
+    """The real engine, reporting each decode as 1000 s: the window the next batch waits on."""
+
+    def __init__(self, inner: LocalDispatcher) -> None:
+        self.inner = inner
+
+    def capacity(self, agent: str) -> int:
+        return 1
+
+    def decode(self, agent, version, groups, stats: DecodeStats):
+        out = self.inner.decode(agent, version, groups, stats)
+        stats.seconds = 1000.0
+        return out
+
+
+def test_after_a_slow_decode_a_late_call_still_joins_the_batch(engines):
+    """Once an agent's decode is slow, a batch waits up to a tenth of it for more calls: a call
+    sent 0.3 s after another (15 windows of 20 ms) joins its decode instead of following it."""
+    gw = Gateway.shared()
+    specs = {"slowpoke": AgentSpec("slowpoke", SAMPLING, BUILTIN["plain"], tokenizer(), CONTEXT)}
+    s = Session("the-key", specs, {"slowpoke": 0},
+                _SlowClock(LocalDispatcher.of_engines({"slowpoke": engines["planner"]})),
+                lambda i, t, a, c: 1000 * t + int(c.split(":")[1]), window_s=0.02)
+    a, b = gw.open(s, "p0", 0, 0), gw.open(s, "p0", 1, 0)
+
+    def call(t, prompt: str) -> None:
+        openai.OpenAI(base_url=gw.base_url, api_key=t.key, max_retries=0).chat.completions.create(
+            model="slowpoke", messages=[{"role": "user", "content": prompt}])
+
+    both = [threading.Thread(target=call, args=(t, "Q:1+1\nP:")) for t in (a, b)]
+    for th in both:
+        th.start()
+    for th in both:
+        th.join(60)
+    first = threading.Thread(target=call, args=(a, "Q:2+2\nP:"))
+    first.start()
+    while a.pending == 0 and first.is_alive():  # a's call is queued (or already answered: a failure below)
+        threading.Event().wait(0.005)
+    threading.Event().wait(0.3)
+    call(b, "Q:3+3\nP:")
+    first.join(60)
+    gw.finish(a)
+    gw.finish(b)
+    gw.close(s)
+    assert [(ag, n) for ag, n, _, _ in s.decodes] == [("slowpoke", 2), ("slowpoke", 2)]
+
+
 class _Broken:
     def capacity(self, agent: str) -> int:
         return 1

@@ -62,8 +62,8 @@ class TeamConfig(_Strict):
     batch_window_ms: float = Field(
         20.0, ge=0.0, le=10_000.0,
         description="Program teams: an agent's queued calls decode together once every running "
-        "trajectory waits on a call, or once no call has arrived for this long (at most 25 windows "
-        "after the first).",
+        "trajectory waits on a call, or once no call has arrived for this long, or for a tenth of "
+        "the agent's last decode if that is longer (at most 25 windows after the first).",
     )
 
     @field_validator("program")

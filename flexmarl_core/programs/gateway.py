@@ -17,9 +17,11 @@ per trajectory (~35 ms of CPU each). The server is Starlette on uvicorn in a dae
 bound to loopback on a free port, one per process, shared by every program op running here.
 
 Batching: a request waits in its agent's queue until every live trajectory is waiting on a
-call (no one left to add to the batch) or `window_s` has passed since the oldest request, then
-the queue decodes as one batch on an instance of the agent (`Dispatcher.decode`), each request
-with its own sampling and seed. At most `Dispatcher.capacity(agent)` decodes of one agent run at
+call (no one left to add to the batch), or no request has joined for a window, then the queue
+decodes as one batch on an instance of the agent (`Dispatcher.decode`), each request with its
+own sampling and seed. The window is `window_s`, or a tenth of the agent's last decode if that is
+longer: where a decode costs seconds, calls that reach the endpoint spread out by a loaded
+machine's scheduling still join one decode, and a lone call waits at most a tenth longer. At most `Dispatcher.capacity(agent)` decodes of one agent run at
 once; requests arriving meanwhile form the next batch.
 
 Errors are OpenAI's JSON with a 4xx status (bad body, unknown agent or trajectory, a prompt
@@ -81,6 +83,8 @@ log = logging.getLogger(__name__)
 
 #: a batch waits at most this many windows after its first request
 MAX_WAIT_WINDOWS = 25
+#: the window grows to this share of the agent's last decode (a slow decode is worth filling)
+HOLD_SHARE = 0.1
 #: the largest request body the endpoint reads (a larger one is a 413, never parsed)
 MAX_BODY_BYTES = 8 << 20
 #: the header flexmarl's own clients add: the key of the client object the call went through
@@ -107,6 +111,8 @@ class Gateway:
         self._queues: dict[tuple[int, str, int], list[_Waiting]] = {}
         self._in_flight: dict[tuple[int, str, int], int] = {}
         self._timers: set[tuple[int, str, int]] = set()
+        #: the last decode's seconds of each agent (by name: an op's first batch gains from the last op's)
+        self._decode_s: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="flexmarl-decode")
         #: parsing, templating and tokenising, off the event loop
         self._prep = ThreadPoolExecutor(max_workers=4, thread_name_prefix="flexmarl-prep")
@@ -298,10 +304,13 @@ class Gateway:
         s = queue[0].session
         if self._in_flight.get(key, 0) >= max(s.dispatcher.capacity(key[1]), 1):
             return  # the next batch forms while this one decodes
-        # Debounced: a batch waits while requests keep arriving (each within `window_s` of
-        # the last), up to `MAX_WAIT_WINDOWS` windows after its first.
+        # Debounced: a batch waits while requests keep arriving (each within a window of the
+        # last), up to `MAX_WAIT_WINDOWS` windows after its first and never longer than a decode.
         now = time.monotonic()
-        wait = min(queue[-1].t + s.window_s, queue[0].t + MAX_WAIT_WINDOWS * s.window_s) - now
+        last = self._decode_s.get(key[1], 0.0)
+        window = max(s.window_s, HOLD_SHARE * last)
+        hold = max(MAX_WAIT_WINDOWS * s.window_s, min(MAX_WAIT_WINDOWS * window, last))
+        wait = min(queue[-1].t + window, queue[0].t + hold) - now
         if wait > 0 and not self._everyone_waits():
             if key not in self._timers:
                 self._timers.add(key)
@@ -334,6 +343,7 @@ class Gateway:
         exc = job.exception()
         if exc is None:
             outs, stats = job.result()
+            self._decode_s[key[1]] = stats.seconds
             batch[0].session.decodes.append((key[1], len(batch), sum(w.group.n for w in batch), stats))
         for i, w in enumerate(batch):
             if w.future.done():
