@@ -12,6 +12,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from flexmarl_core.config import hub
 from flexmarl_core.config.checks import (
     OPTIONAL_BACKENDS,
     PRESET_NAMES,
@@ -39,7 +40,7 @@ class LoraSpec(_Strict):
 class ModelConfig(_Strict):
     base: str | None = Field(
         None,
-        description="Shared base model of a LoRA agent: a preset name or a local HF folder (sets "
+        description="Shared base model of a LoRA agent: a preset name, a local HF folder or a hub id (sets "
         "`preset` or `path`). Agents with the same base share one model per process.",
     )
     lora: LoraSpec | None = Field(
@@ -50,7 +51,17 @@ class ModelConfig(_Strict):
         description="Built-in tiny Qwen2-style model built locally: tiny-1m, tiny-10m or tiny-50m.",
     )
     path: str | None = Field(
-        None, description="Local Hugging Face model folder; overrides `preset` when set."
+        None, description="A local Hugging Face model folder, or a hub id (`Qwen/Qwen2.5-0.5B-Instruct`) "
+        "resolved through the Hugging Face cache (HF_HOME, HF_HUB_OFFLINE) at config load, where it "
+        "becomes the snapshot's folder; overrides `preset` when set.",
+    )
+    hub_id: str | None = Field(
+        None, description="Set by config load when `path` was a hub id: that id (a worker on another "
+        "machine resolves it at `revision` in its own cache).",
+    )
+    revision: str | None = Field(
+        None, description="The hub revision of a hub id `path` (branch, tag or commit; default main); "
+        "config load pins it to the commit it resolved, so every process reads one snapshot.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Weights dtype for inference; training uses fp32 master weights."
@@ -64,7 +75,22 @@ class ModelConfig(_Strict):
             data = dict(data)
             base = str(data["base"])
             data["preset"], data["path"] = (base, None) if base in PRESET_NAMES else (None, base)
-        return data
+        return cls._hub_id(data)
+
+    @staticmethod
+    def _hub_id(data: Any) -> Any:
+        # A hub id becomes its snapshot's folder here, so everything after sees a folder; a
+        # saved config (a folder that may not exist on this machine) resolves again by its id.
+        if not isinstance(data, dict):
+            return data
+        path, repo = data.get("path"), data.get("hub_id")
+        if path is not None and repo is None and hub.looks_like_hub_id(str(path)):
+            repo = str(path)
+        elif repo is None or (path is not None and Path(os.path.expanduser(str(path))).is_dir()):
+            return data
+        rev = data.get("revision")  # YAML reads an all-digit commit as a number
+        folder, commit = hub.resolve(repo, None if rev is None else str(rev))  # HubModelMissing: a ValueError
+        return {**data, "path": str(folder), "hub_id": repo, "revision": commit}
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -74,8 +100,20 @@ class ModelConfig(_Strict):
             module, how = OPTIONAL_BACKENDS["peft"]
             raise ValueError(f"model.lora needs the {module!r} package; install it with: {how}")
         if self.preset is None and self.path is None:
-            raise ValueError("set `preset` (e.g. tiny-1m) or `path` (a local HF model folder)")
+            raise ValueError("set `preset` (e.g. tiny-1m) or `path` (a local HF model folder or a hub id)")
+        if self.revision is not None and self.hub_id is None:
+            raise ValueError("`revision` is for hub ids: set `path` to one (e.g. Qwen/Qwen2.5-0.5B-Instruct)")
         return self
+
+    def folder(self) -> Path | None:
+        """The model's local folder (None for a preset): `path`, or `hub_id` at `revision` resolved
+        in this machine's cache when `path` is the driver's and does not exist here."""
+        if self.path is None:
+            return None
+        folder = Path(os.path.expanduser(self.path))
+        if self.hub_id is not None and not folder.is_dir():
+            return hub.resolve(self.hub_id, self.revision)[0]
+        return folder
 
     @field_validator("preset")
     @classmethod

@@ -136,13 +136,15 @@ def base_model_dir(preset: str, seed: int, cache_dir: str | os.PathLike[str] | N
 def load_agent_model(
     cfg: ModelConfig, *, seed: int, cache_dir: str | os.PathLike[str] | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """(fp32 model, tokenizer) for an agent: `cfg.path` if set, else the cached preset model.
+    """(fp32 model, tokenizer) for an agent: its folder (`cfg.path`, or its hub id resolved in this
+    machine's cache) if set, else the cached preset model.
 
     The preset model is built on first use and saved under `cache_dir` (temp folder + rename),
     so parallel workers load one identical copy instead of each rebuilding it.
     """
-    if cfg.path is not None:
-        return load_model(cfg.path)
+    folder = cfg.folder()
+    if folder is not None:
+        return load_model(folder)
     if cfg.preset is None:  # ModelConfig's validator already forbids this; keeps mypy honest
         raise ValueError("set model.preset (e.g. tiny-1m) or model.path")
     path = base_model_dir(cfg.preset, seed, cache_dir)

@@ -33,7 +33,12 @@ _LORA_PARTS = ("lora_A", "lora_B")
 
 def base_key(cfg: ModelConfig, seed: int) -> str:
     """What a base model's weights depend on: the preset and seed, or the folder."""
-    src = f"preset={cfg.preset}:seed={seed}" if cfg.path is None else f"path={os.path.abspath(os.path.expanduser(cfg.path))}"
+    if cfg.hub_id is not None:  # the same snapshot has a different folder on each machine
+        src = f"hub={cfg.hub_id}@{cfg.revision}"
+    elif cfg.path is not None:
+        src = f"path={os.path.abspath(os.path.expanduser(cfg.path))}"
+    else:
+        src = f"preset={cfg.preset}:seed={seed}"
     return hashlib.sha256(src.encode()).hexdigest()[:12]
 
 

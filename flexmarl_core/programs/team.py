@@ -33,8 +33,9 @@ from flexmarl_core.workloads.bounded import Deadline
 
 def _model_folder(acfg: AgentConfig, seed: int) -> Path:
     m = acfg.model
-    if m.path is not None:
-        return Path(m.path)
+    folder = m.folder()
+    if folder is not None:
+        return folder
     assert m.preset is not None
     folder = base_model_dir(m.preset, seed)
     if not (folder / "config.json").is_file():
