@@ -80,11 +80,20 @@ def test_build_is_deterministic_and_leaves_global_rng():
     assert 0.9e6 < num_params(a) < 1.3e6
 
 
-@pytest.mark.parametrize(("preset", "lo", "hi"), [("tiny-10m", 8e6, 12e6), ("tiny-50m", 40e6, 55e6)])
+@pytest.mark.parametrize(("preset", "lo", "hi"), [("tiny-10m", 8e6, 12e6), ("tiny-50m", 40e6, 55e6),
+                                                  ("small-0.5b", 490e6, 500e6)])
 def test_preset_sizes(preset, lo, hi):
     with torch.device("meta"):  # shapes only, no memory or init time
         model = Qwen2ForCausalLM(preset_config(preset, tokenizer()))
     assert lo < num_params(model) < hi
+
+
+def test_the_real_size_preset_has_qwen25_05bs_shape_and_a_padded_vocabulary():
+    c = preset_config("small-0.5b", tokenizer())
+    assert (c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.num_attention_heads,
+            c.num_key_value_heads, c.vocab_size, c.tie_word_embeddings) == (896, 24, 4864, 14, 2, 151_936, True)
+    # Rows past the tokenizer's are never produced by it and decode to nothing, as padded rows do.
+    assert len(tokenizer()) < c.vocab_size and tokenizer().decode([150_000]) == ""
 
 
 def test_unknown_preset_lists_valid_ones():
@@ -93,7 +102,7 @@ def test_unknown_preset_lists_valid_ones():
     with pytest.raises(ValueError, match="tiny-1m"):  # and the factory, for unvalidated input
         preset_config("huge", tokenizer())
     # The config names the presets without importing torch: the same names as the factory.
-    assert set(PRESETS) == set(PRESET_NAMES) == {"tiny-1m", "tiny-10m", "tiny-50m"}
+    assert set(PRESETS) == set(PRESET_NAMES) == {"tiny-1m", "tiny-10m", "tiny-50m", "small-0.5b"}
 
 
 def test_save_load_round_trip(tmp_path):

@@ -48,7 +48,8 @@ class ModelConfig(_Strict):
     )
     preset: str | None = Field(
         "tiny-1m",
-        description="Built-in tiny Qwen2-style model built locally: tiny-1m, tiny-10m or tiny-50m.",
+        description="Built-in Qwen2-style model built locally with random weights: tiny-1m, tiny-10m, "
+        "tiny-50m, or small-0.5b (Qwen2.5-0.5B's shape and vocabulary size, 494M parameters).",
     )
     path: str | None = Field(
         None, description="A local Hugging Face model folder, or a hub id (`Qwen/Qwen2.5-0.5B-Instruct`) "

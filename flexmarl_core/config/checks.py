@@ -34,7 +34,7 @@ def check_template(v: str, allowed: tuple[str, ...]) -> str:
 
 #: the built-in tiny presets (`flexmarl_core.models.factory.PRESETS` has their shapes); named here
 #: so a typo fails at config load without importing torch
-PRESET_NAMES = ("tiny-1m", "tiny-10m", "tiny-50m")
+PRESET_NAMES = ("tiny-1m", "tiny-10m", "tiny-50m", "small-0.5b")
 
 
 #: optional backend -> (importable module, how to install it). Checked at config load with

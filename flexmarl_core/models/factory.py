@@ -44,7 +44,9 @@ hf_logging.disable_progress_bar()
 
 @dataclass(frozen=True)
 class Preset:
-    """Shape of a built-in tiny Qwen2 model (parameter counts with the 1024-token vocab)."""
+    """Shape of a built-in Qwen2 model. `vocab_size` None: the tokenizer's 1024 tokens (parameter
+    counts below); else the embedding has that many rows, of which the tokenizer uses the first
+    1024 (as a real checkpoint pads its embedding past its tokenizer)."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -52,12 +54,16 @@ class Preset:
     num_attention_heads: int
     num_key_value_heads: int
     max_position_embeddings: int = 2048
+    vocab_size: int | None = None
 
 
 PRESETS: dict[str, Preset] = {
     "tiny-1m": Preset(128, 4, 512, 4, 2),  # 1.1M params
     "tiny-10m": Preset(256, 10, 1024, 4, 2),  # 10.1M
     "tiny-50m": Preset(512, 12, 2048, 8, 4),  # 47.7M
+    # Qwen2.5-0.5B's shape: 494M parameters (136M of them the tied embedding of its 151,936-row
+    # vocabulary), random weights; what real-size memory, speed and swap costs are measured on.
+    "small-0.5b": Preset(896, 24, 4864, 14, 2, max_position_embeddings=32768, vocab_size=151_936),
 }
 
 
@@ -73,9 +79,11 @@ def _preset(name: str) -> Preset:
 
 def preset_config(name: str, tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
     p = _preset(name)
+    shape = asdict(p)
+    vocab = shape.pop("vocab_size") or len(tokenizer)
     return Qwen2Config(
-        vocab_size=len(tokenizer),
-        **asdict(p),
+        vocab_size=max(vocab, len(tokenizer)),
+        **shape,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
