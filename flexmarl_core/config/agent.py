@@ -243,10 +243,16 @@ class AgentConfig(_Strict):
     )
     chat_template: str = Field(
         "plain",
-        description="Program teams: how a chat request's messages become the prompt. plain: their "
-        "contents concatenated; chatml: <|im_start|>role ... <|im_end|> turns (the local tokenizer's "
-        "format); tokenizer: the model's own chat template; anything else: a Jinja template "
+        description="How messages become the prompt: a program's chat request, or in a YAML team the "
+        "agent's `system` and its rendered `template` as the user message. plain: their contents "
+        "concatenated (a YAML template as is); chatml: <|im_start|>role ... <|im_end|> turns (the local "
+        "tokenizer's format); tokenizer: the model's own chat template; anything else: a Jinja template "
         "(variables messages, tools, add_generation_prompt, bos_token, eos_token).",
+    )
+    system: str | None = Field(
+        None,
+        description="YAML teams: the system message before the agent's rendered template, in its "
+        "chat_template (which must then not be plain).",
     )
     tool_parser: str = Field(
         "hermes",
@@ -281,6 +287,13 @@ class AgentConfig(_Strict):
             what = f"rank {self.model.lora.rank} on backend.inference='vllm' (vLLM's largest max_lora_rank is 512)"
         if what:
             raise ValueError(f"agent {self.name!r}: model.lora does not support {what}")
+        return self
+
+    @model_validator(mode="after")
+    def _system_needs_turns(self) -> AgentConfig:
+        if self.system is not None and self.chat_template == "plain":
+            raise ValueError(f"agent {self.name!r}: `system` needs turns to go in: set chat_template to "
+                             "chatml, tokenizer (the model's own) or a Jinja template")
         return self
 
     @model_validator(mode="after")

@@ -8,6 +8,9 @@ An agent's `chat_template` (config) is one of:
 - `chatml`: `<|im_start|>role\\ncontent<|im_end|>\\n` per message, then `<|im_start|>assistant\\n`
   (Qwen2's format; the local tokenizer's own template, whose EOS is `<|im_end|>`).
 - `tokenizer`: the tokenizer's own `chat_template` (a model loaded from a local folder).
+
+A YAML team's agent uses the same templates (`as_turns`): its `system` message and its rendered
+`template` as the user message, so its prompt is what the endpoint renders for those messages.
 - any other string: a Jinja template, rendered like transformers' `apply_chat_template`
   (variables `messages`, `tools`, `add_generation_prompt`, `bos_token`, `eos_token`).
 
@@ -33,13 +36,16 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from flexmarl_core.models.tokenizer import CHAT_TEMPLATE
 from flexmarl_core.programs.tools import TOOL_PARSERS, ToolCall, ToolParser
+
+if TYPE_CHECKING:
+    from flexmarl_core.config import AgentConfig
 
 PLAIN = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 #: `plain` with tools (without them it renders as `PLAIN`)
@@ -133,3 +139,23 @@ def render(source: str, messages: Sequence[dict[str, Any]], tokenizer: Any = Non
             eos_token=getattr(tokenizer, "eos_token", None) or "", **extra)
     except TemplateError as exc:
         raise ChatTemplateError(f"chat template failed to render: {exc}") from None
+
+
+def as_turns(agent: AgentConfig, text: str) -> str:
+    """A YAML agent's prompt in its chat format: its `system` message, then `text` (its rendered
+    template) as the user message, through its `chat_template` with its model's tokenizer: the
+    very text the program endpoint renders for those two messages."""
+    folder = agent.model.folder()
+    tok = _tokenizer(None if folder is None else str(folder))
+    messages = [{"role": "system", "content": agent.system}] if agent.system is not None else []
+    try:
+        return render(template_source(agent.chat_template, tok), [*messages, {"role": "user", "content": text}], tok)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"agent {agent.name!r}: {e}") from None
+
+
+@lru_cache(maxsize=16)
+def _tokenizer(folder: str | None) -> Any:
+    from flexmarl_core.models import get_tokenizer, load_tokenizer
+
+    return get_tokenizer() if folder is None else load_tokenizer(folder)
