@@ -174,6 +174,12 @@ class WorkerConfig(_Strict):
     )
     nthreads: int = Field(1, ge=1, description="Threads per worker process.")
     memory_limit: str = Field("6GiB", description="Dask worker memory limit.")
+    resident_trainers: int | None = Field(
+        None, ge=1,
+        description="Trainer states this worker keeps in memory at once; the least recently used "
+        "beyond it is swapped out to the run folder and back in when needed (on-demand allocation). "
+        "None: as many as the memory plan fits in memory_limit (every one when all fit).",
+    )
 
 
 class DeadlineConfig(_Strict):

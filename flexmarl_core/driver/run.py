@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from flexmarl_core.analysis import memory
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.config.load import HERE
 from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
@@ -102,6 +103,8 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
     otherwise it is made (or taken from the cache) here."""
     meg = MEG.from_config(cfg.team)
     workload = make_workload(cfg.workload, cfg.team)  # bad data fails before the folder is touched
+    for line in memory.check(cfg):  # a team that cannot fit is refused here, with the figures
+        log(line)
     retry.configure(retry.RetryPolicy(**cfg.store.retries.model_dump()))
     loc = cfg.run_location()
     if fresh:

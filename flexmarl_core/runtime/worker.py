@@ -12,6 +12,8 @@ object N times.
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import os
 import threading
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from flexmarl_core.analysis import memory
 from flexmarl_core.config import ExperimentConfig, config_from_text
 from flexmarl_core.config.critic import trainer_kinds
 from flexmarl_core.inference import InferenceBackend, make_inference_engine
@@ -274,18 +277,21 @@ class WorkerContext:
         """
         tr = self.trainers.get(agent)
         if tr is not None and tr.version >= version:
+            self._keep_resident(agent)
             return tr, {}
         t0 = time.perf_counter()
         if tr is None:
             tr = self._new_trainer(agent)
         if version == 0:
             self.trainers[agent] = tr
+            self._keep_resident(agent)
             return tr, {}
         key = trainer_key(agent, version)
         if self.loc.is_file(key):
             nbytes = self._load_trainer_state(tr, agent, version)
             self.trainers[agent] = tr
             self.accumulated[agent] = set()  # gradients of the stale copy are not this state's
+            self._keep_resident(agent)
             return tr, {"swap_in_s": time.perf_counter() - t0, "swap_in_bytes": float(nbytes)}
         if self.checkpoint_due(version):
             raise RuntimeError(
@@ -300,10 +306,39 @@ class WorkerContext:
             swap = {"swap_in_bytes": float(self._load_trainer_state(tr, agent, base))}
             self.accumulated[agent] = set()
         self.trainers[agent] = tr
+        self._keep_resident(agent)
         with self.lock:
             while tr.version < version:  # the steps since the checkpoint, from the store's samples
                 self.kind(agent).step(self, agent, tr, tr.version, replaying=True)
         return tr, {**swap, "swap_in_s": time.perf_counter() - t0}
+
+    @functools.cached_property
+    def resident_limit(self) -> int | None:
+        """Trainer states this process keeps in memory at once (None: all): its worker's
+        `resident_trainers`, else what the memory plan fits in its `memory_limit`."""
+        name = os.environ.get("FLEXMARL_WORKER_NAME")
+        workers = self.cfg.cluster.workers
+        if name is None and len(workers) == 1:  # the run's one worker, in this process
+            name = workers[0].name
+        return None if name is None else memory.resident_limit(self.cfg, name)
+
+    def _keep_resident(self, agent: str) -> None:
+        """`agent`'s trainer is the most recently used; the least recently used beyond
+        `resident_limit` are swapped out (checkpointed first if their state is not) and freed:
+        `trainer` swaps one back in from its checkpoint when it is needed again."""
+        self.trainers[agent] = self.trainers.pop(agent)  # dict order is recency
+        limit = self.resident_limit
+        if limit is None or len(self.trainers) <= limit:
+            return
+        while len(self.trainers) > limit:
+            old = next(iter(self.trainers))
+            tr = self.trainers[old]
+            if tr.version > 0 and not self.loc.is_file(trainer_key(old, tr.version)):
+                self.checkpoint_trainer(old)
+            del self.trainers[old]
+            self.accumulated.pop(old, None)  # its gradients go with it: a step accumulates them again
+            del tr
+        gc.collect()
 
     def _load_trainer_state(self, tr: TrainBackend, agent: str, version: int) -> int:
         """Load the checkpointed state `version` of `agent` into `tr`; returns its size."""
