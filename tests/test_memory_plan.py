@@ -50,6 +50,9 @@ def test_a_team_that_fits_nowhere_is_refused_with_the_figures_and_one_that_fits_
 
     lines = memory.check(load_config(TINY, [*BIG, _one_worker("20GiB")]))
     assert any("fits with swap: at most 1 of 3 trainer states resident" in line for line in lines)
+    # every state resident, asked for by hand: refused with the figures
+    with pytest.raises(ConfigError, match=r"cluster.workers\[w0\].resident_trainers: 3 trainer states do not fit"):
+        memory.check(load_config(TINY, [*BIG, _one_worker("20GiB", 3)]))
     with pytest.raises(ConfigError, match="needs codesign.on_demand_allocation: true"):
         memory.check(load_config(TINY, [*BIG, _one_worker("20GiB"), "codesign.on_demand_allocation=false"]))
     # tiny models: one line, every worker fits

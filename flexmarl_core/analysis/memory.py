@@ -57,6 +57,8 @@ class WorkerMemory:
     all_resident: int
     one_resident: int
     resident: int | None  # trainer states that fit at once; None: all of them; 0: not even one
+    planned: int  # the need at that many resident states
+    asked: int | None = None  # `resident_trainers` set by hand
 
     @property
     def verdict(self) -> str:
@@ -156,12 +158,16 @@ def plan(cfg: ExperimentConfig) -> tuple[list[AgentMemory], list[WorkerMemory]]:
             max((m.activations for m in trains), default=0) + _bases(trains)
         states = sorted((m.trainer for m in trains), reverse=True)
         all_res, one_res = fixed + sum(states), fixed + (states[0] if states else 0)
-        resident: int | None = w.resident_trainers if w.resident_trainers and w.resident_trainers < len(states) else None
-        if resident is None and all_res > limit:
-            resident = 0
-            while resident < len(states) and fixed + sum(states[: resident + 1]) <= limit:
-                resident += 1
-        out.append(WorkerMemory(w.name, limit, tuple(m.agent for m in trains), all_res, one_res, resident))
+        fit = 0  # how many of the largest states fit at once
+        while fit < len(states) and fixed + sum(states[: fit + 1]) <= limit:
+            fit += 1
+        resident: int | None = None if fit == len(states) else fit
+        asked = w.resident_trainers
+        if asked is not None:  # set by hand: what it asks for, if that fits
+            resident = (None if asked >= len(states) else asked) if asked <= fit else 0
+        planned = fixed + sum(states[: len(states) if resident is None else resident])
+        out.append(WorkerMemory(w.name, limit, tuple(m.agent for m in trains), all_res, one_res, resident,
+                                planned, asked))
     return agents, out
 
 
@@ -189,6 +195,11 @@ def check(cfg: ExperimentConfig) -> list[str]:
     agents, workers = plan(cfg)
     lines = report(agents, workers)
     short = [w for w in workers if w.resident == 0]
+    if short and short[0].asked is not None:
+        w = short[0]
+        raise ConfigError(
+            f"cluster.workers[{w.worker}].resident_trainers: {w.asked} trainer states do not fit its memory_limit "
+            f"{w.limit / GIB:.2f} GiB: lower it, or leave it unset for what fits\n" + "\n".join(lines))
     if short:
         w = short[0]
         raise ConfigError(

@@ -277,22 +277,20 @@ class WorkerContext:
         """
         tr = self.trainers.get(agent)
         if tr is not None and tr.version >= version:
-            self._keep_resident(agent)
-            return tr, {}
+            return tr, self._keep_resident(agent)
         t0 = time.perf_counter()
         if tr is None:
             tr = self._new_trainer(agent)
         if version == 0:
             self.trainers[agent] = tr
-            self._keep_resident(agent)
-            return tr, {}
+            return tr, self._keep_resident(agent)
         key = trainer_key(agent, version)
         if self.loc.is_file(key):
             nbytes = self._load_trainer_state(tr, agent, version)
             self.trainers[agent] = tr
             self.accumulated[agent] = set()  # gradients of the stale copy are not this state's
-            self._keep_resident(agent)
-            return tr, {"swap_in_s": time.perf_counter() - t0, "swap_in_bytes": float(nbytes)}
+            out = self._keep_resident(agent)
+            return tr, {**out, "swap_in_s": time.perf_counter() - t0, "swap_in_bytes": float(nbytes)}
         if self.checkpoint_due(version):
             raise RuntimeError(
                 f"agent {agent!r}: trainer state version {version} is neither in this worker's "
@@ -306,7 +304,7 @@ class WorkerContext:
             swap = {"swap_in_bytes": float(self._load_trainer_state(tr, agent, base))}
             self.accumulated[agent] = set()
         self.trainers[agent] = tr
-        self._keep_resident(agent)
+        swap.update(self._keep_resident(agent))
         with self.lock:
             while tr.version < version:  # the steps since the checkpoint, from the store's samples
                 self.kind(agent).step(self, agent, tr, tr.version, replaying=True)
@@ -322,23 +320,26 @@ class WorkerContext:
             name = workers[0].name
         return None if name is None else memory.resident_limit(self.cfg, name)
 
-    def _keep_resident(self, agent: str) -> None:
+    def _keep_resident(self, agent: str) -> dict[str, float]:
         """`agent`'s trainer is the most recently used; the least recently used beyond
-        `resident_limit` are swapped out (checkpointed first if their state is not) and freed:
-        `trainer` swaps one back in from its checkpoint when it is needed again."""
+        `resident_limit` are swapped out (checkpointed first if their state is not: the
+        figures returned) and freed: `trainer` swaps one back in when it is needed again."""
         self.trainers[agent] = self.trainers.pop(agent)  # dict order is recency
         limit = self.resident_limit
+        out = {"swap_out_s": 0.0, "swap_out_bytes": 0.0}
         if limit is None or len(self.trainers) <= limit:
-            return
+            return {}
         while len(self.trainers) > limit:
             old = next(iter(self.trainers))
             tr = self.trainers[old]
             if tr.version > 0 and not self.loc.is_file(trainer_key(old, tr.version)):
-                self.checkpoint_trainer(old)
+                for k, v in self.checkpoint_trainer(old).items():
+                    out[k] += v
             del self.trainers[old]
             self.accumulated.pop(old, None)  # its gradients go with it: a step accumulates them again
             del tr
         gc.collect()
+        return out if out["swap_out_bytes"] else {}
 
     def _load_trainer_state(self, tr: TrainBackend, agent: str, version: int) -> int:
         """Load the checkpointed state `version` of `agent` into `tr`; returns its size."""
