@@ -152,17 +152,25 @@ class DaskProgramHost:
             distributed.rejoin()
 
     def dispatcher(self, ctx: Any, worker: str) -> DaskDispatcher:
-        return DaskDispatcher(ctx.loc.uri, distributed.get_client())
+        try:
+            home: str | None = distributed.get_worker().address
+        except ValueError:  # not in a worker
+            home = None
+        return DaskDispatcher(ctx.loc.uri, distributed.get_client(), home=home)
 
 
 class DaskDispatcher:
     """Decodes an agent's batch on its least-loaded instance: the workers tagged
     `rollout:<agent>` (else `rollout`) right now, by the decodes this op has outstanding on
-    each. The task is pinned to that worker by address, not by tag, so an instance move while
+    each; among equally loaded ones, the op's own worker (`home`) first, so concurrent program
+    ops with shared instances (`rollout` tags) decode where they run instead of all on the
+    first. The task is pinned to that worker by address, not by tag, so an instance move while
     it waits never strands it (the tag goes; the task still runs there)."""
 
-    def __init__(self, run_uri: str, client: Client, tags_ttl_s: float = 0.5, move_grace_s: float = 5.0) -> None:
+    def __init__(self, run_uri: str, client: Client, tags_ttl_s: float = 0.5, move_grace_s: float = 5.0,
+                 home: str | None = None) -> None:
         self.run_uri, self.client, self.tags_ttl_s, self.move_grace_s = run_uri, client, tags_ttl_s, move_grace_s
+        self.home = home
         self._outstanding: dict[str, int] = {}
         self._lock = threading.Lock()
         self._tags: tuple[float, dict[str, dict[str, float]]] = (0.0, {})
@@ -192,7 +200,7 @@ class DaskDispatcher:
             raise MachineryError(f"agent {agent!r}: no worker has resource tag {rollout_tag(agent)!r} or "
                                  f"{ROLLOUT_TAG!r} to decode its calls")
         with self._lock:
-            worker = min(candidates, key=lambda w: (self._outstanding.get(w, 0), w))
+            worker = min(candidates, key=lambda w: (self._outstanding.get(w, 0), w != self.home, w))
             self._outstanding[worker] = self._outstanding.get(worker, 0) + 1
         try:
             fut = self.client.submit(decode_on_instance, self.run_uri, agent, version, list(groups),
