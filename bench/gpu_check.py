@@ -30,6 +30,9 @@ Checks (each a `checks` entry with `passed`; the run exits 1 when one fails):
 * team_run: `flexmarl train configs/tiny.yaml` (Prefect flow, local Dask cluster) for one
   iteration, when prefect, prefect-dask and distributed import. Its workers build their models
   on the device (`cluster.device`: the workers' engines and trainers are built there).
+  `team_run/small-0.5b` (not with --dry-run): the same team with every agent the small-0.5b
+  preset in bf16 on one worker that holds one trainer state at a time: real-size tokens/s and
+  the swap GB/s of the states it moves out and back in.
 
 Throughput (`throughput`): generation tokens/s and train step seconds per preset (up to the
 largest that fits) and batch size, device next to CPU. vLLM / DeepSpeed rows (bench/engines.py's
@@ -354,15 +357,25 @@ def throughput(tok: Any, dev: torch.device, plan: Plan, deadline: float,
 
 
 # -- team run and scale-out -----------------------------------------------------------------------
-def team_run(plan: Plan, work: Path, dev: torch.device) -> dict[str, Any]:
+#: the real-size team: every agent the small-0.5b preset in bf16, one worker holding one trainer
+#: state at a time (the others swapped out), a small batch
+REAL_SIZE = [*(f"team.agents.{a}.model={{preset: small-0.5b, dtype: bfloat16}}" for a in ("planner", "solver", "verifier")),
+             "batch.inputs_per_iteration=4", "batch.micro_batch_inputs=2", "batch.group_size=4",
+             "train.warm_start=none", "train.evaluate=false", "train.evaluate_initial=false",
+             "cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}, memory_limit: 60GiB, resident_trainers: 1}]"]
+
+
+def team_run(plan: Plan, work: Path, dev: torch.device, name: str = "team-run",
+             extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One short `flexmarl train` of configs/tiny.yaml (Prefect flow on a local Dask cluster)
-    whose workers build their engines and trainers on `dev` (`cluster.device`)."""
-    run_dir = work / "team-run"
+    whose workers build their engines and trainers on `dev` (`cluster.device`); `extra`
+    overrides (the real-size team: `REAL_SIZE`, whose swap GB/s it reports)."""
+    run_dir = work / name
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"),
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "flexmarl.cli", "train", "configs/tiny.yaml", "--no-progress",
            "--set", f"run_dir={run_dir}", "--set", f"train.iterations={plan.team_iterations}",
-           "--set", f"cluster.device={dev}"]
+           "--set", f"cluster.device={dev}", *(x for o in extra for x in ("--set", o))]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -376,6 +389,12 @@ def team_run(plan: Plan, work: Path, dev: torch.device) -> dict[str, Any]:
                            "iterations": len(its), "wall_s": wall, "workers_device": str(dev)}
     if its:
         out.update({k: its[-1][k] for k in ("e2e_s", "tokens", "tokens_per_s", "utilization")})
+    ops_log = run_dir / "metrics" / "ops.jsonl"
+    ops = [json.loads(line) for line in ops_log.read_text().splitlines() if line.strip()] if ops_log.exists() else []
+    for way in ("in", "out"):
+        nbytes, secs = (sum(o.get(f"swap_{way}_{k}", 0.0) for o in ops) for k in ("bytes", "s"))
+        if nbytes:
+            out[f"swap_{way}_gbps"] = nbytes / secs / 1e9
     if not out["passed"]:
         out["error"] = f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}"
     return out
@@ -506,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="flexmarl-gpu-check-") as work:
             run_check(checks, "team_run", lambda: team_run(plan, Path(work), dev))
+            if not args.dry_run:  # real-size tokens/s and swap GB/s on the device
+                run_check(checks, "team_run/small-0.5b",
+                          lambda: team_run(plan, Path(work), dev, "team-run-0.5b", tuple(REAL_SIZE)))
     return finish(result, out_path, t_start)
 
 
