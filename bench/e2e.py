@@ -311,7 +311,7 @@ def main() -> int:
                 overrides = [f"run_dir={out_dir}/{mode}-{rep}", f"train.iterations={iterations}",
                              *work, *all_modes[mode], *args.set]
                 srv0 = server_cpu_s()
-                state = train(args.config, overrides, progress=False, return_state=True)
+                state = train(args.config, overrides, progress=False, overwrite=True, return_state=True)
                 srv1 = server_cpu_s()
                 if not state.is_completed():
                     print(f"{mode} rep {rep} failed: {state.message}", file=sys.stderr)

@@ -184,7 +184,7 @@ def main() -> int:
                 overrides += [f"team.agents.{a}.algorithm.advantage=gae" for a in trainable]
             tr = time.time()
             with temporary_settings(updates={PREFECT_API_URL: api}):
-                state = train(args.config, overrides, progress=False, return_state=True)
+                state = train(args.config, overrides, progress=False, overwrite=True, return_state=True)
             if not state.is_completed():
                 print(f"seed {seed} {mode} failed: {state.message}", file=sys.stderr)
                 return 1

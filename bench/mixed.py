@@ -116,7 +116,7 @@ def main() -> int:
             for mode in (list(modes) if rep % 2 == 0 else list(modes)[::-1]):
                 run_dir = out_dir / f"{mode}-{rep}"
                 state = train(args.config, [f"run_dir={run_dir}", f"codesign.mixed_batch_window_s={modes[mode]}",
-                                            *common], progress=False, return_state=True)
+                                            *common], progress=False, overwrite=True, return_state=True)
                 if not state.is_completed():
                     print(f"{mode} rep {rep} failed: {state.message}", file=sys.stderr)
                     return 1

@@ -120,7 +120,7 @@ def flexmarl_run(train, api: str, overrides: list[str], steps: int, ref_dir: str
 
     load0, srv0 = os.getloadavg()[0], server_cpu_s(home)
     with temporary_settings(updates={PREFECT_API_URL: api}):
-        state = train(CONFIG, overrides, progress=False, return_state=True)
+        state = train(CONFIG, overrides, progress=False, overwrite=True, return_state=True)
     srv1, load1 = server_cpu_s(home), os.getloadavg()[0]
     if not state.is_completed():
         raise RuntimeError(f"flexmarl run failed: {state.message}")

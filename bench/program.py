@@ -113,7 +113,7 @@ def main() -> int:
                 state = train(str(CONFIGS[mode]), [f"run_dir={run_dir}", f"train.iterations={iterations}",
                                                    *init, "train.evaluate=false",
                                                    "train.evaluate_initial=false", *args.set],
-                              progress=False, return_state=True)
+                              progress=False, overwrite=True, return_state=True)
                 if not state.is_completed():
                     print(f"{mode} rep {rep} failed: {state.message}", file=sys.stderr)
                     return 1
@@ -175,7 +175,7 @@ def _tool_calls(train: Any, start: Path, out_dir: Path, iterations: int) -> dict
     run_dir = out_dir / "react"
     state = train(str(REPO / "configs" / "program_react.yaml"),
                   [f"run_dir={run_dir}", f"train.iterations={iterations}", f"train.init_from={start}",
-                   "train.evaluate=false", "train.evaluate_initial=false"], progress=False, return_state=True)
+                   "train.evaluate=false", "train.evaluate_initial=false"], progress=False, overwrite=True, return_state=True)
     if not state.is_completed():
         raise RuntimeError(f"program_react failed: {state.message}")
     ops = [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines() if x.strip()]

@@ -60,7 +60,7 @@ def main() -> int:
                 overrides = [f"run_dir={where[kind]}-{rep}", f"train.iterations={args.iterations}",
                              "train.evaluate=false"]
                 t0 = time.perf_counter()
-                state = train(args.config, overrides, progress=False, return_state=True)
+                state = train(args.config, overrides, progress=False, overwrite=True, return_state=True)
                 wall = time.perf_counter() - t0
                 if not state.is_completed():
                     print(f"{kind} rep {rep} failed: {state.message}", file=sys.stderr)

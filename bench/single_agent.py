@@ -87,7 +87,7 @@ def main() -> int:
                          f"train.init_from={ckpt}", "train.evaluate=true", "train.evaluate_initial=true",
                          f"train.checkpoint_every={iterations}"]
             with temporary_settings(updates={PREFECT_API_URL: api}):
-                state = train(CONFIG, overrides, progress=False, return_state=True)
+                state = train(CONFIG, overrides, progress=False, overwrite=True, return_state=True)
             if not state.is_completed():
                 print(f"seed {seed} {name} failed: {state.message}", file=sys.stderr)
                 return 1

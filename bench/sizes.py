@@ -130,7 +130,7 @@ def main() -> int:
                         worker(args.memory_limit), *model(preset, mode == "lora"), *extra]
                 cfg = load_config(BASE, over)
                 load = os.getloadavg()[0]
-                state = train(str(BASE), over, progress=False, return_state=True)
+                state = train(str(BASE), over, progress=False, overwrite=True, return_state=True)
                 if not state.is_completed():
                     print(f"{preset} {mode} failed: {state.message}", file=sys.stderr)
                     return 1
