@@ -165,3 +165,25 @@ def test_an_agent_without_an_instance_for_a_moment_is_waited_for_then_named(monk
     with pytest.raises(MachineryError, match="agent 'verifier': no worker has resource tag 'rollout:verifier'"):
         d.decode("verifier", 0, [], DecodeStats())
     assert len(reads) >= 3 and reads[-1] - reads[0] >= 0.5  # it looked again, for the grace period
+
+
+def test_equally_loaded_instances_decode_where_the_program_op_runs(monkeypatch):
+    """Two program ops on two workers that both serve every agent (`rollout` tags): each op's
+    decodes go to its own worker, not both to the first one by name (a real in-process Dask
+    cluster; the decode itself is replaced by one that says where it ran)."""
+    import distributed
+
+    from flexmarl_core.cluster import plugins
+    from flexmarl_core.programs.api import DecodeStats
+
+    def where(run_uri, agent, version, groups):
+        return distributed.get_worker().address, DecodeStats()
+
+    monkeypatch.setattr(plugins, "decode_on_instance", where)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, resources={"rollout": 1},
+                                  dashboard_address=None) as lc, distributed.Client(lc) as client:
+        addrs = sorted(client.scheduler_info()["workers"])
+        for home in addrs:
+            d = plugins.DaskDispatcher("run", client, home=home)
+            assert d.capacity("planner") == 2
+            assert d.decode("planner", 0, [], DecodeStats()) == home
