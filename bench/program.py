@@ -31,7 +31,10 @@ weights (the YAML team's SFT warm start, made on first use and cached). Medians 
 
 `--decode-bound`: the same pair where decoding dominates: every agent `tiny-10m`, answers of
 `DECODE_BOUND_TOKENS` new tokens with no stop string, both teams from the same untrained
-weights (no warm start: what is measured is speed, not accuracy). Its `tokens_per_s_ratio` is
+weights (no warm start: what is measured is speed, not accuracy), both on two workers that
+serve every agent (`SHARED_INSTANCES`: a program op's micro-batch decodes on its own worker;
+with one dedicated instance per agent the two micro-batches' ops would queue on the same
+instance in step, `--set cluster.workers=...` to measure that). Its `tokens_per_s_ratio` is
 the figure for real model sizes (target >= 0.9). With `--quick`, 32 problems per iteration in
 two micro-batches of 16.
 
@@ -66,10 +69,16 @@ CONFIGS = {"yaml": REPO / "configs" / "default.yaml", "program": REPO / "configs
 DECODE_BOUND_TOKENS = 96
 
 
+#: `--decode-bound`: both teams on two workers that serve every agent (plain `rollout` tags)
+SHARED_INSTANCES = ("cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}, "
+                    "{name: w1, resources: {rollout: 1, train: 1}}]")
+
+
 def decode_bound_overrides() -> list[str]:
     agents = [a.name for a in load_config(CONFIGS["yaml"]).team.agents]
-    return [f"team.agents.{a}.{k}" for a in agents for k in (
-        "model.preset=tiny-10m", f"sampling.max_new_tokens={DECODE_BOUND_TOKENS}", "sampling.stop=[]")]
+    return [*(f"team.agents.{a}.{k}" for a in agents for k in (
+        "model.preset=tiny-10m", f"sampling.max_new_tokens={DECODE_BOUND_TOKENS}", "sampling.stop=[]")),
+        SHARED_INSTANCES]
 
 
 def main() -> int:
