@@ -38,10 +38,11 @@ instance in step, `--set cluster.workers=...` to measure that). Its `tokens_per_
 the figure for real model sizes (target >= 0.9). With `--quick`, 32 problems per iteration in
 two micro-batches of 16.
 
-`--tools-from DIR`: also run `configs/program_react.yaml` (LangGraph's ReAct agent with a
-calculator tool) from the checkpoints in DIR (e.g. its SFT warm start) and report its calls'
-`tool_call_overhead_ms_p50` / `_p99` (the same client-side overhead, for calls that carry
-tools and tool results) and `tool_calls_per_trajectory`.
+`--tools-from DIR`: also run `configs/program_react.yaml`'s ReAct calculator agent, as written
+against the stock `openai` client (`examples/programs/calculator_openai.py`: LangChain's own
+HTTP client would bypass the timing of flexmarl's), from the checkpoints in DIR (e.g. its SFT
+warm start) and report its calls' `tool_call_overhead_ms_p50` / `_p99` (the same client-side
+overhead, for calls that carry tools and tool results) and `tool_calls_per_trajectory`.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ def _tool_calls(train: Any, start: Path, out_dir: Path, iterations: int) -> dict
     run_dir = out_dir / "react"
     state = train(str(REPO / "configs" / "program_react.yaml"),
                   [f"run_dir={run_dir}", f"train.iterations={iterations}", f"train.init_from={start}",
+                   "team.program=examples/programs/calculator_openai.py:team",  # timed by flexmarl's client
                    "train.evaluate=false", "train.evaluate_initial=false"], progress=False, overwrite=True, return_state=True)
     if not state.is_completed():
         raise RuntimeError(f"program_react failed: {state.message}")
