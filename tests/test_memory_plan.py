@@ -27,6 +27,15 @@ def _one_worker(limit: str, resident: int | None = None) -> str:
     return f"cluster.workers=[{{name: w0, resources: {{rollout: 1, train: 1}}, memory_limit: {limit}{extra}}}]"
 
 
+def test_sizes_read_as_dask_reads_a_memory_limit():
+    from dask.utils import parse_bytes
+
+    for text in ("6GiB", "512 MB", "1e9", "20GiB", "300MiB", "2 GB", "1024", "5kB", "1.5TiB"):
+        assert memory.parse_size(text) == parse_bytes(text), text
+    with pytest.raises(ValueError, match="not a memory size"):
+        memory.parse_size("lots")
+
+
 def test_the_terms_follow_the_models_shape():
     cfg = load_config(TINY, BIG)
     m = memory.agent_memory(cfg, cfg.agent("solver"))

@@ -69,11 +69,22 @@ class WorkerMemory:
         return "fits with swap" if self.all_resident > self.limit else "swaps by choice"
 
 
-def parse_size(text: str) -> int:
-    """`6GiB`, `512 MB` -> bytes, as Dask reads a worker's memory_limit."""
-    from dask.utils import parse_bytes
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20,
+          "gi": 1 << 30, "gib": 1 << 30, "ti": 1 << 40, "tib": 1 << 40}
 
-    return int(parse_bytes(text))
+
+def parse_size(text: str) -> int:
+    """`6GiB`, `512 MB`, `1e9` -> bytes, as Dask's `parse_bytes` reads a worker's memory_limit
+    (core code does not import Dask)."""
+    s = text.strip().replace(" ", "")
+    i = len(s)
+    while i and s[i - 1].isalpha():
+        i -= 1
+    unit = s[i:].lower()
+    if unit not in _UNITS or not s[:i]:
+        raise ValueError(f"not a memory size: {text!r} (e.g. 6GiB, 512MB)")
+    return int(float(s[:i]) * _UNITS[unit])
 
 
 @lru_cache(maxsize=32)
