@@ -300,20 +300,14 @@ class MEG:
         return out
 
     def render_prompt(self, agent: str, input_text: str, parent_outputs: Mapping[str, str]) -> str:
-        """Fill `agent`'s template from the input and its parents' outputs (keyed by agent), in
-        the agent's chat format unless it is `plain` (`programs.chat.as_turns`). A declared
-        parent with no output in this turn (not run yet) renders as ""."""
+        """Fill `agent`'s template from the input and its parents' outputs (keyed by agent); the
+        model sees it in the agent's chat format (`teams.graph.prompt`). A declared parent with
+        no output in this turn (not run yet) renders as ""."""
         declared = {e.src: "" for e in self.edges if e.dst == agent}
         values = {**declared, INPUT: input_text, **parent_outputs}
         try:
-            text = self._template(agent).format_map(values)
+            return self._template(agent).format_map(values)
         except KeyError as exc:
             raise MEGError(
                 f"agent {agent!r}: template needs {exc.args[0]!r} but only {sorted(values)} are available"
             ) from None
-        a = self.agents[agent]
-        if a.chat_template == "plain":
-            return text
-        from flexmarl_core.programs.chat import as_turns  # jinja and the tokenizer, only when asked
-
-        return as_turns(a, text)

@@ -18,6 +18,7 @@ from flexmarl_core.models import load_agent_model, save_model
 from flexmarl_core.programs.engines import LocalDispatcher
 from flexmarl_core.programs.gateway import Gateway, Session
 from flexmarl_core.programs.team import agent_spec
+from flexmarl_core.teams.graph import prompt
 from storage import MEGStore
 from tests._models_util import tiny_model, tokenizer
 
@@ -47,7 +48,7 @@ def test_a_yaml_agents_prompt_is_what_the_endpoint_renders_for_its_messages(fmt,
     if fmt == "tokenizer":
         over.append(f"team.agents.solver.model.path={own_format_model}")
     cfg, meg, acfg = _solver(over)
-    user = meg.render_prompt("solver", "3+4", {"planner": "add them"})
+    user = prompt(meg, "solver", "3+4", {"planner": "add them"})
     assert user.startswith("<|im_start|>system\n" if fmt == "chatml" else "[system] " + SYSTEM)
 
     model, tok = load_agent_model(acfg.model, seed=cfg.seed)
@@ -77,7 +78,7 @@ def test_system_needs_a_chat_format_and_plain_is_unchanged():
     with pytest.raises(ConfigError, match=r"agent 'solver': `system` needs turns .*chatml, tokenizer"):
         load_config(TINY, [f"team.agents.solver.system={SYSTEM}"])
     _, meg, _ = _solver([])
-    assert meg.render_prompt("solver", "3+4", {"planner": "p"}) == "Q:3+4\nP:p\nA:"
+    assert prompt(meg, "solver", "3+4", {"planner": "p"}) == "Q:3+4\nP:p\nA:"
 
 
 def test_a_run_rolls_out_and_trains_in_the_models_own_format(own_format_model, tmp_path):

@@ -14,6 +14,7 @@ from flexmarl_core.stages.registry import (
     stage_seed,
     weights_version,
 )
+from flexmarl_core.teams.graph import prompt
 
 
 @stage("rollout")
@@ -36,7 +37,7 @@ def rollout(ctx: WorkerContext, op: Op) -> StageResult:
                 if sid not in parent_text:
                     raise RuntimeError(f"{op.name}: parent sample {sid} missing")
                 outs[p.agent] = parent_text[sid]
-            prompts.append(ctx.meg.render_prompt(agent, inp["text"], outs))
+            prompts.append(prompt(ctx.meg, agent, inp["text"], outs))
             meta.append((inp["input_id"], traj, [sample_id(inp["input_id"], traj, p.agent, p.turn) for p in parents]))
     version = weights_version(ctx, agent, it)
     sampling, seed = ctx.cfg.agent(agent).sampling, stage_seed(ctx.cfg.seed, it, agent, turn, mb)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from flexmarl_core.inference.tools import generate_with_tool, tool_of
 from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op
+from flexmarl_core.programs.chat import as_turns
 from flexmarl_core.runtime.location import reward_key
 from flexmarl_core.teams.api import Demonstrations, Generation, PlanView, RunView, register_shape
 
@@ -82,7 +83,7 @@ class GraphTeam:
         for node in meg.nodes:
             agent = meg.agents[node.agent]
             prompts = [
-                meg.render_prompt(node.agent, p.text, {q.agent: outputs[i][q.agent] for q in meg.parents[node]})
+                prompt(meg, node.agent, p.text, {q.agent: outputs[i][q.agent] for q in meg.parents[node]})
                 for i, p in enumerate(problems)
             ]
             sampling = agent.sampling.model_copy(update={"temperature": 0.0}) if greedy else agent.sampling
@@ -102,9 +103,9 @@ class GraphTeam:
             outputs: dict[str, str] = {}
             for node in meg.nodes:
                 parents = {q.agent: outputs[q.agent] for q in meg.parents[node]}
-                prompt = meg.render_prompt(node.agent, p.text, parents)
+                shown_prompt = prompt(meg, node.agent, p.text, parents)
                 target = workload.demonstration(p, node.agent, parents)
-                out[node.agent].append((prompt, target))
+                out[node.agent].append((shown_prompt, target))
                 shown = target
                 if can_perturb and perturb > 0 and rng.random() < perturb and meg.children_of(node):
                     shown = workload.perturbation(p, node.agent, rng)  # type: ignore[attr-defined]
@@ -113,6 +114,14 @@ class GraphTeam:
 
     def call_order(self) -> dict[tuple[str, int], int]:
         return self.meg.call_order()
+
+
+def prompt(meg: MEG, agent: str, text: str, parents: Mapping[str, str]) -> str:
+    """What `agent`'s model sees: its template filled (`MEG.render_prompt`), as the user turn
+    after its `system` in its chat format (`programs.chat.as_turns`) unless that is `plain`."""
+    filled = meg.render_prompt(agent, text, parents)
+    a = meg.agents[agent]
+    return filled if a.chat_template == "plain" else as_turns(a, filled)
 
 
 def _failed(run: RunView, it: int, mb: int) -> list[dict[str, Any]]:
