@@ -5,6 +5,7 @@ trains on that format."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import openai
@@ -32,7 +33,7 @@ OWN = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] 
 
 @pytest.fixture(scope="module")
 def own_format_model(tmp_path_factory) -> Path:
-    tok = tokenizer()
+    tok = copy.deepcopy(tokenizer())  # the shared test tokenizer keeps its own template
     tok.chat_template = OWN
     return save_model(tiny_model(seed=5), tok, tmp_path_factory.mktemp("own") / "model")
 
