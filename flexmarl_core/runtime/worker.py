@@ -326,20 +326,19 @@ class WorkerContext:
         figures returned) and freed: `trainer` swaps one back in when it is needed again."""
         self.trainers[agent] = self.trainers.pop(agent)  # dict order is recency
         limit = self.resident_limit
-        out = {"swap_out_s": 0.0, "swap_out_bytes": 0.0}
         if limit is None or len(self.trainers) <= limit:
             return {}
+        out: dict[str, float] = {}
         while len(self.trainers) > limit:
             old = next(iter(self.trainers))
-            tr = self.trainers[old]
-            if tr.version > 0 and not self.loc.is_file(trainer_key(old, tr.version)):
+            version = self.trainers[old].version
+            if version > 0 and not self.loc.is_file(trainer_key(old, version)):
                 for k, v in self.checkpoint_trainer(old).items():
-                    out[k] += v
+                    out[k] = out.get(k, 0.0) + v
             del self.trainers[old]
             self.accumulated.pop(old, None)  # its gradients go with it: a step accumulates them again
-            del tr
         gc.collect()
-        return out if out["swap_out_bytes"] else {}
+        return out
 
     def _load_trainer_state(self, tr: TrainBackend, agent: str, version: int) -> int:
         """Load the checkpointed state `version` of `agent` into `tr`; returns its size."""
