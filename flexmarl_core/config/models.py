@@ -343,6 +343,13 @@ class TrainConfig(_Strict):
         "samples in the MEG Store. On a cluster of more than one worker these files are also how "
         "weights and trainer states move between processes, so they are written every step there.",
     )
+    keep_every: int | None = Field(
+        None, ge=1, description="Also keep every N-th version's weights and trainer state. Otherwise a "
+        "run keeps, per agent, the initial weights, the `codesign.max_staleness` + 1 newest versions "
+        "(what rollouts still read), the newest full checkpoint and the trainer state a resume starts "
+        "from, and deletes the rest as the run goes (docs/operations.md, 'What a run keeps'). "
+        "1 keeps every version.",
+    )
     evaluate: bool = Field(True, description="Measure greedy held-out team accuracy after training.")
     evaluate_initial: bool = Field(
         False, description="Also measure it before training (the starting point, e.g. SFT-only)."

@@ -264,6 +264,13 @@ class MetricsWriter:
         self._ops = open(self.dir / "ops.jsonl", "a")  # noqa: SIM115 - closed in close()
         self._tb: Any = None
         self._mirrored = 0.0
+        self._written = 0  # op records written by this writer
+        self._uploaded = 0  # of them, in the mirror's copy
+
+    def durable(self) -> int:
+        """How many of this writer's op records a resume would read (local: each once written;
+        mirrored: those uploaded). Retention deletes nothing an op not yet durable may need."""
+        return self._written if self.mirror is None else self._uploaded
 
     def _upload(self, name: str) -> None:
         if self.mirror is not None:
@@ -274,9 +281,10 @@ class MetricsWriter:
         with _naming(self.dir / "ops.jsonl"):
             self._ops.write(json.dumps(row, default=str) + "\n")
             self._ops.flush()
+        self._written += 1
         if self.mirror is not None and time.monotonic() - self._mirrored >= self.MIRROR_EVERY_S:
             self._upload("ops.jsonl")
-            self._mirrored = time.monotonic()
+            self._mirrored, self._uploaded = time.monotonic(), self._written
 
     def decisions(self, decisions: list[Decision]) -> None:
         """Every control-plane decision (instance moves, training slots) as JSONL."""
@@ -299,6 +307,7 @@ class MetricsWriter:
         with _naming(self.dir / "ops.jsonl"):
             self._ops.close()
         self._upload("ops.jsonl")
+        self._uploaded = self._written
         if self._tb:
             with _naming(self.dir / "tensorboard"):
                 self._tb.close()

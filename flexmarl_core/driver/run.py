@@ -22,6 +22,7 @@ from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.config.load import HERE
 from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
 from flexmarl_core.driver.metrics import IterationTracker, MetricsWriter, critical_path, run_summary
+from flexmarl_core.driver.retention import Retention
 from flexmarl_core.driver.sft import warm_start
 from flexmarl_core.executors.api import CountsWorkerCPU
 from flexmarl_core.meg import MEG
@@ -319,8 +320,9 @@ def train(
     tracker = IterationTracker(plan.sizes(), emit, lambda: len(executor.worker_resources()))
     if resume:  # the downtime since the earlier attempt's last op is no iteration's time
         tracker.resume(earlier, _reported_iterations(loc), resumed_at=executor.now())
+    retention = Retention(cfg, loc, writer.durable)
     orch = Orchestrator(plan, cfg, executor, skip=[r.op for r in earlier],
-                        hooks=[WriteOpLog(writer), TrackIterations(tracker), *hooks])
+                        hooks=[WriteOpLog(writer), TrackIterations(tracker), retention, *hooks])
     orch.control.warm(r.result for r in earlier)
     try:
         result = orch.run()
@@ -328,6 +330,7 @@ def train(
     finally:
         writer.decisions(orch.control.decisions)
         writer.close()
+    retention.release(everything=True)  # only after a run that ended: a failed one keeps its files
     records = [*earlier, *result.records]
     workers1 = _worker_cpu(executor)
     return RunOutcome(

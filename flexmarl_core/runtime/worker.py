@@ -348,14 +348,12 @@ class WorkerContext:
             return f.tell()
 
     def checkpoint_trainer(self, agent: str) -> dict[str, float]:
-        """Swap the trainer state out to the shared tier after a step (atomic file), keeping
-        the previous checkpoint (a resumed run may need it) and deleting older ones."""
+        """Swap the trainer state out to the shared tier after a step (atomic file). The run
+        deletes the older ones once its op log no longer needs them (`driver/retention.py`)."""
         tr = self.trainers[agent]
         t0 = time.perf_counter()
         with self.loc.open_output(trainer_key(agent, tr.version)) as f:
             nbytes = dump(tr.state(), f)
-        for old in self.loc.versions(f"trainers/{agent}")[:-2]:
-            self.loc.delete(trainer_key(agent, old))
         return {"swap_out_s": time.perf_counter() - t0, "swap_out_bytes": float(nbytes)}
 
 

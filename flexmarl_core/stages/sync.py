@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
 from flexmarl_core.runtime.weights import publish_weights
+from flexmarl_core.stages.faults import fault_point
 from flexmarl_core.runtime.worker import WorkerContext
 from flexmarl_core.stages.registry import stage
 
@@ -27,6 +28,8 @@ def sync(ctx: WorkerContext, op: Op) -> StageResult:
         blob = b""
         if ctx.checkpoint_due(tr.version):
             blob = publish_weights(ctx.loc, agent, tr.version, state)
+            # where a test stops the run between a new version's write and the run's deletes
+            fault_point(ctx.loc.uri, f"{op.name} published")
         eng = ctx.engines.get(agent)
         if eng is not None:  # an instance in this process takes the weights from memory
             eng.update_weights(state, tr.version)

@@ -1,0 +1,105 @@
+"""Retention: which weight versions and trainer states a run keeps, and deleting the rest.
+
+Per agent (and critic), after its step of version d and its sync of version w are in the op
+log durably (`MetricsWriter.durable`), a run keeps
+
+- weights: version 0 (the initial weights), versions w-k .. w (k = `codesign.max_staleness`:
+  the versions a rollout still to run may sample with; a partial rollout only moves to newer
+  ones), the newest full checkpoint's, and every `train.keep_every`-th;
+- trainer states: the newest at or below d (where a resume starts or replays from), any above
+  d (a step in flight wrote it), and every `train.keep_every`-th;
+
+and deletes every other file under `weights/<agent>/` and `trainers/<agent>/`. Disk then holds
+k + 3 weight versions and about two trainer states per agent, at any run length.
+
+Why the flow process deletes, and only after the op log is durable: the ops a resume runs again
+are exactly those its op log does not record. Once a sync of w is recorded, every rollout of
+the agent up to iteration w-1 is recorded too (its step waited for them), so nothing a resume
+reruns reads a version below w-k. A worker could not know that: on object storage the op log
+reaches the store seconds after the ops. A crash between a new version's write and an old
+one's delete leaves one version too many, which the next sync's pass deletes (it lists the
+folder). Each delete is one file's unlink or DELETE: a reader sees the whole file or none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.ops import OpRecord
+from flexmarl_core.orchestrator.hooks import RunHook
+from flexmarl_core.runtime.location import RunLocation, trainer_key, weights_key
+
+__all__ = ["KeepRule", "Retention"]
+
+
+class KeepRule:
+    """The versions kept of one run's files (see the module docstring)."""
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        self.k = cfg.codesign.max_staleness
+        self.every = cfg.train.keep_every
+
+    def _every(self, v: int) -> bool:
+        return self.every is not None and v % self.every == 0
+
+    def states(self, have: list[int], stepped: int) -> set[int]:
+        """Trainer states kept of `have` once step `stepped` is durable."""
+        base = max((v for v in have if v <= stepped), default=None)
+        return {v for v in have if v == base or v > stepped or self._every(v)}
+
+    def weights(self, have: list[int], synced: int, states: set[int]) -> set[int]:
+        """Weight versions kept of `have` once sync `synced` is durable; `states`: the trainer
+        states kept (the newest of them at or below `synced` is the newest full checkpoint)."""
+        full = max((v for v in states if v <= synced), default=None)
+        return {v for v in have if v == 0 or v >= synced - self.k or v == full or self._every(v)}
+
+
+class Retention(RunHook):
+    """Deletes what `KeepRule` does not keep, as each agent's steps and syncs become durable in
+    the op log (`durable()`: how many op records are; `run.train` passes the writer's)."""
+
+    def __init__(self, cfg: ExperimentConfig, loc: RunLocation, durable: Callable[[], int]) -> None:
+        self.rule, self.loc, self.durable = KeepRule(cfg), loc, durable
+        self._seen = 0  # op records passed to this hook
+        #: (record number, kind, agent, version) not yet durable
+        self._pending: list[tuple[int, str, str, int]] = []
+        self._stepped: dict[str, int] = {}
+        self._synced: dict[str, int] = {}
+        self.deleted: list[str] = []
+
+    def op_done(self, record: OpRecord, **kwargs: Any) -> None:
+        self._seen += 1
+        op = record.op
+        if op.kind in ("step", "sync") and op.agent is not None:
+            self._pending.append((self._seen, op.kind, op.agent, op.iteration + 1))
+        self.release()
+
+    def release(self, *, everything: bool = False) -> None:
+        """Apply the rule for the agents whose records are durable now (`everything`: the op
+        log is closed, all are)."""
+        upto = self._seen if everything else self.durable()
+        changed: set[str] = set()
+        while self._pending and self._pending[0][0] <= upto:
+            _, kind, agent, version = self._pending.pop(0)
+            seen = self._stepped if kind == "step" else self._synced
+            seen[agent] = max(seen.get(agent, 0), version)
+            changed.add(agent)
+        for agent in sorted(changed):
+            self._apply(agent)
+
+    def _apply(self, agent: str) -> None:
+        states = self.loc.versions(f"trainers/{agent}")
+        keep_states = self.rule.states(states, self._stepped.get(agent, 0)) if agent in self._stepped else set(states)
+        for v in states:
+            if v not in keep_states:
+                self._delete(trainer_key(agent, v))
+        if agent in self._synced:
+            have = self.loc.versions(f"weights/{agent}")
+            for v in sorted(set(have) - self.rule.weights(have, self._synced[agent], keep_states)):
+                self._delete(weights_key(agent, v))
+
+    def _delete(self, key: str) -> None:
+        self.loc.delete(key)
+        self.deleted.append(key)
