@@ -7,11 +7,14 @@ allocation then keeps at most that many resident), or not at all (refused with t
 A worker can come to hold every agent's engine (the balancer re-tags rollout workers) and every
 trainer it may train (on-demand allocation moves them): the plan takes that worst case.
 
-    need(worker) = BASELINE + sum(engines) + max(KV) + sum(k largest trainer states) + max(chunk)
+    need(worker) = BASELINE + sum(engines) + max(KV) + sum(k largest trainer states)
+                   + max(chunk activations, optimizer step temporaries)
 
 The terms are fp32 training (AdamW: weights, gradients, two moments = 16 bytes per trained
 parameter), the engine in `model.dtype`, a frozen reference when `kl_coef` > 0, and a shared
-LoRA base counted once per worker.
+LoRA base counted once per worker. The step's temporaries: torch's AdamW on CPU (one tensor
+at a time) makes `sqrt(v)` and its quotient, two fp32 copies of the trained parameters, while
+no activations are alive.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class AgentMemory:
     engine: int
     kv_cache: int
     activations: int
+    step: int  # the optimizer step's temporaries
 
     @property
     def trainer(self) -> int:
@@ -144,6 +148,7 @@ def agent_memory(cfg: ExperimentConfig, a: AgentConfig) -> AgentMemory:
         engine=(params if not lora else params + trained) * engine_bytes,
         kv_cache=kv,
         activations=int(chunk * bytes_per_token(shape, activation_checkpointing=ckpt)) if trainable else 0,
+        step=8 * trained if trainable else 0,
     )
 
 
@@ -166,7 +171,7 @@ def plan(cfg: ExperimentConfig) -> tuple[list[AgentMemory], list[WorkerMemory]]:
         trains = [m for m in agents if w.resources.get(TRAIN_TAG, 0) > 0 and by_name[m.agent].trainer > 0]
         engines = _engines(hosts)
         fixed = BASELINE + engines + max((m.kv_cache for m in hosts), default=0) + \
-            max((m.activations for m in trains), default=0) + _bases(trains)
+            max((max(m.activations, m.step) for m in trains), default=0) + _bases(trains)
         states = sorted((m.trainer for m in trains), reverse=True)
         all_res, one_res = fixed + sum(states), fixed + (states[0] if states else 0)
         fit = 0  # how many of the largest states fit at once
@@ -241,9 +246,9 @@ def resident_limit(cfg: ExperimentConfig, worker: str) -> int | None:
 def report(agents: list[AgentMemory], workers: list[WorkerMemory]) -> list[str]:
     """The plan as text lines (the run prints them at start and `flexmarl plan` alone)."""
     g = lambda n: f"{n / GIB:.2f}"  # noqa: E731
-    lines = ["memory plan (GiB): agent  params  weights  grads  optimizer  engine  kv_cache  activations"]
+    lines = ["memory plan (GiB): agent  params  weights  grads  optimizer  engine  kv_cache  activations  step"]
     lines += [f"  {m.agent}  {m.params / 1e6:.1f}M  {g(m.weights + m.base)}  {g(m.grads)}  {g(m.optimizer)}  "
-              f"{g(m.engine)}  {g(m.kv_cache)}  {g(m.activations)}" for m in agents]
+              f"{g(m.engine)}  {g(m.kv_cache)}  {g(m.activations)}  {g(m.step)}" for m in agents]
     for w in workers:
         extra = "" if w.resident is None else (
             f": at most {w.resident} of {len(w.agents)} trainer states resident, the rest swapped out"

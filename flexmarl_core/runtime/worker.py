@@ -278,18 +278,20 @@ class WorkerContext:
         tr = self.trainers.get(agent)
         if tr is not None and tr.version >= version:
             return tr, self._keep_resident(agent)
+        # Others out first, then this one in: never one trainer state more than the limit.
+        room = self._make_room(agent)
         t0 = time.perf_counter()
         if tr is None:
             tr = self._new_trainer(agent)
         if version == 0:
             self.trainers[agent] = tr
-            return tr, self._keep_resident(agent)
+            return tr, {**room, **self._keep_resident(agent)}
         key = trainer_key(agent, version)
         if self.loc.is_file(key):
             nbytes = self._load_trainer_state(tr, agent, version)
             self.trainers[agent] = tr
             self.accumulated[agent] = set()  # gradients of the stale copy are not this state's
-            out = self._keep_resident(agent)
+            out = {**room, **self._keep_resident(agent)}
             return tr, {**out, "swap_in_s": time.perf_counter() - t0, "swap_in_bytes": float(nbytes)}
         if self.checkpoint_due(version):
             raise RuntimeError(
@@ -299,7 +301,7 @@ class WorkerContext:
         # Between checkpoints, in the run's one process: replay from the newest state at hand
         # (this process's trainer, or the last checkpoint after a restart).
         base = max((v for v in self.loc.versions(f"trainers/{agent}") if v < version), default=0)
-        swap: dict[str, float] = {}
+        swap: dict[str, float] = dict(room)
         if base > tr.version:
             swap = {"swap_in_bytes": float(self._load_trainer_state(tr, agent, base))}
             self.accumulated[agent] = set()
@@ -325,12 +327,20 @@ class WorkerContext:
         `resident_limit` are swapped out (checkpointed first if their state is not: the
         figures returned) and freed: `trainer` swaps one back in when it is needed again."""
         self.trainers[agent] = self.trainers.pop(agent)  # dict order is recency
+        return self._evict(self.resident_limit, keep=agent)
+
+    def _make_room(self, agent: str) -> dict[str, float]:
+        """Before `agent`'s trainer is made or swapped in: the others down to one below the limit."""
         limit = self.resident_limit
+        return {} if limit is None else self._evict(limit - (agent not in self.trainers), keep=agent)
+
+    def _evict(self, limit: int | None, keep: str) -> dict[str, float]:
+        """Swap out the least recently used trainers but `keep`'s until `limit` are resident."""
         if limit is None or len(self.trainers) <= limit:
             return {}
         out: dict[str, float] = {}
-        while len(self.trainers) > limit:
-            old = next(iter(self.trainers))
+        while len(self.trainers) > limit and any(a != keep for a in self.trainers):
+            old = next(a for a in self.trainers if a != keep)
             version = self.trainers[old].version
             if version > 0 and not self.loc.is_file(trainer_key(old, version)):
                 for k, v in self.checkpoint_trainer(old).items():
@@ -353,7 +363,7 @@ class WorkerContext:
         tr = self.trainers[agent]
         t0 = time.perf_counter()
         with self.loc.open_output(trainer_key(agent, tr.version)) as f:
-            nbytes = dump(tr.state(), f)
+            nbytes = dump(tr.state(copy=False), f)  # under the lock: nothing steps meanwhile
         return {"swap_out_s": time.perf_counter() - t0, "swap_out_bytes": float(nbytes)}
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
 from flexmarl_core.runtime.weights import publish_weights
-from flexmarl_core.stages.faults import fault_point
 from flexmarl_core.runtime.worker import WorkerContext
+from flexmarl_core.stages.faults import fault_point
 from flexmarl_core.stages.registry import stage
 
 

@@ -137,8 +137,10 @@ class TrainBackend(Protocol):
         """A detached copy of the full state dict for inference (`lm_head.weight` included)."""
         ...
 
-    def state(self) -> dict[str, Any]:
-        """Everything needed to resume bit-exactly (weights, optimizer, version, grads, RNG)."""
+    def state(self, *, copy: bool = True) -> dict[str, Any]:
+        """Everything needed to resume bit-exactly (weights, optimizer, version, grads, RNG).
+        `copy=False` may return the trainer's own tensors instead of copies (the caller writes
+        them out before the trainer changes); a trainer may copy anyway."""
         ...
 
     def load_state(self, state: Mapping[str, Any]) -> None:

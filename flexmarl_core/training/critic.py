@@ -184,7 +184,7 @@ class CriticTrainer:
         """The head's weights (the base is the frozen copy every process rebuilds)."""
         return {k: v.detach().clone() for k, v in self.head.state_dict().items()}
 
-    def state(self) -> dict[str, Any]:
+    def state(self, *, copy: bool = True) -> dict[str, Any]:  # always copies
         opt = self.optimizer.state_dict()
         params = list(self.head.parameters())
         return {

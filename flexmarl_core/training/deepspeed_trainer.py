@@ -269,7 +269,7 @@ class DeepSpeedTrainer(PolicyGradientSteps):
             sd["lm_head.weight"] = out_emb.weight.detach().clone()
         return sd
 
-    def state(self) -> dict[str, Any]:
+    def state(self, *, copy: bool = True) -> dict[str, Any]:  # always copies
         if self._pending:
             raise ValueError(
                 f"state() with {self._pending} accumulated micro-batch(es) not stepped: a "

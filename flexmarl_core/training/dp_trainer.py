@@ -324,7 +324,7 @@ class DataParallelDeepSpeedTrainer:
     def weights(self) -> dict[str, torch.Tensor]:
         return self._call("weights", {0: ()})[0]  # ZeRO-1/2 ranks hold identical full weights
 
-    def state(self) -> dict[str, Any]:
+    def state(self, *, copy: bool = True) -> dict[str, Any]:  # always copies
         if self._pending:
             raise ValueError(
                 f"state() with {self._pending} accumulated micro-batch(es) not stepped: a "

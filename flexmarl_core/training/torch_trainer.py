@@ -374,18 +374,24 @@ class TorchTrainer(PolicyGradientSteps):
             sd["lm_head.weight"] = out_emb.weight.detach().clone()
         return sd
 
-    def state(self) -> dict[str, Any]:
-        """Flat: weights, pending gradients and both Adam moments are one tensor each."""
+    def state(self, *, copy: bool = True) -> dict[str, Any]:
+        """Flat: weights, pending gradients and both Adam moments are one tensor each.
+        `copy=False`: the trainer's own tensors (a swap-out writing them before anything steps
+        again: a copy would need the state's size again in memory at the moment of the swap)."""
         self._adopt_grads()
         opt = self.optimizer.state.get(self._flat, {})
         others = self.model.state_dict()
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().clone() if copy else t.detach()
+
         state: dict[str, Any] = {
             "format": STATE_FORMAT,
             "layout": self._layout(),
-            "params": self._flat.detach().clone(),
-            "others": {k: others[k].detach().clone() for k in self._others},
-            "grads": self._flat_grad.clone() if self._pending else None,
-            "adam": {k: v.detach().clone() for k, v in opt.items()} if opt else None,
+            "params": own(self._flat),
+            "others": {k: own(others[k]) for k in self._others},
+            "grads": own(self._flat_grad) if self._pending else None,
+            "adam": {k: own(v) for k, v in opt.items()} if opt else None,
             "version": self._version,
             "pending": self._pending,
             "filled": self._filled,
