@@ -37,6 +37,8 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from flexmarl_core.driver.metrics import log_lines
+
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "bench-chaos"
 os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "7")  # as `flexmarl train` sets it
@@ -46,10 +48,7 @@ BURST = 15
 
 
 def ops_of(loc) -> list[dict]:  # noqa: ANN001 - a RunLocation
-    try:
-        return [json.loads(x) for x in loc.read_text("metrics/ops.jsonl").splitlines() if x.strip()]
-    except FileNotFoundError:
-        return []
+    return [json.loads(x) for x in log_lines(loc, "ops.jsonl") if x.strip()]
 
 
 def run(config: str, overrides: list[str]) -> float:
@@ -154,7 +153,7 @@ def main() -> int:
                 done.set()
                 watcher.join(timeout=outage + 240)
             chaos_loc = peek(chaos_uri)
-            decisions = [json.loads(x) for x in chaos_loc.read_text("metrics/decisions.jsonl").splitlines() if x.strip()]
+            decisions = [json.loads(x) for x in log_lines(chaos_loc, "decisions.jsonl") if x.strip()]
             chaos_ops = {o["op"] for o in ops_of(chaos_loc)}
             task_runs = asyncio.run(_completed_task_runs(chaos_ops))
         if not args.no_operator:

@@ -23,10 +23,11 @@ BUCKET = "bench-runs"
 
 
 def _stage_s(run_dir: str) -> dict[str, float]:
+    from flexmarl_core.driver.metrics import log_lines
     from flexmarl_core.runtime.location import RunLocation
 
     out: dict[str, float] = {}
-    for line in RunLocation(run_dir).read_text("metrics/ops.jsonl").splitlines():
+    for line in log_lines(RunLocation(run_dir), "ops.jsonl"):
         r = json.loads(line)
         out[r["kind"]] = out.get(r["kind"], 0.0) + r["t_end"] - r["t_start"]
     return out

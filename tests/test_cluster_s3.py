@@ -168,6 +168,15 @@ def _s3(endpoint: str) -> pafs.S3FileSystem:
                              secret_key="testing", region="us-east-1")
 
 
+def _log(fs: pafs.S3FileSystem, stem: str) -> list[str]:
+    """A run log on S3: its parts in order (`MetricsWriter`), no whole file."""
+    folder = f"{BUCKET}/runs/tiny/metrics"
+    assert fs.get_file_info(f"{folder}/{stem}.jsonl").type == pafs.FileType.NotFound
+    parts = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(f"{folder}/{stem}")))
+    assert parts, stem
+    return [x for p in parts for x in fs.open_input_stream(p).read().decode().splitlines()]
+
+
 def test_train_on_dask_cli_cluster_with_the_run_on_s3(cluster, s3_endpoint, faulty_s3, prefect_api, tmp_path):
     fs = _s3(s3_endpoint)
     faults = f"{BUCKET}/runs/tiny.faults"
@@ -190,7 +199,7 @@ def test_train_on_dask_cli_cluster_with_the_run_on_s3(cluster, s3_endpoint, faul
     marks = {i.base_name for i in fs.get_file_info(pafs.FileSelector(faults))}
     assert f"kill@{KILL_OP}" not in marks, marks
     assert _worker_pids(cluster["address"]) != before
-    ops = [json.loads(x) for x in fs.open_input_stream(f"{BUCKET}/runs/tiny/metrics/ops.jsonl").read().decode().splitlines()]
+    ops = [json.loads(x) for x in _log(fs, "ops")]
     assert KILL_OP in {o["op"] for o in ops}
     # The workers run the shipped code: a zip in their own Dask folder, not this checkout.
     origins = _code_origin(cluster["address"])
@@ -204,21 +213,19 @@ def test_train_on_dask_cli_cluster_with_the_run_on_s3(cluster, s3_endpoint, faul
     resumed = again.run(sys.executable, "-m", "flexmarl.cli", "train", "--resume", RUN, "--no-progress",
                         timeout=600)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
-    rows = fs.open_input_stream(f"{BUCKET}/runs/tiny/metrics/iterations.jsonl").read().decode().splitlines()
+    rows = _log(fs, "iterations")
     assert [json.loads(r)["iteration"] for r in rows] == [0, 1]
     for a in AGENTS:
         assert fs.get_file_info(f"{BUCKET}/runs/tiny/weights/{a}/v2.safetensors").type == pafs.FileType.File
     # Ops the first attempt finished were not run again, except training of the iteration
     # whose step had not happened (its gradients died with that attempt).
-    names = [json.loads(x)["op"] for x in
-             fs.open_input_stream(f"{BUCKET}/runs/tiny/metrics/ops.jsonl").read().decode().splitlines()]
+    names = [json.loads(x)["op"] for x in _log(fs, "ops")]
     repeated = {n for n in names if names.count(n) > 1}
     assert all(n.startswith("train[") and " it=1 " in n + " " for n in repeated), repeated
     # Weight pushes: syncs broadcast to the other workers' engines. Whether a later rollout
     # then lands on a worker the push reached is the router's choice among equally loaded
     # instances, so that is not asserted here (it failed once in a loaded suite run).
-    rows = [json.loads(x) for x in
-            fs.open_input_stream(f"{BUCKET}/runs/tiny/metrics/ops.jsonl").read().decode().splitlines()]
+    rows = [json.loads(x) for x in _log(fs, "ops")]
     assert any(v >= 1 for r in rows for k, v in r.items() if k.endswith("/sync/push_targets")), rows
 
     audit = again.run(sys.executable, "-m", "flexmarl.cli", "store", "audit", RUN, timeout=300)

@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 
 from flexmarl_core.config import ConfigError, config_from_text
 from flexmarl_core.config.critic import trainer_kinds
+from flexmarl_core.driver.metrics import log_lines
 from flexmarl_core.runtime.kinds import TRAINER_KINDS, AuditCheck
 from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation, weights_key
 from flexmarl_core.runtime.worker import inputs_by_mb
@@ -93,10 +94,7 @@ def log_problems(loc: RunLocation) -> tuple[int, int, list[Problem]]:
 
 
 def _rows(loc: RunLocation, key: str) -> list[dict[str, Any]]:
-    try:
-        lines = loc.read_text(key).splitlines()
-    except FileNotFoundError:
-        return []
+    lines = log_lines(loc, key.removeprefix("metrics/"))
     out = []
     for line in lines:
         try:

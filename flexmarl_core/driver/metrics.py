@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -234,6 +235,45 @@ def run_summary(per_it: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     }
 
 
+#: a run log's part on object storage is rewritten while it grows, up to this size, then the
+#: next part starts: an upload costs at most this much, at any run length
+PART_BYTES = 256 << 10
+_PART = re.compile(r"\d{6}\.jsonl")
+
+
+def log_parts(loc: Any, name: str) -> list[str]:
+    """The keys of the parts of run log `name` (`ops.jsonl`) at `loc`, in order."""
+    stem = name.removesuffix(".jsonl")
+    return [f"metrics/{stem}/{p}" for p in loc.list(f"metrics/{stem}") if _PART.fullmatch(p)]
+
+
+def log_lines(loc: Any, name: str) -> list[str]:
+    """The lines of run log `name` (`ops.jsonl`, `iterations.jsonl`, `decisions.jsonl`) at the
+    run's location `loc`: its whole file (a local run's), then its parts (a run on object
+    storage, `MetricsWriter`)."""
+    lines: list[str] = []
+    for key in [f"metrics/{name}", *log_parts(loc, name)]:
+        try:
+            lines += loc.read_text(key).splitlines()
+        except FileNotFoundError:
+            continue
+    return lines
+
+
+def rewrite_log(loc: Any, name: str, lines: list[str]) -> None:
+    """Replace run log `name` at `loc` by `lines` (`flexmarl store repair`): in its one file, or
+    in its first part with the later parts deleted after (a crash between leaves lines that a
+    second repair removes again)."""
+    text = "".join(f"{x}\n" for x in lines)
+    parts = log_parts(loc, name)
+    if not parts:
+        loc.write_text(f"metrics/{name}", text)
+        return
+    loc.write_text(parts[0], text)
+    for key in [f"metrics/{name}", *parts[1:]]:
+        loc.delete(key)
+
+
 class MetricsWriter:
     """Appends op records, iteration metrics and decisions under `run_dir/metrics/`, and writes
     each iteration's scalars to TensorBoard as it is emitted (live: open `tensorboard --logdir
@@ -241,9 +281,11 @@ class MetricsWriter:
 
     `mirror`: the run's remote location (`location.RunLocation`). `run_dir` is then the flow
     process's scratch folder: the JSONL files start as the location's copies (a resume goes on
-    from them), and each is uploaded whole as it grows (an object store has no append; the op
-    log at most every `MIRROR_EVERY_S`, which only makes a resume rerun an op or two: stages are
-    idempotent) and when the writer closes.
+    from them), and what each gains goes up as it grows (the op log at most every
+    `MIRROR_EVERY_S`, which only makes a resume rerun an op or two: stages are idempotent) and
+    when the writer closes. An object store has no append, so each log is a series of parts
+    (`metrics/ops/000000.jsonl`, ...): the newest part is uploaded again as it grows, up to
+    `PART_BYTES`, and then left alone. An upload's bytes are bounded, whatever the run's length.
     """
 
     MIRROR_EVERY_S = 2.0
@@ -253,12 +295,18 @@ class MetricsWriter:
         self.dir = Path(run_dir) / "metrics"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.mirror = mirror
+        #: per log: the part being written (index) and where it starts in the local file
+        self._part: dict[str, tuple[int, int]] = {}
+        #: bytes uploaded to the mirror by this writer, per log
+        self.uploaded_bytes: dict[str, int] = dict.fromkeys(self.FILES, 0)
         if mirror is not None:
             for name in self.FILES:
-                try:
-                    (self.dir / name).write_bytes(mirror.read_bytes(f"metrics/{name}"))
-                except FileNotFoundError:
-                    (self.dir / name).unlink(missing_ok=True)
+                lines = log_lines(mirror, name)
+                (self.dir / name).write_text("".join(f"{x}\n" for x in lines))
+                _cut_torn_line(self.dir / name)
+                parts = log_parts(mirror, name)
+                after = int(parts[-1].rsplit("/", 1)[1][:6]) + 1 if parts else 0
+                self._part[name] = (after, (self.dir / name).stat().st_size)
         for name in self.FILES:
             _cut_torn_line(self.dir / name)
         self._ops = open(self.dir / "ops.jsonl", "a")  # noqa: SIM115 - closed in close()
@@ -273,8 +321,20 @@ class MetricsWriter:
         return self._written if self.mirror is None else self._uploaded
 
     def _upload(self, name: str) -> None:
-        if self.mirror is not None:
-            self.mirror.upload(self.dir / name, f"metrics/{name}")
+        """The current part of log `name`: what it gained since the part began."""
+        if self.mirror is None:
+            return
+        index, start = self._part[name]
+        with open(self.dir / name, "rb") as f:
+            f.seek(start)
+            data = f.read()
+        if not data:
+            return
+        stem = name.removesuffix(".jsonl")
+        self.mirror.write_bytes(f"metrics/{stem}/{index:06d}.jsonl", data)
+        self.uploaded_bytes[name] += len(data)
+        if len(data) >= PART_BYTES:
+            self._part[name] = (index + 1, start + len(data))
 
     def op(self, rec: OpRecord) -> None:
         row = {**rec.result.to_row(), "submitted": rec.submitted, "finished": rec.finished}

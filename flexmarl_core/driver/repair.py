@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from flexmarl_core.config import config_from_text
+from flexmarl_core.driver.metrics import log_lines, rewrite_log
 from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation
 from storage import Problem
 from storage.check import EXACTLY_ONCE, check_store
@@ -104,9 +105,9 @@ def repair_run(run_dir: str) -> list[Damage]:
     first = min(d.iteration for d in fixable)
     for key, keep in (("metrics/ops.jsonl", lambda row: not any(_writes(row, d) for d in fixable)),
                       ("metrics/iterations.jsonl", lambda row: row.get("iteration", 0) < first)):
-        try:
-            lines = loc.read_text(key).splitlines()
-        except FileNotFoundError:
+        name = key.removeprefix("metrics/")
+        lines = log_lines(loc, name)
+        if not lines:
             continue
         kept = []
         for line in lines:
@@ -116,6 +117,6 @@ def repair_run(run_dir: str) -> list[Damage]:
                 continue  # a torn last line
             if keep(row):
                 kept.append(line)
-        loc.write_text(key, "".join(f"{x}\n" for x in kept))
+        rewrite_log(loc, name, kept)
     return fixable
 

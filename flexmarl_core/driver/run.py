@@ -21,7 +21,13 @@ from flexmarl_core.analysis import memory
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.config.load import HERE
 from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
-from flexmarl_core.driver.metrics import IterationTracker, MetricsWriter, critical_path, run_summary
+from flexmarl_core.driver.metrics import (
+    IterationTracker,
+    MetricsWriter,
+    critical_path,
+    log_lines,
+    run_summary,
+)
 from flexmarl_core.driver.retention import Retention
 from flexmarl_core.driver.sft import warm_start
 from flexmarl_core.executors.api import CountsWorkerCPU
@@ -205,10 +211,7 @@ def check_resumable(cfg: ExperimentConfig, run_dir: RunDir) -> None:
 
 
 def _jsonl_lines(loc: RunLocation, key: str) -> list[str]:
-    try:
-        return loc.read_text(key).splitlines()
-    except FileNotFoundError:
-        return []
+    return log_lines(loc, key.removeprefix("metrics/"))
 
 
 def completed_records(run_dir: RunDir) -> list[OpRecord]:
