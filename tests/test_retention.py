@@ -57,7 +57,8 @@ def test_staleness_and_partial_rollouts_read_only_kept_versions(tmp_path):
     """k = 1 with partial rollouts over five iterations on the tiny team's two workers (in
     threads: every step written), `keep_every: 2`: after every op no agent holds more than
     k + 1 odd weight versions and two odd trainer states, the run completes (no rollout found
-    its version deleted) exactly once, and what is left is exactly the rule's."""
+    its version deleted) exactly once, what is left is exactly the rule's, and each iteration's
+    partitions were compacted by the run."""
     from flexmarl_core.driver import run
     from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 
@@ -81,6 +82,14 @@ def test_staleness_and_partial_rollouts_read_only_kept_versions(tmp_path):
         ex.close()
     assert len(outcome.iterations) == 5
     assert_exactly_once(cfg)
+    # The run compacted each final iteration's partitions: one sample fragment each, no status
+    # fragment left (every status row folded into its sample), read exactly once above.
+    assert outcome.compacted[0] == 5 * len(AGENTS)
+    store = Path(cfg.resolved_store_uri())
+    for a in AGENTS:
+        for it in range(5):
+            assert len(list((store / "samples" / f"agent={a}" / f"iteration={it}").glob("*.parquet"))) == 1
+            assert not list((store / "status" / f"agent={a}" / f"iteration={it}").glob("*.parquet"))
     for a in AGENTS:
         assert most[a][0] <= 2 and most[a][1] <= 2, (a, most[a])
         assert loc.versions(f"weights/{a}") == [0, 2, 4, 5], a

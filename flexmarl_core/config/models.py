@@ -328,6 +328,11 @@ class StoreConfig(_Strict):
     )
     retries: StoreRetryConfig = Field(default_factory=StoreRetryConfig,
                                       description="Retries of object-store reads and writes.")
+    compact: bool = Field(
+        True, description="Fold each iteration's partitions into one fragment each once the "
+        "iteration is final (a thread of the flow process; readers are never disturbed): the "
+        "store then holds a few files per iteration instead of a dozen per agent.",
+    )
 
     @field_validator("uri")
     @classmethod

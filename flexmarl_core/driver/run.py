@@ -21,6 +21,7 @@ from flexmarl_core.analysis import memory
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.config.load import HERE
 from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
+from flexmarl_core.driver.compaction import Compaction
 from flexmarl_core.driver.metrics import (
     IterationTracker,
     MetricsWriter,
@@ -260,6 +261,8 @@ class RunOutcome:
     #: (None: the executor runs its ops in this process, or does not count its workers)
     flow_cpu_s: float
     worker_cpu_s: float | None
+    #: store partitions the run compacted, and the seconds that took (`store.compact`)
+    compacted: tuple[int, float] = (0, 0.0)
 
     @property
     def ops(self) -> int:
@@ -285,6 +288,7 @@ class RunOutcome:
             "balance_moves": sum(1 for d in self.decisions if isinstance(d, MoveInstance)),
             "train_swaps": sum(1 for d in self.decisions if isinstance(d, TrainSlot) and d.swap),
             "gradient_helpers": sum(1 for d in self.decisions if isinstance(d, GradientHelper)),
+            "store_compacted_partitions": self.compacted[0], "store_compact_s": self.compacted[1],
         }
 
 
@@ -315,8 +319,12 @@ def train(
     writer = MetricsWriter(loc.scratch_dir(), mirror=None if loc.local else loc)
     plan = plan or Plan.build(cfg)
 
+    compaction = Compaction(MEGStore(cfg.resolved_store_uri())) if cfg.store.compact else None
+
     def emit(row: dict[str, Any]) -> None:
         writer.iteration(row)
+        if compaction is not None:
+            compaction.iteration_done(row)
         for hook in hooks:
             hook.iteration_done(row)
 
@@ -333,6 +341,8 @@ def train(
     finally:
         writer.decisions(orch.control.decisions)
         writer.close()
+        if compaction is not None:
+            compaction.close()
     retention.release(everything=True)  # only after a run that ended: a failed one keeps its files
     records = [*earlier, *result.records]
     workers1 = _worker_cpu(executor)
@@ -340,7 +350,8 @@ def train(
         iterations=tracker.rows, wall_s=result.wall_s, run_dir=loc.uri if not loc.local else loc.root,
         scratch_dir=str(loc.scratch_dir()), decisions=result.decisions, records=records,
         critical_path=critical_path(records, orch.plan.deps), flow_cpu_s=time.process_time() - cpu0,
-        worker_cpu_s=None if workers0 is None or workers1 is None else workers1 - workers0)
+        worker_cpu_s=None if workers0 is None or workers1 is None else workers1 - workers0,
+        compacted=(compaction.partitions, compaction.seconds) if compaction else (0, 0.0))
 
 
 def _worker_cpu(executor: Executor) -> float | None:
