@@ -48,5 +48,6 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
         plan = Plan.build(cfg)
         with open_executor(cfg, flow_run.get_id(), flow_run.run_count, get_run_logger()) as ex, \
                 shown.tracking(plan) as hooks:
-            outcome = run.train(cfg, loc, ex, hooks=hooks, resume=resume, plan=plan)
+            nested = [ex.iterations] if ex.iterations is not None else []
+            outcome = run.train(cfg, loc, ex, hooks=[*hooks, *nested], resume=resume, plan=plan)
         return {"summary": report.summarise(cfg, outcome), "iterations": outcome.iterations}

@@ -16,12 +16,14 @@ import uuid
 from collections.abc import Iterator, Sequence
 
 import distributed
+from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 
 from flexmarl_core import cluster
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.ops import FusedResult, Op, Route, StageResult
 from tasks import lean
+from tasks.iteration_runs import IterationFlowRuns
 from tasks.task_runs import FLUSH_S, PENDING_AFTER_S, RETRIES, RETRY_DELAY_S, TaskRunReporter
 
 
@@ -30,9 +32,13 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
 
     def __init__(self, client: distributed.Client, run_dir: str, flow_run_id: uuid.UUID | str,
                  flow_run_count: int = 1, log: logging.Logger | logging.LoggerAdapter | None = None,
-                 pending_after_s: float = PENDING_AFTER_S, flush_s: float = FLUSH_S) -> None:
+                 pending_after_s: float = PENDING_AFTER_S, flush_s: float = FLUSH_S,
+                 iterations: IterationFlowRuns | None = None) -> None:
         super().__init__(client, run_dir, retries=RETRIES, retry_delay_s=RETRY_DELAY_S)
-        self.reporter = TaskRunReporter(flow_run_id, flow_run_count, pending_after_s, flush_s, clock=self.now)
+        #: each iteration's nested flow run (None: the ops' task runs are the flow run's own)
+        self.iterations = iterations
+        self.reporter = TaskRunReporter(flow_run_id, flow_run_count, pending_after_s, flush_s, clock=self.now,
+                                        flow_run_of=None if iterations is None else iterations.flow_run_id)
         self.log = log
         self._ops: dict[distributed.Future, Op] = {}
         self._fused: dict[distributed.Future, list[Op]] = {}
@@ -124,20 +130,30 @@ def open_executor(cfg: ExperimentConfig, flow_run_id: uuid.UUID | str, flow_run_
         cfg.cluster.prefect_lean == "auto" and cfg.cluster.address is None))
     log.info("run folder %s, store %s%s", loc.uri, cfg.resolved_store_uri(),
              "" if loc.local else f", local scratch {scratch}")
-    with cluster.cluster_for(cfg.cluster, env=lean.worker_env(api) if cheap else {}) as client:
+    with cluster.cluster_for(cfg.cluster, env=lean.worker_env(api) if cheap else {}) as client, \
+            get_client(sync_client=True) as api_client:
         if cfg.cluster.upload:  # before any task or plugin: the workers unpickle them with this code
             log.info("shipped to the workers: %s", cluster.upload_code(client, cfg.cluster.upload))
         if cheap:
             lean.refresh_worker_settings(client)
+        iterations = IterationFlowRuns(api_client, flow_run_id, flow_run_count) if cfg.cluster.prefect_nested else None
         ex = PrefectDaskExecutor(client, loc.uri, flow_run_id, flow_run_count, log=log,
-                                 pending_after_s=cfg.cluster.pending_after_s, flush_s=cfg.cluster.task_run_flush_s)
+                                 pending_after_s=cfg.cluster.pending_after_s, flush_s=cfg.cluster.task_run_flush_s,
+                                 iterations=iterations)
         log.info("Dask dashboard: %s", client.dashboard_link)
         stop_logs = cluster.log_to_files(client, scratch / "logs", workers=cfg.cluster.address is None)
         names = cluster.worker_names(client)
+        error: BaseException | None = None
         try:
             yield ex
+        except BaseException as exc:
+            error = exc
+            raise
         finally:  # the final states held back, whether the run ended well or not
             ex.reporter.flush()
+            if iterations is not None:
+                iterations.close(error)
+            ex.reporter.flush(final=True)
             stop_logs()
         names.update(cluster.worker_names(client))  # restarted workers have new addresses
     (scratch / "metrics" / "workers.json").write_text(json.dumps(names))

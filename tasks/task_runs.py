@@ -76,6 +76,7 @@ class _Run:
     start: float | None = None
     last_event: uuid.UUID | None = None
     tags: list[str] = field(default_factory=list)
+    flow_run_id: str = ""
 
 
 class TaskRunReporter:
@@ -83,8 +84,14 @@ class TaskRunReporter:
 
     def __init__(self, flow_run_id: uuid.UUID | str, flow_run_count: int = 1,
                  pending_after_s: float = PENDING_AFTER_S, flush_s: float = FLUSH_S,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 flow_run_of: Callable[[int], uuid.UUID | None] | None = None) -> None:
         self.flow_run_id = str(flow_run_id)
+        #: iteration -> the flow run its ops' task runs belong to, None while it is being made
+        #: (`iteration_runs.py`); unset: all in `flow_run_id`
+        self.flow_run_of = flow_run_of
+        #: reports of task runs whose flow run is not made yet, in order
+        self._deferred: list[tuple[Op, _Run, float, str, str, str | None, dict[str, Any] | None]] = []
         self.flow_run_count = flow_run_count
         self.pending_after_s = pending_after_s
         self.flush_s = flush_s
@@ -117,11 +124,35 @@ class TaskRunReporter:
         else:
             self._pending(op, run)
 
+    def _owner(self, op: Op, run: _Run) -> bool:
+        """Whether `run`'s flow run is known (its iteration's, once made)."""
+        if not run.flow_run_id:
+            owner = self.flow_run_id if self.flow_run_of is None else self.flow_run_of(op.iteration)
+            run.flow_run_id = "" if owner is None else str(owner)
+        return bool(run.flow_run_id)
+
+    def _drain(self, *, final: bool = False) -> None:
+        """Send the deferred reports whose flow run is made now (`final`: the rest into the
+        training run's flow run: the API never made theirs)."""
+        if not self._deferred:
+            return
+        waiting = []
+        for item in self._deferred:
+            op, run = item[0], item[1]
+            if final and not self._owner(op, run):
+                run.flow_run_id = self.flow_run_id
+            if self._owner(op, run):
+                self._send(*item)
+            else:
+                waiting.append(item)
+        self._deferred = waiting
+
     def report_due(self, now: float) -> float | None:
         """Report what is due at `now` (the flow's clock): Pending for the ops submitted at
         least `pending_after_s` before, the held final states once `flush_s` old; when the next
         report falls due (None: nothing waits)."""
-        due: float | None = None
+        self._drain()
+        due: float | None = now + 0.5 if self._deferred else None
         while self._unreported:
             op, run = next(iter(self._unreported.items()))
             if run.submitted + self.pending_after_s > now:
@@ -135,8 +166,10 @@ class TaskRunReporter:
                 due = min(due if due is not None else math.inf, self._held_since + self.flush_s)
         return due
 
-    def flush(self) -> None:
-        """Send every final state held back."""
+    def flush(self, *, final: bool = False) -> None:
+        """Send every final state held back (`final`: and every report still waiting for its
+        iteration's flow run, into the training run's)."""
+        self._drain(final=final)
         held, self._held = self._held, []
         for event in held:
             self._ctx.run(self._worker.send, event)
@@ -181,6 +214,14 @@ class TaskRunReporter:
 
     def _emit(self, op: Op, run: _Run, t: float, type_: str, name: str, *, message: str | None = None,
               details: dict[str, Any] | None = None) -> None:
+        self._drain()  # what waited goes first: the API sees each task run's states in order
+        if not self._owner(op, run):
+            self._deferred.append((op, run, t, type_, name, message, details))
+            return
+        self._send(op, run, t, type_, name, message, details)
+
+    def _send(self, op: Op, run: _Run, t: float, type_: str, name: str, message: str | None,
+              details: dict[str, Any] | None) -> None:
         final = type_ in ("COMPLETED", "FAILED")
         task_run = {
             "name": op.name, "task_key": f"flexmarl-{op.kind}", "dynamic_key": run.dynamic_key,
@@ -201,7 +242,7 @@ class TaskRunReporter:
             resource={"prefect.resource.id": f"prefect.task-run.{run.id}", "prefect.resource.name": op.name,
                       "prefect.run-count": str(run.run_count), "prefect.state-name": name,
                       "prefect.state-type": type_, "prefect.orchestration": "client"},
-            related=[{"prefect.resource.id": f"prefect.flow-run.{self.flow_run_id}",
+            related=[{"prefect.resource.id": f"prefect.flow-run.{run.flow_run_id}",
                       "prefect.resource.role": "flow-run"},
                      *({"prefect.resource.id": f"prefect.tag.{tag}", "prefect.resource.role": "tag"}
                        for tag in run.tags)],

@@ -61,12 +61,30 @@ def assert_same_samples(cfg_a, cfg_b) -> None:
             assert ta.to_pylist() == tb.to_pylist(), (agent, it)
 
 
+async def read_op_task_runs(client, flow_run_id) -> list:
+    """The op task runs of a training flow run: those of its iterations' nested flow runs
+    (`tasks/iteration_runs.py`) and its own (a flat run's, or reports whose iteration's flow run
+    the API never made), not the iterations' own task runs in it."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterParentFlowRunId,
+    )
+
+    children = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+    flt = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id, *(c.id for c in children)]))
+    runs: list = []
+    while batch := await client.read_task_runs(flow_run_filter=flt, limit=200, offset=len(runs)):
+        runs += batch
+    return [r for r in runs if not r.name.startswith("iteration ")]
+
+
 async def task_runs(flow_run_id):
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     async with get_client() as c:
-        return await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)
+        return await read_op_task_runs(c, flow_run_id)
 
 
 async def flow_run(flow_run_id):

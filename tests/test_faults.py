@@ -215,6 +215,19 @@ def test_flow_run_retry_resumes_the_run(baseline, dask_cluster, tmp_path):
         sorted({o["op"] for o in repeated})
     its = [json.loads(x)["iteration"] for x in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
     assert its == list(range(ITERATIONS))
+    # The iterations' nested flow runs: attempt 1's iteration 1 failed with the flow; attempt 2
+    # made its own, Completed; every iteration has a Completed one, each holding only its ops.
+    from tests.test_iteration_runs import children_of
+
+    _, kids, task_runs_of = children_of(state.state_details.flow_run_id, ITERATIONS + 1)
+    by_name = {k.name: k for k in kids.values()}
+    assert by_name["iteration 1"].state.is_failed(), by_name["iteration 1"].state
+    assert by_name["iteration 1 (flow run 2)"].state.is_completed()
+    done = {int(k.name.split()[1]) for k in kids.values() if k.state.is_completed()}
+    assert done == set(range(ITERATIONS)), sorted(by_name)
+    for k in kids.values():
+        it = int(k.name.split()[1])
+        assert all(f" it={it}" in r.name for r in task_runs_of[k.id]), k.name
 
 
 def test_run_artifacts(baseline_run, prefect_api):
@@ -385,7 +398,7 @@ def test_kill_9_between_checkpoints_then_resume_replays(prefect_api, dask_cluste
         # order give the same sums up to reassociation, far inside 1e-4.
         for k in wa:
             torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6, msg=f"{a}.{k}")
-        assert RunLocation(run_dir).versions(f"trainers/{a}") == [4, 5]
+        assert RunLocation(run_dir).versions(f"trainers/{a}") == [5]  # retention: the newest
     names = [json.loads(x)["op"] for x in log.read_text().splitlines() if x.strip()]
     repeated = {n for n in names if names.count(n) > 1}
     assert all(n.startswith("train[") and " it=3 " in n + " " for n in repeated), repeated

@@ -50,15 +50,13 @@ async def _task_runs(flow_run_id, want: int, patience_s: float = 30.0):
     """Every task run of the flow run, once the API has recorded `want` of them (the server
     records task runs from events in batches, so the last ones can lag the flow's end)."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    flt = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+    from tests._runs import read_op_task_runs
+
     runs: list = []
     async with get_client() as c:
         for _ in range(int(patience_s / 0.5)):
-            runs = []
-            while batch := await c.read_task_runs(flow_run_filter=flt, limit=200, offset=len(runs)):
-                runs += batch
+            runs = await read_op_task_runs(c, flow_run_id)
             if len(runs) >= want:
                 break
             await asyncio.sleep(0.5)

@@ -28,6 +28,7 @@ from tests._runs import (
     flow,
     ops_log,
     plant_fault,
+    read_op_task_runs,
 )
 from tests.test_bad_input import TINY, _one_error_line, _train
 
@@ -67,12 +68,10 @@ def _task_runs_until(flow_run_id, name: str, done, timeout_s: float = 30.0) -> l
     """The flow run's task runs named `name`, polled until `done(first)` (the server records
     task-run events in batches)."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     async def read() -> list:
         async with get_client() as c:
-            return await c.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)
+            return await read_op_task_runs(c, flow_run_id)
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -217,7 +216,6 @@ def test_api_server_away_for_a_minute_mid_run_training_goes_on(baseline, tmp_pat
     undisturbed run's samples and weights, and afterwards the API holds a completed task run
     for every op: the reports were buffered and sent once the API was back."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flexmarl.prefect_api import start_server, stop_server
@@ -263,10 +261,10 @@ def test_api_server_away_for_a_minute_mid_run_training_goes_on(baseline, tmp_pat
 
         async def completed() -> set[str]:
             async with get_client() as c:
-                (run,) = await c.read_flow_runs()  # the server's own database: this run only
+                # the server's own database: this run and its iterations' nested runs only
+                (run,) = [r for r in await c.read_flow_runs() if r.parent_task_run_id is None]
                 assert run.state.is_completed(), run.state
-                runs = await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
-                                              limit=200)
+                runs = await read_op_task_runs(c, run.id)
                 return {r.name for r in runs if r.state.is_completed()}
 
         want = {o["op"] for o in ops}

@@ -22,11 +22,9 @@ TINY = str(REPO / "configs" / "tiny.yaml")
 
 
 async def _task_runs(flow_run_id):
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from tests._runs import task_runs
 
-    async with get_client() as c:
-        return await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)
+    return await task_runs(flow_run_id)
 
 
 SWITCHES = ["dependency_parallel", "load_balancing", "async_pipeline", "on_demand_allocation"]
@@ -135,10 +133,13 @@ def test_train_flow_end_to_end(runs, mode):
         assert len(slots) == len(meg.trainable_agents) * cfg.train.iterations
         moves = [d for d in decisions if d["decision"] == "move_instance"]
         assert any(d["to_agent"] == "planner" for d in moves), decisions
-        # Every step checkpointed the trainer state (the swap tier); older ones are pruned.
+        # Every step checkpointed the trainer state (the swap tier); the run kept the newest
+        # (driver/retention.py), and of the weights the initial and the final versions (k = 0).
         for agent in meg.trainable_agents:
             kept = sorted(p.name for p in (run_dir / "trainers" / agent).glob("v*.state"))
-            assert kept == [f"v{cfg.train.iterations - 1}.state", f"v{cfg.train.iterations}.state"]
+            assert kept == [f"v{cfg.train.iterations}.state"]
+            weights = sorted(p.name for p in (run_dir / "weights" / agent).glob("v*.safetensors"))
+            assert weights == ["v0.safetensors", f"v{cfg.train.iterations}.safetensors"]
     assert all(m["swap_out_bytes"] > 0 for m in out["iterations"])
 
 

@@ -279,6 +279,12 @@ class ClusterConfig(_Strict):
     )
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig,
                                       description="When a running op counts as hung.")
+    prefect_nested: bool = Field(
+        True, description="Each iteration is a flow run of its own (`flexmarl-iteration`) nested "
+        "under the training run's, holding that iteration's op task runs: the Prefect UI draws a "
+        "graph of at most 10,000 task runs, so a flat run stops drawing past a few hundred "
+        "iterations (tasks/iteration_runs.py). false: every op in the training run's flow run.",
+    )
     prefect_lean: bool | Literal["auto"] = Field(
         "auto",
         description="Workers read cheap Prefect settings from their own environment (tasks/lean.py), "
