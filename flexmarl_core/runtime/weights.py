@@ -59,6 +59,19 @@ def _cpu_copy(state: State) -> State:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
 
 
+def _unshared(state: State) -> State:
+    """`state` on the CPU with no two tensors on one storage (what safetensors writes): the
+    tensors themselves where they are CPU, contiguous and alone, a copy of the others."""
+    out: State = {}
+    seen: set[int] = set()
+    for k, v in state.items():
+        t = v.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        out[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
+
+
 def from_safetensors(blob: bytes, what: str) -> State:
     """Tensors from safetensors bytes; `what` names them in the error of a malformed file."""
     try:
@@ -74,11 +87,21 @@ def save_state_atomic(path: Path, state: State) -> Path:
     return path
 
 
-def publish_weights(run_dir: RunDir, agent: str, version: int, state: State) -> bytes:
-    """Publish one weights version (a retry rewrites the same bytes); its safetensors bytes."""
-    blob = save_safetensors(_cpu_copy(state))
-    as_location(run_dir).write_bytes(weights_key(agent, version), blob)
-    return blob
+def publish_weights(run_dir: RunDir, agent: str, version: int, state: State) -> bytes | None:
+    """Publish one weights version (a retry rewrites the same bytes). On an object store its
+    safetensors bytes are made in memory for the one PUT, and returned (a sync pushes them on);
+    on local disk the tensors are written straight into the file (temp + rename), with no copy
+    of the weights in memory (a 0.5B model's sync would otherwise hold three), and None."""
+    loc = as_location(run_dir)
+    if not loc.local:
+        blob = save_safetensors(_unshared(state))
+        loc.write_bytes(weights_key(agent, version), blob)
+        return blob
+    path = Path(loc.path(weights_key(agent, version)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file(_unshared(state), str(tmp))
+    return None
 
 
 def load_weights(run_dir: RunDir, agent: str, version: int) -> State:

@@ -133,8 +133,10 @@ class TrainBackend(Protocol):
         """Recompute response-token logprobs with the current weights (no grad)."""
         ...
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """A detached copy of the full state dict for inference (`lm_head.weight` included)."""
+    def weights(self, *, copy: bool = True) -> dict[str, torch.Tensor]:
+        """A detached copy of the full state dict for inference (`lm_head.weight` included);
+        `copy=False` may return the trainer's own tensors (the caller copies them out before
+        the trainer changes)."""
         ...
 
     def state(self, *, copy: bool = True) -> dict[str, Any]:

@@ -180,7 +180,7 @@ class CriticTrainer:
         self._version += 1
         return StepResult(version=self._version, grad_norm=norm, num_micro_batches=n)
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, *, copy: bool = True) -> dict[str, torch.Tensor]:  # always copies
         """The head's weights (the base is the frozen copy every process rebuilds)."""
         return {k: v.detach().clone() for k, v in self.head.state_dict().items()}
 

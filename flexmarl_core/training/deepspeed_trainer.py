@@ -261,7 +261,7 @@ class DeepSpeedTrainer(PolicyGradientSteps):
             lp = self._logprobs(self.engine.module, batch).cpu()
         return [lp[b, : len(s.response_ids)].tolist() for b, s in enumerate(micro_batch)]
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, *, copy: bool = True) -> dict[str, torch.Tensor]:  # always copies
         module = self.engine.module
         sd = {k: v.detach().clone() for k, v in module.state_dict().items()}
         out_emb = module.get_output_embeddings()

@@ -321,7 +321,7 @@ class DataParallelDeepSpeedTrainer:
         outs = self._call("logprobs", {r: (s,) for r, s in enumerate(shares) if s})
         return [row for out in outs for row in out]
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, *, copy: bool = True) -> dict[str, torch.Tensor]:  # always copies
         return self._call("weights", {0: ()})[0]  # ZeRO-1/2 ranks hold identical full weights
 
     def state(self, *, copy: bool = True) -> dict[str, Any]:  # always copies

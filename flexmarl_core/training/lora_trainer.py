@@ -45,6 +45,6 @@ class LoraTrainer(TorchTrainer):
         self.shared.activate(self.agent, trainable=True)
         return super().logprobs(micro_batch)
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, *, copy: bool = True) -> dict[str, torch.Tensor]:  # always copies
         """The adapter (keys without the agent's name), which engines on any process load."""
         return self.shared.adapter_state(self.agent)

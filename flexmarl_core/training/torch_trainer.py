@@ -365,13 +365,14 @@ class TorchTrainer(PolicyGradientSteps):
             lp = self._logprobs(self.model, batch).cpu()
         return [lp[b, : len(s.response_ids)].tolist() for b, s in enumerate(micro_batch)]
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+    def weights(self, *, copy: bool = True) -> dict[str, torch.Tensor]:
+        own = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
+        sd = {k: own(v) for k, v in self.model.state_dict().items()}
         # Tied embeddings: engines must get lm_head too (state_dict() of a tied model may omit
         # it, and a vLLM push without it silently keeps the old output layer).
         out_emb = self.model.get_output_embeddings()
         if "lm_head.weight" not in sd and out_emb is not None:
-            sd["lm_head.weight"] = out_emb.weight.detach().clone()
+            sd["lm_head.weight"] = own(out_emb.weight)
         return sd
 
     def state(self, *, copy: bool = True) -> dict[str, Any]:
