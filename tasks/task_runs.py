@@ -136,16 +136,18 @@ class TaskRunReporter:
         training run's flow run: the API never made theirs)."""
         if not self._deferred:
             return
+        # Taken first: a send flushes what is held, which drains again (nothing left to do).
+        items, self._deferred = self._deferred, []
         waiting = []
-        for item in self._deferred:
+        for item in items:
             op, run = item[0], item[1]
             if final and not self._owner(op, run):
                 run.flow_run_id = self.flow_run_id
-            if self._owner(op, run):
+            if self._owner(op, run) and not any(w[1] is run for w in waiting):
                 self._send(*item)
             else:
                 waiting.append(item)
-        self._deferred = waiting
+        self._deferred = waiting + self._deferred
 
     def report_due(self, now: float) -> float | None:
         """Report what is due at `now` (the flow's clock): Pending for the ops submitted at

@@ -64,3 +64,54 @@ def test_each_iteration_is_a_nested_flow_run_holding_its_ops(baseline_run, prefe
     from flexmarl_core.orchestrator.plan import Plan
 
     assert sum(len(v) for v in ops.values()) == len(Plan.build(cfg).deps)
+
+
+def test_reports_wait_for_their_iterations_flow_run_and_a_failed_flow_fails_the_open_ones(prefect_api):
+    """On the real API: an op of an iteration whose nested flow run is still being made is
+    reported once it exists (in order, into it); the iteration that ended is Completed, the one
+    still open when the flow stops is Failed with the error; `flush(final=True)` puts a report
+    whose flow run never came into the training run's own."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    from flexmarl_core.ops import Op, StageResult
+    from tasks.iteration_runs import IterationFlowRuns
+    from tasks.task_runs import TaskRunReporter
+
+    a, b, orphan = Op(0, "reward", mb=0), Op(1, "reward", mb=0), Op(7, "reward", mb=0)
+
+    @flow
+    def reports() -> dict:
+        with get_client(sync_client=True) as client:
+            its = IterationFlowRuns(client, flow_run.get_id())
+            made = {0, 1}  # iteration 7's flow run is never made (an API that never came back)
+            r = TaskRunReporter(flow_run.get_id(), 1, pending_after_s=0.0, flush_s=0.0,
+                                flow_run_of=lambda i: its.flow_run_id(i) if i in made else None)
+            deferred_at_first = its.flow_run_id(0) is None  # asked for, being made on its thread
+            for op in (a, b, orphan):
+                r.submitted(op, [], 100.0)
+                r.finished(op, StageResult(op, t_start=100.0, t_end=100.5))
+            deadline = time.monotonic() + 30
+            while len(r._deferred) > 2 and time.monotonic() < deadline:  # orphan's two reports stay
+                r.report_due(101.0)
+                time.sleep(0.05)
+            its.iteration_done({"iteration": 0})
+            its.close(RuntimeError("stage broke"))
+            r.flush(final=True)
+            return {"deferred_at_first": deferred_at_first, "left": len(r._deferred)}
+
+    state = reports(return_state=True)
+    out = state.result()
+    assert out["deferred_at_first"] and out["left"] == 0
+    own, kids, ops = children_of(state.state_details.flow_run_id, 2)
+    by_name = {k.name: k for k in kids.values()}
+    assert by_name["iteration 0"].state.is_completed()
+    assert by_name["iteration 1"].state.is_failed() and "stage broke" in by_name["iteration 1"].state.message
+    assert [r.name for r in ops[by_name["iteration 0"].id]] == [a.name]
+    assert [r.name for r in ops[by_name["iteration 1"].id]] == [b.name]
+    deadline = time.monotonic() + 30
+    while orphan.name not in {r.name for r in own} and time.monotonic() < deadline:
+        time.sleep(0.5)
+        own, _, _ = asyncio.run(nested(state.state_details.flow_run_id))
+    assert orphan.name in {r.name for r in own}

@@ -237,7 +237,7 @@ def run_summary(per_it: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
 
 #: a run log's part on object storage is rewritten while it grows, up to this size, then the
 #: next part starts: an upload costs at most this much, at any run length
-PART_BYTES = 256 << 10
+PART_BYTES = 64 << 10
 _PART = re.compile(r"\d{6}\.jsonl")
 
 
