@@ -215,17 +215,25 @@ async def _completed_task_runs(want: set[str], patience_s: float = 120.0) -> set
     """The names of the last flow run's completed task runs, polled until they cover `want`
     (events buffered during an outage reach the server some seconds after it is back)."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterParentFlowRunId,
+    )
 
     deadline = time.monotonic() + patience_s
     async with get_client() as c:
-        runs = sorted(await c.read_flow_runs(), key=lambda r: r.start_time or r.created)
+        # the training run's: the newest without a parent (its iterations' flow runs are nested)
+        runs = sorted((r for r in await c.read_flow_runs() if r.parent_task_run_id is None),
+                      key=lambda r: r.start_time or r.created)
         while True:
+            kids = await c.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[runs[-1].id])))
+            flt = FlowRunFilter(id=FlowRunFilterId(any_=[runs[-1].id, *(k.id for k in kids)]))
             got: set[str] = set()
             offset = 0
             while True:
-                page = await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[-1].id])),
-                                              limit=200, offset=offset)
+                page = await c.read_task_runs(flow_run_filter=flt, limit=200, offset=offset)
                 got |= {r.name for r in page if r.state and r.state.is_completed()}
                 if len(page) < 200:
                     break
