@@ -299,8 +299,8 @@ def cmd_store_repair(args: argparse.Namespace) -> int:
     except DamagedStoreError as exc:
         raise ConfigError(str(exc)) from None
     for d in fixed:
-        print(f"set aside {d.problem.path} ({d.problem.kind}): {d.table} of {d.agent}, iteration {d.iteration}, "
-              f"micro-batch {d.mb}")
+        mb = "every micro-batch (compacted)" if d.mb == -1 else f"micro-batch {d.mb}"
+        print(f"set aside {d.problem.path} ({d.problem.kind}): {d.table} of {d.agent}, iteration {d.iteration}, {mb}")
     print(f"{args.run}: {len(fixed)} damaged file(s) set aside" + (
         f"; `flexmarl train --resume {args.run}` writes them again" if fixed else ": nothing to repair"))
     return 0

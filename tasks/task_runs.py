@@ -217,7 +217,7 @@ class TaskRunReporter:
     def _emit(self, op: Op, run: _Run, t: float, type_: str, name: str, *, message: str | None = None,
               details: dict[str, Any] | None = None) -> None:
         self._drain()  # what waited goes first: the API sees each task run's states in order
-        if not self._owner(op, run):
+        if any(item[1] is run for item in self._deferred) or not self._owner(op, run):
             self._deferred.append((op, run, t, type_, name, message, details))
             return
         self._send(op, run, t, type_, name, message, details)

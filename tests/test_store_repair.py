@@ -33,8 +33,20 @@ def test_a_damaged_store_stops_a_resume_and_a_repair_makes_it_whole(baseline, pr
     shutil.copytree(original, tmp_path / "copy")
     run_dir = (tmp_path / "copy").rename(tmp_path / "run")  # copied, then moved
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO)}
-    part = run_dir / "store" / "samples" / "agent=solver" / "iteration=1"
-    frag = sorted(part.glob("mb000000-*.parquet"))[0]
+    # Iteration 1 sampled with the solver's weights v1, which the run no longer keeps (k = 0:
+    # the initial and the newest): its damage cannot be written again, and the repair says so,
+    # changing nothing.
+    (late,) = (run_dir / "store" / "samples" / "agent=solver" / "iteration=1").glob("all-*.parquet")
+    whole = late.read_bytes()
+    late.write_bytes(whole[: len(whole) // 2])
+    res = _cli("store", "repair", str(run_dir), env=env)
+    assert res.returncode == 2 and "no longer keeps" in res.stderr and "train.keep_every" in res.stderr, res.stderr
+    assert late.exists()
+    late.write_bytes(whole)
+    # Iteration 0 sampled with v0, which every run keeps. The run compacted the partition: its
+    # one fragment holds every micro-batch's samples with their rewards and consumption.
+    part = run_dir / "store" / "samples" / "agent=solver" / "iteration=0"
+    (frag,) = part.glob("all-*.parquet")
     frag.write_bytes(frag.read_bytes()[: frag.stat().st_size // 2])  # truncated mid-file
     res = _cli("train", "--resume", str(run_dir), "--no-progress", env=env)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
@@ -47,7 +59,7 @@ def test_a_damaged_store_stops_a_resume_and_a_repair_makes_it_whole(baseline, pr
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = audit_run(str(run_dir))
     assert run.problems == [] and run.verdict() == "clean"
-    got, want = (MEGStore(str(d / "store")).read_samples("solver", 1).select(
+    got, want = (MEGStore(str(d / "store")).read_samples("solver", 0).select(
         ["sample_id", "response_ids", "reward", "consumed_step"]).sort_by("sample_id").to_pylist()
         for d in (run_dir, baseline.resolved_run_dir()))
     assert got == want  # the same tokens, rewards and consumption as before the damage

@@ -38,6 +38,7 @@ class Compaction(RunHook):
         self.partitions = 0
         self.seconds = 0.0
         self.failed: list[str] = []
+        self._abandon = threading.Event()
 
     def iteration_done(self, row: dict[str, Any], **kwargs: Any) -> None:
         if self._thread is None:
@@ -46,21 +47,24 @@ class Compaction(RunHook):
         self._todo.put(int(row["iteration"]))
 
     def _work(self) -> None:
-        while (it := self._todo.get()) is not None:
-            for agent in self.store.agents():
-                t0 = time.perf_counter()
-                try:
+        while (it := self._todo.get()) is not None and not self._abandon.is_set():
+            t0 = time.perf_counter()
+            try:
+                for agent in self.store.agents():
                     if self.store.compact(agent, it) is not None:
                         self.partitions += 1
-                except Exception as exc:  # the run's samples stay readable in their fragments
-                    self.failed.append(f"{agent} it={it}: {exc}")
-                    log.warning("store compaction of %s iteration %d failed (its fragments stay as "
-                                "they are, readable): %s", agent, it, exc)
-                self.seconds += time.perf_counter() - t0
+            except Exception as exc:  # the run's samples stay readable in their fragments
+                self.failed.append(f"it={it}: {exc}")
+                log.warning("store compaction of iteration %d failed (its fragments stay as they are, "
+                            "readable): %s", it, exc)
+            self.seconds += time.perf_counter() - t0
 
-    def close(self) -> None:
-        """Wait until every queued iteration is compacted."""
+    def close(self, *, abandon: bool = False) -> None:
+        """Wait until every queued iteration is compacted (`abandon`: the run failed; only the
+        one being compacted now is finished)."""
         if self._thread is not None:
+            if abandon:
+                self._abandon.set()
             self._todo.put(None)
             self._thread.join()
             self._thread = None

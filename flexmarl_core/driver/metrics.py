@@ -262,16 +262,16 @@ def log_lines(loc: Any, name: str) -> list[str]:
 
 def rewrite_log(loc: Any, name: str, lines: list[str]) -> None:
     """Replace run log `name` at `loc` by `lines` (`flexmarl store repair`): in its one file, or
-    in its first part with the later parts deleted after (a crash between leaves lines that a
-    second repair removes again)."""
+    in its first part with the later parts deleted first (a crash between loses a tail of the
+    log, whose ops a resume runs again, never duplicates a line)."""
     text = "".join(f"{x}\n" for x in lines)
     parts = log_parts(loc, name)
     if not parts:
         loc.write_text(f"metrics/{name}", text)
         return
-    loc.write_text(parts[0], text)
     for key in [f"metrics/{name}", *parts[1:]]:
         loc.delete(key)
+    loc.write_text(parts[0], text)
 
 
 class MetricsWriter:
@@ -313,12 +313,19 @@ class MetricsWriter:
         self._tb: Any = None
         self._mirrored = 0.0
         self._written = 0  # op records written by this writer
+        self._synced = 0  # of them, fsynced (local)
         self._uploaded = 0  # of them, in the mirror's copy
 
     def durable(self) -> int:
-        """How many of this writer's op records a resume would read (local: each once written;
-        mirrored: those uploaded). Retention deletes nothing an op not yet durable may need."""
-        return self._written if self.mirror is None else self._uploaded
+        """How many of this writer's op records a resume would read (local: those on disk, synced
+        here; mirrored: those uploaded). Retention deletes nothing an op not yet durable may need."""
+        if self.mirror is not None:
+            return self._uploaded
+        if self._synced < self._written:
+            with _naming(self.dir / "ops.jsonl"):
+                os.fsync(self._ops.fileno())
+            self._synced = self._written
+        return self._synced
 
     def _upload(self, name: str) -> None:
         """The current part of log `name`: what it gained since the part began."""

@@ -15,7 +15,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from flexmarl_core.config import config_from_text
+from flexmarl_core.config import ExperimentConfig, config_from_text
 from flexmarl_core.driver.metrics import log_lines, rewrite_log
 from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation
 from storage import Problem
@@ -23,7 +23,8 @@ from storage.check import EXACTLY_ONCE, check_store
 from storage.fs import open_filesystem
 
 QUARANTINE = "_quarantine"
-_FRAGMENT = re.compile(r"(samples|status)/agent=([^/]+)/iteration=(\d+)/mb(\d+)-[^/]+\.parquet$")
+#: a micro-batch's fragment (`mb000003-...`), or a compacted partition's (`all-...`: every one)
+_FRAGMENT = re.compile(r"(samples|status)/agent=([^/]+)/iteration=(\d+)/(?:mb(\d+)|all)-[^/]+\.parquet$")
 
 
 class DamagedStoreError(RuntimeError):
@@ -32,7 +33,8 @@ class DamagedStoreError(RuntimeError):
 
 @dataclass(frozen=True)
 class Damage:
-    """One damaged fragment: its table, agent, iteration and micro-batch, and the problem."""
+    """One damaged fragment: its table, agent, iteration and micro-batch (-1: a compacted
+    fragment, every micro-batch's rows and their status folded in), and the problem."""
 
     table: str
     agent: str
@@ -49,7 +51,7 @@ def damaged(store_uri: str) -> tuple[list[Damage], list[Problem]]:
             continue
         m = _FRAGMENT.search(p.path)
         if m and p.kind not in EXACTLY_ONCE and p.kind != "mb_tag":
-            fixable.append(Damage(m[1], m[2], int(m[3]), int(m[4]), p))
+            fixable.append(Damage(m[1], m[2], int(m[3]), -1 if m[4] is None else int(m[4]), p))
         else:
             other.append(p)
     return fixable, other
@@ -77,12 +79,36 @@ def _said(p: Problem) -> str:
 
 def _writes(op: dict, d: Damage) -> bool:
     """Whether the op of an op-log row writes the damaged fragment's rows."""
-    if op.get("iteration") != d.iteration or op.get("mb") not in (d.mb, -1):
+    if op.get("iteration") != d.iteration or (d.mb != -1 and op.get("mb") not in (d.mb, -1)):
         return False
     kind = op.get("kind")
-    if d.table == "samples":
-        return kind == "program" or (kind == "rollout" and op.get("agent") == d.agent)
-    return kind in ("reward", "program", "value") or (kind == "train" and op.get("agent") == d.agent)
+    mine = op.get("agent") == d.agent
+    if d.table == "samples" and d.mb != -1:
+        return kind == "program" or (kind == "rollout" and mine)
+    # a status fragment, or a compacted one (samples with their status folded in)
+    return (kind in ("reward", "program", "value") or (kind in ("train", "rollout") and mine)) \
+        and (kind != "rollout" or d.table == "samples")
+
+
+def _needs_missing(loc: RunLocation, cfg: ExperimentConfig, rows: list[dict]) -> str | None:
+    """Why the rewound ops (op-log rows) could not write their rows again, if so: a rollout
+    samples with its agent's weights of its iteration (or up to k older), a program with every
+    agent's, and the run deletes versions no op needs any more (`driver/retention.py`)."""
+    k = cfg.codesign.max_staleness
+    for row in rows:
+        if row.get("kind") not in ("rollout", "program"):
+            continue
+        it = int(row["iteration"])
+        agents = [row["agent"]] if row["kind"] == "rollout" else [a.name for a in cfg.team.agents]
+        for agent in agents:
+            if not cfg.agent(agent).trainable:
+                continue
+            have = set(loc.versions(f"weights/{agent}"))
+            if not have & set(range(max(it - k, 0), it + 1)):
+                return (f"{row['op']} sampled with {agent!r} weights v{max(it - k, 0)}..v{it}, which the run "
+                        f"no longer keeps (it keeps {sorted(have)}: the initial, the newest "
+                        f"{k + 1} and every train.keep_every-th)")
+    return None
 
 
 def repair_run(run_dir: str) -> list[Damage]:
@@ -96,6 +122,13 @@ def repair_run(run_dir: str) -> list[Damage]:
                                 "fragments can be written again")
     if not fixable:
         return []
+    rewound = [row for row in (json.loads(x) for x in log_lines(loc, "ops.jsonl") if _whole(x))
+               if any(_writes(row, d) for d in fixable)]
+    missing = _needs_missing(loc, cfg, rewound)
+    if missing:
+        raise DamagedStoreError(f"cannot repair {fixable[0].problem.path}: its rows are written again by "
+                                f"the ops that wrote them, and {missing}; set train.keep_every to keep the "
+                                "versions a repair may need")
     fs, root, prefix = open_filesystem(cfg.resolved_store_uri())
     for d in fixable:
         path = d.problem.path[len(prefix):]
@@ -109,14 +142,15 @@ def repair_run(run_dir: str) -> list[Damage]:
         lines = log_lines(loc, name)
         if not lines:
             continue
-        kept = []
-        for line in lines:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line
-            if keep(row):
-                kept.append(line)
+        kept = [line for line in lines if _whole(line) and keep(json.loads(line))]  # a torn last line goes
         rewrite_log(loc, name, kept)
     return fixable
+
+
+def _whole(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except json.JSONDecodeError:
+        return False
 

@@ -19,10 +19,13 @@ reruns reads a version below w-k. A worker could not know that: on object storag
 reaches the store seconds after the ops. A crash between a new version's write and an old
 one's delete leaves one version too many, which the next sync's pass deletes (it lists the
 folder). Each delete is one file's unlink or DELETE: a reader sees the whole file or none.
+This relies on the orchestrator running one op of a trainer at a time (a sync is never
+overtaken by its agent's next step).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +35,8 @@ from flexmarl_core.orchestrator.hooks import RunHook
 from flexmarl_core.runtime.location import RunLocation, trainer_key, weights_key
 
 __all__ = ["KeepRule", "Retention"]
+
+log = logging.getLogger(__name__)
 
 
 class KeepRule:
@@ -79,6 +84,8 @@ class Retention(RunHook):
     def release(self, *, everything: bool = False) -> None:
         """Apply the rule for the agents whose records are durable now (`everything`: the op
         log is closed, all are)."""
+        if not self._pending:
+            return
         upto = self._seen if everything else self.durable()
         changed: set[str] = set()
         while self._pending and self._pending[0][0] <= upto:
@@ -87,7 +94,10 @@ class Retention(RunHook):
             seen[agent] = max(seen.get(agent, 0), version)
             changed.add(agent)
         for agent in sorted(changed):
-            self._apply(agent)
+            try:
+                self._apply(agent)
+            except OSError as exc:  # the next pass lists the folder again: nothing is lost
+                log.warning("retention: deleting %s's old versions failed (%s); the next sync retries", agent, exc)
 
     def _apply(self, agent: str) -> None:
         states = self.loc.versions(f"trainers/{agent}")

@@ -335,14 +335,16 @@ def train(
     orch = Orchestrator(plan, cfg, executor, skip=[r.op for r in earlier],
                         hooks=[WriteOpLog(writer), TrackIterations(tracker), retention, *hooks])
     orch.control.warm(r.result for r in earlier)
+    ended = False
     try:
         result = orch.run()
         tracker.flush(final=True)
+        ended = True
     finally:
         writer.decisions(orch.control.decisions)
         writer.close()
         if compaction is not None:
-            compaction.close()
+            compaction.close(abandon=not ended)
     retention.release(everything=True)  # only after a run that ended: a failed one keeps its files
     records = [*earlier, *result.records]
     workers1 = _worker_cpu(executor)

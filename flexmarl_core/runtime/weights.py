@@ -60,15 +60,21 @@ def _cpu_copy(state: State) -> State:
 
 
 def _unshared(state: State) -> State:
-    """`state` on the CPU with no two tensors on one storage (what safetensors writes): the
-    tensors themselves where they are CPU, contiguous and alone, a copy of the others."""
+    """`state` on the CPU as safetensors writes it: no two tensors on one storage. A trainer's
+    parameters are views of one flat buffer (`TorchTrainer`): each becomes a tensor of its own
+    storage over the same memory (no copy); only tensors over the same bytes (tied embeddings)
+    are copied."""
     out: State = {}
-    seen: set[int] = set()
+    seen: set[tuple[int, int]] = set()
     for k, v in state.items():
         t = v.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        out[k] = t.clone() if ptr in seen else t
-        seen.add(ptr)
+        span = (t.data_ptr(), t.numel() * t.element_size())
+        if span in seen or t.numel() == 0:
+            out[k] = t.clone()
+            continue
+        seen.add(span)
+        flat = torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy())  # own storage, same bytes
+        out[k] = flat.view(t.dtype).reshape(t.shape)
     return out
 
 

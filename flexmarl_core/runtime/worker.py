@@ -283,12 +283,17 @@ class WorkerContext:
         t0 = time.perf_counter()
         if tr is None:
             tr = self._new_trainer(agent)
-        if version == 0:
+        key = trainer_key(agent, version)
+        at = version if version > 0 and self.loc.is_file(key) else None
+        if at is None:
+            # An op rerun after its trainer moved on (a resume after `store repair`): the work
+            # is done; the newest state says so (the run keeps no older one, retention.py).
+            at = max((v for v in self.loc.versions(f"trainers/{agent}") if v > version), default=None)
+        if version == 0 and at is None:
             self.trainers[agent] = tr
             return tr, {**room, **self._keep_resident(agent)}
-        key = trainer_key(agent, version)
-        if self.loc.is_file(key):
-            nbytes = self._load_trainer_state(tr, agent, version)
+        if at is not None:
+            nbytes = self._load_trainer_state(tr, agent, at)
             self.trainers[agent] = tr
             self.accumulated[agent] = set()  # gradients of the stale copy are not this state's
             out = {**room, **self._keep_resident(agent)}
