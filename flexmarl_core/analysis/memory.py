@@ -8,7 +8,7 @@ A worker can come to hold every agent's engine (the balancer re-tags rollout wor
 trainer it may train (on-demand allocation moves them): the plan takes that worst case.
 
     need(worker) = BASELINE + sum(engines) + max(KV) + sum(k largest trainer states)
-                   + max(chunk activations, optimizer step temporaries)
+                   + max(chunk activations, optimizer step temporaries[, a swap-in's read buffer])
 
 The terms are fp32 training (AdamW: weights, gradients, two moments = 16 bytes per trained
 parameter), the engine in `model.dtype`, a frozen reference when `kl_coef` > 0, and a shared
@@ -170,18 +170,22 @@ def plan(cfg: ExperimentConfig) -> tuple[list[AgentMemory], list[WorkerMemory]]:
                                                     or f"rollout:{m.agent}" in w.resources)]
         trains = [m for m in agents if w.resources.get(TRAIN_TAG, 0) > 0 and by_name[m.agent].trainer > 0]
         engines = _engines(hosts)
-        fixed = BASELINE + engines + max((m.kv_cache for m in hosts), default=0) + \
-            max((max(m.activations, m.step) for m in trains), default=0) + _bases(trains)
+        base = BASELINE + engines + max((m.kv_cache for m in hosts), default=0) + _bases(trains)
+        transient = max((max(m.activations, m.step) for m in trains), default=0)
+        fixed = base + transient
+        # Swapping: a swap-in reads the state file (weights and moments) into a buffer beside
+        # the trainer it fills.
+        swapping = base + max(transient, max((m.weights + m.optimizer for m in trains), default=0))
         states = sorted((m.trainer for m in trains), reverse=True)
-        all_res, one_res = fixed + sum(states), fixed + (states[0] if states else 0)
+        all_res, one_res = fixed + sum(states), (swapping if len(states) > 1 else fixed) + (states[0] if states else 0)
         fit = 0  # how many of the largest states fit at once
-        while fit < len(states) and fixed + sum(states[: fit + 1]) <= limit:
+        while fit < len(states) and (fixed if fit + 1 == len(states) else swapping) + sum(states[: fit + 1]) <= limit:
             fit += 1
         resident: int | None = None if fit == len(states) else fit
         asked = w.resident_trainers
         if asked is not None:  # set by hand: what it asks for, if that fits
             resident = (None if asked >= len(states) else asked) if asked <= fit else 0
-        planned = fixed + sum(states[: len(states) if resident is None else resident])
+        planned = (fixed if resident is None else swapping) + sum(states[: len(states) if resident is None else resident])
         out.append(WorkerMemory(w.name, limit, tuple(m.agent for m in trains), all_res, one_res, resident,
                                 planned, asked))
     return agents, out

@@ -58,7 +58,7 @@ from flexmarl_core.runtime.weights import (
 from flexmarl_core.teams import TeamShape, team_shape
 from flexmarl_core.training import TrainBackend
 from flexmarl_core.training.api import GradientTrainer
-from flexmarl_core.training.handles import dump, load
+from flexmarl_core.training.handles import dump, load, trim_buffers
 from flexmarl_core.workloads import make_workload
 from flexmarl_core.workloads.api import Workload
 from flexmarl_core.workloads.bounded import Deadline
@@ -360,7 +360,12 @@ class WorkerContext:
         key = trainer_key(agent, version)
         with self.loc.open_input(key) as f:
             tr.load_state(load(f, what=self.loc.display(key)))
-            return f.tell()
+            nbytes = f.tell()
+        if self.resident_limit is not None:
+            # Swapping to fit in memory: the read buffer goes back now instead of waiting in the
+            # pool for the next swap-in (a 0.5B state kept 5.5 GB resident there).
+            trim_buffers()
+        return nbytes
 
     def checkpoint_trainer(self, agent: str) -> dict[str, float]:
         """Swap the trainer state out to the shared tier after a step (atomic file). The run
