@@ -293,11 +293,13 @@ class WorkerContext:
             self.trainers[agent] = tr
             return tr, {**room, **self._keep_resident(agent)}
         if at is not None:
+            t0 = time.perf_counter()  # the state's read and load (not the trainer's making)
             nbytes = self._load_trainer_state(tr, agent, at)
+            swap_in_s = time.perf_counter() - t0
             self.trainers[agent] = tr
             self.accumulated[agent] = set()  # gradients of the stale copy are not this state's
             out = {**room, **self._keep_resident(agent)}
-            return tr, {**out, "swap_in_s": time.perf_counter() - t0, "swap_in_bytes": float(nbytes)}
+            return tr, {**out, "swap_in_s": swap_in_s, "swap_in_bytes": float(nbytes)}
         if self.checkpoint_due(version):
             raise RuntimeError(
                 f"agent {agent!r}: trainer state version {version} is neither in this worker's "
