@@ -10,7 +10,8 @@ Three parts:
    process's CPU seconds and RSS, the store's file count and bytes, the disk held by weights and
    trainer states, and the bytes the flow and its workers wrote (`/proc/<pid>/io`). Targets:
    disk held bounded (the second half's largest within 5% of the first half's), flow RSS flat
-   after warm-up (the last tenth's median within 10% of the one after the first tenth), store
+   after warm-up (in the first attempt, its last tenth's median within 10% of its second
+   tenth's; `flow_rss_kb_per_op` says the growth per op, which decides longer runs), store
    files per iteration bounded (compaction), and each iteration's Prefect graph (its nested flow
    run's task runs) far below the server's 10,000.
 2. **A synthetic store history**: the tiny team's traffic (inputs, 3 agents x 2 micro-batches
@@ -261,9 +262,19 @@ def op_log_on_s3(ops: int) -> dict[str, Any]:
 def summarise(long: dict[str, Any]) -> dict[str, Any]:
     rows = long["rows"]
     n = len(rows)
-    tenth = max(n // 10, 1)
-    rss_warm = statistics.median(r["flow_rss_mb"] for r in rows[tenth:2 * tenth])
-    rss_end = statistics.median(r["flow_rss_mb"] for r in rows[-tenth:])
+    # The flow's RSS within each attempt (the kill starts a new process): the median of its
+    # second tenth against its last tenth, and the growth per op between them.
+    attempts: list[dict[str, Any]] = []
+    for pid in dict.fromkeys(r["pid"] for r in rows):
+        rr = [r for r in rows if r["pid"] == pid]
+        t = max(len(rr) // 10, 1)
+        warm, end = rr[t:2 * t], rr[-t:]
+        w, e = statistics.median(r["flow_rss_mb"] for r in warm), statistics.median(r["flow_rss_mb"] for r in end)
+        its = statistics.median(r["iteration"] for r in end) - statistics.median(r["iteration"] for r in warm)
+        attempts.append({"iterations": [rr[0]["iteration"], rr[-1]["iteration"]], "rss_mb_after_warmup": w,
+                         "rss_mb_end": e, "growth": e / w,
+                         "kb_per_op": 1e3 * (e - w) / max(its * long["ops"] / long["iterations"], 1)})
+    rss_warm, rss_end = attempts[0]["rss_mb_after_warmup"], attempts[0]["rss_mb_end"]
     half = n // 2
     held_first = max(r["weights_trainers_mb"] for r in rows[:half])
     held_second = max(r["weights_trainers_mb"] for r in rows[half:])
@@ -275,6 +286,7 @@ def summarise(long: dict[str, Any]) -> dict[str, Any]:
     q = max(len(cpu) // 4, 1)
     return {
         "flow_rss_mb_after_warmup": rss_warm, "flow_rss_mb_end": rss_end, "flow_rss_growth": rss_end / rss_warm,
+        "flow_rss_kb_per_op": statistics.mean(a["kb_per_op"] for a in attempts), "flow_rss_attempts": attempts,
         "weights_trainers_mb_max_first_half": held_first, "weights_trainers_mb_max_second_half": held_second,
         "store_files_end": files_end, "store_files_per_iteration_second_half": per_it_files,
         "flow_cpu_s_per_iteration_first_quarter": statistics.median(cpu[:q]),
@@ -321,7 +333,8 @@ def main() -> int:
     print(f"long run: {iterations} iterations ({long['ops']} ops), killed after {long['killed_after_iterations']}, "
           f"resumed; {long['wall_s']:.0f} s; audit {long['store_audit_s']:.1f} s, check {long['store_check_s']:.1f} s")
     print(f"  flow RSS {summary['flow_rss_mb_after_warmup']:.0f} -> {summary['flow_rss_mb_end']:.0f} MB "
-          f"(x{summary['flow_rss_growth']:.3f}); weights+states held max {summary['weights_trainers_mb_max_first_half']:.1f} "
+          f"(x{summary['flow_rss_growth']:.3f}, {summary['flow_rss_kb_per_op']:.1f} KB per op); weights+states held max "
+          f"{summary['weights_trainers_mb_max_first_half']:.1f} "
           f"/ {summary['weights_trainers_mb_max_second_half']:.1f} MB (first / second half)")
     print(f"  store files {summary['store_files_end']} ({summary['store_files_per_iteration_second_half']:.1f} per "
           f"iteration, second half); flow CPU {summary['flow_cpu_ms_per_op_last_quarter']:.1f} ms per op")
