@@ -95,7 +95,10 @@ def full_disk(env: dict[str, str], root: Path) -> dict[str, Any]:
 def damaged_store(env: dict[str, str], root: Path) -> dict[str, Any]:
     run_dir = root / "damaged"
     first = _cli(env, "train", TINY, *_sets(run_dir), "--no-progress")
-    frag = sorted((run_dir / "store" / "samples" / "agent=solver" / "iteration=1").glob("mb000000-*.parquet"))[0]
+    # Iteration 0 sampled with the initial weights, which every run keeps (a later iteration's
+    # weights may be gone: the repair then refuses, naming train.keep_every). The run compacted
+    # the partition into one fragment.
+    (frag,) = (run_dir / "store" / "samples" / "agent=solver" / "iteration=0").glob("*.parquet")
     frag.write_bytes(frag.read_bytes()[: frag.stat().st_size // 2])
     refused = _cli(env, "train", "--resume", str(run_dir), "--no-progress")
     repaired = _cli(env, "store", "repair", str(run_dir))
