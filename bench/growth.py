@@ -192,11 +192,11 @@ def store_history(out: Path, iterations: int, compact: bool) -> dict[str, Any]:
         store.write_inputs(it, [{"input_id": f"it{it}-in{i}", "text": "1+2", "answer": "3", "split": "train",
                                  "meta": json.dumps({"mb": i // 2, "pos": i % 2})} for i in range(4)])
         for mb in range(2):
-            for agent, parents in team:
-                rows = _tiny_rows(it, agent, mb, parents)
+            written = {agent: _tiny_rows(it, agent, mb, parents) for agent, parents in team}
+            for agent, rows in written.items():
                 store.write_samples(agent, it, rows)
-            for agent, _ in team:
-                ids = [f"{r['input_id']}:{r['traj']}:{agent}:0" for r in _tiny_rows(it, agent, mb, [])]
+            for agent, rows in written.items():
+                ids = [f"{r['input_id']}:{r['traj']}:{agent}:0" for r in rows]
                 store.write_status(agent, it, [{"sample_id": s, "policy_version": it, "mb": mb, "reward": 1.0}
                                                for s in ids])
                 store.mark_consumed(agent, it, [{"sample_id": s, "policy_version": it, "mb": mb} for s in ids],

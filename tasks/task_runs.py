@@ -77,6 +77,8 @@ class _Run:
     last_event: uuid.UUID | None = None
     tags: list[str] = field(default_factory=list)
     flow_run_id: str = ""
+    #: its reports waiting for its flow run (`TaskRunReporter._deferred`)
+    waiting: int = 0
 
 
 class TaskRunReporter:
@@ -138,14 +140,16 @@ class TaskRunReporter:
             return
         # Taken first: a send flushes what is held, which drains again (nothing left to do).
         items, self._deferred = self._deferred, []
-        waiting = []
+        waiting, stuck = [], set()  # a run whose report stays waits whole: its states in order
         for item in items:
             op, run = item[0], item[1]
             if final and not self._owner(op, run):
                 run.flow_run_id = self.flow_run_id
-            if self._owner(op, run) and not any(w[1] is run for w in waiting):
+            if id(run) not in stuck and self._owner(op, run):
+                run.waiting -= 1
                 self._send(*item)
             else:
+                stuck.add(id(run))
                 waiting.append(item)
         self._deferred = waiting + self._deferred
 
@@ -217,7 +221,8 @@ class TaskRunReporter:
     def _emit(self, op: Op, run: _Run, t: float, type_: str, name: str, *, message: str | None = None,
               details: dict[str, Any] | None = None) -> None:
         self._drain()  # what waited goes first: the API sees each task run's states in order
-        if any(item[1] is run for item in self._deferred) or not self._owner(op, run):
+        if run.waiting or not self._owner(op, run):
+            run.waiting += 1
             self._deferred.append((op, run, t, type_, name, message, details))
             return
         self._send(op, run, t, type_, name, message, details)

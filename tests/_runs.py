@@ -5,6 +5,11 @@ sample exactly once and ended with the undisturbed run's samples and weights."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -104,3 +109,19 @@ def plant_fault(run_dir: Path, kind: str, victim: str, content: str = "") -> Pat
     marker.parent.mkdir(parents=True)
     marker.write_text(content)
     return marker
+
+
+def kill_group_when(proc: subprocess.Popen, ready: Callable[[], bool], limit_s: float = 600.0) -> None:
+    """Once `ready()` (or after `limit_s`), SIGKILL `proc`'s process group: the training
+    process and its Dask workers. Fails if the run ended first."""
+    deadline = time.monotonic() + limit_s
+    try:
+        while time.monotonic() < deadline and proc.poll() is None and not ready():
+            time.sleep(0.1)
+        assert proc.poll() is None, f"the run ended before the kill: {proc.stdout.read() if proc.stdout else ''}"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+

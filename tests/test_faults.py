@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from tests._runs import (
     assert_same_weights,
     flow,
     flow_run,
+    kill_group_when,
     ops_log,
     plant_fault,
     task_runs,
@@ -297,21 +297,9 @@ def test_kill_9_training_process_then_resume(baseline, prefect_api, tmp_path):
     sets = [x for o in [f"run_dir={run_dir}", *COMMON] for x in ("--set", o)]
     # Kill in the middle of iteration 1: some of its training done, its steps held (not done).
     holds = hold_steps(run_dir, 1)
-    proc = _cli("train", TINY, *sets, "--no-progress", env=env)
     log = run_dir / "metrics" / "ops.jsonl"
-    deadline = time.time() + 600
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            rows = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-            if any(r["iteration"] == 1 and r["kind"] == "train" for r in rows):
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, f"run ended before the kill: {proc.stdout.read() if proc.stdout else ''}"
-        os.killpg(proc.pid, signal.SIGKILL)  # the training process and its Dask workers
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    kill_group_when(_cli("train", TINY, *sets, "--no-progress", env=env),
+                    lambda: log.exists() and any(r["iteration"] == 1 and r["kind"] == "train" for r in ops_log(run_dir)))
     done_before = [json.loads(x)["op"] for x in log.read_text().splitlines() if x.strip()]
     assert not any(f"step[{a}] it=1" in done_before for a in ("planner", "solver", "verifier"))
     # The killed run's flow run stops showing Running once its dead lease is seen.
@@ -363,21 +351,9 @@ def test_kill_9_between_checkpoints_then_resume_replays(prefect_api, dask_cluste
     sets = [x for o in [f"run_dir={run_dir}", *COMMON, *SCHEDULED, ONE_WORKER] for x in ("--set", o)]
     # Killed in iteration 3 once it trains: its steps (checkpoint v4) are held, not done.
     holds = hold_steps(run_dir, 3)
-    proc = _cli("train", TINY, *sets, "--no-progress", env=env)
     log = run_dir / "metrics" / "ops.jsonl"
-    deadline = time.time() + 600
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            rows = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-            if any(r["iteration"] == 3 and r["kind"] == "train" for r in rows):
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, f"run ended before the kill: {proc.stdout.read() if proc.stdout else ''}"
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    kill_group_when(_cli("train", TINY, *sets, "--no-progress", env=env),
+                    lambda: log.exists() and any(r["iteration"] == 3 and r["kind"] == "train" for r in ops_log(run_dir)))
     done_before = [json.loads(x)["op"] for x in log.read_text().splitlines() if x.strip()]
     agents = MEG.from_config(load_config(TINY).team).trainable_agents
     stepped = [a for a in agents if f"step[{a}] it=2" in done_before]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from flexmarl_core.programs.manifest import committed_ids, read_manifest
 from flexmarl_core.stages import faults_dir
 from flexmarl_core.workloads import make_workload
 from storage import MEGStore
+from tests._runs import kill_group_when, ops_log
 from tests.test_faults import _cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,21 +122,10 @@ def test_kill_9_mid_run_then_resume_completes_exactly_once(prefect_api, tmp_path
     run_dir = tmp_path / "run"
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO)}
     sets = [x for o in [f"run_dir={run_dir}", *SMALL] for x in ("--set", o)]
-    proc = _cli("train", CONFIG, *sets, "--no-progress", env=env)
     log = run_dir / "metrics" / "ops.jsonl"
-    deadline = time.time() + 600
-    try:  # kill once iteration 1 has a committed program op but has not stepped
-        while time.time() < deadline and proc.poll() is None:
-            rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.exists() else []
-            if any(r["iteration"] == 1 and r["kind"] == "program" for r in rows):
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, f"run ended before the kill: {proc.stdout.read() if proc.stdout else ''}"
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    # kill once iteration 1 has a committed program op but has not stepped
+    kill_group_when(_cli("train", CONFIG, *sets, "--no-progress", env=env),
+                    lambda: log.exists() and any(r["iteration"] == 1 and r["kind"] == "program" for r in ops_log(run_dir)))
     done = {json.loads(x)["op"] for x in log.read_text().splitlines() if x.strip()}
     assert not all(f"step[{a}] it=1" in done for a in ("planner", "solver", "verifier")), "killed too late"
     resumed = _cli("train", "--resume", str(run_dir), "--no-progress", env=env)

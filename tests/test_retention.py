@@ -4,12 +4,9 @@ it goes; a crash between a new version's write and an old one's delete loses not
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,15 @@ from flexmarl_core.driver.retention import KeepRule
 from flexmarl_core.orchestrator.hooks import Callbacks
 from flexmarl_core.runtime.location import RunLocation
 from flexmarl_core.stages.faults import faults_dir, held_ops
-from tests._runs import COMMON, REPO, TINY, assert_exactly_once, assert_same_weights
+from tests._runs import (
+    COMMON,
+    REPO,
+    TINY,
+    assert_exactly_once,
+    assert_same_weights,
+    kill_group_when,
+    ops_log,
+)
 
 AGENTS = ("planner", "solver", "verifier")
 OFF_POLICY = [f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in AGENTS]
@@ -114,21 +119,10 @@ def test_a_crash_between_a_new_versions_write_and_the_deletes_then_resume(baseli
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
 
-    proc = cli("train", TINY, *sets, "--no-progress")
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None and held not in held_ops(run_dir):
-            time.sleep(0.1)
-        assert proc.poll() is None, f"the run ended before the kill: {proc.stdout.read() if proc.stdout else ''}"
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    kill_group_when(cli("train", TINY, *sets, "--no-progress"), lambda: held in held_ops(run_dir))
     loc = RunLocation(run_dir)
     assert loc.versions("weights/planner") == [0, 1, 2]
-    logged = [json.loads(x)["op"] for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines() if x.strip()]
-    assert "sync[planner] it=1" not in logged
+    assert "sync[planner] it=1" not in [o["op"] for o in ops_log(run_dir)]
     for marker in folder.iterdir():
         marker.unlink()
     resumed = cli("train", "--resume", str(run_dir), "--no-progress")

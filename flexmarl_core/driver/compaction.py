@@ -37,7 +37,6 @@ class Compaction(RunHook):
         #: partitions compacted, and seconds spent, by this run
         self.partitions = 0
         self.seconds = 0.0
-        self.failed: list[str] = []
         self._abandon = threading.Event()
 
     def iteration_done(self, row: dict[str, Any], **kwargs: Any) -> None:
@@ -54,7 +53,6 @@ class Compaction(RunHook):
                     if self.store.compact(agent, it) is not None:
                         self.partitions += 1
             except Exception as exc:  # the run's samples stay readable in their fragments
-                self.failed.append(f"it={it}: {exc}")
                 log.warning("store compaction of iteration %d failed (its fragments stay as they are, "
                             "readable): %s", it, exc)
             self.seconds += time.perf_counter() - t0

@@ -299,16 +299,14 @@ class MetricsWriter:
         self._part: dict[str, tuple[int, int]] = {}
         #: bytes uploaded to the mirror by this writer, per log
         self.uploaded_bytes: dict[str, int] = dict.fromkeys(self.FILES, 0)
-        if mirror is not None:
-            for name in self.FILES:
-                lines = log_lines(mirror, name)
-                (self.dir / name).write_text("".join(f"{x}\n" for x in lines))
-                _cut_torn_line(self.dir / name)
+        for name in self.FILES:
+            if mirror is not None:
+                (self.dir / name).write_text("".join(f"{x}\n" for x in log_lines(mirror, name)))
+            _cut_torn_line(self.dir / name)
+            if mirror is not None:  # a resumed writer goes on in a part of its own
                 parts = log_parts(mirror, name)
                 after = int(parts[-1].rsplit("/", 1)[1][:6]) + 1 if parts else 0
                 self._part[name] = (after, (self.dir / name).stat().st_size)
-        for name in self.FILES:
-            _cut_torn_line(self.dir / name)
         self._ops = open(self.dir / "ops.jsonl", "a")  # noqa: SIM115 - closed in close()
         self._tb: Any = None
         self._mirrored = 0.0

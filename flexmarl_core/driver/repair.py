@@ -95,6 +95,7 @@ def _needs_missing(loc: RunLocation, cfg: ExperimentConfig, rows: list[dict]) ->
     samples with its agent's weights of its iteration (or up to k older), a program with every
     agent's, and the run deletes versions no op needs any more (`driver/retention.py`)."""
     k = cfg.codesign.max_staleness
+    kept: dict[str, set[int]] = {}  # agent -> the weight versions the run keeps (listed once)
     for row in rows:
         if row.get("kind") not in ("rollout", "program"):
             continue
@@ -103,7 +104,9 @@ def _needs_missing(loc: RunLocation, cfg: ExperimentConfig, rows: list[dict]) ->
         for agent in agents:
             if not cfg.agent(agent).trainable:
                 continue
-            have = set(loc.versions(f"weights/{agent}"))
+            if agent not in kept:
+                kept[agent] = set(loc.versions(f"weights/{agent}"))
+            have = kept[agent]
             if not have & set(range(max(it - k, 0), it + 1)):
                 return (f"{row['op']} sampled with {agent!r} weights v{max(it - k, 0)}..v{it}, which the run "
                         f"no longer keeps (it keeps {sorted(have)}: the initial, the newest "
@@ -122,8 +125,7 @@ def repair_run(run_dir: str) -> list[Damage]:
                                 "fragments can be written again")
     if not fixable:
         return []
-    rewound = [row for row in (json.loads(x) for x in log_lines(loc, "ops.jsonl") if _whole(x))
-               if any(_writes(row, d) for d in fixable)]
+    rewound = [row for _, row in _parsed(log_lines(loc, "ops.jsonl")) if any(_writes(row, d) for d in fixable)]
     missing = _needs_missing(loc, cfg, rewound)
     if missing:
         raise DamagedStoreError(f"cannot repair {fixable[0].problem.path}: its rows are written again by "
@@ -142,15 +144,17 @@ def repair_run(run_dir: str) -> list[Damage]:
         lines = log_lines(loc, name)
         if not lines:
             continue
-        kept = [line for line in lines if _whole(line) and keep(json.loads(line))]  # a torn last line goes
-        rewrite_log(loc, name, kept)
+        rewrite_log(loc, name, [line for line, row in _parsed(lines) if keep(row)])
     return fixable
 
 
-def _whole(line: str) -> bool:
-    try:
-        json.loads(line)
-        return True
-    except json.JSONDecodeError:
-        return False
+def _parsed(lines: list[str]) -> list[tuple[str, dict]]:
+    """Each whole line with its row (a torn last line goes)."""
+    out = []
+    for line in lines:
+        try:
+            out.append((line, json.loads(line)))
+        except json.JSONDecodeError:
+            continue
+    return out
 

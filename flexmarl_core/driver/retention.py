@@ -72,12 +72,11 @@ class Retention(RunHook):
         self._pending: list[tuple[int, str, str, int]] = []
         self._stepped: dict[str, int] = {}
         self._synced: dict[str, int] = {}
-        self.deleted: list[str] = []
 
     def op_done(self, record: OpRecord, **kwargs: Any) -> None:
         self._seen += 1
         op = record.op
-        if op.kind in ("step", "sync") and op.agent is not None:
+        if op.kind in ("step", "sync"):
             self._pending.append((self._seen, op.kind, op.agent, op.iteration + 1))
         self.release()
 
@@ -104,12 +103,8 @@ class Retention(RunHook):
         keep_states = self.rule.states(states, self._stepped.get(agent, 0)) if agent in self._stepped else set(states)
         for v in states:
             if v not in keep_states:
-                self._delete(trainer_key(agent, v))
+                self.loc.delete(trainer_key(agent, v))
         if agent in self._synced:
             have = self.loc.versions(f"weights/{agent}")
             for v in sorted(set(have) - self.rule.weights(have, self._synced[agent], keep_states)):
-                self._delete(weights_key(agent, v))
-
-    def _delete(self, key: str) -> None:
-        self.loc.delete(key)
-        self.deleted.append(key)
+                self.loc.delete(weights_key(agent, v))

@@ -211,16 +211,12 @@ def check_resumable(cfg: ExperimentConfig, run_dir: RunDir) -> None:
                           f"{loc.display(CONFIG_NAME)}")
 
 
-def _jsonl_lines(loc: RunLocation, key: str) -> list[str]:
-    return log_lines(loc, key.removeprefix("metrics/"))
-
-
 def completed_records(run_dir: RunDir) -> list[OpRecord]:
     """Ops an earlier attempt of this run finished, from its op log, as far as they still hold:
     a micro-batch's training counts only once its agent's step is done (accumulated gradients
     live in worker memory and died with the attempt); a torn last line is ignored."""
     recs: dict[object, OpRecord] = {}
-    for line in _jsonl_lines(as_location(run_dir), "metrics/ops.jsonl"):
+    for line in log_lines(as_location(run_dir), "ops.jsonl"):
         try:
             row = json.loads(line)
             res = StageResult.from_row(row)
@@ -234,7 +230,7 @@ def completed_records(run_dir: RunDir) -> list[OpRecord]:
 def _reported_iterations(run_dir: RunDir) -> list[dict[str, Any]]:
     """The iteration rows an earlier attempt wrote (a torn last line is ignored)."""
     rows = []
-    for line in _jsonl_lines(as_location(run_dir), "metrics/iterations.jsonl"):
+    for line in log_lines(as_location(run_dir), "iterations.jsonl"):
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:

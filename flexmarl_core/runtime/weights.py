@@ -53,17 +53,12 @@ def trainer_state_path(run_dir: str | Path, agent: str, version: int) -> Path:
     return Path(run_dir) / trainer_key(agent, version)
 
 
-def _cpu_copy(state: State) -> State:
-    # Clone: tied embeddings share storage and safetensors refuses shared tensors; lm_head must
-    # travel with the rest (a vLLM push without it silently keeps the old output layer).
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-
-
 def _unshared(state: State) -> State:
     """`state` on the CPU as safetensors writes it: no two tensors on one storage. A trainer's
     parameters are views of one flat buffer (`TorchTrainer`): each becomes a tensor of its own
-    storage over the same memory (no copy); only tensors over the same bytes (tied embeddings)
-    are copied."""
+    storage over the same memory (no copy); only tensors over the same bytes (tied embeddings:
+    lm_head must travel with the rest, or a vLLM push silently keeps the old output layer) are
+    copied."""
     out: State = {}
     seen: set[tuple[int, int]] = set()
     for k, v in state.items():
@@ -89,7 +84,7 @@ def from_safetensors(blob: bytes, what: str) -> State:
 def save_state_atomic(path: Path, state: State) -> Path:
     """Write a state dict as safetensors atomically (temp + rename): readers never see half."""
     with atomic_path(path) as tmp:
-        save_file(_cpu_copy(state), str(tmp))
+        save_file(_unshared(state), str(tmp))
     return path
 
 
@@ -123,7 +118,7 @@ def load_weights(run_dir: RunDir, agent: str, version: int) -> State:
 
 def publish_base(run_dir: RunDir, key: str, state: State) -> None:
     """Publish the shared base `key` of LoRA agents (`models.lora.base_key`)."""
-    as_location(run_dir).write_bytes(base_weights_key(key), save_safetensors(_cpu_copy(state)))
+    as_location(run_dir).write_bytes(base_weights_key(key), save_safetensors(_unshared(state)))
 
 
 def load_base(run_dir: RunDir, key: str) -> State:

@@ -284,11 +284,13 @@ class WorkerContext:
         if tr is None:
             tr = self._new_trainer(agent)
         key = trainer_key(agent, version)
+        have: list[int] = []
         at = version if version > 0 and self.loc.is_file(key) else None
         if at is None:
             # An op rerun after its trainer moved on (a resume after `store repair`): the work
             # is done; the newest state says so (the run keeps no older one, retention.py).
-            at = max((v for v in self.loc.versions(f"trainers/{agent}") if v > version), default=None)
+            have = self.loc.versions(f"trainers/{agent}")
+            at = max((v for v in have if v > version), default=None)
         if version == 0 and at is None:
             self.trainers[agent] = tr
             return tr, {**room, **self._keep_resident(agent)}
@@ -307,10 +309,10 @@ class WorkerContext:
             )
         # Between checkpoints, in the run's one process: replay from the newest state at hand
         # (this process's trainer, or the last checkpoint after a restart).
-        base = max((v for v in self.loc.versions(f"trainers/{agent}") if v < version), default=0)
+        base = max((v for v in have if v < version), default=0)
         swap: dict[str, float] = dict(room)
         if base > tr.version:
-            swap = {"swap_in_bytes": float(self._load_trainer_state(tr, agent, base))}
+            swap["swap_in_bytes"] = float(self._load_trainer_state(tr, agent, base))
             self.accumulated[agent] = set()
         self.trainers[agent] = tr
         swap.update(self._keep_resident(agent))
