@@ -354,3 +354,37 @@ def test_collate_layout_and_errors():
         collate([Sample([1], [2, 3], [-1.0], 0.0)])
     with pytest.raises(ValueError, match="nothing to train on"):
         global_loss_scale([[Sample([1], [2], [-1.0], 0.0, [0])]], lambda mb: 0.0)
+
+
+def test_lr_warm_up_scales_each_step_and_continues_after_a_state_round_trip():
+    """With `lr_warmup_steps=4` the step making version v+1 runs at lr·(v+1)/4, then at lr. Adam's
+    update is elementwise in the rate, so the same gradients move every weight by exactly that
+    fraction of the unwarmed update. A trainer rebuilt from a
+    state continues the schedule, since the rate follows the restored version."""
+    algo = AlgorithmConfig(lr=1e-3)
+    plain, warm = trainer(algo=algo), trainer(algo=algo, lr_warmup_steps=4)
+    assert [warm.lr_at(v) for v in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+
+    def moved(t, seed):
+        before = t.weights()
+        t.accumulate(random_samples(3, seed=seed), 0.1)
+        t.step()
+        return torch.cat([(t.weights()[k] - before[k]).flatten() for k in before])
+
+    # Adam's first update is lr * g / (|g| + eps): the ratio is the schedule's, gradient aside.
+    # Updates of at least a tenth of lr: a difference of fp32 weights of ~0.1 then carries a
+    # rounding error under 1e-8 / 2.5e-5, far inside rtol.
+    first_plain, first_warm = moved(plain, 0), moved(warm, 0)
+    nz = first_plain.abs() > 1e-4
+    ratio = first_warm[nz] / first_plain[nz]
+    assert torch.allclose(ratio, torch.full_like(ratio, 0.25), rtol=1e-3)
+
+    # Two more steps, then a round trip through the state: step 4 runs at 1e-3 in both.
+    for seed in (1, 2):
+        moved(warm, seed)
+    resumed = trainer(algo=algo, lr_warmup_steps=4)
+    resumed.load_state(warm.state())
+    assert resumed.version == 3 and resumed.lr_at(resumed.version) == pytest.approx(1e-3)
+    step_warm, step_resumed = moved(warm, 3), moved(resumed, 3)
+    assert torch.equal(step_warm, step_resumed)
+    assert warm.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)

@@ -169,6 +169,11 @@ class AlgorithmConfig(_Strict):
     )
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to a frozen reference; 0 disables it.")
     lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate.")
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Optimizer steps over which the rate rises linearly from lr/n to lr "
+        "(0: none). Adam's first steps move every weight by about the rate, so a warm-up keeps "
+        "a noisy first RL gradient from undoing a warm start.",
+    )
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
     bf16: bool = Field(False, description="bf16 autocast for forward/backward on CPU.")

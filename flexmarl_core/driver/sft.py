@@ -121,7 +121,7 @@ def run_sft(
             # One process (training_dp=1): the engine below must share the trained module.
             chunk = {"train_chunk_tokens": tc.sft_chunk_tokens} if tc.sft_chunk_tokens else {}
             sft_cfg = acfg.model_copy(update={
-                "algorithm": acfg.algorithm.model_copy(update={"lr": tc.sft_lr}),
+                "algorithm": acfg.algorithm.model_copy(update={"lr": tc.sft_lr, "lr_warmup_steps": 0}),
                 "backend": acfg.backend.model_copy(update={"training_dp": 1, **chunk}),
             })
             trainers[agent] = make_trainer(sft_cfg, model, loss_fn=sft_loss, loss_weight_fn=token_weight)
@@ -243,13 +243,14 @@ def _sft_key(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 #: agent fields `run_sft` never reads: RL's loss and its knobs (SFT has its own loss, and a KL
-#: reference would only be scored, never used), RL's learning rate (SFT steps at
+#: reference would only be scored, never used), RL's learning rate and warm-up (SFT steps at
 #: `train.sft_lr`), data-parallel ranks (SFT trains in one process) and `top_p` (SFT evaluates
 #: greedily). Everything else an agent declares reaches SFT: model, template, edges, rounds,
 #: temperature (the trainer scores logprobs at it), stop strings and max_new_tokens (the
 #: demonstrations and the evaluation), weight decay, clipping, bf16 and the backends.
 _RL_ONLY = {
-    "algorithm": ("advantage", "policy_loss", "clip_eps", "is_cap", "kl_coef", "lr", "skip_zero_advantage"),
+    "algorithm": ("advantage", "policy_loss", "clip_eps", "is_cap", "kl_coef", "lr", "lr_warmup_steps",
+                  "skip_zero_advantage"),
     "backend": ("training_dp",),
     "sampling": ("top_p",),
 }

@@ -86,6 +86,8 @@ class TrainerOptions:
     loss_fn: LossFn
     loss_weight_fn: LossWeightFn
     lr: float = 1e-4
+    #: steps over which the rate rises linearly from lr / n to lr (0: none)
+    lr_warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     betas: tuple[float, float] = (0.9, 0.999)

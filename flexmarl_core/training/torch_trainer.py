@@ -109,12 +109,16 @@ class PolicyGradientSteps(ABC):
     _filled: int = 0
     _metrics: dict[str, float]
     _version: int
+    optimizer: torch.optim.Optimizer
+    lr: float = 1e-4
+    lr_warmup_steps: int = 0
 
     def _set_options(self, model: PreTrainedModel, opts: TrainerOptions,
                      ref_model: PreTrainedModel | None) -> None:
         """What every backend keeps of its options and reference model."""
         self.loss_fn, self.loss_weight_fn = opts.loss_fn, opts.loss_weight_fn
         self.max_grad_norm, self.bf16, self.temperature = opts.max_grad_norm, opts.bf16, opts.temperature
+        self.lr, self.lr_warmup_steps = opts.lr, opts.lr_warmup_steps
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
@@ -176,6 +180,14 @@ class PolicyGradientSteps(ABC):
         out.update({k: float(v) * loss_scale for k, v in metrics.items()})
         return out
 
+    def lr_at(self, version: int) -> float:
+        """The rate of the step that makes `version + 1`: linear warm-up, then `lr`. Adam's
+        first steps move every weight by about the rate whatever its gradient, so a warm-up keeps
+        a noisy first RL gradient from undoing a warm start."""
+        if self.lr_warmup_steps <= 0:
+            return self.lr
+        return self.lr * min(1.0, (version + 1) / self.lr_warmup_steps)
+
     def step(self) -> StepResult:
         if self._pending == 0:
             raise ValueError(
@@ -184,7 +196,13 @@ class PolicyGradientSteps(ABC):
             )
         # A global batch without a sample is no update (momentum alone would still move the
         # weights); the version advances all the same, one per iteration.
-        grad_norm = self._optimizer_step() if self._filled else 0.0
+        grad_norm = 0.0
+        if self._filled:
+            # The rate follows the version (restored with the state), so a resumed or swapped-in
+            # trainer continues the warm-up where it was.
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr_at(self._version)
+            grad_norm = self._optimizer_step()
         self._version += 1
         result = StepResult(
             version=self._version, grad_norm=grad_norm, num_micro_batches=self._pending,
