@@ -45,7 +45,7 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
             shown.log.info("resuming the run in %s", loc.uri)
         else:
             prepare.prepare_run(cfg, prepare.warm_start(cfg, echo=progress), echo=progress)
-        plan = Plan.build(cfg)
+        plan = Plan.build(cfg, window=run.PLAN_WINDOW)
         with open_executor(cfg, flow_run.get_id(), flow_run.run_count, get_run_logger()) as ex, \
                 shown.tracking(plan) as hooks:
             nested = [ex.iterations] if ex.iterations is not None else []

@@ -45,8 +45,15 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
 
     @property
     def task_runs(self) -> dict[Op, uuid.UUID]:
-        """The task run of each op submitted in this flow run."""
+        """The task run of each op submitted in this flow run (of the iterations not forgotten)."""
         return {op: run.id for op, run in self.reporter.runs.items()}
+
+    def forget(self, below: int) -> None:
+        """The orchestrator is done with the iterations before `below` (`ForgetsIterations`):
+        their task runs and flow runs are no longer kept here."""
+        self.reporter.forget(below)
+        if self.iterations is not None:
+            self.iterations.forget(below)
 
     def submit(self, op: Op, route: Route, deps: Sequence[Op] = (),
                after: Sequence[distributed.Future] = ()) -> distributed.Future:

@@ -65,6 +65,8 @@ class IterationFlowRuns(RunHook):
         #: iteration -> (its task run in the parent, its own flow run), once made
         self.runs: dict[int, tuple[uuid.UUID, uuid.UUID]] = {}
         self._asked: set[int] = set()
+        #: iterations whose runs the API thread set Completed (it adds, `forget` removes)
+        self._ended: set[int] = set()
         self._todo: queue.Queue[tuple[str, int, Any]] = queue.Queue()
         self._last_tracking: uuid.UUID | None = None
         self._closing = threading.Event()
@@ -94,6 +96,14 @@ class IterationFlowRuns(RunHook):
         if iteration in self._asked:  # else done by an earlier attempt (resume): no run here
             self._todo.put(("end", iteration, None))
 
+    def forget(self, below: int) -> None:
+        """Drop the iterations before `below` whose runs are Completed (every op of them is
+        reported); the others stay until `close`."""
+        for it in [i for i in list(self._ended) if i < below]:  # list(): one step under the GIL
+            self._ended.discard(it)
+            self.runs.pop(it, None)
+            self._asked.discard(it)
+
     def close(self, error: BaseException | None, timeout_s: float = 60.0) -> None:
         """The training flow stops: iterations still open failed with it (`error`), or, when it
         ended well, are Completed. Waits up to `timeout_s` for the API calls still queued."""
@@ -106,17 +116,16 @@ class IterationFlowRuns(RunHook):
 
     # -- the API thread ------------------------------------------------------------------------
     def _work(self) -> None:
-        ended: set[int] = set()
         while True:
             what, iteration, error = self._todo.get()
             if what == "open":
                 self._call(functools.partial(self._open, iteration))
             elif what == "end":
-                if iteration in self.runs and iteration not in ended:
-                    ended.add(iteration)
+                if iteration in self.runs and iteration not in self._ended:
                     self._call(functools.partial(self._set, iteration, Completed))
+                    self._ended.add(iteration)  # after the call: `forget` may drop it now
             else:
-                for it in sorted(set(self.runs) - ended):
+                for it in sorted(set(self.runs) - self._ended):
                     self._call(functools.partial(self._stop, it, error))
                 return
 

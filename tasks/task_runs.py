@@ -113,6 +113,12 @@ class TaskRunReporter:
         run = self.runs.get(op)
         return run.id if run else None
 
+    def forget(self, below: int) -> None:
+        """Drop the task runs of ops of iterations before `below` (no op still to come waits
+        for them) whose reports are all sent: the flow's memory stays flat."""
+        self.runs = {op: run for op, run in self.runs.items()
+                     if op.iteration >= below or run.waiting or op in self._unreported}
+
     def submitted(self, op: Op, deps: list[Op], t: float) -> None:
         if op in self.runs:  # resubmitted after losing its worker: the same task run, run again
             return

@@ -109,7 +109,7 @@ def run(cfg, workers=WORKERS, delay=lambda op: 0.01, helpers: list[Op] | None = 
 
     ex = RecordingExecutor(fn, workers, seen)
     try:
-        res = Orchestrator(Plan.build(cfg), cfg, ex).run()
+        res = Orchestrator(Plan.build(cfg, window=1), cfg, ex).run()  # as a run builds it
     finally:
         ex.close()
     res.released = released
@@ -483,7 +483,7 @@ def run_one_agent(cfg, lose: Op | None = None, delay_s: float = 0.02, fail: Op |
     if executor is not None:
         executor.append(ex)
     try:
-        res = Orchestrator(Plan.build(cfg), cfg, ex).run()
+        res = Orchestrator(Plan.build(cfg, window=1), cfg, ex).run()  # as a run builds it
     finally:
         ex.close()
     return res, log

@@ -31,6 +31,15 @@ def _executing(dask_worker: Any) -> list[str]:
     return [ts.key for ts in (*state.executing, *state.long_running)]
 
 
+
+def dask_key(op: Op, *, fused: int = 0) -> str:
+    """`op`'s Dask key, `rollout[solver]-it3-mb2-1a2b3c4d` (`+2` after the kind: a fused run
+    of three). Dask names a task's prefix and group by the key's words up to the numbers and
+    hex, so these stay one per kind and agent: a prefix per op name (`it=3 mb=2`) was kept by
+    the scheduler for the whole run, ~2 KB per op in the flow process."""
+    head = f"{op.kind}[{op.agent}]" if op.agent else op.kind
+    return f"{head}{f'+{fused}' if fused else ''}-it{op.iteration}-mb{op.mb}-{os.urandom(4).hex()}"
+
 class SchedulerLostError(OrchestratorError):
     """The client lost the Dask scheduler mid-run: every op in flight is gone with it."""
 
@@ -67,7 +76,7 @@ class DaskExecutor:
             run_stage_after if after else run_stage_retrying,
             self.run_dir, op, self.retries.get(op.kind, 0), self.retry_delay_s, *after,
             gradient_only=route.gradient_only,
-            key=f"{op.name}-{os.urandom(4).hex()}",
+            key=dask_key(op),
             resources=route.resources or None,
             workers=[route.worker] if route.worker else None,
             priority=-op.iteration,  # a worker runs an older iteration's queued op first
@@ -81,7 +90,7 @@ class DaskExecutor:
         return self.client.submit(
             run_fused, self.run_dir, list(ops), [self.retries.get(op.kind, 0) for op in ops],
             self.retry_delay_s, *after,
-            key=f"{ops[0].name}+{len(ops) - 1}-{os.urandom(4).hex()}",
+            key=dask_key(ops[0], fused=len(ops) - 1),
             resources=route.resources or None,
             workers=[route.worker] if route.worker else None,
             priority=-ops[0].iteration,

@@ -166,6 +166,11 @@ class ControlPlane:
             for agent, secs in res.per_agent("program/decode_s").items():
                 self.ledger.record("rollout", agent, secs)  # the balancer's table
 
+    def forget(self, below: int) -> None:
+        """The ops of iterations before `below` are done and none to come is routed against
+        them: drop what the ledger keeps of them."""
+        self.ledger.completed = {op for op in self.ledger.completed if op.iteration >= below}
+
     def warm(self, earlier: Iterable[StageResult]) -> None:
         """Start the estimates from an earlier attempt's finished ops (a resumed run)."""
         for res in sorted(earlier, key=lambda r: r.t_end):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
-from flexmarl_core.ops import OpRecord, agent_key
+from flexmarl_core.ops import Op, OpRecord, agent_key
 
 
 def _window_busy(records: Iterable[OpRecord], lo: float, hi: float) -> dict[str, float]:
@@ -134,7 +134,8 @@ class IterationTracker:
         self.left = dict(sizes)
         self.emit = emit
         self.n_workers = n_workers
-        self.records: list[OpRecord] = []
+        #: when the first op recorded started (the first window's start)
+        self._first_start: float | None = None
         self.decisions: list[Decision] = []
         self.rows: list[dict[str, Any]] = []
         self._next = min(sizes, default=0)
@@ -161,7 +162,7 @@ class IterationTracker:
             if row.get("iteration") != self._next or self.left.get(self._next) != 0:
                 break
             self.rows.append(row)
-            self._prev_end = max(r.result.t_end for r in self._by_it[self._next])
+            self._prev_end = max(r.result.t_end for r in self._by_it.pop(self._next))
             self._next += 1
         self.flush(None)
 
@@ -172,7 +173,8 @@ class IterationTracker:
         self.flush(in_flight_since)
 
     def _take(self, rec: OpRecord) -> None:
-        self.records.append(rec)
+        if self._first_start is None or rec.result.t_start < self._first_start:
+            self._first_start = rec.result.t_start
         self._live.append(rec)
         self._workers.add(rec.result.worker)
         self._by_it[rec.op.iteration].append(rec)
@@ -184,9 +186,9 @@ class IterationTracker:
             if not final and in_flight_since is not None and in_flight_since < end:
                 return  # a running op may still overlap this iteration's window
             if self._prev_end is None:
-                self._prev_end = min(r.result.t_start for r in self.records)
+                self._prev_end = self._first_start
             row = iteration_metrics(self._live, self.decisions, self._next, self._prev_end,
-                                    n_workers=self.n_workers(), ops=self._by_it[self._next],
+                                    n_workers=self.n_workers(), ops=self._by_it.pop(self._next),
                                     workers=self._workers, gaps=self.gaps)
             self.rows.append(row)
             self.emit(row)
@@ -217,6 +219,50 @@ def critical_path(records: list[OpRecord], deps: dict[Any, list[Any]]) -> dict[s
         cur = gate
     out["ops"] = ops
     return dict(out)
+
+
+class CriticalPath:
+    """`critical_path` kept as the run goes, in memory bounded by the plan's window: each op's
+    path (the gate it waited for last, and that one's path) is folded into a summary when it is
+    recorded, and the summaries of iterations no op still to come can wait for are dropped.
+    `deps(op)`: the op's dependencies; `sizes`: ops per iteration; `reach`: how many
+    iterations back a dependency goes (`Plan.reach`)."""
+
+    def __init__(self, deps: Callable[[Op], list[Op]], sizes: dict[int, int], reach: int) -> None:
+        self.deps, self.left, self.reach = deps, dict(sizes), reach
+        #: op -> (its end, its path's summary)
+        self._paths: dict[Op, tuple[float, dict[str, float]]] = {}
+        self._last: tuple[float, dict[str, float]] | None = None
+        self._open = min(sizes, default=0)  # the lowest iteration with an op not recorded
+
+    def add(self, rec: OpRecord) -> None:
+        """`rec`, after every record of its dependencies (the op log's order)."""
+        res = rec.result
+        parents = [self._paths[d] for d in self.deps(rec.op) if d in self._paths]
+        gate = max(parents, key=lambda p: p[0], default=None)
+        path = dict(gate[1]) if gate else {"ops": 0}
+        key = f"stage_s/{rec.op.kind}"
+        path[key] = path.get(key, 0.0) + res.seconds
+        path["wait_s"] = path.get("wait_s", 0.0) + max(res.t_start - (gate[0] if gate else rec.submitted), 0.0)
+        path["ops"] += 1
+        self._paths[rec.op] = (res.t_end, path)
+        if self._last is None or res.t_end > self._last[0]:
+            self._last = (res.t_end, path)
+        it = rec.op.iteration
+        if it in self.left:
+            self.left[it] -= 1
+        while self.left.get(self._open) == 0:
+            del self.left[self._open]
+            self._open += 1
+            keep = self._open - self.reach  # what an op still to come can wait for
+            self._paths = {op: p for op, p in self._paths.items() if op.iteration >= keep}
+
+    def summary(self) -> dict[str, Any]:
+        """Seconds per stage kind on the path, `wait_s` and `ops` (as `critical_path`)."""
+        if self._last is None:
+            return {}
+        out = {k: v for k, v in self._last[1].items() if k != "ops"}
+        return {**out, "ops": int(self._last[1]["ops"])}
 
 
 def run_summary(per_it: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:

@@ -23,9 +23,9 @@ from flexmarl_core.config.load import HERE
 from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
 from flexmarl_core.driver.compaction import Compaction
 from flexmarl_core.driver.metrics import (
+    CriticalPath,
     IterationTracker,
     MetricsWriter,
-    critical_path,
     log_lines,
     run_summary,
 )
@@ -36,7 +36,7 @@ from flexmarl_core.meg import MEG
 from flexmarl_core.models import default_cache_dir, load_agent_model
 from flexmarl_core.models.lora import base_key, initial_adapter_state
 from flexmarl_core.ops import OpRecord, StageResult
-from flexmarl_core.orchestrator.hooks import RunHook, TrackIterations, WriteOpLog
+from flexmarl_core.orchestrator.hooks import Callbacks, RunHook, TrackIterations, WriteOpLog
 from flexmarl_core.orchestrator.loop import Executor, Orchestrator
 from flexmarl_core.orchestrator.plan import Plan
 from flexmarl_core.runtime.location import (
@@ -250,8 +250,8 @@ class RunOutcome:
     #: folder for a run on object storage
     scratch_dir: str
     decisions: list[Decision]
-    #: every op of the run, an earlier attempt's included (resume)
-    records: list[OpRecord]
+    #: ops of the run, an earlier attempt's included (resume); each is in the op log
+    ops: int
     critical_path: dict[str, Any]
     #: CPU seconds of this process during the run, and of the executor's worker processes
     #: (None: the executor runs its ops in this process, or does not count its workers)
@@ -259,10 +259,6 @@ class RunOutcome:
     worker_cpu_s: float | None
     #: store partitions the run compacted, and the seconds that took (`store.compact`)
     compacted: tuple[int, float] = (0, 0.0)
-
-    @property
-    def ops(self) -> int:
-        return len(self.records)
 
     def summary(self) -> dict[str, Any]:
         """Whole-run figures (`metrics.run_summary`) with where the CPU went: the stages' own
@@ -313,7 +309,7 @@ def train(
     cpu0, workers0 = time.process_time(), _worker_cpu(executor)
     earlier = completed_records(loc) if resume else []
     writer = MetricsWriter(loc.scratch_dir(), mirror=None if loc.local else loc)
-    plan = plan or Plan.build(cfg)
+    plan = plan or Plan.build(cfg, window=PLAN_WINDOW)
 
     compaction = Compaction(MEGStore(cfg.resolved_store_uri())) if cfg.store.compact else None
 
@@ -328,9 +324,15 @@ def train(
     if resume:  # the downtime since the earlier attempt's last op is no iteration's time
         tracker.resume(earlier, _reported_iterations(loc), resumed_at=executor.now())
     retention = Retention(cfg, loc, writer.durable)
-    orch = Orchestrator(plan, cfg, executor, skip=[r.op for r in earlier],
-                        hooks=[WriteOpLog(writer), TrackIterations(tracker), retention, *hooks])
+    path = CriticalPath(plan.deps_of, plan.sizes(), plan.reach)
+    for rec in earlier:
+        path.add(rec)
+    orch = Orchestrator(plan, cfg, executor, skip=[r.op for r in earlier], keep_records=False,
+                        hooks=[WriteOpLog(writer), TrackIterations(tracker), Callbacks(path.add), retention,
+                               *hooks])
     orch.control.warm(r.result for r in earlier)
+    n_earlier = len(earlier)
+    del earlier  # the op log has them; the run's memory stays flat
     ended = False
     try:
         result = orch.run()
@@ -342,14 +344,17 @@ def train(
         if compaction is not None:
             compaction.close(abandon=not ended)
     retention.release(everything=True)  # only after a run that ended: a failed one keeps its files
-    records = [*earlier, *result.records]
     workers1 = _worker_cpu(executor)
     return RunOutcome(
         iterations=tracker.rows, wall_s=result.wall_s, run_dir=loc.uri if not loc.local else loc.root,
-        scratch_dir=str(loc.scratch_dir()), decisions=result.decisions, records=records,
-        critical_path=critical_path(records, orch.plan.deps), flow_cpu_s=time.process_time() - cpu0,
+        scratch_dir=str(loc.scratch_dir()), decisions=result.decisions, ops=n_earlier + result.ops,
+        critical_path=path.summary(), flow_cpu_s=time.process_time() - cpu0,
         worker_cpu_s=None if workers0 is None or workers1 is None else workers1 - workers0,
         compacted=(compaction.partitions, compaction.seconds) if compaction else (0, 0.0))
+
+
+#: iterations of a run's plan built ahead at its start (the orchestrator extends it as it goes)
+PLAN_WINDOW = 2
 
 
 def _worker_cpu(executor: Executor) -> float | None:

@@ -15,9 +15,10 @@ submission policies of `policies.py`; what happens as ops end, its hooks (`hooks
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.control import ControlPlane, Decision, OrchestratorError, token_sizes
@@ -33,7 +34,7 @@ from flexmarl_core.orchestrator.hooks import RunHook
 from flexmarl_core.orchestrator.plan import Plan
 from flexmarl_core.orchestrator.policies import Running, Schedule, policies_for
 
-__all__ = ["LOST_WORKER_RESUBMITS", "Executor", "Orchestrator", "OrchestratorError", "RunResult",
+__all__ = ["LOST_WORKER_RESUBMITS", "Executor", "ForgetsIterations", "Orchestrator", "OrchestratorError", "RunResult",
            "WorkerMemoryError"]
 
 #: How often one op is resubmitted after losing its worker before the run gives up.
@@ -63,11 +64,23 @@ class WorkerMemoryError(OrchestratorError):
 
 @dataclass
 class RunResult:
+    #: the ops this run finished, in the order they ended (empty with `keep_records=False`)
     records: list[OpRecord]
     wall_s: float
     started: float
     #: control-plane decisions: instance moves, training-slot allocations, resubmissions
     decisions: list[Decision] = field(default_factory=list)
+    #: how many ops this run finished
+    ops: int = 0
+
+
+@runtime_checkable
+class ForgetsIterations(Protocol):
+    """An executor that keeps per-op state (a task run per op) and can drop it for the
+    iterations no op still to come refers to."""
+
+    def forget(self, below: int) -> None:
+        """Drop what is kept of the ops of iterations before `below`."""
 
 
 class Orchestrator:
@@ -75,7 +88,13 @@ class Orchestrator:
     under the submission policies the config and the executor allow (`policies.policies_for`),
     calling `hooks` as ops end. `sizes`: the
     control plane's op sizes for its warm estimates (default: `token_sizes` of the config).
-    `rollout_slots`: see `Router` (the simulator's replica release)."""
+    `rollout_slots`: see `Router` (the simulator's replica release).
+
+    Its memory is flat over a run of any length: the plan's iterations are admitted as the
+    run reaches them (a plan built with a window is extended, `Plan.extend`) and an iteration
+    whose ops are all done is forgotten, here, in the control plane, the executor
+    (`ForgetsIterations`) and a windowed plan. `keep_records=False`: the records are the
+    hooks' to keep (`RunResult.records` stays empty)."""
 
     def __init__(
         self,
@@ -87,6 +106,7 @@ class Orchestrator:
         skip: Iterable[Op] = (),
         sizes: dict[str, dict[str, float]] | None = None,
         rollout_slots: Callable[[str], int] | None = None,
+        keep_records: bool = True,
     ) -> None:
         self.plan = plan
         self.executor = executor
@@ -99,34 +119,91 @@ class Orchestrator:
         self.control.ledger.completed.update(self.skip)
         self.policies = policies_for(plan, cfg, executor, self.control)
         self.state = Schedule(plan.deps, self.skip)
+        self.keep_records = keep_records
 
     def run(self) -> RunResult:
-        deps, skip = self.plan.deps, self.skip
-        st = self.state = Schedule(deps, skip)
-        for op, ds in deps.items():
-            for d in ds:
-                st.children[d].append(op)
-        #: plan order is topological: finished ops are recorded dependencies first
-        self._order = {op: i for i, op in enumerate(deps)}
-        st.waiting = {op: sum(1 for d in ds if d not in skip) for op, ds in deps.items()}
-        st.ready = [op for op, n in st.waiting.items() if n == 0 and op not in skip]
-        self._resubmits: dict[Op, int] = dict.fromkeys(deps, 0)
+        st = self.state = Schedule(self.plan.deps, self.skip)
+        #: admission order, which is topological: finished ops are recorded dependencies first
+        self._order: dict[Op, int] = {}
+        self._resubmits: dict[Op, int] = {}
         self._records: list[OpRecord] = []
+        self._n = 0  # ops recorded
+        self._seq = 0
+        #: ops admitted and not done, in all and per iteration
+        self._left = 0
+        self._open: dict[int, int] = defaultdict(int)
+        self._admitted = 0  # iterations admitted: [0, _admitted)
+        last_skip = max((op.iteration for op in self.skip), default=-1)
+        self._reach(max(last_skip, 0) + self.plan.reach - 1)
         t0 = self.executor.now()
-        total = sum(1 for op in deps if op not in skip)
-        while len(self._records) < total:
+        while self._left:
             self._submit_ready()
             if self.policies.look_ahead is not None:
                 for op, route, pending in self.policies.look_ahead.ahead(st, self._live_workers):
                     self._submit(op, route, pending)
             if not st.running:
                 raise OrchestratorError(
-                    f"deadlock: {total - len(self._records)} ops left but none runnable: "
+                    f"deadlock: {self._left} ops left but none runnable: "
                     f"{[o.name for o in st.ready][:5]}"
                 )
             self._collect_finished()
         return RunResult(records=self._records, wall_s=self.executor.now() - t0, started=t0,
-                         decisions=list(self.control.decisions))
+                         decisions=list(self.control.decisions), ops=self._n)
+
+    def _reach(self, through: int, *, advance: bool = True) -> None:
+        """Admit the plan's iterations up to `through` (one at a time, forgetting what is done
+        on the way), and more while nothing admitted is left to run."""
+        plan, st = self.plan, self.state
+        while self._admitted < plan.iterations and (self._admitted <= through or not self._left):
+            it = self._admitted
+            if plan.built <= it:
+                plan.extend(it)
+            for op in plan.iteration_ops(it):
+                self._admit(op, st)
+            self._admitted += 1
+            if advance:
+                self._advance()
+
+    def _admit(self, op: Op, st: Schedule) -> None:
+        self._order[op] = self._seq
+        self._seq += 1
+        self._resubmits[op] = 0
+        waiting = 0
+        for d in self.plan.deps[op]:
+            if not st.done(d):
+                st.children[d].append(op)
+                waiting += 1
+        st.waiting[op] = waiting
+        if op in self.skip:
+            return
+        self._left += 1
+        self._open[op.iteration] += 1
+        if waiting == 0:
+            st.ready.append(op)
+
+    def _advance(self) -> None:
+        """Move the floor past the iterations whose ops are all done and forget them: no op
+        still to come waits for an op more than `plan.reach` iterations back."""
+        st, floor = self.state, self.state.floor
+        while floor < self._admitted and not self._open.get(floor):
+            self._open.pop(floor, None)
+            floor += 1
+        if floor == st.floor:
+            return
+        gone = [op for op in self._order if op.iteration < floor]
+        for op in gone:
+            del self._order[op]
+            self._resubmits.pop(op, None)
+            st.children.pop(op, None)
+            st.waiting.pop(op, None)
+            st.recorded.discard(op)
+            self.skip.discard(op)
+        st.floor = floor
+        self.control.forget(floor)
+        if self.plan.window is not None:
+            self.plan.forget(floor)
+        if isinstance(self.executor, ForgetsIterations):
+            self.executor.forget(floor - self.plan.reach)
 
     def in_flight_since(self) -> float | None:
         """When the earliest op still running was submitted (None: nothing is running)."""
@@ -188,7 +265,7 @@ class Orchestrator:
             late.begin_wave(st)
         held = []
         for op in st.ready:
-            if op in st.handle or op in st.recorded:
+            if op in st.handle or st.done(op):
                 continue  # fused into a run submitted earlier in this wave, or already done
             # An agent's trainer runs one op at a time; only a gradient helper (an idle slot
             # computing a train op's gradient, `codesign.gradient_helpers`) goes meanwhile.
@@ -313,8 +390,14 @@ class Orchestrator:
         """Record a finished op, call the hooks and release its children (`ran`: the ops of
         its fused run, which are recorded or requeued with the run, so never released here)."""
         st, op = self.state, rec.op
-        self._records.append(rec)
+        self._n += 1
+        if self.keep_records:
+            self._records.append(rec)
         st.recorded.add(op)
+        self._left -= 1
+        self._open[op.iteration] -= 1
+        # Its children, up to `plan.reach` iterations on, must be admitted before release.
+        self._reach(op.iteration + self.plan.reach, advance=False)
         self.control.observed(rec.result)
         if self.hooks:
             since = self.in_flight_since()
@@ -330,6 +413,7 @@ class Orchestrator:
                     chained.since = self.executor.now()  # it starts now: its deadline too
             elif st.waiting[c] == 0 and c not in self.skip and c not in ran:
                 st.ready.append(c)
+        self._advance()
 
     def _ok(self, handle: Any) -> bool:
         return isinstance(self.executor, ChainingExecutor) and self.executor.succeeded(handle)

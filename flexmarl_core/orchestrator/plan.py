@@ -27,12 +27,18 @@ and the co-design switches. Per iteration `it` and micro-batch `mb` (whole GRPO 
   iteration it-1-k instead of it-1 (weights version >= it-k exist), so rollouts run up to k
   iterations ahead of training; a train op then waits for its agent's previous step itself
   (before, the rollout's wait on that sync implied it).
+
+An op waits only for ops of its own iteration and the `reach` (1 + k) before it, so a run's
+plan need not exist whole: `Plan.build(cfg, window=n)` holds n iterations, the orchestrator
+`extend`s it as the run goes and `forget`s iterations that are done (flat memory over a run of
+any length). Without a window the plan is whole, as analysis and the simulator read it.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flexmarl_core.algorithms import Scope, advantage_scope
 from flexmarl_core.config import ExperimentConfig
@@ -57,10 +63,23 @@ class Plan:
     critics: dict[str, list[str]] = field(default_factory=dict)
     #: trainable agent -> its advantage estimator's scope
     scopes: dict[str, Scope] = field(default_factory=dict)
+    #: the iterations built so far and not forgotten, in topological order
     deps: dict[Op, list[Op]] = field(default_factory=dict)
+    #: iterations [0, built) were added; [0, floor) were forgotten
+    built: int = 0
+    floor: int = 0
+    #: iterations held ahead when built with a window (None: the whole plan)
+    window: int | None = None
+    #: ops per iteration, counted once at build time (`sizes`)
+    _sizes: dict[int, int] = field(default_factory=dict, repr=False)
+    #: iteration -> its ops, in topological order
+    _by_it: dict[int, list[Op]] = field(default_factory=dict, repr=False)
+    #: the last iteration made afresh for `deps_of`, and its ops
+    _made: tuple[int, dict[Op, list[Op]]] = (-1, {})
 
     @classmethod
-    def build(cls, cfg: ExperimentConfig, team: TeamShape | None = None) -> Plan:
+    def build(cls, cfg: ExperimentConfig, team: TeamShape | None = None, *, window: int | None = None) -> Plan:
+        """The run's plan: whole, or its first `window` iterations (`extend` adds the rest)."""
         team = team or team_shape(cfg)
         plan = cls(
             team=team,
@@ -72,10 +91,59 @@ class Plan:
             serial=cfg.codesign.serial,
             critics=critic_names(cfg),
             scopes={a: advantage_scope(cfg.agent(a).algorithm.advantage) for a in team.meg.trainable_agents},
+            window=window,
         )
         for it in range(cfg.train.iterations):
+            n = len(plan.deps)
             plan._add_iteration(it)
+            plan._sizes[it] = len(plan.deps) - n
+            if window is not None and it >= window:  # counted only: `extend` makes it again
+                for op in plan._by_it.pop(it):
+                    del plan.deps[op]
+        plan.built = cfg.train.iterations if window is None else min(window, cfg.train.iterations)
         return plan
+
+    @property
+    def reach(self) -> int:
+        """How many iterations back an op's dependencies go: 1 + `max_staleness`."""
+        return 1 + self.max_staleness
+
+    def extend(self, through: int) -> list[Op]:
+        """Add the iterations up to `through` (inclusive, within the run) not built yet; their
+        ops, in topological order."""
+        new: list[Op] = []
+        while self.built <= min(through, self.iterations - 1):
+            self._add_iteration(self.built)
+            new += self._by_it[self.built]
+            self.built += 1
+        return new
+
+    def forget(self, below: int) -> None:
+        """Drop the iterations before `below`, whose ops are all done (the deps of an op still
+        to come name them, and are kept with it)."""
+        for it in range(self.floor, below):
+            for op in self._by_it.pop(it, ()):
+                del self.deps[op]
+        self.floor = max(self.floor, below)
+
+    def iteration_ops(self, it: int) -> list[Op]:
+        """Iteration `it`'s ops in topological order (built and not forgotten; else none)."""
+        return self._by_it.get(it, [])
+
+    def iteration_deps(self, it: int) -> dict[Op, list[Op]]:
+        """Iteration `it`'s ops and dependencies, made afresh (the plan itself is unchanged)."""
+        scratch = replace(self, deps={}, _by_it={}, _made=(-1, {}))
+        scratch._add_iteration(it)
+        return scratch.deps
+
+    def deps_of(self, op: Op) -> list[Op]:
+        """`op`'s dependencies, whether the plan holds its iteration now or not (then made
+        afresh; the last such iteration is kept, as an op log comes about in order)."""
+        if op in self.deps:
+            return self.deps[op]
+        if self._made[0] != op.iteration:
+            self._made = (op.iteration, self.iteration_deps(op.iteration))
+        return self._made[1].get(op, [])
 
     @property
     def meg(self) -> MEG:
@@ -93,6 +161,11 @@ class Plan:
         return every + ([Op(it - 1, "sync", c) for c in self.critics] if it > 0 else [])
 
     def _add_iteration(self, it: int) -> None:
+        n = len(self.deps)
+        self._add_ops(it)
+        self._by_it[it] = list(itertools.islice(reversed(self.deps), len(self.deps) - n))[::-1]
+
+    def _add_ops(self, it: int) -> None:
         gen = self.team.generation(self, it)
         self.deps.update(gen.deps)
         rewarded = gen.rewarded
@@ -126,13 +199,11 @@ class Plan:
             self.deps[Op(it, "sync", c)] = [Op(it, "step", c)]
 
     def sizes(self) -> dict[int, int]:
-        """Ops per iteration."""
-        out: dict[int, int] = {}
-        for op in self.deps:
-            out[op.iteration] = out.get(op.iteration, 0) + 1
-        return out
+        """Ops per iteration, of the whole run."""
+        return dict(self._sizes)
 
     def ops(self) -> list[Op]:
+        """The ops held now (a whole plan: every op of the run)."""
         return list(self.deps)
 
     def count(self, kind: OpKind) -> int:

@@ -71,6 +71,12 @@ class Schedule:
     handle: dict[Op, Any] = field(default_factory=dict)
     #: agent -> its trainer ops submitted and not ended (one trainer op at a time)
     trainer_ops: defaultdict[str, set[Op]] = field(default_factory=lambda: defaultdict(set))
+    #: every op of the iterations before it is done (their state is forgotten)
+    floor: int = 0
+
+    def done(self, op: Op) -> bool:
+        """Recorded in this run, or done by an earlier attempt."""
+        return op.iteration < self.floor or op in self.recorded or op in self.skip
 
 
 class LateBinding:
@@ -128,7 +134,7 @@ class LookAhead:
             for c in (c for o, _ in run.ops for c in state.children[o]):
                 if c in state.handle or c in state.skip or state.waiting[c] == 0:
                     continue  # running, done earlier, or ready (the ready path takes it)
-                pending = {d for d in state.deps[c] if d not in state.skip and d not in state.recorded}
+                pending = {d for d in state.deps[c] if not state.done(d)}
                 if any(d not in state.handle or state.running[state.handle[d]].pending for d in pending):
                     continue  # a dependency not submitted yet, or itself chained: too far ahead
                 if c.kind in TRAINER_KINDS and not state.trainer_ops[c.agent] <= pending:
@@ -162,13 +168,13 @@ class Fusing:
         tail: list[tuple[Op, Route]] = []
         chain, last, need = {head}, head, dict(route.resources)
         while len(chain) < self.max_ops:
-            kids = [c for c in state.children[last] if c not in state.skip and c not in state.recorded]
+            kids = [c for c in state.children[last] if not state.done(c)]
             if len(kids) != 1:
                 break
             c = kids[0]
             if c.iteration != head.iteration or c in state.handle:
                 break
-            if any(d not in chain and d not in state.recorded and d not in state.skip for d in state.deps[c]):
+            if any(d not in chain and not state.done(d) for d in state.deps[c]):
                 break
             if c.kind in TRAINER_KINDS and not state.trainer_ops[c.agent] <= chain | before:
                 break  # the trainer is busy with an op that may still run alongside
