@@ -5,6 +5,8 @@ path's and the iteration tracker's stay the size of a few iterations over a run 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from flexmarl_core.config import config_from_dict
@@ -16,6 +18,7 @@ from flexmarl_core.orchestrator.loop import Orchestrator
 from flexmarl_core.orchestrator.plan import Plan
 from tests.test_orchestrator import TEAM, WORKERS
 
+REPO = Path(__file__).resolve().parents[1]
 PER_ITERATION = 3 * 2 + 2 + 3 * 2 + 3 + 3  # rollouts, rewards, train, step, sync: 2 micro-batches
 
 
@@ -80,6 +83,25 @@ def test_state_stays_a_few_iterations_whatever_the_run_length(codesign):
         assert all(at[d] < at[op] for op, ds in whole.deps.items() for d in ds)
         bound = (whole.reach + 2) * PER_ITERATION  # whatever n is
         assert all(v <= bound for v in most[n].values()), (n, most[n], bound)
+
+
+@pytest.mark.parametrize("config", ["configs/default.yaml", "configs/program_team.yaml", "configs/tool_team.yaml"])
+def test_a_windowed_plan_is_the_whole_plan_one_iteration_at_a_time(config):
+    """Extended to the end, a plan built two iterations ahead has the whole plan's ops and
+    dependencies in the same order, and its sizes were known from the start."""
+    from flexmarl_core.config import load_config
+
+    cfg = load_config(str(REPO / config), ["train.iterations=7"])
+    whole, windowed = Plan.build(cfg), Plan.build(cfg, window=2)
+    assert windowed.sizes() == whole.sizes() and len(windowed.deps) == sum(whole.sizes()[i] for i in (0, 1))
+    made = dict(windowed.deps)
+    for it in range(2, 7):
+        new = windowed.extend(it)
+        assert new == windowed.iteration_ops(it) and len(new) == whole.sizes()[it]
+        made.update({op: windowed.deps[op] for op in new})
+        windowed.forget(it - 1)
+    assert list(made.items()) == list(whole.deps.items())
+    assert set(windowed.deps) == {op for op in whole.deps if op.iteration >= 5}
 
 
 def test_a_resumed_run_admits_only_what_is_left():

@@ -70,7 +70,7 @@ class Plan:
     floor: int = 0
     #: iterations held ahead when built with a window (None: the whole plan)
     window: int | None = None
-    #: ops per iteration, counted once at build time (`sizes`)
+    #: ops per iteration (`sizes`)
     _sizes: dict[int, int] = field(default_factory=dict, repr=False)
     #: iteration -> its ops, in topological order
     _by_it: dict[int, list[Op]] = field(default_factory=dict, repr=False)
@@ -93,14 +93,15 @@ class Plan:
             scopes={a: advantage_scope(cfg.agent(a).algorithm.advantage) for a in team.meg.trainable_agents},
             window=window,
         )
-        for it in range(cfg.train.iterations):
-            n = len(plan.deps)
+        n = cfg.train.iterations
+        plan.built = n if window is None else min(max(window, 2), n)
+        for it in range(plan.built):
             plan._add_iteration(it)
-            plan._sizes[it] = len(plan.deps) - n
-            if window is not None and it >= window:  # counted only: `extend` makes it again
-                for op in plan._by_it.pop(it):
-                    del plan.deps[op]
-        plan.built = cfg.train.iterations if window is None else min(window, cfg.train.iterations)
+            plan._sizes[it] = len(plan._by_it[it])
+        # An iteration's ops are the same from iteration 1 on (only what they wait for
+        # differs); `extend` checks it of each iteration it makes.
+        for it in range(plan.built, n):
+            plan._sizes[it] = plan._sizes[plan.built - 1]
         return plan
 
     @property
@@ -113,8 +114,13 @@ class Plan:
         ops, in topological order."""
         new: list[Op] = []
         while self.built <= min(through, self.iterations - 1):
-            self._add_iteration(self.built)
-            new += self._by_it[self.built]
+            it = self.built
+            self._add_iteration(it)
+            if len(self._by_it[it]) != self._sizes[it]:
+                raise ValueError(
+                    f"team shape {type(self.team).__name__}: iteration {it} has {len(self._by_it[it])} ops, "
+                    f"iteration 1 has {self._sizes[it]}; a shape's iterations must have the same ops")
+            new += self._by_it[it]
             self.built += 1
         return new
 
