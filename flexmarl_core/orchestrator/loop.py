@@ -133,8 +133,10 @@ class Orchestrator:
         self._left = 0
         self._open: dict[int, int] = defaultdict(int)
         self._admitted = 0  # iterations admitted: [0, _admitted)
+        # What can be ready at the start: up to `reach` iterations past the last one an earlier
+        # attempt touched (its syncs gate them), iterations 0 .. reach-1 on a fresh run.
         last_skip = max((op.iteration for op in self.skip), default=-1)
-        self._reach(max(last_skip, 0) + self.plan.reach - 1)
+        self._reach(last_skip + self.plan.reach)
         t0 = self.executor.now()
         while self._left:
             self._submit_ready()
