@@ -50,7 +50,8 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
 
     def forget(self, below: int) -> None:
         """The orchestrator is done with the iterations before `below` (`ForgetsIterations`):
-        their task runs and flow runs are no longer kept here."""
+        their task runs and flow runs are no longer kept here, nor their task groups by Dask."""
+        super().forget(below)
         self.reporter.forget(below)
         if self.iterations is not None:
             self.iterations.forget(below)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -21,8 +22,10 @@ from flexmarl_core.cluster.workers import (
     worker_resources,
 )
 from flexmarl_core.control import OrchestratorError
-from flexmarl_core.ops import FusedResult, MemoryRestart, Op, Route, StageResult
+from flexmarl_core.ops import OP_KINDS, FusedResult, MemoryRestart, Op, Route, StageResult
 from flexmarl_core.stages import run_fused, run_stage_after, run_stage_retrying
+
+log = logging.getLogger(__name__)
 
 
 def _executing(dask_worker: Any) -> list[str]:
@@ -30,6 +33,28 @@ def _executing(dask_worker: Any) -> list[str]:
     state = dask_worker.state
     return [ts.key for ts in (*state.executing, *state.long_running)]
 
+
+def _drop_forgotten_groups(dask_scheduler: Any) -> int:
+    """Runs on the scheduler. A task group is dropped from the scheduler once its last task is
+    forgotten, but its span and its computation keep it for good (distributed's spans.py says
+    so). Ops run a few at a time, so each group empties and is made anew: one group kept per op,
+    ~2 KB each in the scheduler's process (the flow's, on a local cluster). Only flexmarl's
+    groups (`dask_key`) are dropped; the dashboard's totals for them go with them."""
+    live = dask_scheduler.task_groups
+    spans = dask_scheduler.extensions.get("spans")
+    holders = [*(spans.spans.values() if spans is not None else ()), *dask_scheduler.computations]
+    dropped = 0
+    for holder in holders:
+        gone = {tg for tg in holder.groups
+                if live.get(tg.name) is not tg and _ours(tg.name)}
+        holder.groups -= gone
+        dropped += len(gone)
+    return dropped
+
+
+def _ours(group: str) -> bool:
+    """A task group of flexmarl's ops (`dask_key`) or of a program op's decodes."""
+    return group.split("[", 1)[0].split("+", 1)[0] in OP_KINDS or group.startswith("decode-")
 
 
 def dask_key(op: Op, *, fused: int = 0) -> str:
@@ -61,6 +86,7 @@ class DaskExecutor:
         self.retries = dict(retries or {})
         self.retry_delay_s = retry_delay_s
         self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
+        self._drop_groups = True  # `forget`: until the scheduler refuses it
         client.register_plugin(DaskWeightPushes())  # before any op: syncs push, rollouts take
         client.register_plugin(DaskPrograms())  # program ops secede and decode on instances
 
@@ -96,6 +122,17 @@ class DaskExecutor:
             priority=-ops[0].iteration,
             pure=False,
         )
+
+    def forget(self, below: int) -> None:
+        """The orchestrator is done with the iterations before `below` (`ForgetsIterations`):
+        the scheduler lets go of the task groups of our ops it has forgotten."""
+        if not self._drop_groups:
+            return
+        try:
+            self.client.run_on_scheduler(_drop_forgotten_groups)
+        except Exception as exc:  # a scheduler that runs no functions: memory hygiene only
+            self._drop_groups = False
+            log.warning("the Dask scheduler kept its finished task groups (%s: %s)", type(exc).__name__, exc)
 
     def cancel(self, handle: distributed.Future) -> None:
         handle.cancel()
