@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from flexmarl_core.config import load_config
 from flexmarl_core.control import GradientHelper
+from flexmarl_core.driver.run import completed_records
 from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.ops import Op, StageResult
 from flexmarl_core.runtime.location import gradient_key
@@ -136,17 +137,17 @@ def _same_weights(a_dir: Path, b_dir: Path) -> None:
 
 def test_helper_gradients_train_the_same_weights(tmp_path):
     _, plain_dir, _, none = _real_run(tmp_path, "plain", helpers=False)
-    _, help_dir, out, helped = _real_run(tmp_path, "helped", helpers=True)
+    _, help_dir, _, helped = _real_run(tmp_path, "helped", helpers=True)
     assert not none
     assert {o.iteration for o in helped if o.agent == "solver"} == {0, 1}, helped
-    steps = [r for r in out.records if r.op.kind == "step"]
+    steps = [r for r in completed_records(help_dir) if r.op.kind == "step"]  # the op log's
     assert sum(r.result.metrics[f"agent/{r.op.agent}/helper_mbs"] for r in steps) == len(helped)
     # Every helper's gradient was added by its step and then removed.
     assert not list((help_dir / "gradients").rglob("*.safetensors"))
     _same_weights(plain_dir, help_dir)
     # A helper whose gradient file is lost: the step recomputes that micro-batch from the store.
-    _, lost_dir, out, helped = _real_run(tmp_path, "lost", helpers=True, lose_gradients=True)
-    steps = [r for r in out.records if r.op.kind == "step"]
+    _, lost_dir, _, helped = _real_run(tmp_path, "lost", helpers=True, lose_gradients=True)
+    steps = [r for r in completed_records(lost_dir) if r.op.kind == "step"]
     assert helped and sum(r.result.metrics[f"agent/{r.op.agent}/helper_mbs"] for r in steps) == 0
     assert sum(r.result.metrics[f"agent/{r.op.agent}/recomputed_mbs"] for r in steps) == len(helped)
     _same_weights(plain_dir, lost_dir)
