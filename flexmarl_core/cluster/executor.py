@@ -65,6 +65,7 @@ def dask_key(op: Op, *, fused: int = 0) -> str:
     head = f"{op.kind}[{op.agent}]" if op.agent else op.kind
     return f"{head}{f'+{fused}' if fused else ''}-it{op.iteration}-mb{op.mb}-{os.urandom(4).hex()}"
 
+
 class SchedulerLostError(OrchestratorError):
     """The client lost the Dask scheduler mid-run: every op in flight is gone with it."""
 

@@ -261,8 +261,9 @@ class CriticalPath:
         """Seconds per stage kind on the path, `wait_s` and `ops` (as `critical_path`)."""
         if self._last is None:
             return {}
-        out = {k: v for k, v in self._last[1].items() if k != "ops"}
-        return {**out, "ops": int(self._last[1]["ops"])}
+        out = dict(self._last[1])
+        out["ops"] = out.pop("ops")  # last, as `critical_path` has it
+        return out
 
 
 def run_summary(per_it: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:

@@ -110,8 +110,9 @@ class PolicyGradientSteps(ABC):
     _metrics: dict[str, float]
     _version: int
     optimizer: torch.optim.Optimizer
-    lr: float = 1e-4
-    lr_warmup_steps: int = 0
+    #: AdamW's rate and its warm-up (`lr_at`), from the options
+    lr: float
+    lr_warmup_steps: int
 
     def _set_options(self, model: PreTrainedModel, opts: TrainerOptions,
                      ref_model: PreTrainedModel | None) -> None:
