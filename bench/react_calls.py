@@ -26,7 +26,8 @@ FIELDS = ("reward", "call", "op_ok", "args_ok", "call_ok")
 
 
 def per_iteration(run_dir: Path) -> list[dict]:
-    """Each iteration's shares of the solver's samples (FIELDS), with its sample count."""
+    """Each iteration's shares of the solver's samples (FIELDS), with its sample count; the
+    reward is the mean over the samples that hold one (None where none does)."""
     parts = run_dir / "store" / "samples" / "agent=solver"
     if not parts.is_dir():
         raise SystemExit(f"{run_dir}: no solver samples under store/samples (a react run folder?)")
@@ -36,7 +37,9 @@ def per_iteration(run_dir: Path) -> list[dict]:
     for row in table.to_pylist():
         c = counts.setdefault(row["iteration"], Counter())
         c["n"] += 1
-        c["reward"] += row["reward"]
+        if row["reward"] is not None:  # stores of earlier versions kept no reward on the sample
+            c["scored"] += 1
+            c["reward"] += row["reward"]
         q = _PROBLEM.search(row["prompt_text"])
         if q is None:
             raise SystemExit(f"{run_dir}: a prompt without `Compute a?b`: not the calculator program")
@@ -46,7 +49,8 @@ def per_iteration(run_dir: Path) -> list[dict]:
             c["op_ok"] += m[2] == q[2]
             c["args_ok"] += (m[1], m[3]) == (q[1], q[3])
             c["call_ok"] += m.groups() == q.groups()
-    return [{"iteration": it, "samples": c["n"], **{k: c[k] / c["n"] for k in FIELDS}}
+    return [{"iteration": it, "samples": c["n"], **{k: c[k] / c["n"] for k in FIELDS[1:]},
+             "reward": c["reward"] / c["scored"] if c["scored"] else None}
             for it, c in sorted(counts.items())]
 
 
@@ -60,14 +64,16 @@ def main() -> int:
     for name, rows in runs.items():
         for r in rows:
             print(f"{name[-28:]:>28s} {r['iteration']:3d} {r['samples']:7d} "
-                  + " ".join(f"{r[f]:8.3f}" for f in FIELDS))
+                  + " ".join(f"{r[f]:8.3f}" if r[f] is not None else f"{'-':>8s}" for f in FIELDS))
 
-    def first_last(field: str, last: bool) -> float:
-        return sum(rows[-1 if last else 0][field] for rows in runs.values()) / len(runs)
+    def first_last(field: str, last: bool) -> float | None:
+        got = [rows[-1 if last else 0][field] for rows in runs.values()]
+        return None if None in got else sum(got) / len(got)
 
     summary = {f"{f}_{end}": first_last(f, end == "last") for f in FIELDS for end in ("first", "last")}
     print("mean over runs, first -> last iteration: "
-          + ", ".join(f"{f} {summary[f + '_first']:.3f} -> {summary[f + '_last']:.3f}" for f in FIELDS))
+          + ", ".join(f"{f} {summary[f + '_first']:.3f} -> {summary[f + '_last']:.3f}" for f in FIELDS
+                      if summary[f + "_first"] is not None))
     Path(args.json).write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
     return 0
 

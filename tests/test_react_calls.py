@@ -42,3 +42,14 @@ def test_counts_operator_operands_and_exact_calls(tmp_path):
 def test_a_folder_without_solver_samples_is_named(tmp_path):
     with pytest.raises(SystemExit, match="no solver samples"):
         _module().per_iteration(tmp_path)
+
+
+def test_samples_without_a_reward_leave_the_reward_out(tmp_path):
+    part = tmp_path / "run" / "store" / "samples" / "agent=solver" / "iteration=0"
+    part.mkdir(parents=True)
+    prompt = "<|im_start|>user\nCompute 12*34<|im_end|>\n"
+    pq.write_table(pa.table({"prompt_text": [prompt, prompt], "response_text": [_call("12*34"), _call("12-34")],
+                             "reward": pa.array([None, None], pa.float64())}), part / "part.parquet")
+    (row,) = _module().per_iteration(tmp_path / "run")
+    assert row["reward"] is None
+    assert (row["call_ok"], row["op_ok"], row["args_ok"]) == (0.5, 0.5, 1.0)
