@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from flexmarl_core.orchestrator.hooks import RunHook
@@ -44,6 +45,13 @@ class Compaction(RunHook):
             self._thread = threading.Thread(target=self._work, name="flexmarl-compaction", daemon=True)
             self._thread.start()
         self._todo.put(int(row["iteration"]))
+
+    def catch_up(self, iterations: Iterable[int]) -> None:
+        """Queue iterations an earlier attempt finished: a kill may have left one half compacted
+        (the new fragment committed, the old ones not yet deleted) or some not compacted at all.
+        An already compact partition costs one listing."""
+        for it in iterations:
+            self.iteration_done({"iteration": it})
 
     def _work(self) -> None:
         while (it := self._todo.get()) is not None and not self._abandon.is_set():

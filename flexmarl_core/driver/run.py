@@ -312,6 +312,9 @@ def train(
     plan = plan or Plan.build(cfg, window=PLAN_WINDOW)
 
     compaction = Compaction(MEGStore(cfg.resolved_store_uri())) if cfg.store.compact else None
+    reported = _reported_iterations(loc) if resume else []
+    if compaction is not None:
+        compaction.catch_up(int(r["iteration"]) for r in reported)
 
     def emit(row: dict[str, Any]) -> None:
         writer.iteration(row)
@@ -322,7 +325,7 @@ def train(
 
     tracker = IterationTracker(plan.sizes(), emit, lambda: len(executor.worker_resources()))
     if resume:  # the downtime since the earlier attempt's last op is no iteration's time
-        tracker.resume(earlier, _reported_iterations(loc), resumed_at=executor.now())
+        tracker.resume(earlier, reported, resumed_at=executor.now())
     retention = Retention(cfg, loc, writer.durable)
     path = CriticalPath(plan.deps_of, plan.sizes(), plan.reach)
     for rec in earlier:

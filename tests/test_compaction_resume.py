@@ -1,0 +1,30 @@
+"""A resumed run compacts what a killed attempt left half compacted."""
+
+import shutil
+from pathlib import Path
+
+from test_store import make_rows
+
+from flexmarl_core.driver.compaction import Compaction
+from storage import MEGStore
+
+
+def test_catch_up_finishes_a_compaction_cut_between_commit_and_delete(tmp_path: Path) -> None:
+    store = MEGStore(str(tmp_path / "store"))
+    for mb in range(3):
+        store.write_samples("solver", 0, make_rows(mb))
+    ids = store.read_samples("solver", 0).column("sample_id").to_pylist()
+    part = tmp_path / "store" / "samples" / "agent=solver" / "iteration=0"
+    saved = tmp_path / "saved"
+    shutil.copytree(part, saved)
+    store.compact("solver", 0)
+    for f in saved.iterdir():  # the kill: the compacted fragment is in, the old ones not yet gone
+        shutil.copy(f, part / f.name)
+    assert [p.kind for p in store.audit("solver", 0, expected=ids)] == ["duplicate"]
+
+    compaction = Compaction(store)
+    compaction.catch_up([0])
+    compaction.close()
+    assert store.audit("solver", 0, expected=ids) == []
+    assert len(list(part.iterdir())) == 1
+    assert compaction.partitions == 1
