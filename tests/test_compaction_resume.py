@@ -28,3 +28,19 @@ def test_catch_up_finishes_a_compaction_cut_between_commit_and_delete(tmp_path: 
     assert store.audit("solver", 0, expected=ids) == []
     assert len(list(part.iterdir())) == 1
     assert compaction.partitions == 1
+
+
+def test_catch_up_walks_back_only_to_the_last_compacted_iteration(tmp_path: Path) -> None:
+    store = MEGStore(str(tmp_path / "store"))
+    for it in range(4):
+        for mb in range(2):
+            store.write_samples("solver", it, make_rows(mb))
+    for it in (1, 2):  # the earlier attempt compacted 1 and 2, not 3 (and 0 failed, say)
+        store.compact("solver", it)
+    compaction = Compaction(store)
+    compaction.catch_up(range(4))
+    compaction.close()
+    files = {it: len(list((tmp_path / "store" / "samples" / "agent=solver" / f"iteration={it}").iterdir()))
+             for it in range(4)}
+    assert files == {0: 2, 1: 1, 2: 1, 3: 1}
+    assert compaction.partitions == 1

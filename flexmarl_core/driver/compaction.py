@@ -41,29 +41,40 @@ class Compaction(RunHook):
         self._abandon = threading.Event()
 
     def iteration_done(self, row: dict[str, Any], **kwargs: Any) -> None:
+        self._put(int(row["iteration"]))
+
+    def catch_up(self, iterations: Iterable[int]) -> None:
+        """Compact what an earlier attempt finished but a kill left: its last iterations not
+        compacted yet, the newest perhaps half compacted (the new fragment committed, the old
+        ones not yet deleted). Compaction runs in order, so they are a tail: walked newest
+        first, it stops at the first iteration already compact (one listing per partition)."""
+        self._put(sorted(iterations, reverse=True))
+
+    def _put(self, item: int | list[int]) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="flexmarl-compaction", daemon=True)
             self._thread.start()
-        self._todo.put(int(row["iteration"]))
-
-    def catch_up(self, iterations: Iterable[int]) -> None:
-        """Queue iterations an earlier attempt finished: a kill may have left one half compacted
-        (the new fragment committed, the old ones not yet deleted) or some not compacted at all.
-        An already compact partition costs one listing."""
-        for it in iterations:
-            self.iteration_done({"iteration": it})
+        self._todo.put(item)
 
     def _work(self) -> None:
-        while (it := self._todo.get()) is not None and not self._abandon.is_set():
-            t0 = time.perf_counter()
-            try:
-                for agent in self.store.agents():
-                    if self.store.compact(agent, it) is not None:
-                        self.partitions += 1
-            except Exception as exc:  # the run's samples stay readable in their fragments
-                log.warning("store compaction of iteration %d failed (its fragments stay as they are, "
-                            "readable): %s", it, exc)
-            self.seconds += time.perf_counter() - t0
+        while (item := self._todo.get()) is not None and not self._abandon.is_set():
+            for it in [item] if isinstance(item, int) else item:
+                if self._compact(it) and not isinstance(item, int):
+                    break  # the catch-up reached what the earlier attempt compacted
+
+    def _compact(self, it: int) -> bool:
+        """Compact one iteration's partitions; whether every one of them was compact already."""
+        t0, done = time.perf_counter(), 0
+        try:
+            for agent in self.store.agents():
+                done += self.store.compact(agent, it) is not None
+        except Exception as exc:  # the run's samples stay readable in their fragments
+            log.warning("store compaction of iteration %d failed (its fragments stay as they are, "
+                        "readable): %s", it, exc)
+            done = -1
+        self.partitions += max(done, 0)
+        self.seconds += time.perf_counter() - t0
+        return done == 0
 
     def close(self, *, abandon: bool = False) -> None:
         """Wait until every queued iteration is compacted (`abandon`: the run failed; only the
