@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 
-_PROBLEM = re.compile(r"Compute (\d+)([+*-])(\d+)<")
+# either phrasing of the calculator workload (`params.phrasing`): `57*23` or `57 times 23`
+_PROBLEM = re.compile(r"Compute (\d+) ?([+*-]|plus|minus|times) ?(\d+)<")
+_SYMBOL = {"plus": "+", "minus": "-", "times": "*"}
 _CALL = re.compile(r'"expression": "(\d+)([+*-])(\d+)"')
 FIELDS = ("reward", "call", "op_ok", "args_ok", "call_ok")
 
@@ -43,12 +45,13 @@ def per_iteration(run_dir: Path) -> list[dict]:
         q = _PROBLEM.search(row["prompt_text"])
         if q is None:
             raise SystemExit(f"{run_dir}: a prompt without `Compute a?b`: not the calculator program")
+        want = (q[1], _SYMBOL.get(q[2], q[2]), q[3])
         m = _CALL.search(row["response_text"])
         if m:
             c["call"] += 1
-            c["op_ok"] += m[2] == q[2]
-            c["args_ok"] += (m[1], m[3]) == (q[1], q[3])
-            c["call_ok"] += m.groups() == q.groups()
+            c["op_ok"] += m[2] == want[1]
+            c["args_ok"] += (m[1], m[3]) == (want[0], want[2])
+            c["call_ok"] += m.groups() == want
     return [{"iteration": it, "samples": c["n"], **{k: c[k] / c["n"] for k in FIELDS[1:]},
              "reward": c["reward"] / c["scored"] if c["scored"] else None}
             for it, c in sorted(counts.items())]

@@ -280,9 +280,8 @@ def _demos(config: str):
 def test_sft_of_a_react_program_demonstrates_each_tool_call_and_the_answer_in_the_agents_format():
     """configs/program_react.yaml: LangGraph's ReAct agent run against the demonstrations calls
     `calculator` once per operation (the hermes format, the right reduction) and then answers;
-    each turn's prompt holds the tool results before it, so every turn is its own SFT pair."""
-    from flexmarl_core.workloads.calculator import chain
-
+    each turn's prompt holds the tool results before it, so every turn is its own SFT pair.
+    Its problems read in words (`12 times 34`); the calls are in symbols."""
     problems, team, demos = _demos("program_react.yaml")
     tok = team.agents["solver"].tokenizer
     by_prompt = {p.text: p for p in problems}
@@ -293,7 +292,8 @@ def test_sft_of_a_react_program_demonstrates_each_tool_call_and_the_answer_in_th
         per_problem.setdefault(text, []).append((prompt, target))
     assert set(per_problem) == set(by_prompt)
     for text, pairs in per_problem.items():
-        steps = chain(text)
+        assert any(w in text for w in (" plus ", " minus ", " times "))
+        steps = by_prompt[text].meta["steps"]
         pairs.sort(key=lambda pt: len(pt[0]))  # each turn's prompt extends the one before
         assert len(pairs) == len(steps) + 1
         for k, (op, value, _) in enumerate(steps):

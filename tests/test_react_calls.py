@@ -53,3 +53,14 @@ def test_samples_without_a_reward_leave_the_reward_out(tmp_path):
     (row,) = _module().per_iteration(tmp_path / "run")
     assert row["reward"] is None
     assert (row["call_ok"], row["op_ok"], row["args_ok"]) == (0.5, 0.5, 1.0)
+
+
+def test_a_problem_in_words_is_compared_with_its_symbols(tmp_path):
+    part = tmp_path / "run" / "store" / "samples" / "agent=solver" / "iteration=0"
+    part.mkdir(parents=True)
+    prompt = "<|im_start|>user\nCompute 12 times 34<|im_end|>\n"
+    pq.write_table(pa.table({"prompt_text": [prompt] * 3,
+                             "response_text": [_call("12*34"), _call("12+34"), _call("21*34")],
+                             "reward": [1.0, 0.0, 0.0]}), part / "part.parquet")
+    (row,) = _module().per_iteration(tmp_path / "run")
+    assert (row["call_ok"], row["op_ok"], row["args_ok"]) == (1 / 3, 2 / 3, 2 / 3)

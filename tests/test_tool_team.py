@@ -56,6 +56,20 @@ def test_calculator_workload_rounds_and_demonstrations():
         split_demonstration("[47*23]=1080;1080+19", calc)
 
 
+def test_words_phrasing_changes_the_text_only():
+    cfg, wl, _ = _team()
+    words = make_workload(load_config(TOOL, ["workload.params.phrasing=words"]).workload, cfg.team)
+    for split in ("train", "heldout"):
+        sym, said = wl.problems(split, 40, seed=3), words.problems(split, 40, seed=3)
+        # the same expressions, held out alike, solved by the same calls to the same answers
+        assert [(p.input_id, p.answer, p.meta) for p in sym] == [(p.input_id, p.answer, p.meta) for p in said]
+        for p, q in zip(sym, said, strict=True):
+            assert q.text == p.text.replace("+", " plus ").replace("-", " minus ").replace("*", " times ")
+    assert "written in words" in words.heldout_description(8)
+    with pytest.raises(WorkloadError, match="phrasing"):
+        make_workload(load_config(TOOL, ["workload.params.phrasing=prose"]).workload, cfg.team)
+
+
 def test_turn_credit_pays_the_solver_round_for_its_own_reduction():
     cfg, wl, _ = _team()
     assert wl.params.turn_credit and cfg.workload.format_weight == 0.1

@@ -21,6 +21,9 @@ Under ``params.turn_credit`` each solver round but the last is paid for its own 
 (`turn_rewards`). Format: the solver's text has the call-result-expression shape, the
 planner's is one operation.
 
+A problem reads as the expression or, under ``params.phrasing: words``, in words (``47 times 23
+plus 19``); the calls and the rewritten expressions are in symbols either way.
+
 Splits: by a hash of the expression text (`heldout_fraction` held out), so held-out accuracy
 measures expressions never trained on; problem k of a split comes from its own seeded RNG.
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -80,6 +83,11 @@ class CalculatorParams(BaseModel):
     max_calls: int = Field(2, ge=1, le=8, description="Calculator calls per solver response.")
     planner: str | None = Field("planner", description="The agent naming the first operation (or null).")
     solver: str = Field("solver", description="The agent that calls the calculator (the team output).")
+    phrasing: Literal["symbols", "words"] = Field("symbols", description=(
+        "How a problem reads: `symbols` (`47*23+19`) or `words` (`47 times 23 plus 19`), which "
+        "the calculator calls translate back to symbols. A tiny model's embeddings of the rare "
+        "operator symbols collapse together, so it copies the operands of a `symbols` problem "
+        "but not its operator; it can read the operator of a `words` one."))
     turn_credit: bool = Field(False, description=(
         "Pay each solver round but the last for its own reduction (the call and the rewritten "
         "expression are exactly checkable) instead of the team's final answer."))
@@ -114,6 +122,14 @@ def chain(expr: str) -> list[tuple[str, int, str]]:
         op, v, toks = reduce_once(toks)
         out.append((op, v, "".join(toks)))
     return out
+
+
+_WORDS = {"+": "plus", "-": "minus", "*": "times"}
+
+
+def in_words(expr: str) -> str:
+    """``47*23+19`` -> ``47 times 23 plus 19``."""
+    return " ".join(_WORDS.get(t, t) for t in tokens(expr))
 
 
 def final_answer(solver_text: str) -> str:
@@ -163,7 +179,8 @@ class CalculatorWorkload(RuleWorkload):
         p = self.params
         return (f"{n} generated held-out expressions ({p.n_operands} operands of "
                 f"{p.min_value}..{p.max_value}, ops {p.ops!r}, values 0..{p.max_result}; the "
-                f"{p.heldout_fraction:.0%} whose hash is held out), solved with a calculator")
+                f"{p.heldout_fraction:.0%} whose hash is held out; written in {p.phrasing}), solved "
+                f"with a calculator")
 
     def _draw(self, split: Split, seed: int, k: int) -> Problem:
         p = self.params
@@ -177,7 +194,9 @@ class CalculatorWorkload(RuleWorkload):
                 continue
             if (hash_fraction(text, _SPLIT_SALT) < p.heldout_fraction) != (split == "heldout"):
                 continue
-            return Problem(input_id=f"t{seed}{split[0]}{k}", text=text, answer=str(steps[-1][1]),
+            # the split hashes the expression, so both phrasings hold out the same ones
+            shown = in_words(text) if p.phrasing == "words" else text
+            return Problem(input_id=f"t{seed}{split[0]}{k}", text=shown, answer=str(steps[-1][1]),
                            meta={"split": split, "steps": [list(s) for s in steps]})
         raise WorkloadError(f"no {split} expression found in {self._MAX_TRIES} tries with params "
                             f"{p.model_dump()}: widen the values or raise max_result")
