@@ -11,7 +11,8 @@ the iterations, as a subflow call would draw them.
 An iteration's flow run is asked for when its first op is submitted and set Completed when the
 iteration is final (its metrics row emitted); one still open when the training flow stops is
 set Failed (or Crashed if the flow is crashing) with the flow's error. A flow-run retry (a
-resume) opens new ones for the iterations it still runs, named "iteration 3 (flow run 2)".
+resume) opens new ones for the iterations it still runs or first reports, named "iteration 3
+(flow run 2)".
 
 The API calls (five per iteration) run on a thread of their own, in order: the orchestrator
 never waits for the API, and an API server that is away delays only the reports (the op task
@@ -92,9 +93,14 @@ class IterationFlowRuns(RunHook):
         self.finished(int(row["iteration"]))
 
     def finished(self, iteration: int) -> None:
-        """`iteration` is final: its flow run and its task run in the parent become Completed."""
-        if iteration in self._asked:  # else done by an earlier attempt (resume): no run here
-            self._todo.put(("end", iteration, None))
+        """`iteration` is final: its flow run and its task run in the parent become Completed.
+        One whose ops all ran in an earlier attempt, which stopped before its row was final (a
+        resume), gets a flow run of this attempt too, holding no op: the earlier attempt's
+        was set Failed with it, and every iteration ends with a Completed one."""
+        if iteration not in self._asked:
+            self._asked.add(iteration)
+            self._todo.put(("open", iteration, None))
+        self._todo.put(("end", iteration, None))
 
     def forget(self, below: int) -> None:
         """Drop the iterations before `below` whose runs are Completed (every op of them is

@@ -68,8 +68,9 @@ def test_each_iteration_is_a_nested_flow_run_holding_its_ops(baseline_run, prefe
 
 def test_reports_wait_for_their_iterations_flow_run_and_a_failed_flow_fails_the_open_ones(prefect_api):
     """On the real API: an op of an iteration whose nested flow run is still being made is
-    reported once it exists (in order, into it); the iteration that ended is Completed, the one
-    still open when the flow stops is Failed with the error; `flush(final=True)` puts a report
+    reported once it exists (in order, into it); the iteration that ended is Completed (one whose ops
+    all ran in an earlier attempt too, in a run of its own), the one still open when the flow
+    stops is Failed with the error; `flush(final=True)` puts a report
     whose flow run never came into the training run's own."""
     from prefect import flow
     from prefect.client.orchestration import get_client
@@ -97,6 +98,7 @@ def test_reports_wait_for_their_iterations_flow_run_and_a_failed_flow_fails_the_
                 r.report_due(101.0)
                 time.sleep(0.05)
             its.iteration_done({"iteration": 0})
+            its.iteration_done({"iteration": 5})  # its ops ran in an earlier attempt (a resume)
             its.close(RuntimeError("stage broke"))
             r.flush(final=True)
             return {"deferred_at_first": deferred_at_first, "left": len(r._deferred)}
@@ -104,9 +106,11 @@ def test_reports_wait_for_their_iterations_flow_run_and_a_failed_flow_fails_the_
     state = reports(return_state=True)
     out = state.result()
     assert out["deferred_at_first"] and out["left"] == 0
-    own, kids, ops = children_of(state.state_details.flow_run_id, 2)
+    own, kids, ops = children_of(state.state_details.flow_run_id, 3)
     by_name = {k.name: k for k in kids.values()}
     assert by_name["iteration 0"].state.is_completed()
+    # An iteration final in this attempt whose ops all ran before has a Completed run, empty.
+    assert by_name["iteration 5"].state.is_completed() and not ops.get(by_name["iteration 5"].id)
     assert by_name["iteration 1"].state.is_failed() and "stage broke" in by_name["iteration 1"].state.message
     assert [r.name for r in ops[by_name["iteration 0"].id]] == [a.name]
     assert [r.name for r in ops[by_name["iteration 1"].id]] == [b.name]
