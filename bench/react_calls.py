@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 
+from flexmarl_core.workloads.calculator import WORDS
+
 # either phrasing of the calculator workload (`params.phrasing`): `57*23` or `57 times 23`
-_PROBLEM = re.compile(r"Compute (\d+) ?([+*-]|plus|minus|times) ?(\d+)<")
-_SYMBOL = {"plus": "+", "minus": "-", "times": "*"}
+_PROBLEM = re.compile(rf"Compute (\d+) ?([+*-]|{'|'.join(WORDS.values())}) ?(\d+)<")
+_SYMBOL = {word: op for op, word in WORDS.items()}
 _CALL = re.compile(r'"expression": "(\d+)([+*-])(\d+)"')
 FIELDS = ("reward", "call", "op_ok", "args_ok", "call_ok")
 

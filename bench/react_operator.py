@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 OPS = ("+", "-", "*")
 _EXPR = re.compile(r'"expression": "\d+([+*-])')

@@ -84,10 +84,13 @@ class IterationFlowRuns(RunHook):
         got = self.runs.get(iteration)
         if got is not None:
             return got[1]
+        self._ask(iteration)
+        return None
+
+    def _ask(self, iteration: int) -> None:
         if iteration not in self._asked:
             self._asked.add(iteration)
             self._todo.put(("open", iteration, None))
-        return None
 
     def iteration_done(self, row: dict[str, Any], **kwargs: Any) -> None:
         self.finished(int(row["iteration"]))
@@ -97,9 +100,7 @@ class IterationFlowRuns(RunHook):
         One whose ops all ran in an earlier attempt, which stopped before its row was final (a
         resume), gets a flow run of this attempt too, holding no op: the earlier attempt's
         was set Failed with it, and every iteration ends with a Completed one."""
-        if iteration not in self._asked:
-            self._asked.add(iteration)
-            self._todo.put(("open", iteration, None))
+        self._ask(iteration)
         self._todo.put(("end", iteration, None))
 
     def forget(self, below: int) -> None:

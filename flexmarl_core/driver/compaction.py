@@ -33,7 +33,8 @@ class Compaction(RunHook):
 
     def __init__(self, store: MEGStore) -> None:
         self.store = store
-        self._todo: queue.Queue[int | None] = queue.Queue()
+        #: (iterations, walk_back): see `catch_up`; None stops the thread
+        self._todo: queue.Queue[tuple[list[int], bool] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         #: partitions compacted, and seconds spent, by this run
         self.partitions = 0
@@ -41,40 +42,42 @@ class Compaction(RunHook):
         self._abandon = threading.Event()
 
     def iteration_done(self, row: dict[str, Any], **kwargs: Any) -> None:
-        self._put(int(row["iteration"]))
+        self._put([int(row["iteration"])], walk_back=False)
 
     def catch_up(self, iterations: Iterable[int]) -> None:
         """Compact what an earlier attempt finished but a kill left: its last iterations not
         compacted yet, the newest perhaps half compacted (the new fragment committed, the old
         ones not yet deleted). Compaction runs in order, so they are a tail: walked newest
         first, it stops at the first iteration already compact (one listing per partition)."""
-        self._put(sorted(iterations, reverse=True))
+        self._put(sorted(iterations, reverse=True), walk_back=True)
 
-    def _put(self, item: int | list[int]) -> None:
+    def _put(self, iterations: list[int], *, walk_back: bool) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="flexmarl-compaction", daemon=True)
             self._thread.start()
-        self._todo.put(item)
+        self._todo.put((iterations, walk_back))
 
     def _work(self) -> None:
         while (item := self._todo.get()) is not None and not self._abandon.is_set():
-            for it in [item] if isinstance(item, int) else item:
-                if self._compact(it) and not isinstance(item, int):
+            iterations, walk_back = item
+            for it in iterations:
+                if self._compact(it) and walk_back:
                     break  # the catch-up reached what the earlier attempt compacted
 
     def _compact(self, it: int) -> bool:
-        """Compact one iteration's partitions; whether every one of them was compact already."""
-        t0, done = time.perf_counter(), 0
+        """Compact one iteration's partitions; whether every one of them was compact already
+        (none needed it and none failed)."""
+        t0, done, failed = time.perf_counter(), 0, False
         try:
             for agent in self.store.agents():
                 done += self.store.compact(agent, it) is not None
         except Exception as exc:  # the run's samples stay readable in their fragments
             log.warning("store compaction of iteration %d failed (its fragments stay as they are, "
                         "readable): %s", it, exc)
-            done = -1
-        self.partitions += max(done, 0)
+            failed = True
+        self.partitions += done
         self.seconds += time.perf_counter() - t0
-        return done == 0
+        return done == 0 and not failed
 
     def close(self, *, abandon: bool = False) -> None:
         """Wait until every queued iteration is compacted (`abandon`: the run failed; only the

@@ -124,12 +124,13 @@ def chain(expr: str) -> list[tuple[str, int, str]]:
     return out
 
 
-_WORDS = {"+": "plus", "-": "minus", "*": "times"}
+#: each operator as `phrasing: words` writes it
+WORDS = {"+": "plus", "-": "minus", "*": "times"}
 
 
 def in_words(expr: str) -> str:
     """``47*23+19`` -> ``47 times 23 plus 19``."""
-    return " ".join(_WORDS.get(t, t) for t in tokens(expr))
+    return " ".join(WORDS.get(t, t) for t in tokens(expr))
 
 
 def final_answer(solver_text: str) -> str:
