@@ -35,9 +35,10 @@ from flexmarl_core.models.tokenizer import tokenizer_key
 from flexmarl_core.runtime.weights import initial_weights, save_state_atomic
 from flexmarl_core.teams import team_shape
 from flexmarl_core.training import Sample, make_trainer
-from flexmarl_core.training.api import TokenBatch
+from flexmarl_core.training.api import TokenBatch, TrainBackend
+from flexmarl_core.training.handles import StateFileError, dump, load, trim_buffers
 from flexmarl_core.workloads import make_workload
-from storage.atomic import atomic_folder
+from storage.atomic import atomic_folder, atomic_path
 
 
 def sft_loss(logprobs: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, Mapping[str, Any]]:
@@ -87,8 +88,11 @@ def run_sft(
     plateau can be picked afterwards without training again.
 
     `resume_from`: continue from a saved team (an `<out>` or `<out>/step-<N>` folder): its
-    weights, and its step count from its `sft.json`, so the next steps see the problems an
-    uninterrupted run would. The optimizer's moments are not saved, so they start again."""
+    weights, its step count from its `sft.json`, and its `sft_state.flx` (each trainer's state:
+    Adam moments, step counter, RNG; the demonstration sampler's RNG), so the run goes on bit
+    for bit as the uninterrupted one would. A folder saved before that file existed resumes
+    with a fresh optimizer and the sampler reseeded, and says so; a damaged or mismatched one
+    raises `ResumeStateError` naming it."""
     torch.manual_seed(cfg.seed)
     team = team_shape(cfg)
     meg = team.meg
@@ -101,7 +105,8 @@ def run_sft(
     # LoRA agents on one base SFT that base together (one model, one trainer, every agent's
     # demonstrations in each step); RL then trains each one's adapter on it.
     # Read first: a folder that is not a saved team fails before any model is built.
-    resumed_at, acc = _saved_meta(Path(resume_from)) if resume_from is not None else (None, 0.0)
+    src = Path(resume_from) if resume_from is not None else None
+    resumed_at, acc, saved = _saved_meta(src) if src is not None else (None, 0.0, None)
     by_base: dict[str, str] = {}  # base key -> the first agent on it (owns model and trainer)
     for agent in meg.agent_names:
         acfg = cfg.agent(agent)
@@ -136,7 +141,16 @@ def run_sft(
     rng = random.Random(cfg.seed)
     step, t0 = resumed_at or 0, time.time()
     history = []
-    if resumed_at is not None:
+    if src is not None:
+        # Last, after everything built above has drawn from torch's RNG.
+        if saved is not None:
+            _load_state(src / STATE_NAME, saved, _owners(trainers), rng)
+            saved = None
+            trim_buffers()  # the file's read buffer would otherwise stay pooled for the whole run
+        else:
+            log(f"sft resume: {src / STATE_NAME} not found (saved before SFT kept its "
+                "optimizer state): the optimizer starts fresh and the demonstration sampler is reseeded, "
+                "so this run differs from an uninterrupted one")
         history.append({"step": step, "accuracy": acc, "time_s": 0.0, "resumed_from": str(resume_from)})
         log(f"sft resumed from {resume_from} at step {step} (held-out accuracy {acc:.3f})")
     while True:
@@ -151,7 +165,7 @@ def run_sft(
             history.append({"step": step, "accuracy": acc, "time_s": time.time() - t0})
             log(f"sft step {step}: held-out accuracy {acc:.3f}")
             if keep_checks:
-                _save_team(out / f"step-{step}", meg.agent_names, models,
+                _save_team(out / f"step-{step}", meg.agent_names, models, _owners(trainers), rng,
                            {"accuracy": acc, "steps": step, "target": tc.sft_target_accuracy})
             if acc >= tc.sft_target_accuracy or step >= tc.sft_max_steps:
                 break
@@ -179,26 +193,98 @@ def run_sft(
         step += 1
     result = {"out_dir": str(out), "accuracy": acc, "steps": step, "history": history,
               "target": tc.sft_target_accuracy}
-    _save_team(out, meg.agent_names, models, result)
+    _save_team(out, meg.agent_names, models, _owners(trainers), rng, result)
     return result
 
 
-def _saved_meta(src: Path) -> tuple[int, float]:
-    """Step count and accuracy of a team `run_sft` saved, from its `sft.json`."""
+#: each saved team's trainer and sampler state (a `training.handles` state file: plain data)
+STATE_NAME = "sft_state.flx"
+_STATE_FORMAT = 1
+
+
+class ResumeStateError(ValueError):
+    """A saved SFT state that cannot be resumed from; the message names its file."""
+
+
+def _saved_meta(src: Path) -> tuple[int, float, dict[str, Any] | None]:
+    """Step count, accuracy and state (None: saved before SFT kept one) of a team `run_sft`
+    saved, from its `sft.json` and `sft_state.flx`: read before any model is built, so a bad
+    folder fails at once."""
     meta_path = src / "sft.json"
     if not meta_path.exists():
         raise FileNotFoundError(f"sft resume: {meta_path} not found (not a folder `flexmarl sft` saved)")
     meta = json.loads(meta_path.read_text())
     if not isinstance(meta.get("steps"), int):
         raise ValueError(f"sft resume: {meta_path} has no integer field 'steps'")
-    return meta["steps"], float(meta.get("accuracy", 0.0))
+    digest = meta.get("state_sha256")
+    if digest is None:
+        return meta["steps"], float(meta.get("accuracy", 0.0)), None
+    path = src / STATE_NAME
+    try:
+        with open(path, "rb") as f:
+            # sft.json is written last, with the digest: a damaged file, or one from a save that
+            # did not finish, fails here instead of resuming from weights and moments that disagree.
+            if hashlib.file_digest(f, "sha256").hexdigest() != digest:
+                raise ResumeStateError(f"sft resume: {path} is damaged or not the one {meta_path} "
+                                       "records (its sha256 differs)")
+            f.seek(0)
+            state = load(f, what=str(path))
+    except FileNotFoundError:
+        raise ResumeStateError(f"sft resume: {path} not found, but {meta_path} records it") from None
+    except StateFileError as e:
+        raise ResumeStateError(f"sft resume: {e}") from e
+    if state.get("format") != _STATE_FORMAT:
+        raise ResumeStateError(f"sft resume: {path} has format {state.get('format')!r}, expected {_STATE_FORMAT}")
+    return meta["steps"], float(meta.get("accuracy", 0.0)), state
+
+
+def _owners(trainers: Mapping[str, TrainBackend]) -> dict[str, TrainBackend]:
+    """Each trainer once, under the first agent that has it (LoRA agents share their base's)."""
+    seen: dict[int, str] = {}
+    for agent, tr in trainers.items():
+        seen.setdefault(id(tr), agent)
+    return {agent: trainers[agent] for agent in seen.values()}
 
 
 def _save_team(out: Path, agents: list[str], models: dict[str, torch.nn.Module],
-               meta: dict[str, Any]) -> None:
+               trainers: Mapping[str, TrainBackend], rng: random.Random, meta: dict[str, Any]) -> None:
+    """Every file atomically, the state first and `sft.json` (with the state's digest) last:
+    a crash part way leaves a folder whose `sft.json` does not match its state, which a resume
+    refuses, never a mix it would load."""
+    state = {
+        "format": _STATE_FORMAT,
+        # copy=False: written out before anything steps again
+        "trainers": {agent: tr.state(copy=False) for agent, tr in trainers.items()},
+        "python_rng": rng.getstate(),  # which demonstrations are perturbed
+        "torch_rng": torch.get_rng_state(),  # dropout
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+    }
+    with atomic_path(out / STATE_NAME) as tmp:
+        with open(tmp, "w+b") as f:
+            dump(state, f)
+            f.seek(0)
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
     for agent in agents:
         _save(out / agent, models[agent])
-    (out / "sft.json").write_text(json.dumps({"out_dir": str(out), **meta}, indent=2))
+    with atomic_path(out / "sft.json") as tmp:
+        tmp.write_text(json.dumps({"out_dir": str(out), **meta, "state_sha256": digest}, indent=2))
+
+
+def _load_state(path: Path, state: Mapping[str, Any], trainers: Mapping[str, TrainBackend],
+                rng: random.Random) -> None:
+    """`_save_team`'s state (read from `path`) into the trainers, the sampler and torch's RNGs."""
+    if set(state["trainers"]) != set(trainers):
+        raise ResumeStateError(f"sft resume: {path} holds trainers {sorted(state['trainers'])}, "
+                               f"this config trains {sorted(trainers)}")
+    try:
+        for agent, tr in trainers.items():
+            tr.load_state(state["trainers"][agent])
+        rng.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ResumeStateError(f"sft resume: {path} does not fit this config: {e}") from e
 
 
 def _save(path: Path, model: torch.nn.Module) -> None:
