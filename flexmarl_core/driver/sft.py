@@ -324,7 +324,7 @@ def warm_start_key(cfg: ExperimentConfig) -> str:
 
 def _sft_key(cfg: ExperimentConfig) -> dict[str, Any]:
     """The SFT settings (`train.sft_*`); `eval_batch` is not one: it only regroups the greedy
-    decoding, which gives the same outputs (tests/test_workloads_longtail.py)."""
+    decoding, which gives the same outputs (tests/unit/test_workloads_longtail.py)."""
     return {k: v for k, v in cfg.train.model_dump(mode="json").items() if k.startswith("sft_")}
 
 

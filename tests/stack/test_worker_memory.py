@@ -1,0 +1,57 @@
+"""A worker that Dask restarts for memory is reported as that: the op, the agent, the limit.
+
+Real stack without Prefect: a local Dask cluster whose Nanny really restarts a worker that
+crosses 95% of its memory limit (the `hog@` fault makes a rollout allocate until it does).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from flexmarl_core.config import load_config
+from flexmarl_core.ops import Op
+from flexmarl_core.orchestrator.loop import WorkerMemoryError
+from flexmarl_core.stages import faults_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_memory_restart_names_op_agent_and_limit(tmp_path, monkeypatch):
+    from flexmarl_core import cluster
+    from flexmarl_core.cluster import workers
+    from flexmarl_core.driver import run
+
+    # The run ends when the scheduler gives up on the op with no worker left (the cluster's
+    # no-workers-timeout), and the error names the memory restart only if one was recorded by
+    # then: a loaded machine took longer than the product's 15 s to restart the worker process
+    # (torch, transformers) once. 60 s leaves room for that; the run then ends ~45 s later.
+    monkeypatch.setattr(workers, "NO_WORKERS_TIMEOUT", "60s")
+
+    one_worker = ("cluster.workers=[{name: w0, memory_limit: 1GiB, "
+                  "resources: {rollout: 1, train: 1}}]")
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+        f"run_dir={tmp_path}/run", "train.iterations=1", "train.evaluate=false", one_worker])
+    run_dir = run.prepare_run(cfg)
+    victim = Op(0, "rollout", "planner", 0, 0).name
+    marker = Path(faults_dir(run_dir)) / f"hog@{victim}"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    t0 = time.time()
+    with cluster.cluster_for(cfg.cluster) as client:
+        ex = cluster.DaskExecutor(client, str(run_dir))
+        with pytest.raises(WorkerMemoryError) as info:
+            run.train(cfg, run_dir, ex)
+        restarts = cluster.memory_restarts(client, t0)
+    msg = str(info.value)
+    # Both planner micro-batches run on w0's threads when it is restarted: the error names the
+    # one the orchestrator collects first, either is an op that died with the worker.
+    died = [Op(0, "rollout", "planner", 0, mb).name for mb in range(cfg.batch.num_micro_batches)]
+    assert victim in died and any(n in msg for n in died) and "agent 'planner'" in msg, msg
+    assert "memory limit 1.00 GiB" in msg and "worker w0" in msg, msg
+    assert "valid worker" not in msg
+    assert restarts and all(r.worker == "w0" and r.limit == 1 << 30 for r in restarts)
+    # The Nanny restarts above 95% of the limit: the reported RSS is past that line.
+    assert all(r.rss > 0.95 * r.limit for r in restarts)

@@ -1,0 +1,72 @@
+"""The core's import boundaries: `flexmarl_core` never imports Prefect, only the cluster adapter
+(`flexmarl_core/cluster/`) imports Dask, and the optional backends' packages (vLLM, DeepSpeed,
+PEFT) are imported only by their own backend modules. Checked on every import statement of
+every core module (function-level ones too), and on what importing the core loads."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CORE = REPO / "flexmarl_core"
+DASK_ADAPTER = CORE / "cluster"
+#: optional extra -> the only core modules that import it
+BACKENDS = {
+    "vllm": {"inference/vllm_engine.py", "inference/vllm_lora.py"},
+    "deepspeed": {"training/deepspeed_trainer.py"},
+    "peft": {"models/lora.py"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_core_never_imports_prefect_and_only_the_adapter_imports_dask():
+    files = sorted(CORE.rglob("*.py"))
+    assert len(files) > 30
+    bad = []
+    for f in files:
+        mods = _imports(f)
+        if "prefect" in mods or "prefect_dask" in mods:
+            bad.append(f"{f.relative_to(REPO)} imports prefect")
+        if f.parent != DASK_ADAPTER and mods & {"dask", "distributed"}:
+            bad.append(f"{f.relative_to(REPO)} imports dask")
+    assert not bad, bad
+
+
+def test_importing_the_run_path_loads_no_prefect_or_dask():
+    code = ("import sys; import flexmarl_core.driver.run, flexmarl_core.stages, flexmarl_core.control, "
+            "flexmarl_core.executors.threads, flexmarl_core.driver.metrics; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'prefect', 'dask', 'distributed'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_optional_backends_are_imported_only_by_their_backend_modules():
+    bad = []
+    for f in sorted(CORE.rglob("*.py")):
+        rel = f.relative_to(CORE).as_posix()
+        bad += [f"{rel} imports {pkg}" for pkg, allowed in BACKENDS.items()
+                if pkg in _imports(f) and rel not in allowed]
+    assert not bad, bad
+    for pkg, allowed in BACKENDS.items():  # the rule names real modules that do import them
+        assert all(pkg in _imports(CORE / rel) for rel in allowed), pkg
+
+
+def test_config_and_cli_load_without_torch_or_prefect():
+    """Reading a config (what the CLI does first, and what a bad one fails at) needs neither."""
+    code = ("import sys; import flexmarl.cli, flexmarl_core.config; "
+            "from flexmarl_core.config import load_config; load_config('configs/default.yaml'); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'prefect', 'dask', 'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]"
