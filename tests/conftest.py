@@ -32,6 +32,7 @@ DATA_ENV = "FLEXMARL_DATA"
 os.environ.setdefault("FLEXMARL_CACHE", str(REPO / ".cache" / "flexmarl"))
 # Never touch the user's ~/.prefect: the harness uses its own temporary database.
 os.environ.setdefault("PREFECT_HOME", str(REPO / ".prefect" / "tests"))
+Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # Prefect makes only the last level
 # No telemetry from tests (the Makefile sets the same): the SDK's usage events, checked when
 # prefect is first imported, and the API server's telemetry service, which otherwise tries the
 # network at startup and logs `Failed to send telemetry` where there is none. Set before any
