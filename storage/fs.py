@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from typing import Any, Literal
+from urllib.parse import parse_qsl, urlsplit
 
 import pyarrow.fs as pafs
 
@@ -83,6 +84,27 @@ def open_filesystem(
 #: The AWS SDKs' own variables for an S3-compatible endpoint (MinIO, Ceph, moto): pyarrow does
 #: not read them, so every machine of a run would otherwise need the endpoint in each URI.
 ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+#: S3 options a probe takes from the URI's query (others: the probe opens it as pyarrow would)
+_PROBE_QUERY = ("endpoint_override", "scheme", "region")
+
+
+def open_for_probe(uri: str) -> tuple[pafs.FileSystem, str]:
+    """``uri``'s filesystem for one quick look (a launch's reachability check): not wrapped in
+    `storage.retry`, and on S3 two attempts with a 3 s connect timeout, so a host that does not
+    answer is an error in seconds; the run's own calls (`open_filesystem`) retry for longer."""
+    scheme, rest = uri.split("://", 1) if "://" in uri else ("", uri)
+    query = dict(parse_qsl(urlsplit(uri).query))
+    if scheme.lower() == "s3" and set(query) <= set(_PROBE_QUERY):
+        kwargs: dict[str, Any] = dict(query)
+        if "endpoint_override" not in kwargs:
+            kwargs = {**(s3_endpoint_from_env() or {}), **kwargs}
+        fs = pafs.S3FileSystem(**kwargs, connect_timeout=3.0, request_timeout=10.0,
+                               retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
+        return fs, rest.split("?", 1)[0].strip("/")
+    fs, path = pafs.FileSystem.from_uri(uri)
+    return fs, path.rstrip("/")
 
 
 def s3_endpoint_from_env() -> dict[str, str] | None:

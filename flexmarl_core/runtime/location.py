@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 import pyarrow.fs as pafs
 
 from storage.atomic import atomic_file
-from storage.fs import open_filesystem
+from storage.fs import open_filesystem, open_for_probe
 
 RUN_MARKER = ".flexmarl-run"
 LEASE_NAME = "run.lease"
@@ -261,7 +261,7 @@ def check_reachable(field: str, uri: str) -> None:
     if not is_uri(uri):
         return
     try:
-        fs, root, _ = open_filesystem(uri)
+        fs, root = open_for_probe(uri)
         bucket = root.split("/", 1)[0]
         missing = fs.get_file_info(bucket).type == pafs.FileType.NotFound
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
