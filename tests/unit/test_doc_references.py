@@ -160,9 +160,6 @@ SERIES_MAX = 32
 #: Rows (by the start of their claim cell, any case) whose figures are being recorded anew and are
 #: not checked until then. To be emptied once their records are committed.
 FIGURES_NOT_CHECKED = (
-    # `make run`'s first run (+0.047, 0.391 -> 0.438): a new record is being made; the committed
-    # bench/results/first-run.json holds its iteration rows, not its held-out accuracies.
-    "rl adds to sft",
     # the orchestration overhead (0.93x): being re-measured.
     "orchestration costs little",
 )
@@ -222,13 +219,14 @@ def _matches(sign: str, figure: str, percent: str, numbers: list[float]) -> bool
     return False
 
 
-def _unbacked_figures(table: Path, heading: str | None, results: Path = RESULTS_DIR) -> list[str]:
+def _unbacked_figures(table: Path, heading: str | None, results: Path = RESULTS_DIR,
+                      unchecked: tuple[str, ...] = FIGURES_NOT_CHECKED) -> list[str]:
     """`claim: figure` for each figure of a results table's rows that none of the JSON its row's
     pages cite holds; a row whose links give no JSON is one problem."""
     problems = []
     for row in _table_rows(table.read_text(), heading):
         claim = row.strip("|").split("|")[0].strip()
-        if claim.lower().startswith(FIGURES_NOT_CHECKED):
+        if unchecked and claim.lower().startswith(unchecked):
             continue
         names: set[str] = set()
         for target in TABLE_LINK.findall(row):
@@ -289,8 +287,53 @@ def test_the_figure_checker_catches_what_it_should(tmp_path):
         "| the other section | 0.777 | [p](page.md#other) |\n"
         "| no such anchor | 0.438 | [p](page.md#nowhere) |\n"
         "| rl adds to sft, left unchecked | 9.999 | [p](page.md#run) |\n")
-    found = _unbacked_figures(pages / "index.md", None, results)
+    found = _unbacked_figures(pages / "index.md", None, results, unchecked=("rl adds to sft",))
     assert sorted(found) == sorted([
         "wrong digit: 0.439", "wrong sign: −0.047", "too precise: 0.8795", "from a series: 0.123",
         "from another section: 0.777", "no such anchor: page.md#nowhere is no page or section",
         "no such anchor: its pages cite no bench/results JSON"]), found
+
+
+# -- the first run as the README and the quickstart show it ------------------------------------
+# bench/first_run.py records `make run` on a fresh clone (bench/results/first-run.json, and the
+# terminal in first-run.log): the minutes the pages quote are its own, rounded, and every line of
+# output they paste is a line the run printed.
+
+FIRST_RUN = RESULTS_DIR / "first-run.json"
+FIRST_RUN_PAGES = ((REPO / "README.md", "the-first-run"), (REPO / "docs" / "quickstart.md", ""))
+PASTED = re.compile(r"^(iteration \d+/\d+ |held-out team accuracy|final reward per agent)")
+MINUTES = re.compile(r"about (\d+)\s+minutes\s+after\s+setup")
+
+
+def _pasted_lines(text: str) -> list[str]:
+    blocks = re.findall(r"```text\n(.*?)```", text, re.S)
+    return [line.strip() for b in blocks for line in b.splitlines() if PASTED.match(line.strip())]
+
+
+def _first_run_problems(text: str, record: dict, printed: set[str]) -> list[str]:
+    out = [f"pasted line not printed by the recorded run: {line!r}"
+           for line in _pasted_lines(text) if line not in printed]
+    for m in MINUTES.finditer(text):
+        if int(m.group(1)) != round(record["make_run_s"] / 60):
+            out.append(f"'{m.group(0)}': the record's `make run` took {record['make_run_s'] / 60:.1f} min")
+    return out
+
+
+def test_the_first_run_the_pages_show_is_the_recorded_one():
+    record = json.loads(FIRST_RUN.read_text())
+    printed = {line.strip() for line in FIRST_RUN.with_suffix(".log").read_text().splitlines()}
+    bad = []
+    for page, anchor in FIRST_RUN_PAGES:
+        section = _section(page.read_text(), anchor)
+        assert section is not None and _pasted_lines(section), f"{page.name}: no pasted output under #{anchor}"
+        bad += [f"{page.relative_to(REPO)}: {p}" for p in _first_run_problems(section, record, printed)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_first_run_check_catches_what_it_should():
+    record = {"make_run_s": 259.0}
+    printed = {"iteration 20/20  E2E 4.80 s  acc 0.242"}
+    good = "about 4 minutes after setup\n```text\niteration 20/20  E2E 4.80 s  acc 0.242\n```\n"
+    assert _first_run_problems(good, record, printed) == []
+    bad = "about 19 minutes after setup\n```text\niteration 20/20  E2E 4.81 s  acc 0.242\n```\n"
+    assert len(_first_run_problems(bad, record, printed)) == 2
