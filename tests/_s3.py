@@ -1,28 +1,58 @@
-"""moto's S3 server on loopback for the tests (a thread of the test process, reached over real
-HTTP), and the settings that reach it. moto is imported when a server starts, not at
-collection: moto.server brings Flask, whose module-level context proxies raise on attribute
-access, and vLLM's engine start scans every loaded module's objects."""
+"""moto's S3 server on loopback for the tests (a process of its own, reached over real HTTP),
+and the settings that reach it. A process, not a thread of the test process: moto.server
+brings Flask, whose module-level context proxies raise on attribute access, and vLLM's engine
+start scans every loaded module's objects (and Dask workers forked from the test process would
+inherit them), so Flask must never be imported where tests run."""
 
 from __future__ import annotations
 
-import logging
 import socket
-from typing import Any
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 
 import pyarrow.fs as pafs
 
 
-def start_moto() -> tuple[Any, str]:
-    """A started moto server with no buckets, and its endpoint `http://127.0.0.1:<port>`."""
-    from moto.server import ThreadedMotoServer
+class MotoServer:
+    """`python -m moto.server` on 127.0.0.1:`port`, started and answering; `stop()` ends it."""
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
+    def __init__(self, port: int) -> None:
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120  # it imports moto's services: seconds on a busy machine
+        while True:
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=5).close()
+                return
+            except urllib.error.HTTPError:  # it answers (moto's root is not a page)
+                return
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto's server did not start on {self.endpoint}") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+def start_moto() -> tuple[MotoServer, str]:
+    """A started moto server with no buckets, and its endpoint `http://127.0.0.1:<port>`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    return server, f"http://127.0.0.1:{port}"
+    server = MotoServer(port)
+    return server, server.endpoint
 
 
 def s3_kwargs(endpoint: str) -> dict[str, str]:
