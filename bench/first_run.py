@@ -32,12 +32,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from _load import LoadSampler  # bench/ is this script's folder
+from _fresh import LoadSampler, fresh_clone  # bench/ is this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 HELD_OUT = re.compile(r"held-out team accuracy: ([\d.]+) before RL -> ([\d.]+) after \(([+-][\d.]+)\)")
@@ -96,11 +95,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
     args = ap.parse_args()
 
-    sha = subprocess.check_output(["git", "-C", str(REPO), "rev-parse", args.commit], text=True).strip()
-    work = Path(tempfile.mkdtemp(prefix="flexmarl-first-run-"))
-    clone = work / "flexmarl"
-    subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
-    subprocess.run(["git", "-C", str(clone), "checkout", "--quiet", sha], check=True)
+    sha, work, clone = fresh_clone(REPO, args.commit, "flexmarl-first-run-")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FLEXMARL_", "VIRTUAL_ENV"))}
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

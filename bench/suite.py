@@ -24,13 +24,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import xml.etree.ElementTree as ET
 from datetime import UTC, datetime
 from pathlib import Path
 
-from _load import LoadSampler  # bench/ is this script's folder
+from _fresh import LoadSampler, fresh_clone  # bench/ is this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 TIERS = ("unit", "stack", "slow")
@@ -67,11 +66,7 @@ def main() -> None:
     ap.add_argument("--commit", default="HEAD")
     args = ap.parse_args()
 
-    sha = subprocess.check_output(["git", "-C", str(REPO), "rev-parse", args.commit], text=True).strip()
-    work = Path(tempfile.mkdtemp(prefix="flexmarl-suite-"))
-    clone = work / "flexmarl"
-    subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
-    subprocess.run(["git", "-C", str(clone), "checkout", "--quiet", sha], check=True)
+    sha, work, clone = fresh_clone(REPO, args.commit, "flexmarl-suite-")
     junit = work / "junit.xml"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "VIRTUAL_ENV", "PYTEST_"))}
     env["PYTEST_ADDOPTS"] = f"--junitxml={junit}"

@@ -1,10 +1,24 @@
-"""The machine's load while a bench runs: the 1-minute load average, sampled in a thread."""
+"""What the fresh-clone benches share (`bench/first_run.py`, `bench/suite.py`): a clone of one
+commit in a temporary folder, and the machine's load while they run (the 1-minute load
+average, sampled in a thread)."""
 
 from __future__ import annotations
 
 import statistics
+import subprocess
+import tempfile
 import threading
 from pathlib import Path
+
+
+def fresh_clone(repo: Path, commit: str, prefix: str) -> tuple[str, Path, Path]:
+    """`(sha, work folder, clone)`: `repo` cloned at `commit` into a new temporary folder."""
+    sha = subprocess.check_output(["git", "-C", str(repo), "rev-parse", commit], text=True).strip()
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    clone = work / "flexmarl"
+    subprocess.run(["git", "clone", "--quiet", str(repo), str(clone)], check=True)
+    subprocess.run(["git", "-C", str(clone), "checkout", "--quiet", sha], check=True)
+    return sha, work, clone
 
 
 def load_now() -> float:
