@@ -86,6 +86,9 @@ class WorkerContext:
     coalescers: dict[tuple[str, str], Coalescer] = field(default_factory=dict)
     #: per agent, the (iteration, mb) already in the trainer's accumulated gradients
     accumulated: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
+    #: per agent, weights versions a sync made between checkpoints (no file), kept while a
+    #: stale rollout may still ask for them (`keep_unpublished`)
+    unpublished: dict[str, dict[int, State]] = field(default_factory=dict)
     #: iteration -> micro-batch -> input rows (meta parsed); inputs never change once written
     _inputs: dict[int, dict[int, list[dict[str, Any]]]] = field(default_factory=dict)
     _store: Store | None = None
@@ -228,6 +231,9 @@ class WorkerContext:
         key = weights_key(agent, version)
         if version == 0 or self.loc.is_file(key):
             return load_weights(self.loc, agent, version)
+        kept = self.unpublished.get(agent, {}).get(version)
+        if kept is not None:
+            return kept
         tr, _ = self.trainer(agent, version)
         if tr.version != version:
             raise RuntimeError(
@@ -235,6 +241,18 @@ class WorkerContext:
                 f"{self.loc.display(key)} and the trainer is at {tr.version}"
             )
         return tr.weights()
+
+    def keep_unpublished(self, agent: str, version: int, state: State) -> None:
+        """Keep a copy of `agent`'s weights `version`, which a sync made between checkpoints: a
+        rollout up to `codesign.max_staleness` versions behind may ask for it after the trainer
+        here has stepped on (nothing else could give it back). Older ones are dropped."""
+        k = self.cfg.codesign.max_staleness
+        if k <= 0:
+            return
+        kept = self.unpublished.setdefault(agent, {})
+        kept[version] = {n: t.detach().clone() for n, t in state.items()}
+        for old in [v for v in kept if v < version - k]:
+            del kept[old]
 
     def engine(self, agent: str, version: int) -> InferenceBackend:
         """This process's inference engine for `agent`, holding weights `version`."""

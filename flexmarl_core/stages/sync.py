@@ -34,6 +34,8 @@ def sync(ctx: WorkerContext, op: Op) -> StageResult:
             nbytes = len(blob) if blob is not None else ctx.loc.size(weights_key(agent, tr.version))
             # where a test stops the run between a new version's write and the run's deletes
             fault_point(ctx.loc.uri, f"{op.name} published")
+        else:  # no file: a stale rollout after the next step asks this process for it
+            ctx.keep_unpublished(agent, tr.version, state)
         eng = ctx.engines.get(agent)
         if eng is not None:  # an instance in this process takes the weights from memory
             eng.update_weights(state, tr.version)
