@@ -6,6 +6,7 @@ inherit them), so Flask must never be imported where tests run."""
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import urllib.error
 import urllib.request
 
 import pyarrow.fs as pafs
+import pytest
 
 
 class MotoServer:
@@ -44,6 +46,12 @@ class MotoServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+
+
+def require_moto() -> None:
+    """Skip, saying why, where moto is absent; never imports it here (it brings Flask)."""
+    if importlib.util.find_spec("moto") is None:
+        pytest.skip("moto is not installed (the dev extra has it)")
 
 
 def start_moto() -> tuple[MotoServer, str]:

@@ -18,7 +18,6 @@ Tests that need the public datasets read them from the folder named by `FLEXMARL
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,9 +130,9 @@ def baseline(baseline_run):
 def s3_server() -> Iterator[str]:
     """moto's S3 server on loopback, shared by the session: its endpoint (no buckets: each test
     module makes its own with `tests._s3.make_bucket`)."""
-    if importlib.util.find_spec("moto") is None:  # not imported here: it brings Flask (tests/_s3.py)
-        pytest.skip("moto is not installed (the dev extra has it)")
-    from tests._s3 import start_moto
+    from tests._s3 import require_moto, start_moto
+
+    require_moto()
 
     server, endpoint = start_moto()
     try:

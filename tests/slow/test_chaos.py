@@ -5,21 +5,19 @@ fault in its decision log (the API outage as every op's task run completed after
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 
 def test_chaos_short_variant_loses_nothing(tmp_path: Path) -> None:
-    if importlib.util.find_spec("moto") is None:  # not imported here: it brings Flask (tests/_s3.py)
-        pytest.skip("moto is not installed (the dev extra has it)")
+    from tests._s3 import require_moto
+
+    require_moto()
     out = tmp_path / "chaos.json"
     res = subprocess.run([sys.executable, str(REPO / "bench" / "chaos.py"), "--config", str(REPO / "configs" / "tiny.yaml"),
                           "--iterations", "3", "--outage-s", "10", "--no-operator", "--json", str(out)],
