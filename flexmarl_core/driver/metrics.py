@@ -92,7 +92,9 @@ def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: in
     for r in ops:
         stage_s[r.op.kind] += r.result.seconds
     tokens = sum(r.result.tokens for r in ops if r.op.kind in ("rollout", "program"))
-    acc = [r.result.metrics["team/accuracy"] for r in ops if r.op.kind in ("reward", "program")]
+    # a retried op committed by an older version may not carry the figure; a fresh one always does
+    acc = [r.result.metrics["team/accuracy"] for r in ops if r.op.kind in ("reward", "program")
+           and not (r.result.skipped and "team/accuracy" not in r.result.metrics)]
     m: dict[str, Any] = {
         "iteration": it,
         "e2e_s": window,

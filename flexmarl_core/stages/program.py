@@ -32,7 +32,7 @@ def program(ctx: WorkerContext, op: Op) -> StageResult:
     it = op.iteration
     mbs = [op.mb] if op.mb >= 0 else list(range(ctx.cfg.batch.num_micro_batches))
     if all(ctx.loc.is_file(program_key(it, j)) for j in mbs):
-        return StageResult(op, skipped=True)  # a retry after the op committed
+        return _committed(ctx, op, it, mbs[0])
     team = program_team(ctx.cfg.team, ctx.cfg.seed)
     inputs = [(j, inp) for j in mbs for inp in ctx.inputs(it, j)]
     problems = {inp["input_id"]: Problem(inp["input_id"], inp["text"], inp["answer"], inp["meta"]) for _, inp in inputs}
@@ -48,10 +48,20 @@ def program(ctx: WorkerContext, op: Op) -> StageResult:
         ctx.store.write_samples(agent, it, rows)
     for agent, rows in got.status.items():
         ctx.store.write_status(agent, it, rows)
+    res = _result(op, got, results, session, versions)
+    done = {"samples": res.samples, "tokens": res.tokens, "version": res.version, "metrics": res.metrics}
     for j in mbs:  # last: its presence means the op is done
         man = got.manifest.get(j, {"samples": {}, "failed": []})
-        ctx.loc.write_text(program_key(it, j), json.dumps({**man, "versions": versions}))
-    return _result(op, got, results, session, versions)
+        ctx.loc.write_text(program_key(it, j), json.dumps({**man, "versions": versions, "result": done}))
+    return res
+
+
+def _committed(ctx: WorkerContext, op: Op, it: int, mb: int) -> StageResult:
+    """A retry after the op committed (its worker died before the driver logged it): it reports
+    what the committed op did, so the iteration's figures count that work once."""
+    done = json.loads(ctx.loc.read_text(program_key(it, mb))).get("result", {})
+    return StageResult(op, skipped=True, samples=done.get("samples", 0), tokens=done.get("tokens", 0),
+                       version=done.get("version"), metrics=done.get("metrics", {}))
 
 
 def decode_on_instance(run_dir: str, agent: str, version: int,

@@ -125,3 +125,25 @@ def test_program_ops_move_instances_to_the_agent_whose_calls_take_longest():
     assert retagged and retagged[0][0] == "w1" and after["w1"]["rollout:planner"] == 1
     moves = [d for d in plane.decisions if isinstance(d, MoveInstance)]
     assert moves and moves[0].to_agent == "planner"
+
+
+def test_a_program_op_retried_after_it_committed_reports_the_committed_work(tmp_path):
+    """A worker killed after the op's manifests are written but before the driver logged it:
+    the retry (on resume) finds the op committed and reports that op's samples, tokens and
+    metrics, so the iteration's figures are computed from it (a skipped op with no
+    `team/accuracy` once stopped a resumed run)."""
+    from flexmarl_core.driver.metrics import iteration_metrics
+    from flexmarl_core.ops import OpRecord
+    from flexmarl_core.stages.registry import run_stage
+
+    cfg, _ = _threaded("program_team.yaml", [], tmp_path / "run")
+    run_dir = str(cfg.resolved_run_dir())
+    logged = [json.loads(x) for x in (Path(run_dir) / "metrics" / "ops.jsonl").read_text().splitlines() if x.strip()]
+    first = next(o for o in logged if o["kind"] == "program" and o["iteration"] == 1)
+    committed = StageResult.from_row(first)
+    again = run_stage(run_dir, committed.op)
+    assert again.skipped
+    assert (again.samples, again.tokens, again.version) == (committed.samples, committed.tokens, committed.version)
+    assert again.metrics == committed.metrics and "team/accuracy" in again.metrics
+    m = iteration_metrics([OpRecord(again.op, again.t_start, again.t_end, again)], [], 1, again.t_start)
+    assert m["accuracy"] == committed.metrics["team/accuracy"] and m["tokens"] == committed.tokens
