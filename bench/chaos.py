@@ -77,14 +77,12 @@ def main() -> int:
     outage = args.outage_s if args.outage_s is not None else (20.0 if args.quick else 60.0)
     rng = random.Random(args.seed)
 
-    sys.path.insert(0, str(REPO / "bench"))
-    from _s3 import start_s3
-
     from flexmarl.prefect_api import start_server, stop_server
     from flexmarl_core.driver.audit import audit_run
     from flexmarl_core.runtime.location import RunLocation
     from storage import retry
     from tests._fault_proxy import FaultProxy
+    from tests._s3 import start_s3
 
     moto = start_s3(BUCKET)  # sets AWS_ENDPOINT_URL to moto; the runs go through the proxy
     direct = os.environ["AWS_ENDPOINT_URL"]

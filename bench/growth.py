@@ -224,13 +224,10 @@ def op_log_on_s3(ops: int) -> dict[str, Any]:
     from flexmarl_core.driver.metrics import MetricsWriter, log_lines
     from flexmarl_core.ops import Op, OpRecord, StageResult
     from flexmarl_core.runtime.location import RunLocation
-    from tests._s3 import make_bucket, start_moto
+    from tests._s3 import start_s3
 
-    server, endpoint = start_moto()
+    server = start_s3("growth")
     try:
-        os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
-        make_bucket(endpoint, "growth")
         MetricsWriter.MIRROR_EVERY_S = 0.0  # every op: the worst case
         with tempfile.TemporaryDirectory() as tmp:
             w = MetricsWriter(Path(tmp), mirror=RunLocation("s3://growth/run"))

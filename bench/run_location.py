@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=2)
     args = ap.parse_args()
 
-    from _s3 import start_s3  # bench/ is this script's sys.path[0]
+    from tests._s3 import start_s3
 
     server = start_s3(BUCKET)
     from prefect.settings import PREFECT_API_URL, temporary_settings

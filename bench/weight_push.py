@@ -55,7 +55,7 @@ def main() -> None:
     sizes_mb = [4, 40] if args.quick else [4, 40, 160]
     reps = 2 if args.quick else args.reps
 
-    from _s3 import start_s3  # bench/ is this script's sys.path[0]
+    from tests._s3 import start_s3
 
     server = start_s3(BUCKET)
     from distributed import Client, LocalCluster

@@ -1,12 +1,13 @@
-"""moto's S3 server on loopback for the tests (a process of its own, reached over real HTTP),
-and the settings that reach it. A process, not a thread of the test process: moto.server
-brings Flask, whose module-level context proxies raise on attribute access, and vLLM's engine
-start scans every loaded module's objects (and Dask workers forked from the test process would
-inherit them), so Flask must never be imported where tests run."""
+"""moto's S3 server on loopback for the tests and the benches (a process of its own, reached
+over real HTTP), and the settings that reach it. A process, not a thread of the caller:
+moto.server brings Flask, whose module-level context proxies raise on attribute access, and
+vLLM's engine start scans every loaded module's objects (and Dask workers forked from the
+caller would inherit them), so Flask must never be imported where tests or benches run."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 import subprocess
 import sys
@@ -15,7 +16,6 @@ import urllib.error
 import urllib.request
 
 import pyarrow.fs as pafs
-import pytest
 
 
 class MotoServer:
@@ -50,6 +50,8 @@ class MotoServer:
 
 def require_moto() -> None:
     """Skip, saying why, where moto is absent; never imports it here (it brings Flask)."""
+    import pytest  # here, not at the top: the benches use this module and need no pytest
+
     if importlib.util.find_spec("moto") is None:
         pytest.skip("moto is not installed (the dev extra has it)")
 
@@ -69,5 +71,24 @@ def s3_kwargs(endpoint: str) -> dict[str, str]:
             "access_key": "testing", "secret_key": "testing", "region": "us-east-1"}
 
 
+def aws_env(endpoint: str) -> dict[str, str]:
+    """The `AWS_*` variables that point S3 clients, and processes started after, at `endpoint`."""
+    return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
 def make_bucket(endpoint: str, bucket: str) -> None:
     pafs.S3FileSystem(**s3_kwargs(endpoint), allow_bucket_creation=True).create_dir(bucket)
+
+
+def start_s3(bucket: str) -> MotoServer:
+    """A started moto server holding `bucket`, with this process's environment pointed at it (call
+    it before any cluster starts, so its worker processes inherit that); `.stop()` it."""
+    server, endpoint = start_moto()
+    try:
+        make_bucket(endpoint, bucket)
+    except BaseException:
+        server.stop()
+        raise
+    os.environ.update(aws_env(endpoint))
+    return server
