@@ -13,11 +13,77 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-OpKind = Literal["rollout", "reward", "train", "step", "sync", "program", "value"]
-OP_KINDS: tuple[OpKind, ...] = ("rollout", "reward", "train", "step", "sync", "program", "value")
-#: kinds that run on the agent's (or critic's) trainer (one at a time: its state lives in one
-#: process); `value` is a critic's forward over a micro-batch (`flexmarl_core/config/critic.py`)
-TRAINER_KINDS: frozenset[str] = frozenset({"train", "step", "sync", "value"})
+#: an op kind's name: one of `KINDS` (the built-in ones, or one a plugin registered)
+OpKind = str
+Placement = Literal["instance", "trainer", "host", "anywhere"]
+#: whose rows an op kind writes to a table of the store: its own agent's, every agent's, none
+Reach = Literal["own", "all", ""]
+
+
+@dataclass(frozen=True, slots=True)
+class KindTraits:
+    """What the shared path knows of an op kind: the router places it by `placement`, the
+    metrics, the balancer, the simulator, the audit and the repair read the rest; none of them
+    asks for a kind by name. A new kind declares its traits here (`register_kind`) and its
+    stage in `stages/` (`stages.registry.stage`).
+
+    placement: `instance` runs on one of its agent's rollout instances (by tag, balanced);
+    `trainer` on its agent's trainer slot, one such op at a time (its state lives in one
+    process); `host` anywhere, at most one per rollout instance at once, its decodes going to
+    the agents' instances; `anywhere` is cheap and runs on any worker."""
+
+    placement: Placement
+    generates: bool = False  #: decodes: its tokens are the iteration's, balancing runs before it
+    scores: bool = False  #: reports `team/accuracy` and each agent's `reward`
+    trains: bool = False  #: a gradient for its agent's step; final only once that step is logged
+    steps: bool = False  #: makes its agent's next weights version
+    publishes: bool = False  #: hands a weights version to the agent's engines
+    samples: Reach = ""  #: whose sample rows it writes (a repair rewinds it for their damage)
+    status: Reach = ""  #: whose status rows (rewards, advantages, values) it writes
+    retries: int = 2  #: task retries in its worker (a worker that dies is Dask's to rerun)
+    #: seconds assumed before an op of the kind was measured (what placement and deadlines
+    #: start from; a train micro-batch ~ 2 rollouts on CPU)
+    guess_s: float = 1.0
+
+
+KINDS: dict[str, KindTraits] = {
+    "rollout": KindTraits("instance", generates=True, samples="own", guess_s=1.0),
+    "reward": KindTraits("anywhere", scores=True, status="all", guess_s=0.05),
+    "train": KindTraits("trainer", trains=True, status="own", retries=1, guess_s=2.0),
+    "step": KindTraits("trainer", steps=True, retries=1, guess_s=0.05),
+    "sync": KindTraits("trainer", publishes=True, guess_s=0.05),
+    "program": KindTraits("host", generates=True, scores=True, samples="all", status="all", guess_s=3.0),
+    #: an environment team's episodes of a micro-batch (`teams/environment.py`)
+    "episode": KindTraits("host", generates=True, scores=True, samples="all", status="all", guess_s=3.0),
+    #: a critic's forward over a micro-batch (`flexmarl_core/config/critic.py`)
+    "value": KindTraits("trainer", status="all", guess_s=0.5),
+}
+
+
+def register_kind(name: str, traits: KindTraits) -> None:
+    """Add op kind `name` (a second registration of a name is an error)."""
+    if name in KINDS:
+        raise ValueError(f"op kind {name!r} is already registered")
+    KINDS[name] = traits
+
+
+def traits(kind: str) -> KindTraits:
+    """The traits of op kind `kind`; an unknown kind is an error naming the known ones."""
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown op kind {kind!r}; kinds: {list(KINDS)}") from None
+
+
+def on_trainer(kind: str) -> bool:
+    """Whether ops of `kind` run on their agent's trainer (one at a time); False for a kind
+    without traits (the router refuses it)."""
+    return kind in KINDS and KINDS[kind].placement == "trainer"
+
+
+def reaches(reach: Reach, mine: bool) -> bool:
+    """Whether rows written with `reach` include those of an agent (`mine`: the op's own)."""
+    return reach == "all" or (reach == "own" and mine)
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -1,7 +1,7 @@
 """The orchestrator's executor on the real stack: ops as Dask tasks, reported as Prefect task runs.
 
 Each op runs as a plain Dask task with the resources (and pinned worker) the router chose at
-that moment (`cluster.DaskExecutor`), retried in the worker per `tasks.task_runs.RETRIES`; the flow
+that moment (`cluster.DaskExecutor`), retried in the worker per its kind's `retries` (`flexmarl_core/ops.py` `KINDS`); the flow
 process reports it as a task run of the current flow run whose upstream inputs are the task
 runs of the ops it waited for, so the Prefect UI draws each iteration as the MEG's graph
 (rollout -> reward -> train -> step -> sync). Why not one Prefect task per op: `tasks/task_runs.py`.
@@ -21,10 +21,10 @@ from prefect.settings import PREFECT_API_URL
 
 from flexmarl_core import cluster
 from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.ops import FusedResult, Op, Route, StageResult
+from flexmarl_core.ops import FusedResult, Op, Route, StageResult, traits
 from tasks import lean
 from tasks.iteration_runs import IterationFlowRuns
-from tasks.task_runs import FLUSH_S, PENDING_AFTER_S, RETRIES, RETRY_DELAY_S, TaskRunReporter
+from tasks.task_runs import FLUSH_S, PENDING_AFTER_S, RETRY_DELAY_S, TaskRunReporter
 
 
 class PrefectDaskExecutor(cluster.DaskExecutor):
@@ -34,7 +34,7 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
                  flow_run_count: int = 1, log: logging.Logger | logging.LoggerAdapter | None = None,
                  pending_after_s: float = PENDING_AFTER_S, flush_s: float = FLUSH_S,
                  iterations: IterationFlowRuns | None = None) -> None:
-        super().__init__(client, run_dir, retries=RETRIES, retry_delay_s=RETRY_DELAY_S)
+        super().__init__(client, run_dir, retry_delay_s=RETRY_DELAY_S)
         #: each iteration's nested flow run (None: the ops' task runs are the flow run's own)
         self.iterations = iterations
         self.reporter = TaskRunReporter(flow_run_id, flow_run_count, pending_after_s, flush_s, clock=self.now,
@@ -119,7 +119,7 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
         self.reporter.finished(op, res)
         if res.retries and self.log is not None:
             for i, (_, _, err) in enumerate(res.retries, 1):
-                self.log.warning("%s: attempt %d failed (%s); retried (%d/%d)", op.name, i, err, i, RETRIES[op.kind])
+                self.log.warning("%s: attempt %d failed (%s); retried (%d/%d)", op.name, i, err, i, traits(op.kind).retries)
 
 
 @contextlib.contextmanager

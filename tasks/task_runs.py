@@ -37,31 +37,14 @@ from typing import Any
 from prefect.events import Event
 from prefect.events.worker import EventsWorker
 
-from flexmarl_core.ops import OP_KINDS, Op, StageResult
+from flexmarl_core.ops import Op, StageResult, traits
 
-#: task retries per op kind (a worker that dies is Dask's to rerun, not a retry)
-RETRIES: dict[str, int] = {"rollout": 2, "reward": 2, "train": 1, "step": 1, "sync": 2, "program": 2,
-                           "value": 2}
 #: seconds between a failed attempt and the next
 RETRY_DELAY_S = 1.0
 #: an op still running this long after its submission is reported Pending (see above)
 PENDING_AFTER_S = 2.0
 #: final states of ops that went well are sent together this often (see above)
 FLUSH_S = 2.0
-#: what each kind's work is (the task run's tag in the UI says the kind)
-WORK: dict[str, str] = {
-    "rollout": "CPU/GPU: generate one micro-batch for one agent node and write it to the store.",
-    "reward": "CPU: score one micro-batch of trajectories and append rewards to the store.",
-    "train": "CPU/GPU: forward+backward one micro-batch into the agent's accumulated gradients.",
-    "step": "CPU/GPU: the agent's optimizer step once its global batch is in.",
-    "sync": "IO: publish the agent's new weights to its rollout instances.",
-    "program": "IO: run the team program on one micro-batch; its calls decode on the agents' instances.",
-    "value": "CPU/GPU: the critic's values of one micro-batch's calls, written to the store.",
-}
-if set(RETRIES) != set(OP_KINDS) or set(WORK) != set(OP_KINDS):
-    raise RuntimeError(f"RETRIES/WORK cover {sorted(RETRIES)}, op kinds are {list(OP_KINDS)}")
-
-
 def _iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.UTC).isoformat()
 
@@ -216,7 +199,7 @@ class TaskRunReporter:
             self._emit(op, run, t1, "FAILED", "Failed", message=f"Task run failed: {err}")
         else:
             self._emit(op, run, t1, "SCHEDULED", "AwaitingRetry",
-                       message=f"Retry {run.run_count}/{RETRIES[op.kind]}: {err}",
+                       message=f"Retry {run.run_count}/{traits(op.kind).retries}: {err}",
                        details={"scheduled_time": _iso(t1 + RETRY_DELAY_S)})
 
     def _running(self, op: Op, run: _Run, t: float) -> None:
@@ -238,7 +221,7 @@ class TaskRunReporter:
         final = type_ in ("COMPLETED", "FAILED")
         task_run = {
             "name": op.name, "task_key": f"flexmarl-{op.kind}", "dynamic_key": run.dynamic_key,
-            "empirical_policy": {"retries": RETRIES[op.kind], "retry_delay": RETRY_DELAY_S},
+            "empirical_policy": {"retries": traits(op.kind).retries, "retry_delay": RETRY_DELAY_S},
             "tags": run.tags, "labels": {}, "task_inputs": {"op": run.inputs},
             "run_count": run.run_count, "flow_run_run_count": self.flow_run_count,
             "expected_start_time": _iso(run.submitted),

@@ -12,20 +12,23 @@ ids) and returns the same shape as `rewards`. Group statistics come from one hel
 Scope: "group" estimators need only the sample's own group (a micro-batch of whole groups can
 be trained the moment it has rewards); "batch" estimators (reinforce_pp) normalise over the
 whole global batch, so the pipeline must wait for all of its rewards; "critic" estimators (gae,
-`algorithms/gae.py`) need the critic's values of the micro-batch. `advantage_scope(name)`.
+`algorithms/gae.py`) need the critic's values of the micro-batch. `advantage_scope(name)`; what
+each scope means for the plan and the train op is an object in `runtime/scopes.py`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
 from flexmarl_core.algorithms.registry import Registry
 
-Scope = Literal["group", "batch", "critic"]
+#: the name of an estimator scope (`runtime/scopes.py` `SCOPES`: group, batch, critic, or one
+#: registered there)
+Scope = str
 
 
 class AdvantageFn(Protocol):
@@ -47,8 +50,8 @@ def get_advantage(name: str) -> AdvantageFn:
 
 
 def advantage_scope(name: str) -> Scope:
-    """"group", "batch" or "critic": what the estimator needs (module doc)."""
-    return ADVANTAGES.info(name)["scope"]  # type: ignore[return-value]
+    """The name of the estimator's scope: what it needs (module doc)."""
+    return str(ADVANTAGES.info(name)["scope"])
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from pathlib import Path
 from flexmarl_core.config import SWITCHES, load_config, switch_overrides
 from flexmarl_core.driver.metrics import IterationTracker, run_summary
 from flexmarl_core.meg import MEG
-from flexmarl_core.ops import TRAINER_KINDS, Op
+from flexmarl_core.ops import Op, on_trainer, traits
 from flexmarl_core.orchestrator.hooks import TrackIterations
 from flexmarl_core.orchestrator.loop import Orchestrator
 from flexmarl_core.orchestrator.plan import Plan
@@ -67,7 +67,7 @@ def longest_first(d: dict[Op, float], agent: str) -> dict[Op, float]:
     classic makespan heuristic), with the measured costs as a perfect predictor of them."""
     cost: dict[int, dict[int, float]] = {}
     for op, s in d.items():
-        if op.kind == "rollout" and op.agent == agent and op.mb >= 0:
+        if traits(op.kind).generates and op.agent == agent and op.mb >= 0:
             cost.setdefault(op.iteration, {}).setdefault(op.mb, 0.0)
             cost[op.iteration][op.mb] += s
     new = {it: {mb: rank for rank, (mb, _) in enumerate(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))}
@@ -105,7 +105,7 @@ def chain_floor(deps: dict[Op, list[Op]], d: dict[Op, float]) -> float:
     release: dict[Op, float] = {}
     for op in _topo(deps):
         ready = max((finish[p] for p in deps.get(op, [])), default=0.0)
-        if op.kind == "step":
+        if traits(op.kind).steps:
             # 1 | r_j | Cmax: process the train ops in release order.
             t = 0.0
             for tr in sorted(deps[op], key=lambda o: release[o]):
@@ -137,13 +137,13 @@ def list_schedule(deps: dict[Op, list[Op]], d: dict[Op, float], workers: int) ->
         held = []
         while ready and any(f <= now for f in free_at):
             neg, op = heapq.heappop(ready)
-            if op.kind in TRAINER_KINDS and trainer_free[op.agent] > now:
+            if on_trainer(op.kind) and trainer_free[op.agent] > now:
                 held.append((neg, op))
                 continue
             w = min(range(workers), key=lambda i: free_at[i])
             t_end = now + d.get(op, 0.0)
             free_at[w] = t_end
-            if op.kind in TRAINER_KINDS:
+            if on_trainer(op.kind):
                 trainer_free[op.agent] = t_end
             heapq.heappush(running, (t_end, op))
         for item in held:

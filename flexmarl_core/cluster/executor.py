@@ -22,7 +22,7 @@ from flexmarl_core.cluster.workers import (
     worker_resources,
 )
 from flexmarl_core.control import OrchestratorError
-from flexmarl_core.ops import OP_KINDS, FusedResult, MemoryRestart, Op, Route, StageResult
+from flexmarl_core.ops import KINDS, FusedResult, MemoryRestart, Op, Route, StageResult, traits
 from flexmarl_core.stages import run_fused, run_stage_after, run_stage_retrying
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def _drop_forgotten_groups(dask_scheduler: Any) -> int:
 
 def _ours(group: str) -> bool:
     """A task group of flexmarl's ops (`dask_key`) or of a program op's decodes."""
-    return group.split("[", 1)[0].split("+", 1)[0] in OP_KINDS or group.startswith("decode-")
+    return group.split("[", 1)[0].split("+", 1)[0] in KINDS or group.startswith("decode-")
 
 
 def dask_key(op: Op, *, fused: int = 0) -> str:
@@ -76,15 +76,13 @@ RESTART_TIMEOUT_S = 60.0
 
 class DaskExecutor:
     """Runs ops as plain Dask tasks: `stages.run_stage_retrying(run_dir, op, ...)` on the worker
-    the route names, each op tried up to `1 + retries[op.kind]` times there; it chains, fuses,
-    reports memory restarts and abandons hung ops (`executor_api`). The real run's executor
+    the route names, each op tried up to 1 + its kind's `retries` times there (`ops.KINDS`); it chains, fuses,
+    reports memory restarts and abandons hung ops (`executors/api.py`). The real run's executor
     (`tasks/executor.py`) adds the Prefect task runs on top."""
 
-    def __init__(self, client: Client, run_dir: str, *, retries: dict[str, int] | None = None,
-                 retry_delay_s: float = 1.0) -> None:
+    def __init__(self, client: Client, run_dir: str, *, retry_delay_s: float = 1.0) -> None:
         self.client = client
         self.run_dir = str(run_dir)
-        self.retries = dict(retries or {})
         self.retry_delay_s = retry_delay_s
         self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
         self._drop_groups = True  # `forget`: until the scheduler refuses it
@@ -101,7 +99,7 @@ class DaskExecutor:
         and one that jumped ahead would hold back the training the current iteration waits on."""
         return self.client.submit(
             run_stage_after if after else run_stage_retrying,
-            self.run_dir, op, self.retries.get(op.kind, 0), self.retry_delay_s, *after,
+            self.run_dir, op, traits(op.kind).retries, self.retry_delay_s, *after,
             gradient_only=route.gradient_only,
             key=dask_key(op),
             resources=route.resources or None,
@@ -115,7 +113,7 @@ class DaskExecutor:
         """One Dask task running `ops` in order where `route` says (`stages.run_fused`); its
         result is a `FusedResult`. `deps`: each op's dependencies (see `submit`)."""
         return self.client.submit(
-            run_fused, self.run_dir, list(ops), [self.retries.get(op.kind, 0) for op in ops],
+            run_fused, self.run_dir, list(ops), [traits(op.kind).retries for op in ops],
             self.retry_delay_s, *after,
             key=dask_key(ops[0], fused=len(ops) - 1),
             resources=route.resources or None,

@@ -60,7 +60,7 @@ def base_agent(cfg: ExperimentConfig, critic: str) -> str:
 
 def critic_problems(cfg: ExperimentConfig) -> list[str]:
     """What makes a gae team (or step_discount credit) unrunnable, one sentence each naming the
-    field (config_load): both need the graph's call order."""
+    field (`config/load.py` `load_config`): both need the graph's call order."""
     out = []
     if cfg.workload.credit == "step_discount" and cfg.team.shape != "graph":
         out.append("workload.credit step_discount needs the call order of a YAML team's graph; a "

@@ -27,14 +27,14 @@ from flexmarl_core.control.decisions import (
     StoreRetries,
     TrainSlot,
 )
-from flexmarl_core.control.ledger import DEFAULT_OP_S, WorkLedger, token_sizes
+from flexmarl_core.control.ledger import WorkLedger, token_sizes
 from flexmarl_core.control.router import OrchestratorError, Router
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
-from flexmarl_core.ops import Op, Route, StageResult
+from flexmarl_core.ops import KINDS, Op, Route, StageResult, traits
 from flexmarl_core.runtime.location import base_weights_key, weights_key
 
 __all__ = [
-    "DEFAULT_OP_S", "ROLLOUT_TAG", "TRAIN_TAG", "ControlPlane", "Decision", "GradientHelper", "InstanceBalancer",
+    "ROLLOUT_TAG", "TRAIN_TAG", "ControlPlane", "Decision", "GradientHelper", "InstanceBalancer",
     "HungOp", "MoveInstance", "OrchestratorError", "Resubmit", "Router", "StoreRetries", "TrainSlot", "WorkLedger",
     "apply_move", "lend_idle", "rebalance", "rollout_tag", "token_sizes",
 ]
@@ -101,7 +101,7 @@ class ControlPlane:
         retag: Callable[[str, dict[str, float]], None],
     ) -> dict[str, dict[str, float]]:
         """Inter-agent balancing before a submission wave; the workers' tags afterwards."""
-        if self.balancer is None or not any(op.kind in ("rollout", "program") for op in ready):
+        if self.balancer is None or not any(traits(op.kind).generates for op in ready):
             return workers
         workers, moves = rebalance(self.balancer, ready, running, workers, self.ledger.work, retag,
                                    self.clock())
@@ -117,22 +117,24 @@ class ControlPlane:
     def route_ahead(self, op: Op, workers: dict[str, dict[str, float]]) -> Route | None:
         """`op`'s route if it can be fixed now, before its dependencies end (the orchestrator's
         look-ahead), because nothing the control plane would decide later could change it:
-        rewards go anywhere; rollouts without load balancing go by tag (Dask places them),
+        by its kind's placement: `anywhere` (rewards) goes anywhere; rollouts without load balancing go by tag (Dask places them),
         with it only to an agent's one instance when no instance can move (one agent); trainer
         ops to a slot already chosen for the agent's iteration (static placement, an on-demand
         slot taken, or one train slot); never a helper agent's train op (whether a helper takes
-        it depends on the slots' load when it is ready), nor a program op (how many run at once
-        depends on the ops running when it is ready). None: route it when it is ready."""
-        if op.kind == "reward":
+        it depends on the slots' load when it is ready), nor a host op (a program op: how many run at
+        once depends on the ops running when it is ready), nor a kind without traits (`route`
+        says so when it is ready). None: route it when it is ready."""
+        placement = KINDS[op.kind].placement if op.kind in KINDS else None
+        if placement == "anywhere":
             return Route({})
-        if op.kind == "program" or self.router.may_help(op):
+        if placement in ("host", None) or self.router.may_help(op):
             return None
-        if op.kind == "rollout" and self.router.load_balancing:
+        if placement == "instance" and self.router.load_balancing:
             if self.balancer is not None and len(self.balancer.agents) > 1:
                 return None
             if len(self.router.instances(op.agent, workers)[1]) != 1:
                 return None
-        elif op.kind != "rollout":
+        elif placement == "trainer":
             slots = self.router.slots
             if slots.on_demand and (op.agent, op.iteration) not in slots.slot and \
                     sum(1 for r in workers.values() if r.get(TRAIN_TAG, 0) > 0) != 1:
@@ -144,7 +146,7 @@ class ControlPlane:
 
     def submitted(self, op: Op, route: Route) -> None:
         self.ledger.submitted(op, route.worker)
-        if self.balancer is not None and op.kind == "rollout" and route.worker:
+        if self.balancer is not None and traits(op.kind).placement == "instance" and route.worker:
             self.balancer.fresh.discard((route.worker, op.agent))
 
     def finished(self, op: Op, route: Route) -> None:
@@ -162,7 +164,7 @@ class ControlPlane:
     def _learn(self, res: StageResult) -> None:
         if res.t_end:
             self.ledger.observe(res.op, res.seconds - res.swap.get("swap_in_s", 0.0))
-        if res.op.kind == "program" and self.balancer is not None:
+        if traits(res.op.kind).placement == "host" and self.balancer is not None:
             for agent, secs in res.per_agent("program/decode_s").items():
                 self.ledger.record("rollout", agent, secs)  # the balancer's table
 

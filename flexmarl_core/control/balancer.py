@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from flexmarl_core.control.decisions import MoveInstance
 from flexmarl_core.control.tags import ROLLOUT_TAG, rollout_tag
-from flexmarl_core.ops import Op, Route
+from flexmarl_core.ops import Op, Route, traits
 
 
 @dataclass
@@ -221,17 +221,18 @@ def rebalance(
     queued: dict[str, int] = defaultdict(int)
     in_use: set[tuple[str, str]] = set()
     for op, route in running:
-        if op.kind == "rollout":
+        if traits(op.kind).placement == "instance":
             queued[op.agent] += 1
             if route.worker:
                 in_use.add((route.worker, op.agent))
     for op in ready:
-        if op.kind == "rollout":
+        if traits(op.kind).placement == "instance":
             queued[op.agent] += 1
-    # A program op calls every agent: it queues one unit of each agent's decode work (the
-    # estimate is the agent's decode seconds per program op); its decodes are pinned to a
-    # worker when they start, so no tag of theirs is ever in use.
-    programs = sum(1 for op, _ in running if op.kind == "program") + sum(1 for op in ready if op.kind == "program")
+    # A host op (a program op) calls every agent: it queues one unit of each agent's decode
+    # work (the estimate is the agent's decode seconds per program op); its decodes are pinned
+    # to a worker when they start, so no tag of theirs is ever in use.
+    hosted = [op for op, _ in running] + list(ready)
+    programs = sum(1 for op in hosted if traits(op.kind).placement == "host")
     for a in agents if programs else ():
         queued[a] += programs
     moves = []
@@ -271,7 +272,7 @@ def lend_idle(
     for op in ready:
         if not idle:
             break
-        if op.kind != "rollout":
+        if traits(op.kind).placement != "instance":
             continue
         tag = rollout_tag(op.agent)
         if not any(r.get(tag, 0) > 0 for r in workers.values()):

@@ -21,11 +21,8 @@ from dataclasses import dataclass, field
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.meg import MEG
-from flexmarl_core.ops import Op
+from flexmarl_core.ops import Op, traits
 
-#: op seconds assumed before an op kind was measured (a train micro-batch ~ 2 rollouts on CPU)
-DEFAULT_OP_S: dict[str, float] = {"rollout": 1.0, "reward": 0.05, "train": 2.0, "step": 0.05, "sync": 0.05,
-                                  "program": 3.0, "value": 0.5}
 #: a prompt token's share of a generated one's cost in a rollout: prefill runs the whole prompt
 #: in one forward, decoding runs a forward per token
 PREFILL_WEIGHT = 0.1
@@ -60,11 +57,11 @@ class WorkLedger:
             return per_agent[agent]
         size = self.sizes.get(kind, {})
         if agent not in size:
-            return sum(per_agent.values()) / len(per_agent) if per_agent else DEFAULT_OP_S[kind]
+            return sum(per_agent.values()) / len(per_agent) if per_agent else traits(kind).guess_s
         if per_agent:  # seconds per unit of the measured agents, at this agent's size
             rate = self._mean_rate(kind)
             return size[agent] * rate if rate is not None else sum(per_agent.values()) / len(per_agent)
-        return DEFAULT_OP_S[kind] * size[agent] / (sum(size.values()) / len(size))
+        return traits(kind).guess_s * size[agent] / (sum(size.values()) / len(size))
 
     def _mean_rate(self, kind: str) -> float | None:
         # Once per observation, not per call: a placement wave asks for every agent.
@@ -84,6 +81,11 @@ class WorkLedger:
         prev = per_agent.get(agent)
         per_agent[agent] = seconds if prev is None else (1 - alpha) * prev + alpha * seconds
         self._rate.pop(kind, None)
+
+    @property
+    def hosting(self) -> int:
+        """Ops running now that host trajectories (placement `host`: program ops)."""
+        return sum(n for kind, n in self.running.items() if traits(kind).placement == "host")
 
     def submitted(self, op: Op, worker: str | None) -> None:
         self.running[op.kind] += 1

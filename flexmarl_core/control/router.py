@@ -24,7 +24,7 @@ from flexmarl_core.control.allocation import SlotAllocator
 from flexmarl_core.control.decisions import Decision, GradientHelper
 from flexmarl_core.control.ledger import WorkLedger
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, is_rollout_tag, rollout_tag
-from flexmarl_core.ops import TRAINER_KINDS, Op, Route
+from flexmarl_core.ops import Op, Route, traits
 
 
 class OrchestratorError(RuntimeError):
@@ -65,7 +65,13 @@ class Router:
         return ROLLOUT_TAG, sorted(shared)
 
     def route(self, op: Op, workers: dict[str, dict[str, float]]) -> Route | None:
-        if op.kind == "rollout":
+        """Where `op` runs, by its kind's placement (`ops.KindTraits`); None: hold it for now.
+        A kind without traits is an error, never placed as a guess."""
+        try:
+            placement = traits(op.kind).placement
+        except ValueError as exc:
+            raise OrchestratorError(f"{op.name}: {exc}") from None
+        if placement == "instance":
             tag, candidates = self.instances(op.agent, workers)
             if not candidates:
                 raise OrchestratorError(
@@ -81,7 +87,7 @@ class Router:
                     return None
             worker = min(candidates, key=lambda w: (led.work[w], led.outstanding[w], w))
             return Route({tag: 1}, worker)
-        if op.kind in TRAINER_KINDS:
+        if placement == "trainer":
             slots = sorted(w for w, r in workers.items() if r.get(TRAIN_TAG, 0) > 0)
             if not slots:
                 raise OrchestratorError(f"{op.name}: no worker has resource tag {TRAIN_TAG!r}; workers: {workers}")
@@ -91,16 +97,16 @@ class Router:
                 if helper is not None:
                     return Route({TRAIN_TAG: 1}, helper, gradient_only=True)
             return Route({TRAIN_TAG: 1}, slot)
-        if op.kind == "program":
+        if placement == "host":
             instances = sum(1 for r in workers.values() if any(is_rollout_tag(t) for t, n in r.items() if n > 0))
-            if self.ledger.running["program"] >= max(instances, 1):
-                return None  # held until a running program op ends
-            return Route({})  # its decodes go to the agents' instances (the program host's dispatcher)
-        return Route({})  # reward: cheap, anywhere
+            if self.ledger.hosting >= max(instances, 1):
+                return None  # held until a running host op ends
+            return Route({})  # its decodes go to the agents' instances (the host's dispatcher)
+        return Route({})  # anywhere: cheap
 
     def may_help(self, op: Op) -> bool:
         """Whether `op` may run as a gradient helper (a train op of a `helper_agents` agent)."""
-        return op.kind == "train" and op.agent in self.helper_agents
+        return traits(op.kind).trains and op.agent in self.helper_agents
 
     def _helper(self, op: Op, slot: str, slots: list[str]) -> str | None:
         """An idle slot to compute `op`'s gradient while the trainer's own slot is busy (it

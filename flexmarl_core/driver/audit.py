@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 from flexmarl_core.config import ConfigError, config_from_text
 from flexmarl_core.config.critic import trainer_kinds
 from flexmarl_core.driver.metrics import log_lines
+from flexmarl_core.ops import KINDS
 from flexmarl_core.runtime.kinds import TRAINER_KINDS, AuditCheck
 from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation, weights_key
 from flexmarl_core.runtime.worker import inputs_by_mb
@@ -76,12 +77,13 @@ def log_problems(loc: RunLocation) -> tuple[int, int, list[Problem]]:
     for n, row in enumerate(_rows(loc, "metrics/ops.jsonl"), 1):
         ops += 1
         name, kind = str(row.get("op")), row.get("kind")
-        if name in seen and not (kind == "train" and (row.get("agent"), row.get("iteration")) not in stepped):
+        tr = KINDS.get(str(kind))
+        if name in seen and not (tr is not None and tr.trains and (row.get("agent"), row.get("iteration")) not in stepped):
             problems.append(Problem("op_twice", loc.display("metrics/ops.jsonl"),
                                     f"{name} recorded twice (lines {seen[name]} and {n}): two runs wrote "
                                     "into this folder, or an op ran again after it was recorded"))
         seen.setdefault(name, n)
-        if kind == "step":
+        if tr is not None and tr.steps:
             stepped.add((row.get("agent"), row.get("iteration")))
     its = [r.get("iteration") for r in _rows(loc, "metrics/iterations.jsonl")]
     for k, it in enumerate(its):

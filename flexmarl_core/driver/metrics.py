@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
-from flexmarl_core.ops import Op, OpRecord, agent_key
+from flexmarl_core.ops import Op, OpRecord, agent_key, traits
 
 
 def _window_busy(records: Iterable[OpRecord], lo: float, hi: float) -> dict[str, float]:
@@ -36,7 +36,7 @@ def metric_agents(per_it: list[dict[str, Any]], metric: str = "reward") -> list[
                    if k.startswith("agent/") and k.endswith("/" + metric)})
 
 
-#: per-op counts that an iteration sums (work skipped or wasted, stages/train.py and rollout.py)
+#: per-op counts that an iteration sums (work skipped or wasted, stages/train.py and stages/rollout.py)
 COUNTED = ("/train/skipped_samples", "/train/skipped_tokens", "/rollout/decode_slots",
            "/rollout/wasted_decode_slots", "/rollout/decodes", "/rollout/mixed_rows", "/rollout/resumed_rows",
            "/rollout/resumed_tokens")
@@ -54,19 +54,37 @@ def _train_stats(ops: list[OpRecord]) -> dict[str, float]:
         counts = {k: v for k, v in res.metrics.items() if k.endswith(COUNTED)}
         for k, v in counts.items():
             out[k] = out.get(k, 0.0) + v
-        if r.op.kind == "train" and not res.skipped:
+        kind = traits(r.op.kind)
+        if kind.trains and not res.skipped:
             for k, v in res.metrics.items():
                 if k not in counts:
                     sums[k] += v * res.tokens
                     weights[k] += res.tokens
-        elif r.op.kind == "step":
+        elif kind.steps:
             out.update({k: v for k, v in res.metrics.items() if k.endswith(("/train/grad_norm", "/explained_var"))})
-        elif r.op.kind in ("reward", "program"):
+        elif kind.scores:
             for a, v in res.per_agent("reward").items():
                 rewards[a].append(v)
     out.update({k: sums[k] / weights[k] for k in sums if weights[k] > 0})
     out.update({agent_key(a, "reward"): sum(v) / len(v) for a, v in rewards.items()})
     return dict(sorted(out.items()))
+
+
+#: an environment team's per-op counts (`stages/episode.py`); its other `team/env/` figures are
+#: per-episode means, weighted by the op's episodes
+ENV_COUNTED = ("team/env/episodes", "team/env/invalid", "team/env/forfeits", "team/env/truncated")
+
+
+def _env_stats(ops: list[OpRecord]) -> dict[str, float]:
+    sums: dict[str, float] = defaultdict(float)
+    weights: dict[str, float] = defaultdict(float)
+    for r in ops:
+        n = r.result.metrics.get("team/env/episodes", 0.0)
+        for k, v in r.result.metrics.items():
+            if k.startswith("team/env/"):
+                sums[k] += v if k in ENV_COUNTED else v * n
+                weights[k] += n
+    return {k: v if k in ENV_COUNTED else v / weights[k] for k, v in sums.items() if k in ENV_COUNTED or weights[k]}
 
 
 def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: int,
@@ -91,9 +109,9 @@ def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: in
     stage_s: dict[str, float] = defaultdict(float)
     for r in ops:
         stage_s[r.op.kind] += r.result.seconds
-    tokens = sum(r.result.tokens for r in ops if r.op.kind in ("rollout", "program"))
+    tokens = sum(r.result.tokens for r in ops if traits(r.op.kind).generates)
     # a retried op committed by an older version may not carry the figure; a fresh one always does
-    acc = [r.result.metrics["team/accuracy"] for r in ops if r.op.kind in ("reward", "program")
+    acc = [r.result.metrics["team/accuracy"] for r in ops if traits(r.op.kind).scores
            and not (r.result.skipped and "team/accuracy" not in r.result.metrics)]
     m: dict[str, Any] = {
         "iteration": it,
@@ -117,6 +135,7 @@ def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: in
     # trajectories that train nobody: a program that raised, a reward past its deadline
     m["failed_trajectories"] = sum(r.result.metrics.get("team/program/failed", 0.0)
                                    + r.result.metrics.get("team/reward/failed", 0.0) for r in ops)
+    m.update(_env_stats(ops))
     m.update({f"stage_s/{k}": v for k, v in sorted(stage_s.items())})
     m.update({f"busy_s/{w}": busy.get(w, 0.0) for w in workers})
     m.update(_train_stats(ops))

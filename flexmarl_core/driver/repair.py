@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from flexmarl_core.config import ExperimentConfig, config_from_text
 from flexmarl_core.driver.metrics import log_lines, rewrite_log
+from flexmarl_core.ops import reaches, traits
 from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation
 from storage import Problem
 from storage.check import EXACTLY_ONCE, check_store
@@ -81,13 +82,13 @@ def _writes(op: dict, d: Damage) -> bool:
     """Whether the op of an op-log row writes the damaged fragment's rows."""
     if op.get("iteration") != d.iteration or (d.mb != -1 and op.get("mb") not in (d.mb, -1)):
         return False
-    kind = op.get("kind")
+    kind = traits(str(op.get("kind")))
     mine = op.get("agent") == d.agent
+    samples = reaches(kind.samples, mine)
     if d.table == "samples" and d.mb != -1:
-        return kind == "program" or (kind == "rollout" and mine)
+        return samples
     # a status fragment, or a compacted one (samples with their status folded in)
-    return (kind in ("reward", "program", "value") or (kind in ("train", "rollout") and mine)) \
-        and (kind != "rollout" or d.table == "samples")
+    return reaches(kind.status, mine) or (samples and d.table == "samples")
 
 
 def _needs_missing(loc: RunLocation, cfg: ExperimentConfig, rows: list[dict]) -> str | None:

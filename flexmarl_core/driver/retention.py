@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.ops import OpRecord
+from flexmarl_core.ops import OpRecord, traits
 from flexmarl_core.orchestrator.hooks import RunHook
 from flexmarl_core.runtime.location import RunLocation, trainer_key, weights_key
 
@@ -76,8 +76,9 @@ class Retention(RunHook):
     def op_done(self, record: OpRecord, **kwargs: Any) -> None:
         self._seen += 1
         op = record.op
-        if op.kind in ("step", "sync"):
-            self._pending.append((self._seen, op.kind, op.agent, op.iteration + 1))
+        kind = traits(op.kind)
+        if kind.steps or kind.publishes:
+            self._pending.append((self._seen, "step" if kind.steps else "sync", op.agent, op.iteration + 1))
         self.release()
 
     def release(self, *, everything: bool = False) -> None:

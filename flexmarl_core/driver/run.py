@@ -35,7 +35,7 @@ from flexmarl_core.executors.api import CountsWorkerCPU
 from flexmarl_core.meg import MEG
 from flexmarl_core.models import default_cache_dir, load_agent_model
 from flexmarl_core.models.lora import base_key, initial_adapter_state
-from flexmarl_core.ops import OpRecord, StageResult
+from flexmarl_core.ops import OpRecord, StageResult, traits
 from flexmarl_core.orchestrator.hooks import Callbacks, RunHook, TrackIterations, WriteOpLog
 from flexmarl_core.orchestrator.loop import Executor, Orchestrator
 from flexmarl_core.orchestrator.plan import Plan
@@ -223,8 +223,8 @@ def completed_records(run_dir: RunDir) -> list[OpRecord]:
         except (json.JSONDecodeError, KeyError, TypeError):
             continue  # the attempt died while writing this line
         recs[res.op] = OpRecord(res.op, row["submitted"], row["finished"], res)
-    stepped = {(op.agent, op.iteration) for op in recs if op.kind == "step"}
-    return [r for r in recs.values() if r.op.kind != "train" or (r.op.agent, r.op.iteration) in stepped]
+    stepped = {(op.agent, op.iteration) for op in recs if traits(op.kind).steps}
+    return [r for r in recs.values() if not traits(r.op.kind).trains or (r.op.agent, r.op.iteration) in stepped]
 
 
 def _reported_iterations(run_dir: RunDir) -> list[dict[str, Any]]:

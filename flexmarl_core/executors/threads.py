@@ -2,7 +2,7 @@
 
 It runs the orchestrator without a cluster, for tests of the scheduling logic and for
 single-process use. A "worker" here runs one op at a time, like a 1-thread Dask worker. It
-chains and fuses ops as the Dask executor does (`executor_api.ChainingExecutor`,
+chains and fuses ops as the Dask executor does (`executors/api.py` `ChainingExecutor`,
 `FusingExecutor`), so the look-ahead and fusing run here too.
 """
 

@@ -29,7 +29,7 @@ from flexmarl_core.executors.api import (
     FusingExecutor,
     ReportsMemoryRestarts,
 )
-from flexmarl_core.ops import TRAINER_KINDS, FusedResult, MemoryRestart, Op, OpRecord, Route
+from flexmarl_core.ops import FusedResult, MemoryRestart, Op, OpRecord, Route, on_trainer, traits
 from flexmarl_core.orchestrator.hooks import RunHook
 from flexmarl_core.orchestrator.plan import Plan
 from flexmarl_core.orchestrator.policies import Running, Schedule, policies_for
@@ -243,7 +243,7 @@ class Orchestrator:
         for o, r in run.ops:
             st.handle[o] = handle
             self.control.submitted(o, r)
-            if o.kind in TRAINER_KINDS and not r.gradient_only:
+            if on_trainer(o.kind) and not r.gradient_only:
                 st.trainer_ops[o.agent].add(o)
 
     def _unsubmit(self, handle: Any, run: Running) -> None:
@@ -271,7 +271,7 @@ class Orchestrator:
                 continue  # fused into a run submitted earlier in this wave, or already done
             # An agent's trainer runs one op at a time; only a gradient helper (an idle slot
             # computing a train op's gradient, `codesign.gradient_helpers`) goes meanwhile.
-            busy = op.kind in TRAINER_KINDS and bool(st.trainer_ops[op.agent])
+            busy = on_trainer(op.kind) and bool(st.trainer_ops[op.agent])
             if busy and not self.control.router.may_help(op):
                 held.append(op)
                 continue
@@ -337,7 +337,7 @@ class Orchestrator:
             # op: say so now, instead of the "no valid worker" timeout it ends in. A fused
             # task that died as a whole: name its heaviest op (a train op) and all of them.
             whole = [o for o, _ in run.ops] if op == run.op and run.tail else []
-            heavy = next((o for o in whole if o.kind == "train"), op)
+            heavy = next((o for o in whole if traits(o.kind).trains), op)
             self._raise_if_memory(heavy, run.submitted, exc, whole)
         if lost and self._resubmits[op] < LOST_WORKER_RESUBMITS:
             # Its worker died: every stage is idempotent and rebuilds its engine or

@@ -13,7 +13,7 @@ and the co-design switches. Per iteration `it` and micro-batch `mb` (whole GRPO 
 - `async_pipeline`: training of a micro-batch waits only for its rewards and an agent's next
   iteration only for its own weight sync (plus its parents); off: training waits for the whole
   rollout phase and iteration it+1 waits for every agent's sync of it (the synchronous baseline).
-- the estimator's scope (`algorithms.advantage_scope`) is a rule of the plan: a batch-scoped
+- the estimator's scope (`runtime/scopes.py`) says what a train op waits for: a batch-scoped
   estimator (`reinforce_pp`) normalises over the iteration, so its train ops wait for every
   reward of the iteration whatever the pipeline; a group-scoped one needs its micro-batch's.
 - critics (agents with `algorithm.advantage: gae`, `config/critic.py`): `value(c, it, mb)` after the
@@ -37,7 +37,6 @@ any length). Without a window the plan is whole, as analysis and the simulator r
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from flexmarl_core.algorithms import Scope, advantage_scope
@@ -45,6 +44,7 @@ from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.config.critic import critic_names
 from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op, OpKind
+from flexmarl_core.runtime.scopes import estimator_scope
 from flexmarl_core.teams import TeamShape, team_shape
 
 
@@ -177,9 +177,9 @@ class Plan:
         rewarded = gen.rewarded
         every = list(dict.fromkeys(op for ops in rewarded for op in ops))
         for a in self.meg.trainable_agents:
-            rule = SCOPE_RULES[self.scopes[a]]
+            scope = estimator_scope(self.scopes[a])
             for j in range(self.num_mb):
-                d = rule(self, it, j, rewarded[j] if self.async_pipeline else every, every)
+                d = scope.waits(self, it, j, rewarded[j] if self.async_pipeline else every, every)
                 if self.max_staleness and it > 0:  # the trainer must be at version it
                     d.append(Op(it - 1, "step", a))
                 self.deps[Op(it, "train", a, mb=j)] = d
@@ -214,14 +214,3 @@ class Plan:
 
     def count(self, kind: OpKind) -> int:
         return sum(1 for op in self.deps if op.kind == kind)
-
-
-#: what an agent's train op of micro-batch j waits for, by its estimator's scope: `mine` is
-#: the micro-batch's rewarding ops (off the async pipeline: every one), `every` the iteration's
-ScopeRule = Callable[[Plan, int, int, list[Op], list[Op]], list[Op]]
-SCOPE_RULES: dict[Scope, ScopeRule] = {
-    "group": lambda plan, it, j, mine, every: list(mine),
-    "batch": lambda plan, it, j, mine, every: list(every),
-    # GAE: the critics' values of this micro-batch only, no barrier on the batch
-    "critic": lambda plan, it, j, mine, every: [*mine, *(Op(it, "value", c, mb=j) for c in plan.critics)],
-}

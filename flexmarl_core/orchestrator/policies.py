@@ -24,7 +24,7 @@ from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.control import ControlPlane
 from flexmarl_core.executors.api import ChainingExecutor, Executor, FusingExecutor
 from flexmarl_core.meg import NodeKey
-from flexmarl_core.ops import TRAINER_KINDS, Op, Route
+from flexmarl_core.ops import Op, Route, on_trainer, traits
 from flexmarl_core.orchestrator.plan import Plan
 
 #: The most ops fused into one run (a chain is cut at its iteration's end anyway).
@@ -100,17 +100,18 @@ class LateBinding:
         self._rewards_pending = False
 
     def key(self, op: Op) -> tuple:
-        if op.kind != "rollout":
+        if traits(op.kind).placement != "instance":
             return (op.iteration, 0, 0, op)
         return (op.iteration, 1, -self._depth(NodeKey(op.agent, op.turn)), op)
 
     def begin_wave(self, state: Schedule) -> None:
-        """Note whether a reward is ready or running: its train ops are about to want a worker,
-        and a rollout started now would hold the one that is free for its whole length."""
-        self._rewards_pending = any(o.kind == "reward" for o in [*state.ready, *(r.op for r in state.running.values())])
+        """Note whether an op that scores (a reward) is ready or running: its train ops are
+        about to want a worker, and a rollout started now would hold the one that is free for
+        its whole length."""
+        self._rewards_pending = any(traits(o.kind).scores for o in [*state.ready, *(r.op for r in state.running.values())])
 
     def holds(self, op: Op) -> bool:
-        return op.kind == "rollout" and self._rewards_pending
+        return traits(op.kind).placement == "instance" and self._rewards_pending
 
 
 class LookAhead:
@@ -137,7 +138,7 @@ class LookAhead:
                 pending = {d for d in state.deps[c] if not state.done(d)}
                 if any(d not in state.handle or state.running[state.handle[d]].pending for d in pending):
                     continue  # a dependency not submitted yet, or itself chained: too far ahead
-                if c.kind in TRAINER_KINDS and not state.trainer_ops[c.agent] <= pending:
+                if on_trainer(c.kind) and not state.trainer_ops[c.agent] <= pending:
                     continue  # the trainer is busy with an op it does not wait for
                 workers = workers if workers is not None else live_workers()
                 route = self.control.route_ahead(c, workers)
@@ -176,7 +177,7 @@ class Fusing:
                 break
             if any(d not in chain and not state.done(d) for d in state.deps[c]):
                 break
-            if c.kind in TRAINER_KINDS and not state.trainer_ops[c.agent] <= chain | before:
+            if on_trainer(c.kind) and not state.trainer_ops[c.agent] <= chain | before:
                 break  # the trainer is busy with an op that may still run alongside
             workers = workers if workers is not None else live_workers()
             r = self.control.route_ahead(c, workers)

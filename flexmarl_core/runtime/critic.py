@@ -80,7 +80,7 @@ def samples_per_iteration(ctx: WorkerContext, critic: str) -> int:
 
 def loss_scale(ctx: WorkerContext, critic: str) -> float:
     """1 / (calls per iteration [x max new tokens, per token]): fixed before any backward, as
-    an agent's (`updates.loss_scale`)."""
+    an agent's (`runtime/policy.py` `loss_scale`)."""
     per = 1
     if ctx.cfg.critic.per_token:
         per = max(ctx.cfg.agent(a).sampling.max_new_tokens for a in critic_names(ctx.cfg)[critic])

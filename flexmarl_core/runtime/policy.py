@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flexmarl_core.algorithms import advantage_scope, compute_advantages
+from flexmarl_core.algorithms import advantage_scope
 from flexmarl_core.algorithms.losses import token_weight
 from flexmarl_core.models.lora import SharedBase, base_key
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
-from flexmarl_core.runtime.critic import targets
 from flexmarl_core.runtime.kinds import AuditCheck, Stepped, register_trainer_kind
 from flexmarl_core.runtime.location import gradient_key, trainer_key
+from flexmarl_core.runtime.scopes import estimator_scope
 from flexmarl_core.runtime.weights import load_gradient, load_weights, publish_gradient
 from flexmarl_core.training import make_trainer
 from flexmarl_core.training.api import GradientTrainer, Sample, TrainBackend
@@ -104,34 +104,16 @@ def micro_batch(ctx: WorkerContext, tr: TrainBackend, op: Op,
     """The (row, advantage) pairs and training samples of `op`'s micro-batch, from the store,
     checked against the update of `version` (default: the trainer's)."""
     agent, it, mb = op.agent, op.iteration, op.mb
-    alg = ctx.cfg.agent(agent).algorithm
-    # Group-scoped estimators need only this micro-batch (whole groups); batch-scoped ones
-    # (REINFORCE++) normalise over the iteration, whose rewards the plan waits for.
-    scope = advantage_scope(alg.advantage)
-    whole = scope == "batch"
-    # Consumed-or-not does not matter here: the trainer is still at `it`, so no update has
-    # applied these samples yet; a `consumed_step` on them was written by an attempt whose
-    # gradients died with its process (the version check keeps this exactly-once).
-    if scope == "critic":  # GAE along the micro-batch's calls: the critics' rows hold this agent's
-        chain, tg = targets(ctx, it, mb)
-        rows = [r for r in chain if r["agent"] == agent]
-    else:
-        rows = ctx.store.ready(agent, it, need=("reward",), unconsumed=False, mb=None if whole else mb).to_pylist()
-    mbs = range(ctx.cfg.batch.num_micro_batches) if whole else [mb]
-    ids = ctx.team.expected_ids(ctx, it, mbs, agent)
-    rows = [r for r in rows if r["sample_id"] in ids]
+    estimator = ctx.cfg.agent(agent).algorithm.advantage
+    read = estimator_scope(advantage_scope(estimator)).read(ctx, agent, estimator, it, mb)
+    ids = ctx.team.expected_ids(ctx, it, read.mbs, agent)
+    rows = [r for r in read.rows if r["sample_id"] in ids]
     if len(rows) != len(ids):  # the plan let this op start before its samples were in
         missing = sorted(ids - {r["sample_id"] for r in rows})
         raise RuntimeError(f"{op.name}: {len(missing)} of {len(ids)} samples not ready, e.g. {missing[:3]}")
     check_staleness(agent, tr.version if version is None else version, rows, ctx.cfg.codesign.max_staleness)
     rows.sort(key=lambda r: r["sample_id"])
-    per_token: list[list[float] | None] = [None] * len(rows)
-    if scope == "critic":
-        adv = [tg[r["sample_id"]].advantages[0] for r in rows]
-        if ctx.cfg.critic.per_token:
-            per_token = [tg[r["sample_id"]].advantages for r in rows]
-    else:
-        adv = advantages(alg.advantage, rows, ctx.team.trajectory_groups)
+    adv, per_token = read.advantages(rows)
     mine = [(r, a, t) for r, a, t in zip(rows, adv, per_token, strict=True) if r["mb"] == mb]
     batch = [
         Sample(prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], logprobs=r["logprobs"],
@@ -139,23 +121,6 @@ def micro_batch(ctx: WorkerContext, tr: TrainBackend, op: Op,
         for r, a, t in mine
     ]
     return [(r, a) for r, a, _ in mine], batch
-
-
-def advantages(estimator: str, rows: list[dict[str, Any]], per_trajectory: bool = False) -> list[float]:
-    """Each row's advantage. Groups are an input's samples of one turn (a YAML team's round, a
-    program's k-th call of the agent: AT-GRPO's agent-and-turn groups). `per_trajectory` (a
-    program team's `program_groups: trajectory`): one reward per trajectory (its first sample's),
-    normalised over the input's trajectories, and every sample of it gets that advantage."""
-    if not per_trajectory:
-        return compute_advantages(estimator, [float(r["reward"]) for r in rows],
-                                  [f"{r['input_id']}:{r['turn']}" for r in rows]).tolist()
-    trajs: dict[tuple[str, int], float] = {}
-    for r in sorted(rows, key=lambda r: r["turn"]):
-        trajs.setdefault((r["input_id"], r["traj"]), float(r["reward"]))
-    keys = sorted(trajs)
-    adv = compute_advantages(estimator, [trajs[k] for k in keys], [k[0] for k in keys]).tolist()
-    of = dict(zip(keys, adv, strict=True))
-    return [of[(r["input_id"], r["traj"])] for r in rows]
 
 
 def mark_consumed(ctx: WorkerContext, agent: str, it: int, mb: int, mine: Rows) -> None:
@@ -196,7 +161,7 @@ def _result(ctx: WorkerContext, op: Op, version: int, rows: Rows,
     agent = op.agent
     tokens = int(token_weight(trained))
     # The trainer's figures are token sums times the loss scale: report per-token means of
-    # this micro-batch (an iteration's figure is their token-weighted mean, metrics.py).
+    # this micro-batch (an iteration's figure is their token-weighted mean, driver/metrics.py).
     per_token = 1.0 / (loss_scale(ctx, agent) * max(tokens, 1))
     metrics = {agent_key(agent, f"train/{k}"): float(v) * per_token for k, v in stats.items()}
     if ctx.cfg.agent(agent).algorithm.skip_zero_advantage:

@@ -306,7 +306,7 @@ class WorkerContext:
         at = version if version > 0 and self.loc.is_file(key) else None
         if at is None:
             # An op rerun after its trainer moved on (a resume after `store repair`): the work
-            # is done; the newest state says so (the run keeps no older one, retention.py).
+            # is done; the newest state says so (the run keeps no older one, driver/retention.py).
             have = self.loc.versions(f"trainers/{agent}")
             at = max((v for v in have if v > version), default=None)
         if version == 0 and at is None:

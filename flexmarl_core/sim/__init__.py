@@ -23,7 +23,7 @@ from flexmarl_core.config import ConfigError, ExperimentConfig
 from flexmarl_core.control import Decision, MoveInstance, TrainSlot
 from flexmarl_core.driver.metrics import IterationTracker, critical_path, run_summary
 from flexmarl_core.meg import MEG
-from flexmarl_core.ops import OpRecord
+from flexmarl_core.ops import OpRecord, traits
 from flexmarl_core.orchestrator.hooks import TrackIterations
 from flexmarl_core.orchestrator.loop import Orchestrator
 from flexmarl_core.orchestrator.plan import Plan
@@ -73,7 +73,7 @@ def moves_undone(moves: list[MoveInstance], records: list[OpRecord], steady_from
     moves made from `steady_from` on (after the first iteration, which starts from nothing)."""
     starts: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in records:
-        if r.op.kind == "rollout":
+        if traits(r.op.kind).placement == "instance":
             starts[(r.result.worker, r.op.agent)].append(r.result.t_start)
     by_worker: dict[str, list[MoveInstance]] = defaultdict(list)
     for m in moves:

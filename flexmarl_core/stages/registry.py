@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flexmarl_core.inference.api import PartialBackend
-from flexmarl_core.ops import OP_KINDS, FusedResult, Op, OpKind, StageResult, check_after
+from flexmarl_core.ops import KINDS, FusedResult, Op, OpKind, StageResult, check_after
 from flexmarl_core.ops import ConsistencyError as ConsistencyError  # where the stages' callers look
 from flexmarl_core.runtime.location import weights_key
 from flexmarl_core.runtime.worker import WorkerContext, context
@@ -33,8 +33,8 @@ GRADIENT_STAGES: dict[OpKind, StageFn] = {}
 def stage(kind: OpKind, *, gradient_only: bool = False) -> Callable[[StageFn], StageFn]:
     """Register the stage of one op kind (`gradient_only`: its gradient-helper stage); a second
     registration of a kind is an error."""
-    if kind not in OP_KINDS:
-        raise ValueError(f"unknown op kind {kind!r}; kinds: {list(OP_KINDS)}")
+    if kind not in KINDS:  # its traits first (`ops.register_kind`): how the run places it
+        raise ValueError(f"unknown op kind {kind!r}; kinds: {list(KINDS)}")
     table = GRADIENT_STAGES if gradient_only else STAGES
 
     def register(fn: StageFn) -> StageFn:

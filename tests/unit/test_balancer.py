@@ -156,13 +156,13 @@ def test_op_sizes_come_from_prompts_and_response_lengths():
 
 
 def test_an_unmeasured_agent_is_estimated_at_its_size():
-    from flexmarl_core.control import DEFAULT_OP_S, WorkLedger
-    from flexmarl_core.ops import Op
+    from flexmarl_core.control import WorkLedger
+    from flexmarl_core.ops import Op, traits
 
     led = WorkLedger(sizes={"rollout": {"planner": 10.0, "solver": 30.0, "verifier": 20.0}})
     # Before any rollout: the default, scaled by size around the mean size.
-    assert led.estimate("rollout", "planner") == DEFAULT_OP_S["rollout"] * 10 / 20
-    assert led.estimate("rollout", "solver") == DEFAULT_OP_S["rollout"] * 30 / 20
+    assert led.estimate("rollout", "planner") == traits("rollout").guess_s * 10 / 20
+    assert led.estimate("rollout", "solver") == traits("rollout").guess_s * 30 / 20
     led.observe(Op(0, "rollout", "planner"), 2.0)
     assert led.estimate("rollout", "planner") == 2.0
     assert led.estimate("rollout", "solver") == 6.0  # the planner's seconds per unit, x 30

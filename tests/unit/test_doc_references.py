@@ -9,7 +9,15 @@ What counts as a reference (inside backticks):
 - a path followed by a backticked name (`` `runtime/worker.py` `checkpoint_due` ``): the file
   defines it (a function, class, method or assignment at any depth);
 - a dotted name rooted in a product package (`flexmarl_core.driver.run.train`): the longest
-  prefix that is a module exists and defines the rest.
+  prefix that is a module exists and defines the rest;
+- a class named from a flexmarl_core module (`orchestrator.loop.Orchestrator`): as if rooted in
+  flexmarl_core (a config path such as `cluster.address` names no class, so is left alone);
+- a flat module with an underscore and a class (`executor_api.ChainingExecutor`, the layout before
+  the subpackages): the module is a product module or an installed one.
+
+Outside backticks (`_bare_problems`), file paths ending in `.py` and dotted names rooted in a
+product package must resolve the same way: in the pages all text, in the code its comments and
+string literals (docstrings, config field descriptions, messages).
 
 And the figures the README's results table and docs/results/index.md quote are in the
 bench/results JSON their rows' pages cite (below, `_unbacked_figures`).
@@ -19,8 +27,11 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
+import io
 import json
 import re
+import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,10 +39,30 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 PACKAGES = ("flexmarl_core", "storage", "tasks", "flows", "flexmarl", "bench", "tests")
 CODE = sorted(p for pkg in PACKAGES[:5] for p in (REPO / pkg).rglob("*.py"))
 #: a placeholder in prose, not a file
-PLACEHOLDERS = ("path/to/", "module:function", "file.py:function", "my_rewards/")
+PLACEHOLDERS = ("path/to/", "module:function", "file.py:function", "path.py:function", "my_rewards/")
 
 FILE_REF = re.compile(r"`([\w./-]+\.py)(?::([\w]+))?`(?: `([A-Za-z_][\w.]*)(?:\(\))?`)?")
 DOTTED_REF = re.compile(r"`((?:" + "|".join(PACKAGES[:5]) + r")(?:\.[A-Za-z_]\w*)+)(?:\(\))?`")
+CORE = REPO / "flexmarl_core"
+CORE_CHILDREN = sorted({p.stem for p in CORE.glob("*.py") if p.stem != "__init__"}
+                       | {p.name for p in CORE.iterdir() if (p / "__init__.py").is_file()})
+#: `orchestrator.loop.Orchestrator`: a short dotted name with a class in it
+SHORT_CLASS_REF = re.compile(r"`((?:" + "|".join(CORE_CHILDREN) + r")(?:\.[A-Za-z_]\w*)*\.[A-Z]\w*)"
+                             r"(?:\(\))?`")
+FLAT_MODULE_REF = re.compile(r"`([a-z]\w*_\w*)\.([A-Z]\w*)")
+BARE_FILE = re.compile(r"(?<![\w./~`-])([A-Za-z_][\w./-]*\.py)(?::(\w+))?(?![\w/])")
+BARE_DOTTED = re.compile(r"(?<![\w./`-])((?:" + "|".join(PACKAGES[:5]) + r")(?:\.[A-Za-z_]\w*)+)(?![\w/-])")
+#: a backticked span: within a line on a page, across lines in a docstring (one token: the
+#: backticks pair up)
+BACKTICKED = {".py": re.compile(r"`[^`]*`"), ".md": re.compile(r"`[^`\n]*`")}
+#: a bare dotted name ending in one of these is a file (`storage.md`), not a module
+FILE_SUFFIXES = {"md", "py", "json", "jsonl", "yaml", "yml", "toml", "txt", "log", "png", "parquet"}
+#: files of other projects that comments name (distributed's spans.py, DeepSpeed's zero_to_fp32.py)
+OTHER_PROJECTS = ("spans.py", "zero_to_fp32.py")
+#: Bare references known to name nothing, in files being reworked, each (file, reference) with
+#: its fix: skipped until fixed there, and an entry that names something or nothing stale any more
+#: fails `test_the_known_stale_references_are_still_stale`, so the list empties as they are fixed.
+KNOWN_STALE: tuple[tuple[str, str], ...] = ()
 
 
 @functools.cache
@@ -119,6 +150,55 @@ def _problems(page: Path) -> list[str]:
     for m in DOTTED_REF.finditer(text):
         if (err := _check_dotted(m.group(1))) is not None:
             out.append(err)
+    for m in SHORT_CLASS_REF.finditer(text):
+        if _check_dotted(f"flexmarl_core.{m.group(1)}") is not None:
+            out.append(f"`{m.group(1)}`: not a class of flexmarl_core/{m.group(1).split('.')[0]}")
+    for m in FLAT_MODULE_REF.finditer(text):
+        if (err := _check_flat_module(m.group(1))) is not None:
+            out.append(f"`{m.group(0)[1:]}`: {err}")
+    return out
+
+
+@functools.cache
+def _check_flat_module(name: str) -> str | None:
+    product = any(next((REPO / pkg).rglob(f"{name}.py"), None) for pkg in PACKAGES[:5])
+    if product or importlib.util.find_spec(name):
+        return None
+    return f"no module {name!r} in the product or installed"
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """(first line, text) of what `path` says in words: a page's text, a module's comments and
+    string literals (names in its code are checked by importing it)."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        return [(1, text)]
+    kinds = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    return [(t.start[0], t.string) for t in tokens if t.type in kinds]
+
+
+def _bare_problems(path: Path, known: tuple[tuple[str, str], ...] = KNOWN_STALE) -> list[str]:
+    """`file:line: problem` for each file path or product module named outside backticks in
+    `path` that names nothing (backticked ones are `_problems`'s), but those in `known`."""
+    here = path.parent if path.suffix == ".py" else None
+    rel = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    skip = {ref for file, ref in known if REPO / file == path}
+    out = []
+    for first, chunk in _prose(path):
+        chunk = BACKTICKED[path.suffix].sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), chunk)
+        found: list[tuple[int, str | None]] = []
+        for m in BARE_FILE.finditer(chunk):
+            ref, suffix = m.groups()
+            if (any(p in m.group(0) for p in PLACEHOLDERS) or ref.split("/")[-1] in OTHER_PROJECTS
+                    or m.group(0) in skip):
+                continue
+            found.append((m.start(), _check_file_ref(ref, suffix, None, here)))
+        for m in BARE_DOTTED.finditer(chunk):
+            if m.group(1).rsplit(".", 1)[-1] not in FILE_SUFFIXES and m.group(1) not in skip:
+                found.append((m.start(), _check_dotted(m.group(1))))
+        out += [f"{rel}:{first + chunk.count(chr(10), 0, at)}: {err.replace('`', '')}"
+                for at, err in found if err is not None]
     return out
 
 
@@ -132,15 +212,46 @@ def test_every_code_reference_in_the_code_resolves():
     assert not bad, f"{len(bad)} references in docstrings and comments name nothing:\n" + "\n".join(bad)
 
 
+def test_every_bare_reference_resolves():
+    bad = [p for path in (*PAGES, *CODE) for p in _bare_problems(path)]
+    assert not bad, f"{len(bad)} file or module names outside backticks name nothing:\n" + "\n".join(bad)
+
+
+def test_the_known_stale_references_are_still_stale():
+    for file, ref in KNOWN_STALE:
+        found = _bare_problems(REPO / file, known=())
+        assert any(f": {ref}:" in p for p in found), f"KNOWN_STALE: {file} names no stale {ref!r}: drop it"
+
+
+def test_the_bare_checker_catches_what_it_should(tmp_path):
+    good = ('"""See flows/train.py, stages/train.py:step and flexmarl_core.driver.run.train; '
+            "storage.md, path/to/x.py and distributed's spans.py are no modules. `gone.py` is "
+            '`_problems`\'s."""\n')
+    bad = ('# stale: (orchestrator.py), stages/train.py:no_such_name,\n'
+           'MSG = "flexmarl_core.gone.module and storage.nothing"\n')
+    module = tmp_path / "module.py"
+    module.write_text(good + "x = flexmarl_core.gone  # code is not prose\n" + bad)
+    found = _bare_problems(module)
+    assert [p.split(":")[1] for p in found] == ["3", "3", "4", "4"], found
+    assert all(any(s in p for p in found)
+               for s in ("orchestrator.py", "no_such_name", "gone.module", "nothing")), found
+    page = tmp_path / "page.md"
+    page.write_text("see flexmarl_core/training/handles.py and handles.py\n")
+    assert len(_bare_problems(page)) == 1
+
+
 def test_the_checker_catches_what_it_should(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("`stages/train.py` `step`, `runtime/worker.py:checkpoint_due`, `flexmarl_core.driver.run.train`, "
                     "`stages/train.py:3`, `path/to/file.py:function`\n"
                     "`nowhere/gone.py`, `stages/train.py` `no_such_name`, `flexmarl_core.driver.run.nothing`, "
-                    "`stages/train.py:99999`, `flexmarl_core.gone.module`\n")
+                    "`stages/train.py:99999`, `flexmarl_core.gone.module`\n"
+                    "`orchestrator.loop.Orchestrator`, `cluster.address`, `typing_extensions.TypedDict`\n"
+                    "`orchestrator.Orchestrator`, `executor_api.ChainingExecutor`\n")
     found = _problems(page)
-    assert len(found) == 5, found
-    assert all(any(s in p for p in found) for s in ("gone.py", "no_such_name", "nothing", "99999", "gone.module"))
+    assert len(found) == 7, found
+    assert all(any(s in p for p in found) for s in ("gone.py", "no_such_name", "nothing", "99999", "gone.module",
+                                                    "orchestrator.Orchestrator", "executor_api"))
 
 
 # --- Figures in the results tables come from the JSON they cite --------------------------------

@@ -18,7 +18,7 @@ from flexmarl_core.driver.audit import audit_run
 from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.ops import Op, StageResult
 from flexmarl_core.programs.team import program_team
-from flexmarl_core.runtime.policy import advantages
+from flexmarl_core.runtime.scopes import advantages
 from flexmarl_core.teams import team_shape
 from flexmarl_core.workloads import make_workload
 from storage import MEGStore
