@@ -52,7 +52,8 @@ def _models(model: type[BaseModel], path: str, out: list[tuple[str, type[BaseMod
 
 
 def _nested(tp: Any) -> list[tuple[type[BaseModel], str]]:
-    """The models a field holds: itself, as an optional, or as list items (suffix `[]`)."""
+    """The models a field holds: itself, as an optional, as list items (suffix `[]`) or as map
+    values (suffix `{}`)."""
     if isinstance(tp, type) and issubclass(tp, BaseModel):
         return [(tp, "")]
     origin = typing.get_origin(tp)
@@ -60,6 +61,8 @@ def _nested(tp: Any) -> list[tuple[type[BaseModel], str]]:
         return [m for arg in typing.get_args(tp) for m in _nested(arg)]
     if origin is list:
         return [(m, "[]" + s) for arg in typing.get_args(tp) for m, s in _nested(arg)]
+    if origin is dict:  # a map's values (`seats.<name>`)
+        return [(m, "{}" + s) for m, s in _nested(typing.get_args(tp)[1])]
     return []
 
 

@@ -102,6 +102,8 @@ class Writer(Committer):
         """Record that optimizer step ``step`` trained on ``samples`` (rows or a table), with
         the advantage each was trained with when given (one per sample, in order)."""
         table = samples if isinstance(samples, pa.Table) else pa.Table.from_pylist(list(samples))
+        if table.num_rows == 0:  # an agent no trajectory of the micro-batch called: nothing trained
+            return []
         cols = ["sample_id", "policy_version"] + (["mb"] if "mb" in table.column_names else [])
         table = table.select(cols)
         if advantages is not None:

@@ -16,7 +16,8 @@ from pydantic import Field, field_validator, model_validator
 from flexmarl_core.config.agent import AgentConfig, CriticConfig, _Strict
 from flexmarl_core.config.checks import check_name, check_template
 from flexmarl_core.config.codesign import CodesignConfig
-from flexmarl_core.ops import OP_KINDS
+from flexmarl_core.config.environment import EnvironmentConfig
+from flexmarl_core.ops import KINDS
 
 #: a reward call's deadline when `cluster.deadlines.per_kind_s` sets none for `reward`
 DEFAULT_REWARD_S = 60.0
@@ -34,8 +35,9 @@ class TeamConfig(_Strict):
     shape: str = Field(
         "graph",
         description="The kind of team (a registered team shape, `flexmarl_core/teams/`): graph (agents "
-        "with templates fed along `edges`) or program (`team.program` calls its agents). Default: "
-        "program when `team.program` is set, else graph.",
+        "with templates fed along `edges`), program (`team.program` calls its agents) or environment "
+        "(`team.environment` decides whose turn it is). Default: program when `team.program` is set, "
+        "environment when `team.environment` is, else graph.",
     )
     agents: list[AgentConfig] = Field(description="The agents (MEG nodes).")
     edges: list[EdgeConfig] = Field(default_factory=list, description="Data flow (MEG edges).")
@@ -58,6 +60,10 @@ class TeamConfig(_Strict):
         "agent's GRPO groups form. call: the k-th calls of the agent in one input's trajectories form a "
         "group (AT-GRPO's agent-and-turn groups); trajectory: each trajectory's reward is normalised "
         "over the input's trajectories and every call of the trajectory gets that advantage.",
+    )
+    environment: EnvironmentConfig | None = Field(
+        None, description="The team plays an environment (a game, a shared-state task): its spec, which "
+        "agent (or scripted policy) plays each seat, and how answers become samples (docs/environments.md).",
     )
     batch_window_ms: float = Field(
         20.0, ge=0.0, le=10_000.0,
@@ -85,7 +91,9 @@ class TeamConfig(_Strict):
     @classmethod
     def _default_shape(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("shape") is None:
-            data = {**data, "shape": "program" if data.get("program") is not None else "graph"}
+            shape = ("program" if data.get("program") is not None
+                     else "environment" if data.get("environment") is not None else "graph")
+            data = {**data, "shape": shape}
         return data
 
     @model_validator(mode="after")
@@ -93,6 +101,21 @@ class TeamConfig(_Strict):
         if (self.program is not None) != (self.shape == "program"):
             raise ValueError(f"team.shape {self.shape!r} with team.program {self.program!r}: a program "
                              "team sets both (shape: program), any other shape neither")
+        if (self.environment is not None) != (self.shape == "environment"):
+            raise ValueError(f"team.shape {self.shape!r} with team.environment: an environment team sets "
+                             "both (shape: environment), any other shape neither")
+        if self.environment is not None:
+            if self.edges or self.rounds != 1:
+                raise ValueError("team.environment: the environment decides who acts; remove team.edges and "
+                                 "team.rounds")
+            names = {a.name for a in self.agents}
+            for seat, s in self.environment.seats.items():
+                if s.agent is not None and s.agent not in names:
+                    raise ValueError(f"team.environment.seats.{seat}: agent {s.agent!r} is not an agent of the "
+                                     f"team; agents: {sorted(names)}")
+            idle = sorted(names - set(self.environment.agents()))
+            if idle:
+                raise ValueError(f"team.agents: {idle} play no seat of team.environment.seats")
         if self.program is not None and (self.edges or self.rounds != 1):
             raise ValueError("team.program: a program team calls its agents itself; remove team.edges and "
                              "team.rounds (the program decides who is called, and how often)")
@@ -184,7 +207,7 @@ class WorkerConfig(_Strict):
 
 class DeadlineConfig(_Strict):
     """When a running op counts as hung (it neither ends nor fails): it is then cancelled, its
-    worker restarted and the op run again (`orchestrator.Orchestrator`, decision `hung_op`)."""
+    worker restarted and the op run again (`orchestrator.loop.Orchestrator`, decision `hung_op`)."""
 
     factor: float = Field(
         10.0, gt=1.0,
@@ -213,9 +236,9 @@ class DeadlineConfig(_Strict):
     @field_validator("per_kind_s")
     @classmethod
     def _kinds(cls, v: dict[str, float]) -> dict[str, float]:
-        bad = sorted(set(v) - set(OP_KINDS))
+        bad = sorted(set(v) - set(KINDS))
         if bad:
-            raise ValueError(f"unknown op kind(s) {bad}; kinds: {list(OP_KINDS)}")
+            raise ValueError(f"unknown op kind(s) {bad}; kinds: {list(KINDS)}")
         low = sorted(k for k, s in v.items() if not s > 0)
         if low:
             raise ValueError(f"deadline(s) of {low} must be > 0 seconds")
@@ -255,14 +278,14 @@ class ClusterConfig(_Strict):
         True,
         description="Submit an op whose route is already fixed as soon as its dependencies are "
         "submitted, chained on them in Dask, so it starts when they end without a round trip "
-        "through the flow process (orchestrator.py).",
+        "through the flow process (orchestrator/policies.py).",
     )
     fuse_chains: bool = Field(
         True,
         description="Run a chain of ops that would all run on one worker anyway (one agent's "
         "rollout -> reward -> train -> step -> sync when its routes are fixed) as one Dask task: "
         "one dispatch instead of one per op; each op keeps its record, task run and retries "
-        "(orchestrator.py).",
+        "(orchestrator/policies.py).",
     )
     pending_after_s: float = Field(
         2.0, ge=0.0,

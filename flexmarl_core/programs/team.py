@@ -31,7 +31,7 @@ from flexmarl_core.workloads.api import Problem, SupportsPerturbation, SupportsT
 from flexmarl_core.workloads.bounded import Deadline
 
 
-def _model_folder(acfg: AgentConfig, seed: int) -> Path:
+def model_folder(acfg: AgentConfig, seed: int) -> Path:
     m = acfg.model
     folder = m.folder()
     if folder is not None:
@@ -46,7 +46,7 @@ def _model_folder(acfg: AgentConfig, seed: int) -> Path:
 def agent_spec(acfg: AgentConfig, seed: int) -> AgentSpec:
     """What the endpoint needs of `acfg`: its tokenizer, template and context, read from the
     model's folder (no weights are loaded)."""
-    folder = _model_folder(acfg, seed)
+    folder = model_folder(acfg, seed)
     tok = load_tokenizer(folder)
     max_ctx = int(getattr(AutoConfig.from_pretrained(str(folder)), "max_position_embeddings", 2048))
     return AgentSpec(acfg.name, acfg.sampling, template_source(acfg.chat_template, tok), tok, max_ctx,

@@ -9,7 +9,7 @@ already done.
 
 from flexmarl_core.runtime.policy import loss_scale
 from flexmarl_core.runtime.worker import context
-from flexmarl_core.stages import program, reward, rollout, sync, train, value  # noqa: F401  (registers the stages)
+from flexmarl_core.stages import episode, program, reward, rollout, sync, train, value  # noqa: F401  (registers the stages)
 from flexmarl_core.stages.evaluate import evaluate
 from flexmarl_core.stages.faults import InjectedFault, faults_dir
 from flexmarl_core.stages.registry import (

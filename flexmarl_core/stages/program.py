@@ -32,7 +32,7 @@ def program(ctx: WorkerContext, op: Op) -> StageResult:
     it = op.iteration
     mbs = [op.mb] if op.mb >= 0 else list(range(ctx.cfg.batch.num_micro_batches))
     if all(ctx.loc.is_file(program_key(it, j)) for j in mbs):
-        return _committed(ctx, op, it, mbs[0])
+        return committed_result(ctx, op, it, mbs[0])
     team = program_team(ctx.cfg.team, ctx.cfg.seed)
     inputs = [(j, inp) for j in mbs for inp in ctx.inputs(it, j)]
     problems = {inp["input_id"]: Problem(inp["input_id"], inp["text"], inp["answer"], inp["meta"]) for _, inp in inputs}
@@ -56,9 +56,10 @@ def program(ctx: WorkerContext, op: Op) -> StageResult:
     return res
 
 
-def _committed(ctx: WorkerContext, op: Op, it: int, mb: int) -> StageResult:
+def committed_result(ctx: WorkerContext, op: Op, it: int, mb: int) -> StageResult:
     """A retry after the op committed (its worker died before the driver logged it): it reports
-    what the committed op did, so the iteration's figures count that work once."""
+    what the committed op did (from its manifest of micro-batch `mb`), so the iteration's
+    figures count that work once."""
     done = json.loads(ctx.loc.read_text(program_key(it, mb))).get("result", {})
     return StageResult(op, skipped=True, samples=done.get("samples", 0), tokens=done.get("tokens", 0),
                        version=done.get("version"), metrics=done.get("metrics", {}))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flexmarl_core.teams import graph, program  # noqa: F401  (registers the shapes)
+from flexmarl_core.teams import environment, graph, program  # noqa: F401  (registers the shapes)
 from flexmarl_core.teams.api import SHAPES, Generation, RunView, TeamShape, register_shape
 
 if TYPE_CHECKING:

@@ -1,0 +1,168 @@
+"""The environment team on the in-process ThreadExecutor with the real stages, store and
+OpenSpiel's Kuhn poker: the agents' answers are scripted (the SFT warm start's dispatcher,
+answering from a table instead of decoding), so every seat's rows can be checked exactly
+against the same episodes replayed on a fresh environment: ids, turn indices, masks, rewards,
+refused answers and their penalty, one sample per answer or per seat and episode."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from flexmarl_core.config import load_config
+from flexmarl_core.driver import run
+from flexmarl_core.driver.audit import audit_run
+from flexmarl_core.envs import make_environment
+from flexmarl_core.envs.play import episode_seed
+from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
+from flexmarl_core.inference.api import Generation
+from flexmarl_core.programs import engines
+from flexmarl_core.teams.environment import EnvironmentTeam
+from storage import MEGStore
+
+pytest.importorskip("pyspiel", reason="open_spiel is a dev dependency (make setup installs it)")
+
+KUHN = str(Path(__file__).resolve().parents[2] / "configs" / "env_kuhn.yaml")
+SMALL = ["train.iterations=1", "train.evaluate=false", "train.evaluate_initial=false", "workload.heldout_size=8",
+         "batch.inputs_per_iteration=4", "batch.group_size=3", "batch.micro_batch_inputs=2"]
+
+
+def script(agent: str, traj: int, k: int) -> str:
+    """alice (player_0): pass, then bet if she acts again. bob (player_1): traj 0 always bets;
+    traj 1 passes; traj 2 says nothing legal once, then bets."""
+    if agent == "alice":
+        return "[pass]" if k == 0 else "I [bet]"
+    if traj == 2 and k == 0:
+        return "hmm"
+    return "[pass]" if traj == 1 else "[bet]"
+
+
+class ScriptedDispatcher:
+    """A scripted model behind the real `Dispatcher` seam: answers `script(agent, traj, k)` for
+    the agent's k-th answer in the trajectory, tokenized with the agent's tokenizer."""
+
+    def __init__(self, team: EnvironmentTeam) -> None:
+        self.team = team
+        self.calls: dict[tuple[str, int, str], int] = defaultdict(int)
+
+    def capacity(self, agent: str) -> int:
+        return 1 << 10
+
+    def decode(self, agent, version, groups, stats):
+        out = []
+        for g in groups:
+            input_id, traj = g.trajectory
+            k = self.calls[(input_id, traj, agent)]
+            self.calls[(input_id, traj, agent)] += 1
+            text = script(agent, traj, k)
+            ids = self.team.tokenizer(agent).encode(text, add_special_tokens=False)
+            out.append([Generation(list(g.prompt_ids), ids, text, [-0.5] * len(ids), "stop", version)])
+        stats.instance = "scripted"
+        return out
+
+
+class ScriptedHost:
+    def __init__(self, team: EnvironmentTeam) -> None:
+        self.dispatch = ScriptedDispatcher(team)
+
+    @contextlib.contextmanager
+    def detached(self):
+        yield
+
+    def dispatcher(self, ctx, worker):
+        return self.dispatch
+
+
+def _run(tmp_path: Path, *overrides: str):
+    cfg = load_config(KUHN, [f"run_dir={tmp_path / 'run'}", *SMALL, *overrides])
+    folder = run.prepare_run(cfg, log=lambda _: None)
+    ex = ThreadExecutor(stage_fn(str(folder)), {w.name: dict(w.resources) for w in cfg.cluster.workers})
+    from flexmarl_core.runtime.worker import context
+    engines.install_host(ScriptedHost(context(str(folder)).team))
+    try:
+        out = run.train(cfg, folder, ex)
+    finally:
+        engines._HOST.clear()
+        ex.close()
+    return cfg, folder, out
+
+
+def _replay(input_id: str, traj: int, penalty: float = -1.0):
+    """The episode replayed on a fresh environment with the script: per seat, its answers as
+    (k of the agent, text, valid, return), and the seats' outcomes."""
+    ep = make_environment("openspiel:kuhn_poker").episode(episode_seed(input_id))
+    agents = {"player_0": "alice", "player_1": "bob"}
+    calls: dict[str, int] = defaultdict(int)
+    answers: list[list] = []
+    last: dict[str, list] = {}
+    while (turn := ep.turn()) is not None:
+        agent = agents[turn.seat]
+        k = calls[agent]
+        calls[agent] += 1
+        text = script(agent, traj, k)
+        step = ep.act(text)
+        a = [turn.seat, k, text, step.valid, penalty if not step.valid else 0.0]
+        answers.append(a)
+        last[turn.seat] = a
+        for seat, r in step.rewards.items():
+            last[seat][4] += r
+    ret: dict[str, float] = {}
+    for a in reversed(answers):
+        a[4] = ret[a[0]] = a[4] + ret.get(a[0], 0.0)
+    return answers, ep.returns()
+
+
+def test_every_seats_rows_match_the_replayed_episodes(tmp_path):
+    cfg, folder, out = _run(tmp_path)
+    assert audit_run(str(folder))[1] == []
+    store = MEGStore(cfg.resolved_store_uri())
+    inputs = [r["input_id"] for r in store.read_inputs(0).to_pylist()]
+    rows = {a: {r["sample_id"]: r for r in store.read_samples(a, 0).to_pylist()} for a in ("alice", "bob")}
+    want_ids: dict[str, set[str]] = {"alice": set(), "bob": set()}
+    refused = wins = 0
+    for input_id in inputs:
+        for traj in range(3):
+            answers, returns = _replay(input_id, traj)
+            assert sum(returns.values()) == 0  # zero-sum
+            wins += returns["player_0"] > 0
+            for seat, k, text, valid, ret in answers:
+                agent = "alice" if seat == "player_0" else "bob"
+                sid = f"{input_id}:{traj}:{agent}:{k}"
+                want_ids[agent].add(sid)
+                r = rows[agent][sid]
+                assert (r["turn"], r["response_text"], r["loss_mask"]) == (k, text, None), sid
+                assert json.loads(r["extra"]) == {"seat": seat, "answers": [k], "valid": [valid]}
+                assert r["prompt_text"].count("You are " + seat) == 1
+                assert r["reward"] == pytest.approx(ret, abs=1e-6), sid
+                refused += not valid
+    assert {a: set(rows[a]) for a in rows} == want_ids
+    assert refused == len(inputs)  # bob's "hmm" once per input, in traj 2
+    it0 = out.iterations[0]
+    assert it0["team/env/invalid"] == refused and it0["team/env/episodes"] == 3 * len(inputs)
+    assert it0["accuracy"] == pytest.approx((wins + sum(  # accuracy: the trained seats' win rate
+        _replay(i, t)[1]["player_1"] > 0 for i in inputs for t in range(3))) / (6 * len(inputs)))
+
+
+def test_multi_turn_samples_join_a_seats_answers_with_the_observations_masked(tmp_path):
+    cfg, folder, _ = _run(tmp_path, "team.environment.samples=multi_turn",
+                          *(f"team.agents.{a}.chat_template=chatml" for a in ("alice", "bob")))
+    assert audit_run(str(folder))[1] == []
+    store = MEGStore(cfg.resolved_store_uri())
+    alice = store.read_samples("alice", 0).to_pylist()
+    twice = [r for r in alice if len(json.loads(r["extra"])["answers"]) == 2]
+    assert twice, "bob bets after alice passes in traj 0 and 2: alice answers twice"
+    for r in twice:
+        mask = r["loss_mask"]
+        first, second = "[pass]", "I [bet]"
+        assert r["response_text"].startswith(first) and r["response_text"].endswith(second)
+        assert 0 in mask and mask[0] == 1 and mask[-1] == 1
+        # the masked run is the observation between the answers, as the chat template renders it
+        assert "Betting so far" in r["response_text"][len(first):-len(second)]
+        input_id, traj = r["input_id"], r["traj"]
+        answers, _ = _replay(input_id, traj)
+        assert r["reward"] == pytest.approx(answers[0][4])
+        assert r["sample_id"] == f"{input_id}:{traj}:alice:0"
