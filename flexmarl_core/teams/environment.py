@@ -96,6 +96,24 @@ class EnvironmentTeam:
         text = render(source, [*system, *messages], tok)
         return tok.encode(text, add_special_tokens=False), text
 
+    def action_probs(self, agent: str, model: Any, observation: str, legal: Sequence[str]) -> list[float]:
+        """The probability `model` (`agent`'s) gives each legal action at a decision point,
+        among the legal ones: each answered as `[action]`, scored token by token after the
+        prompt the seat sees (what exploitability is computed from, `envs/kuhn.py`)."""
+        import torch
+
+        from flexmarl_core.models.logprobs import token_logprobs
+
+        ids, _ = self.prompt(agent, [{"role": "user", "content": observation}])
+        tok, scores = self.tokenizer(agent), []
+        with torch.no_grad():
+            for action in legal:
+                answer = tok.encode(f"[{action}]", add_special_tokens=False)
+                seq = torch.tensor([ids + answer])
+                logits = model(seq).logits[0, len(ids) - 1:-1]
+                scores.append(float(token_logprobs(logits, seq[0, len(ids):]).sum()))
+        return torch.softmax(torch.tensor(scores, dtype=torch.float64), 0).tolist()
+
     def tokenizer(self, agent: str) -> Any:
         return self._chat(agent)[0]
 
