@@ -97,6 +97,13 @@ def grpo_nostd(rewards: torch.Tensor, group_index: torch.Tensor, *, eps: float =
     return rewards - group_stats(rewards, group_index).mean
 
 
+@register_advantage("rae", scope="role")
+def rae(rewards: torch.Tensor, group_index: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+    """Role-conditioned advantage estimation (SPIRAL): its scope hands it each return less its
+    role's baseline (`runtime/scopes.py` `RoleScope`), which is the advantage."""
+    return rewards.clone()
+
+
 @register_advantage("rloo")
 def rloo(rewards: torch.Tensor, group_index: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): leave-one-out baseline

@@ -160,7 +160,7 @@ class SamplingConfig(_Strict):
 
 class AlgorithmConfig(_Strict):
     advantage: str = Field(
-        "grpo", description="Advantage estimator by registry name: grpo, grpo_nostd, rloo, reinforce_pp, gae (PPO with the critic of `critic`)."
+        "grpo", description="Advantage estimator by registry name: grpo, grpo_nostd, rloo, reinforce_pp, gae (PPO with the critic of `critic`), rae (an environment team: each return less its seat's moving baseline)."
     )
     policy_loss: str = Field("clipped", description="Policy loss by registry name.")
     clip_eps: float = Field(0.2, gt=0.0, description="PPO ratio clip epsilon.")

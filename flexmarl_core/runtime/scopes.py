@@ -11,12 +11,14 @@ both halves of what that means:
     group   an input's group is within the micro-batch: its rewards are enough
     batch   normalised over the iteration (REINFORCE++): every reward of the iteration
     critic  GAE along the micro-batch's calls: the critics' values of the micro-batch
+    role    a return less its role's baseline (RAE): the micro-batch and earlier iterations
 
 A new scope is one class here, registered with `@register_scope("<name>")`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -145,3 +147,49 @@ class CriticScope:
             return ([tg[r["sample_id"]].advantages[0] for r in rows],
                     [tg[r["sample_id"]].advantages if per_token else None for r in rows])
         return ScopeRead([r for r in chain if r["agent"] == agent], [mb], adv)
+
+
+#: RAE's baseline: b <- ROLE_EMA * b + (1 - ROLE_EMA) * (the role's mean return of an iteration)
+ROLE_EMA = 0.95
+#: (store, agent, iteration) -> each role's mean return then (a finished iteration's do not change)
+_ROLE_MEANS: dict[tuple[str, str, int], dict[str, float]] = {}
+
+
+def role_of(row: Row) -> str:
+    """An answer's role: its seat (an environment team's rows say it), else its turn."""
+    extra = json.loads(row.get("extra") or "{}")
+    return str(extra.get("seat", f"turn {row['turn']}"))
+
+
+def role_baselines(ctx: WorkerContext, agent: str, it: int) -> dict[str, float]:
+    """Each role's baseline for iteration `it`: the moving average of its mean return over
+    iterations 0 .. it-1 (0 before any)."""
+    base: dict[str, float] = {}
+    for j in range(it):
+        key = (ctx.store.uri, agent, j)
+        if key not in _ROLE_MEANS:
+            by: dict[str, list[float]] = {}
+            for r in ctx.store.read_samples(agent, j, columns=["turn", "reward", "extra"]).to_pylist():
+                if r["reward"] is not None:
+                    by.setdefault(role_of(r), []).append(float(r["reward"]))
+            _ROLE_MEANS[key] = {k: sum(v) / len(v) for k, v in by.items()}
+        for role, mean in _ROLE_MEANS[key].items():
+            base[role] = ROLE_EMA * base.get(role, 0.0) + (1 - ROLE_EMA) * mean
+    return base
+
+
+@register_scope("role")
+class RoleScope:
+    """RAE (SPIRAL): each answer's advantage is its return less its role's baseline, so a
+    zero-sum game's seats are not measured against each other; no barrier on the batch."""
+
+    def waits(self, plan: ScopePlan, it: int, mb: int, mine: list[Op], every: list[Op]) -> list[Op]:
+        return list(mine)
+
+    def read(self, ctx: WorkerContext, agent: str, estimator: str, it: int, mb: int) -> ScopeRead:
+        base = role_baselines(ctx, agent, it)
+
+        def adv(rows: list[Row]) -> tuple[list[float], list[None]]:
+            vals = [float(r["reward"]) - base.get(role_of(r), 0.0) for r in rows]
+            return compute_advantages(estimator, vals, [role_of(r) for r in rows]).tolist(), [None] * len(rows)
+        return ScopeRead(_rewarded(ctx, agent, it, mb), [mb], adv)

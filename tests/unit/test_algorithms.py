@@ -120,7 +120,7 @@ def test_clipped_loss_requires_reference_when_kl():
 
 
 def test_registries_reject_unknown_and_duplicate_names():
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'vtrace'.*gae, grpo, grpo_nostd, reinforce_pp, rloo"):
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'vtrace'.*gae, grpo, grpo_nostd, rae, reinforce_pp, rloo"):
         get_advantage("vtrace")
     with pytest.raises(ValueError, match="needs the critic's values"):  # registered, computed by the pipeline
         compute_advantages("gae", [1.0, 0.0], [0, 0])

@@ -166,3 +166,24 @@ def test_multi_turn_samples_join_a_seats_answers_with_the_observations_masked(tm
         answers, _ = _replay(input_id, traj)
         assert r["reward"] == pytest.approx(answers[0][4])
         assert r["sample_id"] == f"{input_id}:{traj}:alice:0"
+
+
+def test_rae_subtracts_each_roles_moving_baseline(tmp_path):
+    """RAE (`algorithm.advantage: rae`): an answer's advantage is its return less its seat's
+    baseline, the moving average of the seat's mean return over earlier iterations."""
+    from flexmarl_core.runtime.scopes import ROLE_EMA
+
+    cfg, folder, _ = _run(tmp_path, "train.iterations=2",
+                          *(f"team.agents.{a}.algorithm.advantage=rae" for a in ("alice", "bob")))
+    assert audit_run(str(folder))[1] == []
+    store = MEGStore(cfg.resolved_store_uri())
+    for agent in ("alice", "bob"):
+        rows = {it: store.read_samples(agent, it).to_pylist() for it in (0, 1)}
+        assert all(r["advantage"] == pytest.approx(r["reward"], abs=1e-6) for r in rows[0])
+        seats = {json.loads(r["extra"])["seat"] for r in rows[0]}
+        for seat in seats:
+            mean0 = sum(r["reward"] for r in rows[0] if json.loads(r["extra"])["seat"] == seat) / sum(
+                1 for r in rows[0] if json.loads(r["extra"])["seat"] == seat)
+            mine = [r for r in rows[1] if json.loads(r["extra"])["seat"] == seat]
+            assert mine and all(r["advantage"] == pytest.approx(r["reward"] - (1 - ROLE_EMA) * mean0, abs=1e-5)
+                                for r in mine), (agent, seat)
