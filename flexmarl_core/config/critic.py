@@ -63,8 +63,8 @@ def critic_problems(cfg: ExperimentConfig) -> list[str]:
     field (`config/load.py` `load_config`): both need the graph's call order."""
     out = []
     if cfg.workload.credit == "step_discount" and cfg.team.shape != "graph":
-        out.append("workload.credit step_discount needs the call order of a YAML team's graph; a "
-                   "program team's calls are not ordered across agents in the store: use team or per_agent")
+        out.append(f"workload.credit step_discount needs the call order of a YAML team's graph; a "
+                   f"{cfg.team.shape} team's calls are not ordered across agents in the store: use team or per_agent")
     trainable = [a.name for a in cfg.team.agents if a.trainable]
     gae = [a for a in trainable if cfg.agent(a).algorithm.advantage == "gae"]
     if not gae:
@@ -74,8 +74,9 @@ def critic_problems(cfg: ExperimentConfig) -> list[str]:
         out.append(f"agents {gae} use algorithm.advantage gae but {others} do not: a critic's GAE "
                    "chains every trainable agent's calls, so give them all gae (or none)")
     if cfg.team.shape != "graph":
-        out.append("algorithm.advantage gae needs the call order of a YAML team's graph; a program "
-                   "team's calls are not ordered across agents in the store: use grpo")
+        out.append(f"algorithm.advantage gae needs the call order of a YAML team's graph; a {cfg.team.shape} "
+                   "team's calls are not ordered across agents in the store: use grpo"
+                   + (" or rae" if cfg.team.shape == "environment" else ""))
     names = {a.name for a in cfg.team.agents}
     clash = sorted(names & set(critic_names(cfg)))
     if clash:
