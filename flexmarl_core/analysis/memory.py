@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from flexmarl_core.config import AgentConfig, ExperimentConfig
+from flexmarl_core.config import AgentConfig, ExperimentConfig, TeamConfig
 from flexmarl_core.control.tags import TRAIN_TAG, is_rollout_tag
 
 #: a worker process's own memory: Python, torch, transformers, Dask, pyarrow (RSS measured
@@ -130,7 +130,7 @@ def agent_memory(cfg: ExperimentConfig, a: AgentConfig) -> AgentMemory:
     trained = _lora_params(shape, a) if lora else params
     engine_bytes = 2 if a.model.dtype == "bfloat16" else 4
     rows = cfg.batch.micro_batch_inputs * cfg.batch.group_size
-    seq = _prompt_tokens(cfg, a) + a.sampling.max_new_tokens
+    seq = _prompt_tokens(cfg.team, a) + a.sampling.max_new_tokens
     head_dim = int(shape.hidden_size) // int(shape.num_attention_heads)
     kv = 2 * int(shape.num_hidden_layers) * int(shape.num_key_value_heads) * head_dim * engine_bytes * rows * seq
     ckpt = a.backend.activation_checkpointing
@@ -152,10 +152,11 @@ def agent_memory(cfg: ExperimentConfig, a: AgentConfig) -> AgentMemory:
     )
 
 
-def _prompt_tokens(cfg: ExperimentConfig, a: AgentConfig) -> int:
+def _prompt_tokens(team: TeamConfig, a: AgentConfig) -> int:
     # A byte-level upper bound: the template's characters and every parent's answer (a program
     # team has no template: its calls' prompts are counted as twice the answer).
-    parents = sum(cfg.agent(e.src).sampling.max_new_tokens for e in cfg.team.edges if e.dst == a.name)
+    by = {x.name: x for x in team.agents}
+    parents = sum(by[e.src].sampling.max_new_tokens for e in team.edges if e.dst == a.name)
     return len(a.template or "") + parents + (0 if a.template else 2 * a.sampling.max_new_tokens) + 64
 
 

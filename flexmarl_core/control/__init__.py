@@ -14,9 +14,9 @@ policies run against a real cluster, threads, or a simulated clock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-from flexmarl_core.config import ExperimentConfig
+from flexmarl_core.config import AgentConfig, ExperimentConfig
 from flexmarl_core.control.balancer import InstanceBalancer, apply_move, lend_idle, rebalance
 from flexmarl_core.control.decisions import (
     Decision,
@@ -57,15 +57,14 @@ def _move_costs(cfg: ExperimentConfig, agents: list[str]) -> dict[str, dict]:
             "base_bytes": {k: size(base_weights_key(k)) for k in set(base_of.values())}}
 
 
-def helper_agents(cfg: ExperimentConfig, agents: list[str]) -> frozenset[str]:
+def helper_agents(gradient_helpers: bool, agents: Sequence[AgentConfig]) -> frozenset[str]:
     """The agents whose train ops may run as gradient helpers (`codesign.gradient_helpers`; the
     config refuses it without `on_demand_allocation` or with staleness): trainable, one torch
     process holding the whole model (a helper adds a gradient of the flat buffer; DeepSpeed
     shards it, LoRA trains an adapter)."""
-    if not cfg.codesign.gradient_helpers:
+    if not gradient_helpers:
         return frozenset()
-    return frozenset(a for a in agents if cfg.agent(a).trainable and cfg.agent(a).model.lora is None
-                     and cfg.agent(a).backend.training == "torch")
+    return frozenset(a.name for a in agents if a.trainable and a.model.lora is None and a.backend.training == "torch")
 
 
 class ControlPlane:
@@ -82,7 +81,7 @@ class ControlPlane:
         self.late_binding = cs.late_binding  # the config refuses it without load_balancing
         self.router = Router(load_balancing=cs.load_balancing, on_demand=cs.on_demand_allocation,
                              late_binding=self.late_binding, num_mb=cfg.batch.num_micro_batches, clock=clock,
-                             log=self.decisions, helper_agents=helper_agents(cfg, agents),
+                             log=self.decisions, helper_agents=helper_agents(cfg.codesign.gradient_helpers, [cfg.agent(a) for a in agents]),
                              rollout_slots=rollout_slots)
         self.ledger = self.router.ledger
         self.ledger.sizes = dict(sizes or {})

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op, traits
 
@@ -114,7 +113,7 @@ class WorkLedger:
         return old[1]
 
 
-def token_sizes(cfg: ExperimentConfig, meg: MEG) -> dict[str, dict[str, float]]:
+def token_sizes(meg: MEG) -> dict[str, dict[str, float]]:
     """Each agent's rollout op (one round) and train op (every round of a micro-batch) in
     tokens per sequence, from its config: `max_new_tokens` generated, a prompt of its
     template's text plus each parent's `max_new_tokens` (the input's length is the same for
@@ -123,8 +122,8 @@ def token_sizes(cfg: ExperimentConfig, meg: MEG) -> dict[str, dict[str, float]]:
     rollout: dict[str, float] = {}
     train: dict[str, float] = defaultdict(float)
     for node in meg.nodes:
-        a = cfg.agent(node.agent)
-        prompt = len(a.template or "") + sum(cfg.agent(p.agent).sampling.max_new_tokens for p in meg.parents[node])
+        a = meg.agents[node.agent]
+        prompt = len(a.template or "") + sum(meg.agents[p.agent].sampling.max_new_tokens for p in meg.parents[node])
         gen = a.sampling.max_new_tokens
         rollout[node.agent] = max(rollout.get(node.agent, 0.0), gen + PREFILL_WEIGHT * prompt)
         train[node.agent] += gen + prompt

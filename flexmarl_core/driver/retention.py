@@ -29,7 +29,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.ops import OpRecord, traits
 from flexmarl_core.orchestrator.hooks import RunHook
 from flexmarl_core.runtime.location import RunLocation, trainer_key, weights_key
@@ -42,9 +41,9 @@ log = logging.getLogger(__name__)
 class KeepRule:
     """The versions kept of one run's files (see the module docstring)."""
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
-        self.k = cfg.codesign.max_staleness
-        self.every = cfg.train.keep_every
+    def __init__(self, max_staleness: int, keep_every: int | None) -> None:
+        self.k = max_staleness
+        self.every = keep_every
 
     def _every(self, v: int) -> bool:
         return self.every is not None and v % self.every == 0
@@ -65,8 +64,8 @@ class Retention(RunHook):
     """Deletes what `KeepRule` does not keep, as each agent's steps and syncs become durable in
     the op log (`durable()`: how many op records are; `run.train` passes the writer's)."""
 
-    def __init__(self, cfg: ExperimentConfig, loc: RunLocation, durable: Callable[[], int]) -> None:
-        self.rule, self.loc, self.durable = KeepRule(cfg), loc, durable
+    def __init__(self, rule: KeepRule, loc: RunLocation, durable: Callable[[], int]) -> None:
+        self.rule, self.loc, self.durable = rule, loc, durable
         self._seen = 0  # op records passed to this hook
         #: (record number, kind, agent, version) not yet durable
         self._pending: list[tuple[int, str, str, int]] = []

@@ -29,7 +29,7 @@ from flexmarl_core.driver.metrics import (
     log_lines,
     run_summary,
 )
-from flexmarl_core.driver.retention import Retention
+from flexmarl_core.driver.retention import KeepRule, Retention
 from flexmarl_core.driver.sft import warm_start
 from flexmarl_core.executors.api import CountsWorkerCPU
 from flexmarl_core.meg import MEG
@@ -326,7 +326,7 @@ def train(
     tracker = IterationTracker(plan.sizes(), emit, lambda: len(executor.worker_resources()))
     if resume:  # the downtime since the earlier attempt's last op is no iteration's time
         tracker.resume(earlier, reported, resumed_at=executor.now())
-    retention = Retention(cfg, loc, writer.durable)
+    retention = Retention(KeepRule(cfg.codesign.max_staleness, cfg.train.keep_every), loc, writer.durable)
     path = CriticalPath(plan.deps_of, plan.sizes(), plan.reach)
     for rec in earlier:
         path.add(rec)

@@ -111,7 +111,7 @@ class Orchestrator:
         self.plan = plan
         self.executor = executor
         self.control = ControlPlane(cfg, plan.meg.agent_names, executor.now,
-                                    sizes=token_sizes(cfg, plan.meg) if sizes is None else sizes,
+                                    sizes=token_sizes(plan.meg) if sizes is None else sizes,
                                     rollout_slots=rollout_slots)
         self.hooks = list(hooks)
         #: ops an earlier attempt completed (resume): they count as done

@@ -19,7 +19,7 @@ from flexmarl_core.config import SamplingConfig
 from flexmarl_core.inference.api import Generation
 
 if TYPE_CHECKING:
-    from flexmarl_core.runtime.worker import WorkerContext
+    from flexmarl_core.runtime.view import WorkerView
 
 
 class ProgramError(RuntimeError):
@@ -80,7 +80,7 @@ class ProgramHost(Protocol):
         """While the op waits on its calls: let the worker run other ops meanwhile."""
         ...
 
-    def dispatcher(self, ctx: WorkerContext, worker: str) -> Dispatcher:
+    def dispatcher(self, ctx: WorkerView, worker: str) -> Dispatcher:
         """The dispatcher of a program op of the run in `ctx`, running on `worker` (this
         process's worker name)."""
         ...

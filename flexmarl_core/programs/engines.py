@@ -1,6 +1,6 @@
 """Dispatchers that decode in this process, and the default program host.
 
-- `LocalDispatcher`: the agent's engine in this process (a worker's `WorkerContext`, or a
+- `LocalDispatcher`: the agent's engine in this process (a worker's `WorkerView`, or a
   mapping of engines for an evaluation), one decode per batch.
 - `DemoDispatcher`: answers every call with the workload's demonstration for that agent and
   problem, so a program can run before its agents can write anything (the SFT warm start
@@ -26,7 +26,7 @@ from flexmarl_core.programs.api import (
 )
 
 if TYPE_CHECKING:
-    from flexmarl_core.runtime.worker import WorkerContext
+    from flexmarl_core.runtime.view import WorkerView
 
 
 def generate_groups(engine: Any, groups: Sequence[DecodeGroup]) -> list[list[Generation]]:
@@ -45,7 +45,7 @@ class LocalDispatcher:
         self._instance = instance
 
     @classmethod
-    def of_context(cls, ctx: WorkerContext, instance: str) -> LocalDispatcher:
+    def of_context(cls, ctx: WorkerView, instance: str) -> LocalDispatcher:
         return cls(ctx.engine, ctx.lock, instance)
 
     @classmethod
@@ -110,7 +110,7 @@ class LocalHost:
     def detached(self) -> Iterator[None]:
         yield
 
-    def dispatcher(self, ctx: WorkerContext, worker: str) -> Dispatcher:
+    def dispatcher(self, ctx: WorkerView, worker: str) -> Dispatcher:
         return LocalDispatcher.of_context(ctx, worker)
 
 

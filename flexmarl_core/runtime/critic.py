@@ -21,7 +21,7 @@ from flexmarl_core.training.critic import CriticTrainer, ValueSample
 
 if TYPE_CHECKING:
     from flexmarl_core.config import ExperimentConfig
-    from flexmarl_core.runtime.worker import WorkerContext
+    from flexmarl_core.runtime.view import WorkerView
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class Target:
     returns: list[float]
 
 
-def chain_rows(ctx: WorkerContext, it: int, mb: int) -> list[dict[str, Any]]:
+def chain_rows(ctx: WorkerView, it: int, mb: int) -> list[dict[str, Any]]:
     """Every valued call of micro-batch `mb` (rewards and values set), in chain order."""
     rows = []
     for agents in critic_names(ctx.cfg).values():
@@ -44,7 +44,7 @@ def chain_rows(ctx: WorkerContext, it: int, mb: int) -> list[dict[str, Any]]:
     return rows
 
 
-def targets(ctx: WorkerContext, it: int, mb: int) -> tuple[list[dict[str, Any]], dict[str, Target]]:
+def targets(ctx: WorkerView, it: int, mb: int) -> tuple[list[dict[str, Any]], dict[str, Target]]:
     """(rows in chain order, sample_id -> Target) of micro-batch `mb`: the same figures in
     every train op that reads them (the critic's and the agents')."""
     rows = chain_rows(ctx, it, mb)
@@ -71,14 +71,14 @@ def targets(ctx: WorkerContext, it: int, mb: int) -> tuple[list[dict[str, Any]],
     return rows, out
 
 
-def samples_per_iteration(ctx: WorkerContext, critic: str) -> int:
+def samples_per_iteration(ctx: WorkerView, critic: str) -> int:
     """Calls the critic values per iteration."""
     agents = set(critic_names(ctx.cfg)[critic])
     calls = sum(1 for n in ctx.meg.nodes if n.agent in agents)
     return ctx.cfg.batch.inputs_per_iteration * ctx.cfg.batch.group_size * calls
 
 
-def loss_scale(ctx: WorkerContext, critic: str) -> float:
+def loss_scale(ctx: WorkerView, critic: str) -> float:
     """1 / (calls per iteration [x max new tokens, per token]): fixed before any backward, as
     an agent's (`runtime/policy.py` `loss_scale`)."""
     per = 1
@@ -87,7 +87,7 @@ def loss_scale(ctx: WorkerContext, critic: str) -> float:
     return 1.0 / (samples_per_iteration(ctx, critic) * per)
 
 
-def compute_values(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, mb: int) -> int:
+def compute_values(ctx: WorkerView, critic: str, tr: CriticTrainer, it: int, mb: int) -> int:
     """The critic's values of micro-batch `mb`'s calls of its agents, written to the store as
     status rows (`value`, and `token_values` per token). Returns the samples valued."""
     n = 0
@@ -106,7 +106,7 @@ def compute_values(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, 
     return n
 
 
-def valued(ctx: WorkerContext, critic: str, it: int, mb: int) -> bool:
+def valued(ctx: WorkerView, critic: str, it: int, mb: int) -> bool:
     """Whether every call of micro-batch `mb` that `critic` values has its value stored."""
     for agent in critic_names(ctx.cfg)[critic]:
         tbl = ctx.store.read_samples(agent, it, mb=mb, columns=["sample_id", "value"])
@@ -115,7 +115,7 @@ def valued(ctx: WorkerContext, critic: str, it: int, mb: int) -> bool:
     return True
 
 
-def critic_batch(ctx: WorkerContext, critic: str, it: int, mb: int) -> list[ValueSample]:
+def critic_batch(ctx: WorkerView, critic: str, it: int, mb: int) -> list[ValueSample]:
     """The critic's training samples of micro-batch `mb`: its agents' calls with the values the
     advantages used and their GAE returns."""
     mine = set(critic_names(ctx.cfg)[critic])
@@ -124,7 +124,7 @@ def critic_batch(ctx: WorkerContext, critic: str, it: int, mb: int) -> list[Valu
                         tg[r["sample_id"]].returns) for r in rows if r["agent"] in mine]
 
 
-def accumulate(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, mb: int,
+def accumulate(ctx: WorkerView, critic: str, tr: CriticTrainer, it: int, mb: int,
                batch: list[ValueSample] | None = None) -> tuple[dict[str, float], int]:
     """Backward of micro-batch `mb` (its `critic_batch`, read here unless given) into the
     critic's gradients; (per-agent metrics, samples)."""
@@ -140,7 +140,7 @@ def accumulate(ctx: WorkerContext, critic: str, tr: CriticTrainer, it: int, mb: 
     return metrics, len(batch)
 
 
-def step_critic(ctx: WorkerContext, critic: str, tr: CriticTrainer,
+def step_critic(ctx: WorkerView, critic: str, tr: CriticTrainer,
                 it: int) -> tuple[float, list[int], dict[str, float]]:
     """Step the critic from version `it`, first accumulating any micro-batch not in its
     gradients (died with another process, moved, or a replay), then its further epochs over
@@ -164,7 +164,7 @@ def step_critic(ctx: WorkerContext, critic: str, tr: CriticTrainer,
     return res.grad_norm, missing, {k: v for k, v in ev.items() if v == v}  # NaN left out
 
 
-def critic_trainer(ctx: WorkerContext, critic: str, it: int) -> tuple[CriticTrainer, dict[str, float]]:
+def critic_trainer(ctx: WorkerView, critic: str, it: int) -> tuple[CriticTrainer, dict[str, float]]:
     """This process's trainer of `critic` at `it` (and swap figures), checked to be a critic's."""
     with ctx.lock:
         tr, swap = ctx.trainer(critic, it)
@@ -185,7 +185,7 @@ class CriticKind:
         """Every call of the agents it values has the value their advantages used."""
         return {a: [AuditCheck("value", "unvalued", "have no critic value")] for a in critic_names(cfg)[critic]}
 
-    def new_trainer(self, ctx: WorkerContext, critic: str) -> TrainBackend:
+    def new_trainer(self, ctx: WorkerView, critic: str) -> TrainBackend:
         """A seeded value head on a frozen copy of its base agent's initial model
         (`config.critic.base_agent`)."""
         src, ccfg = base_agent(ctx.cfg, critic), ctx.cfg.critic
@@ -197,7 +197,7 @@ class CriticKind:
                              seed=zlib.crc32(f"{ctx.cfg.seed}:{critic}".encode()), pad_id=tok.pad_token_id or 0,
                              agents=critic_names(ctx.cfg)[critic])
 
-    def train(self, ctx: WorkerContext, op: Op) -> StageResult:
+    def train(self, ctx: WorkerView, op: Op) -> StageResult:
         """Backward of the critic's value loss on one micro-batch (GAE returns from the stored
         values and rewards) into its accumulated gradients."""
         critic, it, mb = op.agent, op.iteration, op.mb
@@ -210,7 +210,7 @@ class CriticKind:
             done.add((it, mb))
         return StageResult(op, samples=n, tokens=n, swap=swap, metrics=metrics)
 
-    def step(self, ctx: WorkerContext, critic: str, tr: TrainBackend, it: int, *,
+    def step(self, ctx: WorkerView, critic: str, tr: TrainBackend, it: int, *,
              replaying: bool = False) -> Stepped:
         if not isinstance(tr, CriticTrainer):
             raise TypeError(f"{critic!r}: expected a critic's trainer, got {type(tr).__name__}")
@@ -218,7 +218,7 @@ class CriticKind:
         return Stepped(grad_norm, missing, [], metrics)
 
 
-def value(ctx: WorkerContext, op: Op) -> StageResult:
+def value(ctx: WorkerView, op: Op) -> StageResult:
     """The critic at version `it` values the micro-batch's calls of its agents (the values the
     advantages of iteration `it` use). A retry after the critic stepped finds them stored."""
     critic, it, mb = op.agent, op.iteration, op.mb

@@ -16,7 +16,7 @@ from flexmarl_core.algorithms.registry import Registry
 if TYPE_CHECKING:
     from flexmarl_core.config import ExperimentConfig
     from flexmarl_core.ops import Op, StageResult
-    from flexmarl_core.runtime.worker import WorkerContext
+    from flexmarl_core.runtime.view import WorkerView
     from flexmarl_core.training.api import TrainBackend
 
 
@@ -50,15 +50,15 @@ class TrainerKind(Protocol):
         iteration."""
         ...
 
-    def new_trainer(self, ctx: WorkerContext, name: str) -> TrainBackend:
+    def new_trainer(self, ctx: WorkerView, name: str) -> TrainBackend:
         """`name`'s trainer at version 0 in this process."""
         ...
 
-    def train(self, ctx: WorkerContext, op: Op) -> StageResult:
+    def train(self, ctx: WorkerView, op: Op) -> StageResult:
         """A train op: one micro-batch's backward into the trainer's accumulated gradients."""
         ...
 
-    def step(self, ctx: WorkerContext, name: str, tr: TrainBackend, it: int, *,
+    def step(self, ctx: WorkerView, name: str, tr: TrainBackend, it: int, *,
              replaying: bool = False) -> Stepped:
         """Step `tr` from version `it` (first accumulating any micro-batch whose gradient is not
         in it), in a step op or, `replaying`, to redo a step after a restart. Call with

@@ -29,18 +29,18 @@ from flexmarl_core.training.factory import make_lora_trainer
 
 if TYPE_CHECKING:
     from flexmarl_core.config import ExperimentConfig
-    from flexmarl_core.runtime.worker import WorkerContext
+    from flexmarl_core.runtime.view import WorkerView
 
 #: A micro-batch's store rows (each with its advantage), as read for training.
 Rows = list[tuple[dict[str, Any], float]]
 
 
-def samples_per_step(ctx: WorkerContext, agent: str) -> int:
+def samples_per_step(ctx: WorkerView, agent: str) -> int:
     turns = sum(1 for n in ctx.meg.nodes if n.agent == agent)
     return ctx.cfg.batch.inputs_per_iteration * ctx.cfg.batch.group_size * turns
 
 
-def loss_scale(ctx: WorkerContext, agent: str) -> float:
+def loss_scale(ctx: WorkerView, agent: str) -> float:
     """1 / (samples per global batch x max new tokens): the loss is a token sum over a constant
     (Dr. GRPO's normaliser) rather than GRPO's per-sequence mean or the global token count,
     because either of those needs every rollout of the batch before the first backward. Each
@@ -89,7 +89,7 @@ def skip_zero_advantage(batch: list[Sample]) -> tuple[list[Sample], list[Sample]
     return trained, [s for s in batch if id(s) not in kept]
 
 
-def accumulate(ctx: WorkerContext, tr: TrainBackend, agent: str,
+def accumulate(ctx: WorkerView, tr: TrainBackend, agent: str,
                batch: list[Sample]) -> tuple[dict[str, float], list[Sample], list[Sample]]:
     """Forward + backward of `batch` into `tr` (zero-advantage samples skipped where the agent
     asks for it), the same way in a train op and in a step's or a replay's recomputation, so a
@@ -99,7 +99,7 @@ def accumulate(ctx: WorkerContext, tr: TrainBackend, agent: str,
     return tr.accumulate(trained, loss_scale=loss_scale(ctx, agent)), trained, skipped
 
 
-def micro_batch(ctx: WorkerContext, tr: TrainBackend, op: Op,
+def micro_batch(ctx: WorkerView, tr: TrainBackend, op: Op,
                 version: int | None = None) -> tuple[Rows, list[Sample]]:
     """The (row, advantage) pairs and training samples of `op`'s micro-batch, from the store,
     checked against the update of `version` (default: the trainer's)."""
@@ -123,7 +123,7 @@ def micro_batch(ctx: WorkerContext, tr: TrainBackend, op: Op,
     return [(r, a) for r, a, _ in mine], batch
 
 
-def mark_consumed(ctx: WorkerContext, agent: str, it: int, mb: int, mine: Rows) -> None:
+def mark_consumed(ctx: WorkerView, agent: str, it: int, mb: int, mine: Rows) -> None:
     """Status rows: these samples trained the update of iteration `it` (with their advantage)."""
     ctx.store.mark_consumed(
         agent, it, [{"sample_id": r["sample_id"], "policy_version": r["policy_version"], "mb": mb} for r, _ in mine],
@@ -132,9 +132,9 @@ def mark_consumed(ctx: WorkerContext, agent: str, it: int, mb: int, mine: Rows) 
 
 
 
-def train_gradient(ctx: WorkerContext, op: Op) -> StageResult:
+def train_gradient(ctx: WorkerView, op: Op) -> StageResult:
     """A train op away from its agent's trainer (`codesign.gradient_helpers`): this process's
-    copy of the agent's weights of the op's iteration (`WorkerContext.helper`) computes the
+    copy of the agent's weights of the op's iteration (`WorkerView.helper`) computes the
     micro-batch's gradient, which goes to the run's location for the agent's step to add: the
     gradient `PolicyKind.train` would have accumulated, summed in another order."""
     agent, it, mb = op.agent, op.iteration, op.mb
@@ -155,7 +155,7 @@ def train_gradient(ctx: WorkerContext, op: Op) -> StageResult:
     return res
 
 
-def _result(ctx: WorkerContext, op: Op, version: int, rows: Rows,
+def _result(ctx: WorkerView, op: Op, version: int, rows: Rows,
             stats: dict[str, float], trained: list[Sample], skipped: list[Sample],
             swap: dict[str, float]) -> StageResult:
     agent = op.agent
@@ -183,7 +183,7 @@ class PolicyKind:
     def audited(self, cfg: ExperimentConfig, agent: str) -> dict[str, list[AuditCheck]]:
         return {agent: [AuditCheck("consumed_step", "unconsumed", "were never trained on")]}
 
-    def new_trainer(self, ctx: WorkerContext, agent: str) -> TrainBackend:
+    def new_trainer(self, ctx: WorkerView, agent: str) -> TrainBackend:
         """LoRA agents on one base share this process's copy of it."""
         acfg = ctx.cfg.agent(agent)
         if acfg.model.lora is None:
@@ -199,7 +199,7 @@ class PolicyKind:
         shared.load_adapter_state(agent, load_weights(ctx.loc, agent, 0))
         return make_lora_trainer(acfg, shared)
 
-    def train(self, ctx: WorkerContext, op: Op) -> StageResult:
+    def train(self, ctx: WorkerView, op: Op) -> StageResult:
         """Forward + backward of one micro-batch into the agent's accumulated gradients."""
         agent, it, mb = op.agent, op.iteration, op.mb
         # Under the lock: a new trainer (or a swapped-in one) changes which adapter of a shared
@@ -220,7 +220,7 @@ class PolicyKind:
         mark_consumed(ctx, agent, it, mb, rows)
         return _result(ctx, op, tr.version, rows, stats, trained, skipped, swap)
 
-    def step(self, ctx: WorkerContext, agent: str, tr: TrainBackend, it: int, *,
+    def step(self, ctx: WorkerView, agent: str, tr: TrainBackend, it: int, *,
              replaying: bool = False) -> Stepped:
         """A micro-batch whose gradient is not in `tr` is added from its gradient helper's file
         (`train_gradient`) if there is one, else accumulated again from the store (it died with

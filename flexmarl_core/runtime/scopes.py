@@ -29,7 +29,7 @@ from flexmarl_core.ops import Op
 from flexmarl_core.runtime.critic import targets
 
 if TYPE_CHECKING:
-    from flexmarl_core.runtime.worker import WorkerContext
+    from flexmarl_core.runtime.view import WorkerView
 
 Row = dict[str, Any]
 
@@ -58,7 +58,7 @@ class EstimatorScope(Protocol):
         rewarding ops (off the async pipeline: every one), `every` the iteration's."""
         ...
 
-    def read(self, ctx: WorkerContext, agent: str, estimator: str, it: int, mb: int) -> ScopeRead: ...
+    def read(self, ctx: WorkerView, agent: str, estimator: str, it: int, mb: int) -> ScopeRead: ...
 
 
 SCOPES: Registry[Any] = Registry("estimator scope", "register_advantage(scope=...)")
@@ -94,14 +94,14 @@ def advantages(estimator: str, rows: Sequence[Row], per_trajectory: bool = False
     return [of[(r["input_id"], r["traj"])] for r in rows]
 
 
-def _rewarded(ctx: WorkerContext, agent: str, it: int, mb: int | None) -> list[Row]:
+def _rewarded(ctx: WorkerView, agent: str, it: int, mb: int | None) -> list[Row]:
     # Consumed-or-not does not matter here: the trainer is still at `it`, so no update has
     # applied these samples yet; a `consumed_step` on them was written by an attempt whose
     # gradients died with its process (the version check keeps this exactly-once).
     return ctx.store.ready(agent, it, need=("reward",), unconsumed=False, mb=mb).to_pylist()
 
 
-def _from_rewards(ctx: WorkerContext, estimator: str) -> Callable[[list[Row]], tuple[list[float], list[None]]]:
+def _from_rewards(ctx: WorkerView, estimator: str) -> Callable[[list[Row]], tuple[list[float], list[None]]]:
     def adv(rows: list[Row]) -> tuple[list[float], list[None]]:
         return advantages(estimator, rows, ctx.team.trajectory_groups), [None] * len(rows)
     return adv
@@ -114,7 +114,7 @@ class GroupScope:
     def waits(self, plan: ScopePlan, it: int, mb: int, mine: list[Op], every: list[Op]) -> list[Op]:
         return list(mine)
 
-    def read(self, ctx: WorkerContext, agent: str, estimator: str, it: int, mb: int) -> ScopeRead:
+    def read(self, ctx: WorkerView, agent: str, estimator: str, it: int, mb: int) -> ScopeRead:
         return ScopeRead(_rewarded(ctx, agent, it, mb), [mb], _from_rewards(ctx, estimator))
 
 
@@ -126,7 +126,7 @@ class BatchScope:
     def waits(self, plan: ScopePlan, it: int, mb: int, mine: list[Op], every: list[Op]) -> list[Op]:
         return list(every)
 
-    def read(self, ctx: WorkerContext, agent: str, estimator: str, it: int, mb: int) -> ScopeRead:
+    def read(self, ctx: WorkerView, agent: str, estimator: str, it: int, mb: int) -> ScopeRead:
         return ScopeRead(_rewarded(ctx, agent, it, None), list(range(ctx.cfg.batch.num_micro_batches)),
                          _from_rewards(ctx, estimator))
 
@@ -139,7 +139,7 @@ class CriticScope:
     def waits(self, plan: ScopePlan, it: int, mb: int, mine: list[Op], every: list[Op]) -> list[Op]:
         return [*mine, *(Op(it, "value", c, mb=mb) for c in plan.critics)]
 
-    def read(self, ctx: WorkerContext, agent: str, estimator: str, it: int, mb: int) -> ScopeRead:
+    def read(self, ctx: WorkerView, agent: str, estimator: str, it: int, mb: int) -> ScopeRead:
         chain, tg = targets(ctx, it, mb)
         per_token = ctx.cfg.critic.per_token
 
@@ -161,7 +161,7 @@ def role_of(row: Row) -> str:
     return str(extra.get("seat", f"turn {row['turn']}"))
 
 
-def role_baselines(ctx: WorkerContext, agent: str, it: int) -> dict[str, float]:
+def role_baselines(ctx: WorkerView, agent: str, it: int) -> dict[str, float]:
     """Each role's baseline for iteration `it`: the moving average of its mean return over
     iterations 0 .. it-1 (0 before any)."""
     base: dict[str, float] = {}
@@ -186,7 +186,7 @@ class RoleScope:
     def waits(self, plan: ScopePlan, it: int, mb: int, mine: list[Op], every: list[Op]) -> list[Op]:
         return list(mine)
 
-    def read(self, ctx: WorkerContext, agent: str, estimator: str, it: int, mb: int) -> ScopeRead:
+    def read(self, ctx: WorkerView, agent: str, estimator: str, it: int, mb: int) -> ScopeRead:
         base = role_baselines(ctx, agent, it)
 
         def adv(rows: list[Row]) -> tuple[list[float], list[None]]:

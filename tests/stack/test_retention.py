@@ -31,7 +31,8 @@ OFF_POLICY = [f"team.agents.{a}.algorithm.policy_loss=decoupled_ppo" for a in AG
 
 
 def rule(*overrides: str) -> KeepRule:
-    return KeepRule(load_config(TINY, list(overrides)))
+    cfg = load_config(TINY, list(overrides))
+    return KeepRule(cfg.codesign.max_staleness, cfg.train.keep_every)
 
 
 def test_the_rule_keeps_what_rollouts_and_a_resume_read():

@@ -148,7 +148,7 @@ def test_op_sizes_come_from_prompts_and_response_lengths():
     from flexmarl_core.meg import MEG
 
     cfg = _warm_cfg()
-    sizes = token_sizes(cfg, MEG.from_config(cfg.team))
+    sizes = token_sizes(MEG.from_config(cfg.team))
     solver_prompt = len("Q:{input}\nP:{planner}\nS:") + 8  # its template and the planner's answer
     assert sizes["rollout"] == {"planner": 8 + PREFILL_WEIGHT * len("{input}"),
                                 "solver": 32 + PREFILL_WEIGHT * solver_prompt}

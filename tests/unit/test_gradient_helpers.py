@@ -85,10 +85,11 @@ def test_helper_agents_are_the_trainable_torch_agents():
     from flexmarl_core.control import helper_agents
 
     agents = ["planner", "solver", "verifier"]
-    assert helper_agents(cfg_of({"gradient_helpers": True}), agents) == frozenset(agents)
-    assert helper_agents(cfg_of({}), agents) == frozenset()
+    on, off = cfg_of({"gradient_helpers": True}), cfg_of({})
+    assert helper_agents(on.codesign.gradient_helpers, on.team.agents) == frozenset(agents)
+    assert helper_agents(off.codesign.gradient_helpers, off.team.agents) == frozenset()
     frozen = load_config(TINY, ["codesign.gradient_helpers=true", "team.agents.planner.trainable=false"])
-    assert helper_agents(frozen, agents) == frozenset({"solver", "verifier"})
+    assert helper_agents(frozen.codesign.gradient_helpers, frozen.team.agents) == frozenset({"solver", "verifier"})
 
 
 def _real_run(tmp_path: Path, name: str, helpers: bool, lose_gradients: bool = False):
