@@ -79,7 +79,7 @@ def main() -> int:
 
     from flexmarl.prefect_api import start_server, stop_server
     from flexmarl_core.driver.audit import audit_run
-    from flexmarl_core.runtime.location import RunLocation
+    from flexmarl_core.runfiles.location import RunLocation
     from storage import retry
     from tests._fault_proxy import FaultProxy
     from tests._s3 import start_s3

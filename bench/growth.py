@@ -223,7 +223,7 @@ def op_log_on_s3(ops: int) -> dict[str, Any]:
     from flexmarl_core.driver import metrics
     from flexmarl_core.driver.metrics import MetricsWriter, log_lines
     from flexmarl_core.ops import Op, OpRecord, StageResult
-    from flexmarl_core.runtime.location import RunLocation
+    from flexmarl_core.runfiles.location import RunLocation
     from tests._s3 import start_s3
 
     server = start_s3("growth")

@@ -37,8 +37,8 @@ def team_samples(team, workload, engines, problems, seed: int, k: int, batch: in
 def agent_weights(ckpt: Path, agent: str, version: int | None) -> dict:
     """An SFT checkpoint's weights (`<ckpt>/<agent>`), or with `version` a run folder's published
     version (v0 for an agent that published no later one: a frozen agent)."""
-    from flexmarl_core.runtime.location import as_location, weights_key
-    from flexmarl_core.runtime.weights import initial_weights, load_weights
+    from flexmarl_core.runfiles.location import as_location, weights_key
+    from flexmarl_core.runfiles.weights import initial_weights, load_weights
 
     if version is None:
         return initial_weights(str(ckpt), agent)

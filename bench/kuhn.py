@@ -70,7 +70,7 @@ def measure(cfg, run_dir: Path, version: int) -> dict:
     `version` of every agent (a frozen one stays at 0)."""
     from flexmarl_core.envs import kuhn
     from flexmarl_core.models import load_agent_model
-    from flexmarl_core.runtime.weights import load_weights
+    from flexmarl_core.runfiles.weights import load_weights
     from flexmarl_core.teams.environment import EnvironmentTeam
 
     team = EnvironmentTeam(cfg)

@@ -68,7 +68,7 @@ def main() -> int:
 
     from flexmarl_core.config import load_config
     from flexmarl_core.models import load_agent_model
-    from flexmarl_core.runtime.weights import initial_weights
+    from flexmarl_core.runfiles.weights import initial_weights
     from flexmarl_core.teams import team_shape
     from flexmarl_core.workloads import make_workload
 

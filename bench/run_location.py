@@ -24,7 +24,7 @@ BUCKET = "bench-runs"
 
 def _stage_s(run_dir: str) -> dict[str, float]:
     from flexmarl_core.driver.metrics import log_lines
-    from flexmarl_core.runtime.location import RunLocation
+    from flexmarl_core.runfiles.location import RunLocation
 
     out: dict[str, float] = {}
     for line in log_lines(RunLocation(run_dir), "ops.jsonl"):

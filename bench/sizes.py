@@ -1,6 +1,6 @@
 """Real model sizes: the three-agent team (`configs/tiny.yaml`'s planner -> solver -> verifier)
 at `tiny-10m`, `tiny-50m` and the `small-0.5b` preset (Qwen2.5-0.5B's shape), trained through
-`flexmarl train` on one worker whose memory the plan (`flexmarl_core/analysis/memory.py`) sizes.
+`flexmarl train` on one worker whose memory the plan (`flexmarl_core/control/memory.py`) sizes.
 
     python bench/sizes.py --json OUT [--quick] [--iterations N] [--memory-limit 19GiB]
 
@@ -40,9 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl_core.analysis import bound, memory
+from flexmarl_core.analysis import bound
 from flexmarl_core.config import ConfigError, load_config
 from flexmarl_core.config.codesign import SWITCHES, switch_overrides
+from flexmarl_core.control import memory
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "configs" / "tiny.yaml"

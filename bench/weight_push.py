@@ -25,7 +25,7 @@ BUCKET = "bench-push"
 
 def _read_s3(key: str) -> int:
     """In a target worker: read the object whole (what `load_weights` does)."""
-    from flexmarl_core.runtime.location import RunLocation
+    from flexmarl_core.runfiles.location import RunLocation
 
     return len(RunLocation(f"s3://{BUCKET}").read_bytes(key))
 
@@ -34,7 +34,7 @@ def _broadcast(blob_key: str, targets: list[str]) -> float:
     """A task on the sync's worker: the broadcast `cluster.push_weights` runs, timed."""
     import distributed
 
-    from flexmarl_core.runtime.location import RunLocation
+    from flexmarl_core.runfiles.location import RunLocation
 
     blob = RunLocation(f"s3://{BUCKET}").read_bytes(blob_key)  # stands for the state in memory
     client = distributed.get_client()
@@ -60,7 +60,7 @@ def main() -> None:
     server = start_s3(BUCKET)
     from distributed import Client, LocalCluster
 
-    from flexmarl_core.runtime.location import RunLocation
+    from flexmarl_core.runfiles.location import RunLocation
 
     loc = RunLocation(f"s3://{BUCKET}")
     rows = []

@@ -50,7 +50,7 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - avoids importing pydant
 
 def _resume_config(args: argparse.Namespace) -> None:
     """`train --resume RUN`: the run's own saved config is the config."""
-    from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation, is_uri
+    from flexmarl_core.runfiles.location import CONFIG_NAME, RunLocation, is_uri
 
     if args.config is not None:
         raise ConfigError("give either CONFIG or --resume RUN, not both (a resumed run keeps its config)")
@@ -215,7 +215,7 @@ def _preflight(cfg, *, resume: bool, overwrite: bool = False, check_store: bool 
         check_resumable,
         check_run_folder,
     )
-    from flexmarl_core.runtime.location import LocationError, check_reachable
+    from flexmarl_core.runfiles.location import LocationError, check_reachable
 
     try:
         check_reachable("run_dir", cfg.run_dir.format(name=cfg.name))
@@ -260,7 +260,7 @@ def cmd_store_audit(args: argparse.Namespace) -> int:
         # A local folder that is not itself a store is taken for a run folder (its config
         # says where the store is and which samples each iteration must hold); so is a URI
         # that holds a run's config.
-        from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation
+        from flexmarl_core.runfiles.location import CONFIG_NAME, RunLocation
 
         loc = RunLocation(path)
         run_like = Path(path).is_dir() if loc.local else loc.is_file(CONFIG_NAME)
@@ -290,7 +290,7 @@ def cmd_store_audit(args: argparse.Namespace) -> int:
 def cmd_store_repair(args: argparse.Namespace) -> int:
     """Set a run's damaged store fragments aside and rewind the ops that wrote them."""
     from flexmarl_core.driver.repair import DamagedStoreError, repair_run
-    from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation
+    from flexmarl_core.runfiles.location import CONFIG_NAME, RunLocation
 
     if not RunLocation(args.run).is_file(CONFIG_NAME):
         raise ConfigError(f"store repair {args.run}: no {CONFIG_NAME} there (give a run folder)")

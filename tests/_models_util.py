@@ -80,7 +80,7 @@ def train_one_worker(cfg, **kwargs):
     """Prepare `cfg`'s run and train it on one in-process worker (`ThreadExecutor`, tags rollout
     and train); returns `(run_dir, run.train's result)`. `kwargs` go to `run.train`."""
     from flexmarl_core.driver import run
-    from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
+    from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 
     run_dir = run.prepare_run(cfg)
     ex = ThreadExecutor(stage_fn(str(run_dir)), {"w0": {"rollout": 1, "train": 1}})

@@ -13,7 +13,7 @@ Scope: "group" estimators need only the sample's own group (a micro-batch of who
 be trained the moment it has rewards); "batch" estimators (reinforce_pp) normalise over the
 whole global batch, so the pipeline must wait for all of its rewards; "critic" estimators (gae,
 `algorithms/gae.py`) need the critic's values of the micro-batch. `advantage_scope(name)`; what
-each scope means for the plan and the train op is an object in `runtime/scopes.py`.
+each scope means for the plan and the train op is an object in `trainers/scopes.py`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from flexmarl_core.algorithms.registry import Registry
 
-#: the name of an estimator scope (`runtime/scopes.py` `SCOPES`: group, batch, critic, or one
+#: the name of an estimator scope (`trainers/scopes.py` `SCOPES`: group, batch, critic, or one
 #: registered there)
 Scope = str
 
@@ -100,7 +100,7 @@ def grpo_nostd(rewards: torch.Tensor, group_index: torch.Tensor, *, eps: float =
 @register_advantage("rae", scope="role")
 def rae(rewards: torch.Tensor, group_index: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     """Role-conditioned advantage estimation (SPIRAL): its scope hands it each return less its
-    role's baseline (`runtime/scopes.py` `RoleScope`), which is the advantage."""
+    role's baseline (`trainers/scopes.py` `RoleScope`), which is the advantage."""
     return rewards.clone()
 
 

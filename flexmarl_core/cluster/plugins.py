@@ -24,7 +24,7 @@ from flexmarl_core.config import ConfigError
 from flexmarl_core.control.tags import ROLLOUT_TAG, rollout_tag
 from flexmarl_core.programs.api import MachineryError
 from flexmarl_core.programs.engines import install_host
-from flexmarl_core.runtime.transport import holds_engine, install_weight_transport
+from flexmarl_core.runfiles.transport import holds_engine, install_weight_transport
 from flexmarl_core.stages.program import decode_on_instance
 
 

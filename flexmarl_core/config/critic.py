@@ -11,7 +11,7 @@ critics). Its ops in the plan (`orchestrator/plan.py`):
 
 `value` writes the critic's values of the micro-batch's calls to the store (status field
 `value`, per token `token_values`) with the critic at version `it`; every train op then
-computes the same GAE from the stored rewards and values (`runtime/critic.py` `targets`). The
+computes the same GAE from the stored rewards and values (`trainers/critic.py` `targets`). The
 chain runs over the trainable agents' calls in the team's call order (`TeamShape.call_order`:
 a graph's order, round after round), so per-agent critics still chain: each call is valued by
 its own agent's critic.
@@ -46,7 +46,7 @@ def critic_of(cfg: ExperimentConfig, agent: str) -> str:
 
 
 def trainer_kinds(cfg: ExperimentConfig) -> dict[str, str]:
-    """Every trainer of the run -> its kind (`runtime/kinds.py`): each trainable agent's
+    """Every trainer of the run -> its kind (`trainers/kinds.py`): each trainable agent's
     policy, each critic."""
     return {**{a.name: "policy" for a in cfg.team.agents if a.trainable},
             **dict.fromkeys(critic_names(cfg), "critic")}

@@ -495,7 +495,7 @@ class ExperimentConfig(_Strict):
 
     def run_location(self) -> Any:
         """Where the run's files live (`location.RunLocation`): a local folder or a URI."""
-        from flexmarl_core.runtime.location import RunLocation
+        from flexmarl_core.runfiles.location import RunLocation
 
         return RunLocation(self.run_dir.format(name=self.name))
 

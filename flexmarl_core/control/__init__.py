@@ -31,7 +31,7 @@ from flexmarl_core.control.ledger import WorkLedger, token_sizes
 from flexmarl_core.control.router import OrchestratorError, Router
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, rollout_tag
 from flexmarl_core.ops import KINDS, Op, Route, StageResult, traits
-from flexmarl_core.runtime.location import base_weights_key, weights_key
+from flexmarl_core.runfiles.location import base_weights_key, weights_key
 
 __all__ = [
     "ROLLOUT_TAG", "TRAIN_TAG", "ControlPlane", "Decision", "GradientHelper", "InstanceBalancer",

@@ -16,10 +16,10 @@ from flexmarl_core.config import ConfigError, config_from_text
 from flexmarl_core.config.critic import trainer_kinds
 from flexmarl_core.driver.metrics import log_lines
 from flexmarl_core.ops import KINDS
-from flexmarl_core.runtime.kinds import TRAINER_KINDS, AuditCheck
-from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation, weights_key
+from flexmarl_core.runfiles.location import CONFIG_NAME, RunLocation, weights_key
 from flexmarl_core.runtime.worker import inputs_by_mb
 from flexmarl_core.teams import team_shape
+from flexmarl_core.trainers.kinds import TRAINER_KINDS, AuditCheck
 from storage import MEGStore, Problem, Store, audit_store
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flexmarl_core.config import config_from_text
-from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation, weights_key
+from flexmarl_core.runfiles.location import CONFIG_NAME, RunLocation, weights_key
 from flexmarl_core.teams import TeamShape
 from flexmarl_core.workloads.api import Problem, Workload
 

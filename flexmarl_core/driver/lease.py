@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from flexmarl_core.driver.run import check_run_folder
-from flexmarl_core.runtime.location import CONFIG_NAME, LEASE_NAME, RUN_MARKER, RunLocation
+from flexmarl_core.runfiles.location import CONFIG_NAME, LEASE_NAME, RUN_MARKER, RunLocation
 
 #: a lease not renewed for this long has lost its owner (a process on another host, or one
 #: whose liveness this host cannot see)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from flexmarl_core.config import ExperimentConfig, config_from_text
 from flexmarl_core.driver.metrics import log_lines, rewrite_log
 from flexmarl_core.ops import reaches, traits
-from flexmarl_core.runtime.location import CONFIG_NAME, RunLocation
+from flexmarl_core.runfiles.location import CONFIG_NAME, RunLocation
 from storage import Problem
 from storage.check import EXACTLY_ONCE, check_store
 from storage.fs import open_filesystem

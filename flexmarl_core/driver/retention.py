@@ -31,7 +31,7 @@ from typing import Any
 
 from flexmarl_core.ops import OpRecord, traits
 from flexmarl_core.orchestrator.hooks import RunHook
-from flexmarl_core.runtime.location import RunLocation, trainer_key, weights_key
+from flexmarl_core.runfiles.location import RunLocation, trainer_key, weights_key
 
 __all__ = ["KeepRule", "Retention"]
 

@@ -17,10 +17,9 @@ from typing import Any
 
 import yaml
 
-from flexmarl_core.analysis import memory
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.config.load import HERE
-from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
+from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot, memory
 from flexmarl_core.driver.compaction import Compaction
 from flexmarl_core.driver.metrics import (
     CriticalPath,
@@ -39,7 +38,7 @@ from flexmarl_core.ops import OpRecord, StageResult, traits
 from flexmarl_core.orchestrator.hooks import Callbacks, RunHook, TrackIterations, WriteOpLog
 from flexmarl_core.orchestrator.loop import Executor, Orchestrator
 from flexmarl_core.orchestrator.plan import Plan
-from flexmarl_core.runtime.location import (
+from flexmarl_core.runfiles.location import (
     CONFIG_NAME,
     LEASE_NAME,
     RUN_MARKER,
@@ -49,7 +48,7 @@ from flexmarl_core.runtime.location import (
     base_weights_key,
     weights_key,
 )
-from flexmarl_core.runtime.weights import initial_weights, load_base, publish_base, publish_weights
+from flexmarl_core.runfiles.weights import initial_weights, load_base, publish_base, publish_weights
 from flexmarl_core.workloads import make_workload
 from storage import MEGStore, retry
 

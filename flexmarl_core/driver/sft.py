@@ -32,7 +32,7 @@ from flexmarl_core.inference.tools import split_demonstration, tool_of
 from flexmarl_core.models import load_agent_model
 from flexmarl_core.models.lora import base_key
 from flexmarl_core.models.tokenizer import tokenizer_key
-from flexmarl_core.runtime.weights import initial_weights, save_state_atomic
+from flexmarl_core.runfiles.weights import initial_weights, save_state_atomic
 from flexmarl_core.teams import team_shape
 from flexmarl_core.training import Sample, make_trainer
 from flexmarl_core.training.api import TokenBatch, TrainBackend

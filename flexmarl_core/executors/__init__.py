@@ -1,1 +1,2 @@
-"""The executor seam (`api.py`) and the in-process thread executor (`threads.py`)."""
+"""The executor seam (`api.py`); the in-process thread executor that tests and benches use
+stands beside the simulator (`sim/threads.py`)."""

@@ -1,7 +1,7 @@
 """The executor contract: what the orchestrator needs from a cluster, and the optional
 capabilities it uses when an executor has them. Protocols only.
 
-Implementations: `executors.threads.ThreadExecutor` (threads; chains and fuses), `cluster.DaskExecutor`
+Implementations: `sim.threads.ThreadExecutor` (threads; chains and fuses), `cluster.DaskExecutor`
 (plain Dask; chains, fuses, reports memory restarts, abandons hung ops), `tasks.executor.PrefectDaskExecutor` (the
 real run: Dask plus Prefect task runs) and `sim.executor.SimExecutor` (a simulated clock; the
 base contract only). The orchestrator checks a capability with `isinstance`.

@@ -47,7 +47,7 @@ from flexmarl_core.config import SamplingConfig
 from flexmarl_core.inference.api import Generation
 from flexmarl_core.inference.hf import encode_prompts, finish_generation
 from flexmarl_core.models.factory import save_model
-from flexmarl_core.runtime.location import default_cache_dir
+from flexmarl_core.runfiles.location import default_cache_dir
 
 if TYPE_CHECKING:
     from vllm import LLM

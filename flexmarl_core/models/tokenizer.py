@@ -25,7 +25,7 @@ from tokenizers.trainers import BpeTrainer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from flexmarl_core.runtime.location import default_cache_dir
+from flexmarl_core.runfiles.location import default_cache_dir
 from storage.atomic import atomic_folder
 
 #: bump when the corpus or the recipe changes, so stale caches are not reused

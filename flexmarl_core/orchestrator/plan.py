@@ -13,7 +13,7 @@ and the co-design switches. Per iteration `it` and micro-batch `mb` (whole GRPO 
 - `async_pipeline`: training of a micro-batch waits only for its rewards and an agent's next
   iteration only for its own weight sync (plus its parents); off: training waits for the whole
   rollout phase and iteration it+1 waits for every agent's sync of it (the synchronous baseline).
-- the estimator's scope (`runtime/scopes.py`) says what a train op waits for: a batch-scoped
+- the estimator's scope (`trainers/scopes.py`) says what a train op waits for: a batch-scoped
   estimator (`reinforce_pp`) normalises over the iteration, so its train ops wait for every
   reward of the iteration whatever the pipeline; a group-scoped one needs its micro-batch's.
 - critics (agents with `algorithm.advantage: gae`, `config/critic.py`): `value(c, it, mb)` after the
@@ -44,8 +44,8 @@ from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.config.critic import critic_names
 from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op, OpKind
-from flexmarl_core.runtime.scopes import estimator_scope
 from flexmarl_core.teams import TeamShape, team_shape
+from flexmarl_core.trainers.scopes import estimator_scope
 
 
 @dataclass

@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from flexmarl_core.runtime.location import RunLocation, program_key
+from flexmarl_core.runfiles.location import RunLocation, program_key
 
 
 def read_manifest(loc: RunLocation, iteration: int, mb: int) -> dict[str, Any] | None:

@@ -1,1 +1,2 @@
-"""What runs in a worker process: its context, weights, transport, the run's files, the trainer kinds."""
+"""What runs in a worker process: its context (`worker.py`) and what its parts may use of it
+(`view.py`)."""

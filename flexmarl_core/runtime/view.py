@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from flexmarl_core.config import ExperimentConfig
     from flexmarl_core.inference import InferenceBackend
     from flexmarl_core.meg import MEG
-    from flexmarl_core.runtime.location import RunLocation
+    from flexmarl_core.runfiles.location import RunLocation
     from flexmarl_core.teams.api import TeamShape
     from flexmarl_core.training import TrainBackend
     from flexmarl_core.training.api import GradientTrainer

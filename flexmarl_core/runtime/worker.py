@@ -1,12 +1,12 @@
 """What lives in a worker process between tasks: the run's config, store handle, workload and
 the agents' inference engines and trainers, loaded once and kept in memory.
 
-Tasks carry only the run's location (`run_dir`: a local path or a URI, see `location.py`);
+Tasks carry only the run's location (`run_dir`: a local path or a URI, see `runfiles/location.py`);
 `context(run_dir)` returns this process's state for that run, building it on first use from
 the files there, so a worker needs no folder shared with the flow process. Weights move
-between processes as versioned files (`weights.py`), so a restarted worker rebuilds any engine
+between processes as versioned files (`runfiles/weights.py`), so a restarted worker rebuilds any engine
 from the latest published version. A cluster may also carry them from a sync to the other
-processes holding an engine of the agent (`transport.py`), so N instances do not read one
+processes holding an engine of the agent (`runfiles/transport.py`), so N instances do not read one
 object N times.
 """
 
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from flexmarl_core.analysis import memory
 from flexmarl_core.config import ExperimentConfig, config_from_text
 from flexmarl_core.config.critic import trainer_kinds
+from flexmarl_core.control import memory
 from flexmarl_core.inference import InferenceBackend, make_inference_engine
 from flexmarl_core.inference.api import SharedBaseBackend
 from flexmarl_core.inference.coalesce import Coalescer
@@ -34,18 +34,15 @@ from flexmarl_core.inference.vllm_lora import VLLMSharedBaseEngine
 from flexmarl_core.meg import MEG
 from flexmarl_core.models import load_agent_model
 from flexmarl_core.models.lora import SharedBase, base_key
-from flexmarl_core.runtime import critic as _critic  # noqa: F401  (registers the critic kind)
-from flexmarl_core.runtime import policy as _policy  # noqa: F401  (registers the policy kind)
-from flexmarl_core.runtime.kinds import TRAINER_KINDS, TrainerKind
-from flexmarl_core.runtime.location import (
+from flexmarl_core.runfiles.location import (
     CONFIG_NAME,
     RunLocation,
     as_location,
     trainer_key,
     weights_key,
 )
-from flexmarl_core.runtime.transport import WeightTransport, serving, weight_transport
-from flexmarl_core.runtime.weights import (
+from flexmarl_core.runfiles.transport import WeightTransport, serving, weight_transport
+from flexmarl_core.runfiles.weights import (
     State,
     from_safetensors,
     load_base,
@@ -56,6 +53,9 @@ from flexmarl_core.runtime.weights import (
     weights_path,
 )
 from flexmarl_core.teams import TeamShape, team_shape
+from flexmarl_core.trainers import critic as _critic  # noqa: F401  (registers the critic kind)
+from flexmarl_core.trainers import policy as _policy  # noqa: F401  (registers the policy kind)
+from flexmarl_core.trainers.kinds import TRAINER_KINDS, TrainerKind
 from flexmarl_core.training import TrainBackend
 from flexmarl_core.training.api import GradientTrainer
 from flexmarl_core.training.handles import dump, load, trim_buffers
@@ -131,7 +131,7 @@ class WorkerContext:
 
     @property
     def transport(self) -> WeightTransport:
-        """How weights reach this process besides their files (`transport.py`)."""
+        """How weights reach this process besides their files (`runfiles/transport.py`)."""
         return weight_transport()
 
     def inputs(self, iteration: int, mb: int) -> list[dict[str, Any]]:
@@ -202,7 +202,7 @@ class WorkerContext:
         return self._shared_engine(agent), self.pushed_loads > pushed
 
     def _new_trainer(self, name: str) -> TrainBackend:
-        """A trainer at version 0, of the kind `name` is (`runtime/kinds.py`)."""
+        """A trainer at version 0, of the kind `name` is (`trainers/kinds.py`)."""
         return self.kind(name).new_trainer(self, name)
 
     @property

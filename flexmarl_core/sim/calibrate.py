@@ -29,7 +29,7 @@ import numpy as np
 from flexmarl_core.config import ConfigError, ExperimentConfig, load_config
 from flexmarl_core.ops import Op
 from flexmarl_core.orchestrator.plan import Plan
-from flexmarl_core.runtime.location import CONFIG_NAME
+from flexmarl_core.runfiles.location import CONFIG_NAME
 from flexmarl_core.sim.cost import AgentCost, CostModel, LengthDist
 
 #: log-sigma of response lengths (the op log has per-op means only)

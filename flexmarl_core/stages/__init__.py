@@ -7,7 +7,6 @@ rewrites the same store rows (deduplicated by sample id and policy version) or f
 already done.
 """
 
-from flexmarl_core.runtime.policy import loss_scale
 from flexmarl_core.runtime.worker import context
 from flexmarl_core.stages import episode, program, reward, rollout, sync, train, value  # noqa: F401  (registers the stages)
 from flexmarl_core.stages.evaluate import evaluate
@@ -23,6 +22,7 @@ from flexmarl_core.stages.registry import (
     stage_seed,
     weights_version,
 )
+from flexmarl_core.trainers.policy import loss_scale
 
 __all__ = [
     "STAGES", "ConsistencyError", "InjectedFault", "context", "evaluate", "faults_dir",

@@ -23,7 +23,7 @@ from flexmarl_core.meg import sample_id
 from flexmarl_core.ops import Op, StageResult, agent_key
 from flexmarl_core.programs.api import DecodeStats
 from flexmarl_core.programs.engines import current_host
-from flexmarl_core.runtime.location import program_key
+from flexmarl_core.runfiles.location import program_key
 from flexmarl_core.runtime.worker import WorkerContext
 from flexmarl_core.stages.program import committed_result
 from flexmarl_core.stages.registry import stage, stage_seed, weights_version, worker_name

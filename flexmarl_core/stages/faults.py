@@ -8,7 +8,7 @@ import threading
 import time
 from functools import lru_cache
 
-from flexmarl_core.runtime.location import FAULTS_SUFFIX, RunLocation, is_uri
+from flexmarl_core.runfiles.location import FAULTS_SUFFIX, RunLocation, is_uri
 from storage.atomic import atomic_file
 
 

@@ -21,7 +21,7 @@ from flexmarl_core.ops import Op, StageResult, agent_key
 from flexmarl_core.programs.api import DecodeGroup, DecodeStats
 from flexmarl_core.programs.engines import LocalDispatcher, current_host
 from flexmarl_core.programs.team import program_team, score
-from flexmarl_core.runtime.location import program_key
+from flexmarl_core.runfiles.location import program_key
 from flexmarl_core.runtime.worker import WorkerContext, context
 from flexmarl_core.stages.registry import stage, stage_seed, weights_version, worker_name
 from flexmarl_core.workloads.api import Problem

@@ -19,7 +19,7 @@ from typing import Any
 from flexmarl_core.inference.api import PartialBackend
 from flexmarl_core.ops import KINDS, FusedResult, Op, OpKind, StageResult, check_after
 from flexmarl_core.ops import ConsistencyError as ConsistencyError  # where the stages' callers look
-from flexmarl_core.runtime.location import weights_key
+from flexmarl_core.runfiles.location import weights_key
 from flexmarl_core.runtime.worker import WorkerContext, context
 from flexmarl_core.stages.faults import fault_point
 from storage import retry

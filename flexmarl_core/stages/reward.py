@@ -13,7 +13,7 @@ from collections import defaultdict
 from typing import Any
 
 from flexmarl_core.ops import Op, StageResult, agent_key
-from flexmarl_core.runtime.location import reward_key
+from flexmarl_core.runfiles.location import reward_key
 from flexmarl_core.runtime.worker import WorkerContext
 from flexmarl_core.stages.registry import stage
 from flexmarl_core.workloads.api import Problem

@@ -4,8 +4,8 @@ checkpoint is due or other processes roll out, `WorkerContext.checkpoint_due`)."
 from __future__ import annotations
 
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
-from flexmarl_core.runtime.location import weights_key
-from flexmarl_core.runtime.weights import publish_weights
+from flexmarl_core.runfiles.location import weights_key
+from flexmarl_core.runfiles.weights import publish_weights
 from flexmarl_core.runtime.worker import WorkerContext
 from flexmarl_core.stages.faults import fault_point
 from flexmarl_core.stages.registry import stage

@@ -1,14 +1,14 @@
 """Training: a trainer's micro-batch backward (`train`, or `train_gradient` as a gradient
 helper) and its optimizer step (`step`), on this worker's trainer, whatever its kind
-(`runtime/kinds.py`: an agent's policy, a critic)."""
+(`trainers/kinds.py`: an agent's policy, a critic)."""
 
 from __future__ import annotations
 
 from flexmarl_core.ops import Op, StageResult, agent_key
-from flexmarl_core.runtime import policy
-from flexmarl_core.runtime.location import trainer_key
+from flexmarl_core.runfiles.location import trainer_key
 from flexmarl_core.runtime.worker import WorkerContext
 from flexmarl_core.stages.registry import stage
+from flexmarl_core.trainers import policy
 
 
 @stage("train")

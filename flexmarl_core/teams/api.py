@@ -27,7 +27,7 @@ from flexmarl_core.ops import Op
 
 if TYPE_CHECKING:
     from flexmarl_core.config import ExperimentConfig
-    from flexmarl_core.runtime.location import RunLocation
+    from flexmarl_core.runfiles.location import RunLocation
     from flexmarl_core.workloads.api import Problem, Workload
     from storage import Store
 

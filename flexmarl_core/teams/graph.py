@@ -17,7 +17,7 @@ from flexmarl_core.inference.tools import generate_with_tool, tool_of
 from flexmarl_core.meg import MEG
 from flexmarl_core.ops import Op
 from flexmarl_core.programs.chat import as_turns
-from flexmarl_core.runtime.location import reward_key
+from flexmarl_core.runfiles.location import reward_key
 from flexmarl_core.teams.api import Demonstrations, Generation, PlanView, RunView, register_shape
 
 if TYPE_CHECKING:

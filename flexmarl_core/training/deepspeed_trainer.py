@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from flexmarl_core.runtime.location import default_cache_dir
+from flexmarl_core.runfiles.location import default_cache_dir
 from flexmarl_core.training.api import MicroBatch, TrainerOptions
 from flexmarl_core.training.collate import collate
 from flexmarl_core.training.torch_trainer import PolicyGradientSteps, response_logprobs

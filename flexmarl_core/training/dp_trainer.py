@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from flexmarl_core.runtime.location import default_cache_dir
+from flexmarl_core.runfiles.location import default_cache_dir
 from flexmarl_core.training.api import MicroBatch, StepResult, TrainerOptions
 from flexmarl_core.training.deepspeed_trainer import DeepSpeedTrainer, free_port, init_distributed
 

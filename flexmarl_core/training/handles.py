@@ -51,8 +51,8 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 import torch
 
-from flexmarl_core.runtime.location import default_cache_dir
-from flexmarl_core.runtime.location import is_uri as _is_uri
+from flexmarl_core.runfiles.location import default_cache_dir
+from flexmarl_core.runfiles.location import is_uri as _is_uri
 from storage.atomic import atomic_file
 from storage.fs import open_filesystem  # the store's resolution of a URI: AWS_ENDPOINT_URL and all
 

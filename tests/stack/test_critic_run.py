@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from flexmarl_core.config import load_config
 from flexmarl_core.driver.audit import audit_run
-from flexmarl_core.runtime.location import RunLocation
+from flexmarl_core.runfiles.location import RunLocation
 from flexmarl_core.runtime.worker import WorkerContext, weights_path
 from flexmarl_core.teams import team_shape
 from tests._runs import (

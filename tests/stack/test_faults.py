@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from flexmarl_core.config import load_config
 from flexmarl_core.meg import MEG
-from flexmarl_core.runtime.location import RunLocation
+from flexmarl_core.runfiles.location import RunLocation
 from flexmarl_core.runtime.worker import trainer_state_path, weights_path
 from flexmarl_core.stages import faults_dir
 from tests._holds import Holds

@@ -14,7 +14,7 @@ import pytest
 from flexmarl_core.config import load_config
 from flexmarl_core.driver.retention import KeepRule
 from flexmarl_core.orchestrator.hooks import Callbacks
-from flexmarl_core.runtime.location import RunLocation
+from flexmarl_core.runfiles.location import RunLocation
 from flexmarl_core.stages.faults import faults_dir, held_ops
 from tests._runs import (
     COMMON,
@@ -66,7 +66,7 @@ def test_staleness_and_partial_rollouts_read_only_kept_versions(tmp_path):
     its version deleted) exactly once, what is left is exactly the rule's, and each iteration's
     partitions were compacted by the run."""
     from flexmarl_core.driver import run
-    from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
+    from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 
     cfg = load_config(TINY, [f"run_dir={tmp_path}/run", *COMMON, "train.iterations=5", "train.keep_every=2",
                              "codesign.max_staleness=1", "codesign.partial_rollouts=true", *OFF_POLICY])

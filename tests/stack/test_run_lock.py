@@ -26,7 +26,7 @@ from flexmarl_core.driver.lease import (
     check_claim,
     read_lease,
 )
-from flexmarl_core.runtime.location import RunLocation
+from flexmarl_core.runfiles.location import RunLocation
 from flexmarl_core.stages.faults import faults_dir, held_ops, release
 from tests._runs import COMMON, TINY
 

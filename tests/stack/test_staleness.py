@@ -13,8 +13,8 @@ from flexmarl_core.algorithms.losses import POLICY_LOSSES, clipped, decoupled_pp
 from flexmarl_core.config import AlgorithmConfig, ConfigError, load_config
 from flexmarl_core.ops import Op
 from flexmarl_core.orchestrator.plan import Plan
-from flexmarl_core.runtime.policy import check_staleness
 from flexmarl_core.stages.registry import ConsistencyError
+from flexmarl_core.trainers.policy import check_staleness
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -166,7 +166,7 @@ def test_a_partial_rollout_resumes_under_the_weights_a_sync_publishes(prefect_ap
     audited exactly-once."""
     import json
 
-    from flexmarl_core.runtime.location import weights_key
+    from flexmarl_core.runfiles.location import weights_key
     from flexmarl_core.stages.faults import held_ops
     from flows.train import train
     from storage import MEGStore
@@ -203,7 +203,7 @@ def test_resume_with_a_partial_rollout_in_flight(prefect_api, tmp_path):
     import sys
     import time
 
-    from flexmarl_core.runtime.location import weights_key
+    from flexmarl_core.runfiles.location import weights_key
     from flexmarl_core.stages.faults import faults_dir, held_ops
     from storage import MEGStore
     from tests._holds import Holds

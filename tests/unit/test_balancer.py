@@ -194,8 +194,8 @@ def test_a_resumed_run_starts_from_its_earlier_attempts_measurements(tmp_path):
     its estimates are the measured durations' moving averages, not the defaults."""
     from flexmarl_core.control import ControlPlane
     from flexmarl_core.driver.run import completed_records, train
-    from flexmarl_core.executors.threads import ThreadExecutor
     from flexmarl_core.ops import StageResult
+    from flexmarl_core.sim.threads import ThreadExecutor
 
     secs = {"planner": 0.02, "solver": 0.06}
 

@@ -46,7 +46,7 @@ def test_core_never_imports_prefect_and_only_the_adapter_imports_dask():
 
 def test_importing_the_run_path_loads_no_prefect_or_dask():
     code = ("import sys; import flexmarl_core.driver.run, flexmarl_core.stages, flexmarl_core.control, "
-            "flexmarl_core.executors.threads, flexmarl_core.driver.metrics; "
+            "flexmarl_core.sim.threads, flexmarl_core.driver.metrics; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'prefect', 'dask', 'distributed'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"

@@ -13,12 +13,12 @@ import pytest
 
 from flexmarl_core.config import ConfigError, load_config
 from flexmarl_core.driver import run
-from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.meg import MEG
 from flexmarl_core.models import load_agent_model, save_model
 from flexmarl_core.programs.engines import LocalDispatcher
 from flexmarl_core.programs.gateway import Gateway, Session
 from flexmarl_core.programs.team import agent_spec
+from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 from flexmarl_core.teams.graph import prompt
 from storage import MEGStore
 from tests._models_util import tiny_model, tokenizer

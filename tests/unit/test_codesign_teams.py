@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from flexmarl_core.config import ExperimentConfig, load_config
 from flexmarl_core.driver import run
-from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.meg import MEG
 from flexmarl_core.runtime.worker import save_state_atomic, weights_path
+from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 from flexmarl_core.workloads import Problem, make_workload
 from storage import MEGStore
 from tests._models_util import calling_floor, calling_model, tiny_model, tokenizer

@@ -13,10 +13,10 @@ from flexmarl_core.config.critic import critic_names
 from flexmarl_core.meg import MEG, sample_id
 from flexmarl_core.ops import Op
 from flexmarl_core.orchestrator.plan import Plan
-from flexmarl_core.runtime.critic import targets
-from flexmarl_core.runtime.location import RunLocation
+from flexmarl_core.runfiles.location import RunLocation
 from flexmarl_core.runtime.worker import WorkerContext
 from flexmarl_core.teams import team_shape
+from flexmarl_core.trainers.critic import targets
 from flexmarl_core.training.critic import CriticTrainer, ValueSample
 from storage import MEGStore
 from tests._models_util import tiny_model
@@ -251,7 +251,7 @@ def test_step_discount_credit_pays_each_call_by_its_place(tmp_path):
     planner, solver and verifier get 0.81, 0.9 and 1 x the one team reward (format term off)."""
     from flexmarl_core.config import load_config
     from flexmarl_core.driver.run import prepare_run, train
-    from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
+    from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
     from tests._runs import TINY
 
     cfg = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "train.iterations=1", "train.evaluate=false",
@@ -280,7 +280,7 @@ def test_critic_ops_rerun_after_the_step_find_their_work_done(tmp_path):
     stepped, its value, train and step ops of that iteration change nothing."""
     from flexmarl_core.config import load_config
     from flexmarl_core.driver.run import prepare_run, train
-    from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
+    from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
     from flexmarl_core.stages import context, run_stage
     from tests._runs import TINY
 
@@ -304,7 +304,7 @@ def test_per_token_critic_through_a_run(tmp_path):
     from flexmarl_core.config import load_config
     from flexmarl_core.driver.audit import audit_run
     from flexmarl_core.driver.run import prepare_run, train
-    from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
+    from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
     from tests._runs import TINY
 
     cfg = load_config(TINY, [f"run_dir={tmp_path / 'run'}", "train.iterations=2", "train.evaluate=false",

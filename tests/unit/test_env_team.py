@@ -18,9 +18,9 @@ from flexmarl_core.driver import run
 from flexmarl_core.driver.audit import audit_run
 from flexmarl_core.envs import make_environment
 from flexmarl_core.envs.play import episode_seed
-from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.inference.api import Generation
 from flexmarl_core.programs import engines
+from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 from flexmarl_core.teams.environment import EnvironmentTeam
 from storage import MEGStore
 
@@ -171,7 +171,7 @@ def test_multi_turn_samples_join_a_seats_answers_with_the_observations_masked(tm
 def test_rae_subtracts_each_roles_moving_baseline(tmp_path):
     """RAE (`algorithm.advantage: rae`): an answer's advantage is its return less its seat's
     baseline, the moving average of the seat's mean return over earlier iterations."""
-    from flexmarl_core.runtime.scopes import ROLE_EMA
+    from flexmarl_core.trainers.scopes import ROLE_EMA
 
     cfg, folder, _ = _run(tmp_path, "train.iterations=2",
                           *(f"team.agents.{a}.algorithm.advantage=rae" for a in ("alice", "bob")))

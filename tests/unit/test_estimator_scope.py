@@ -21,9 +21,9 @@ import pytest
 from flexmarl_core.algorithms import ADVANTAGES, advantage_scope
 from flexmarl_core.config import ConfigError, load_config
 from flexmarl_core.driver import run
-from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.ops import Op, Route, StageResult
 from flexmarl_core.orchestrator.plan import Plan
+from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 from storage import MEGStore
 
 REPO = Path(__file__).resolve().parents[2]

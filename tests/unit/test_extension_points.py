@@ -1,5 +1,5 @@
 """A new op kind and a new estimator scope each go in one place: the kind's traits (`ops.py`)
-and its stage, the scope's class (`runtime/scopes.py`). The plan, the router, the orchestrator,
+and its stage, the scope's class (`trainers/scopes.py`). The plan, the router, the orchestrator,
 the metrics and the real train stage take them with no other change; a kind without traits is
 refused by the router, never placed as a guess.
 
@@ -20,13 +20,13 @@ from flexmarl_core.config import load_config
 from flexmarl_core.control.router import OrchestratorError, Router
 from flexmarl_core.driver import run
 from flexmarl_core.driver.audit import audit_run
-from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.ops import KINDS, KindTraits, Op, StageResult, register_kind
 from flexmarl_core.orchestrator.plan import Plan
-from flexmarl_core.runtime.scopes import SCOPES, GroupScope, ScopePlan, register_scope
+from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 from flexmarl_core.stages.registry import STAGES, stage
 from flexmarl_core.teams.api import SHAPES, Generation, PlanView, register_shape
 from flexmarl_core.teams.graph import GraphTeam
+from flexmarl_core.trainers.scopes import SCOPES, GroupScope, ScopePlan, register_scope
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 AGENTS = ("planner", "solver", "verifier")

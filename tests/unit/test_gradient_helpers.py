@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from flexmarl_core.config import load_config
 from flexmarl_core.control import GradientHelper
 from flexmarl_core.driver.run import completed_records
-from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.ops import Op, StageResult
-from flexmarl_core.runtime.location import gradient_key
+from flexmarl_core.runfiles.location import gradient_key
+from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 from tests.unit.test_orchestrator import cfg_of
 from tests.unit.test_orchestrator import run as run_on_threads
 

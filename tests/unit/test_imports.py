@@ -157,7 +157,7 @@ def test_the_graph_sees_function_level_and_relative_imports():
     # `from pkg import submodule` is an edge to the submodule
     assert "flexmarl_core.stages.train" in graph["flexmarl_core.stages"]
     # a submodule from outside its package runs the package's __init__ first; a sibling does not
-    assert "flexmarl_core.training" in graph["flexmarl_core.runtime.policy"]
+    assert "flexmarl_core.training" in graph["flexmarl_core.trainers.policy"]
     assert "storage" not in graph["storage.commit"]
 
 

@@ -51,8 +51,8 @@ def test_concurrent_rollouts_of_two_agents_share_a_decode_and_sample_what_they_s
     first are held at the batcher's door until both are there (a barrier), so they meet within
     the window by construction, not by how the threads happen to be scheduled."""
     from flexmarl_core.driver import run
-    from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
     from flexmarl_core.inference.coalesce import Coalescer
+    from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 
     calls: dict[str, int] = {}
     door = threading.Barrier(2, timeout=120)

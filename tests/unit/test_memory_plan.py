@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexmarl_core.analysis import memory
 from flexmarl_core.config import ConfigError, load_config
+from flexmarl_core.control import memory
 from flexmarl_core.driver import run
-from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.runtime.worker import context, load_weights
+from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from flexmarl_core.config import load_config
 from flexmarl_core.driver import run
-from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.ops import OpRecord
 from flexmarl_core.orchestrator.hooks import Callbacks
+from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 
 REPO = Path(__file__).resolve().parents[2]
 AGENTS = ("planner", "solver", "verifier")

@@ -48,7 +48,7 @@ def test_on_object_storage_the_op_log_goes_up_in_parts_of_bounded_size(s3_server
     from flexmarl_core.driver import metrics
     from flexmarl_core.driver.metrics import log_lines, log_parts, rewrite_log
     from flexmarl_core.ops import Op, OpRecord, StageResult
-    from flexmarl_core.runtime.location import RunLocation
+    from flexmarl_core.runfiles.location import RunLocation
     from tests._s3 import make_bucket
 
     for k, v in {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": "testing",

@@ -10,11 +10,11 @@ import pytest
 
 from flexmarl_core.config import config_from_dict
 from flexmarl_core.control import MoveInstance, Router, TrainSlot
-from flexmarl_core.executors.threads import ThreadExecutor
 from flexmarl_core.ops import Op, StageResult
 from flexmarl_core.orchestrator.hooks import Callbacks
 from flexmarl_core.orchestrator.loop import Orchestrator, OrchestratorError
 from flexmarl_core.orchestrator.plan import Plan
+from flexmarl_core.sim.threads import ThreadExecutor
 
 TEAM = {
     "agents": [

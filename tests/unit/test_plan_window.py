@@ -11,11 +11,11 @@ import pytest
 
 from flexmarl_core.config import config_from_dict
 from flexmarl_core.driver.metrics import CriticalPath, IterationTracker, critical_path
-from flexmarl_core.executors.threads import ThreadExecutor
 from flexmarl_core.ops import Op, OpRecord, StageResult
 from flexmarl_core.orchestrator.hooks import Callbacks
 from flexmarl_core.orchestrator.loop import Orchestrator
 from flexmarl_core.orchestrator.plan import Plan
+from flexmarl_core.sim.threads import ThreadExecutor
 from tests.unit.test_orchestrator import TEAM, WORKERS
 
 REPO = Path(__file__).resolve().parents[2]

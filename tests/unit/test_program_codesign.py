@@ -15,11 +15,11 @@ from flexmarl_core.config import load_config
 from flexmarl_core.control import ControlPlane, MoveInstance
 from flexmarl_core.driver import run
 from flexmarl_core.driver.audit import audit_run
-from flexmarl_core.executors.threads import ThreadExecutor, stage_fn
 from flexmarl_core.ops import Op, StageResult
 from flexmarl_core.programs.team import program_team
-from flexmarl_core.runtime.scopes import advantages
+from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 from flexmarl_core.teams import team_shape
+from flexmarl_core.trainers.scopes import advantages
 from flexmarl_core.workloads import make_workload
 from storage import MEGStore
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from flexmarl_core.runtime.location import RunLocation
+from flexmarl_core.runfiles.location import RunLocation
 from storage import MEGStore, StoreError, check_store, retry
 from tests._fault_proxy import FAULTS, FaultProxy
 from tests._s3 import make_bucket, s3_kwargs

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flexmarl_core.config import ConfigError, load_config
-from flexmarl_core.runtime.location import trainer_key, weights_key
+from flexmarl_core.runfiles.location import trainer_key, weights_key
 from flexmarl_core.training.handles import StateFileError, StateHandle, get, load, put
 
 REPO = Path(__file__).resolve().parents[2]

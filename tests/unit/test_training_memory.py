@@ -93,7 +93,7 @@ def test_make_trainer_takes_the_budget_from_the_config_and_checks_the_backend():
 
 
 def test_skipping_zero_advantage_samples_leaves_the_gradient_unchanged():
-    from flexmarl_core.runtime.policy import skip_zero_advantage
+    from flexmarl_core.trainers.policy import skip_zero_advantage
 
     samples = random_samples(8, seed=5)
     for s in samples[::2]:

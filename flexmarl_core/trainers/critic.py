@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from flexmarl_core.algorithms.gae import explained_variance, gae_chain, gae_tokens
 from flexmarl_core.config.critic import base_agent, critic_names
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
-from flexmarl_core.runtime.kinds import AuditCheck, Stepped, register_trainer_kind
-from flexmarl_core.runtime.weights import load_weights
+from flexmarl_core.runfiles.weights import load_weights
+from flexmarl_core.trainers.kinds import AuditCheck, Stepped, register_trainer_kind
 from flexmarl_core.training.api import TrainBackend
 from flexmarl_core.training.critic import CriticTrainer, ValueSample
 
@@ -80,7 +80,7 @@ def samples_per_iteration(ctx: WorkerView, critic: str) -> int:
 
 def loss_scale(ctx: WorkerView, critic: str) -> float:
     """1 / (calls per iteration [x max new tokens, per token]): fixed before any backward, as
-    an agent's (`runtime/policy.py` `loss_scale`)."""
+    an agent's (`trainers/policy.py` `loss_scale`)."""
     per = 1
     if ctx.cfg.critic.per_token:
         per = max(ctx.cfg.agent(a).sampling.max_new_tokens for a in critic_names(ctx.cfg)[critic])

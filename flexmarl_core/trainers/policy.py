@@ -19,10 +19,10 @@ from flexmarl_core.algorithms import advantage_scope
 from flexmarl_core.algorithms.losses import token_weight
 from flexmarl_core.models.lora import SharedBase, base_key
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
-from flexmarl_core.runtime.kinds import AuditCheck, Stepped, register_trainer_kind
-from flexmarl_core.runtime.location import gradient_key, trainer_key
-from flexmarl_core.runtime.scopes import estimator_scope
-from flexmarl_core.runtime.weights import load_gradient, load_weights, publish_gradient
+from flexmarl_core.runfiles.location import gradient_key, trainer_key
+from flexmarl_core.runfiles.weights import load_gradient, load_weights, publish_gradient
+from flexmarl_core.trainers.kinds import AuditCheck, Stepped, register_trainer_kind
+from flexmarl_core.trainers.scopes import estimator_scope
 from flexmarl_core.training import make_trainer
 from flexmarl_core.training.api import GradientTrainer, Sample, TrainBackend
 from flexmarl_core.training.factory import make_lora_trainer

@@ -6,7 +6,7 @@ both halves of what that means:
 - `waits`: what an agent's train op of micro-batch j waits for in the plan (`orchestrator/
   plan.py` adds it to the op's dependencies);
 - `read`: which rows that train op reads from the store and where their advantages come from
-  (`runtime/policy.py` `micro_batch` calls it, and never asks for a scope by name).
+  (`trainers/policy.py` `micro_batch` calls it, and never asks for a scope by name).
 
     group   an input's group is within the micro-batch: its rewards are enough
     batch   normalised over the iteration (REINFORCE++): every reward of the iteration
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from flexmarl_core.algorithms import compute_advantages
 from flexmarl_core.algorithms.registry import Registry
 from flexmarl_core.ops import Op
-from flexmarl_core.runtime.critic import targets
+from flexmarl_core.trainers.critic import targets
 
 if TYPE_CHECKING:
     from flexmarl_core.runtime.view import WorkerView

@@ -21,7 +21,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file, save_file
 from safetensors.torch import save as save_safetensors
 
-from flexmarl_core.runtime.location import (
+from flexmarl_core.runfiles.location import (
     RunLocation,
     as_location,
     base_weights_key,
