@@ -187,3 +187,30 @@ def test_rae_subtracts_each_roles_moving_baseline(tmp_path):
             mine = [r for r in rows[1] if json.loads(r["extra"])["seat"] == seat]
             assert mine and all(r["advantage"] == pytest.approx(r["reward"] - (1 - ROLE_EMA) * mean0, abs=1e-5)
                                 for r in mine), (agent, seat)
+
+
+@pytest.mark.parametrize("spec,seats", [
+    ("openspiel:tic_tac_toe", {"player_0": "alice", "player_1": "bob"}),
+    ("pettingzoo:classic/rps-v2", {"player_0": "alice", "player_1": {"scripted": "random"}}),
+])
+def test_an_environment_not_among_the_examples_trains_from_a_config_alone(tmp_path, spec, seats):
+    """No code: a spec and a seat map in the config, the real stages and real models."""
+    import yaml
+
+    pytest.importorskip(spec.split(":")[0].replace("openspiel", "pyspiel"), reason="a dev dependency")
+    data = yaml.safe_load(Path(KUHN).read_text())
+    data["team"]["environment"] = {"spec": spec, "seats": seats, "options": {"max_cycles": 4} if "rps" in spec else {}}
+    data["team"]["agents"] = [a for a in data["team"]["agents"] if a["name"] in {s for s in seats.values() if isinstance(s, str)}]
+    config = tmp_path / "env.yaml"
+    config.write_text(yaml.safe_dump(data))
+    cfg = load_config(config, [f"run_dir={tmp_path / 'run'}", *SMALL])
+    folder = run.prepare_run(cfg, log=lambda _: None)
+    ex = ThreadExecutor(stage_fn(str(folder)), {w.name: dict(w.resources) for w in cfg.cluster.workers})
+    try:
+        out = run.train(cfg, folder, ex)
+    finally:
+        ex.close()
+    assert out.iterations[0]["team/env/episodes"] == 12
+    assert audit_run(str(folder))[1] == []
+    rows = MEGStore(cfg.resolved_store_uri()).read_samples("alice", 0).to_pylist()
+    assert rows and all(r["reward"] is not None and r["consumed_step"] == 0 for r in rows)
