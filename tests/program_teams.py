@@ -24,3 +24,46 @@ def half_fail(problem: str, client: OpenAI) -> str:
 def always_fail(problem: str, client: OpenAI) -> str:
     _ask(client, "planner", f"Q:{problem}\nP:")
     raise RuntimeError("this program is broken")
+
+
+def json_plan(problem: str, client: OpenAI) -> str:
+    """The planner must answer a JSON object: anything else is the policy's failure (a
+    `JSONDecodeError`, or flexmarl's `PolicyFailure` for JSON that is no object)."""
+    import json
+
+    from flexmarl_core.programs.api import PolicyFailure
+
+    plan = json.loads(_ask(client, "planner", f"Q:{problem}\nP:"))
+    if not isinstance(plan, dict):
+        raise PolicyFailure(f"the plan is {type(plan).__name__}, not an object")
+    return _ask(client, "solver", f"Q:{problem}\nP:{plan}\nA:")
+
+
+def type_error(problem: str, client: OpenAI) -> str:
+    """A bug of the program's own after a call: dropped, whatever the policy said."""
+    _ask(client, "planner", f"Q:{problem}\nP:")
+    return len(problem) + "x"  # type: ignore[operator]
+
+
+def langgraph_until_done(problem: str, client: OpenAI) -> str:
+    """A LangGraph loop: the planner is asked again until it says "done", within a recursion
+    limit of 4 steps; a planner that never says it is LangGraph's `GraphRecursionError`, the
+    policy's failure."""
+    from typing import TypedDict
+
+    from langchain_openai import ChatOpenAI
+    from langgraph.graph import END, START, StateGraph
+
+    class State(TypedDict, total=False):
+        notes: str
+
+    llm = ChatOpenAI(model="planner", base_url=str(client.base_url), api_key=client.api_key, max_retries=0)
+
+    def think(s: State) -> State:
+        return {"notes": s.get("notes", "") + str(llm.invoke(f"Q:{problem}\n{s.get('notes', '')}P:").content)}
+
+    g = StateGraph(State)
+    g.add_node("think", think)
+    g.add_edge(START, "think")
+    g.add_conditional_edges("think", lambda s: END if "done" in s["notes"] else "think")
+    return g.compile().invoke({}, {"recursion_limit": 4})["notes"]

@@ -65,6 +65,18 @@ class TeamConfig(_Strict):
         None, description="The team plays an environment (a game, a shared-state task): its spec, which "
         "agent (or scripted policy) plays each seat, and how answers become samples (docs/environments.md).",
     )
+    policy_errors: list[str] = Field(
+        default_factory=list,
+        description="Program teams: exception types (`module.QualName`, or a bare class name) that mean a "
+        "trajectory failed because of what the model said, beside the built-in ones (the Agents SDK's "
+        "ModelBehaviorError and MaxTurnsExceeded, LangGraph's GraphRecursionError, LangChain's "
+        "OutputParserException, pydantic's ValidationError, json's JSONDecodeError, flexmarl's PolicyFailure). "
+        "Such a trajectory's calls are trained with `failure_reward`; any other exception drops it.",
+    )
+    failure_reward: float = Field(
+        0.0, description="Program teams: the reward of a trajectory the policy broke (`policy_errors`), given to "
+        "every agent through the workload's credit rule, as if the team had answered it with that reward.",
+    )
     batch_window_ms: float = Field(
         20.0, ge=0.0, le=10_000.0,
         description="Program teams: an agent's queued calls decode together once every running "

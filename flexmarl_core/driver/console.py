@@ -144,6 +144,7 @@ def iteration_line(m: dict[str, Any], iterations: int) -> str:
     return (f"iteration {m['iteration'] + 1}/{iterations}  E2E {m['e2e_s']:.2f} s  "
             f"acc {m['accuracy']:.3f}  util {m['utilization']:.2f}"
             + (f"  reward {rewards}" if rewards else "")
+            + (f"  policy-broken {m['team/program/policy_failed']:.0f}" if m.get("team/program/policy_failed") else "")
             + (f"  ({m['downtime_s']:.0f} s down before the resume left out)" if m.get("downtime_s") else ""))
 
 

@@ -37,7 +37,7 @@ def metric_agents(per_it: list[dict[str, Any]], metric: str = "reward") -> list[
 
 
 #: per-op counts that an iteration sums (work skipped or wasted, stages/train.py and stages/rollout.py)
-COUNTED = ("/train/skipped_samples", "/train/skipped_tokens", "/rollout/decode_slots",
+COUNTED = ("/program/policy_failed_calls", "/train/skipped_samples", "/train/skipped_tokens", "/rollout/decode_slots",
            "/rollout/wasted_decode_slots", "/rollout/decodes", "/rollout/mixed_rows", "/rollout/resumed_rows",
            "/rollout/resumed_tokens")
 
@@ -135,6 +135,11 @@ def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: in
     # trajectories that train nobody: a program that raised, a reward past its deadline
     m["failed_trajectories"] = sum(r.result.metrics.get("team/program/failed", 0.0)
                                    + r.result.metrics.get("team/reward/failed", 0.0) for r in ops)
+    # trajectories the policy broke: trained with the failure reward, counted by exception type
+    for r in ops:
+        for k, v in r.result.metrics.items():
+            if k.startswith("team/program/policy_failed"):
+                m[k] = m.get(k, 0.0) + v
     m.update(_env_stats(ops))
     m.update({f"stage_s/{k}": v for k, v in sorted(stage_s.items())})
     m.update({f"busy_s/{w}": busy.get(w, 0.0) for w in workers})

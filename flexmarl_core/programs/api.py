@@ -27,6 +27,37 @@ class ProgramError(RuntimeError):
     op failed. The message names the program, the trajectory and the error."""
 
 
+class PolicyFailure(Exception):
+    """Raise it (or a subclass) from a program when the trajectory failed because of what the
+    model said: its calls so far are trained with `team.failure_reward`, not dropped
+    (`team.policy_errors` names other exception types that mean the same)."""
+
+
+#: exception types that are the policy's failure whatever the config adds: the frameworks'
+#: verdicts on a model's output (an answer cut at its limit, a turn limit, a malformed tool call
+#: or JSON, an output that fails its schema), matched by `module.QualName` along the MRO
+POLICY_ERRORS: tuple[str, ...] = (
+    "flexmarl_core.programs.api.PolicyFailure",
+    "agents.exceptions.ModelBehaviorError",
+    "agents.exceptions.MaxTurnsExceeded",
+    "langgraph.errors.GraphRecursionError",
+    "langchain_core.exceptions.OutputParserException",
+    "pydantic_core._pydantic_core.ValidationError",
+    "json.decoder.JSONDecodeError",
+)
+
+
+def policy_error_type(exc: BaseException, extra: tuple[str, ...] = ()) -> str | None:
+    """The name of the first class in `exc`'s MRO that `POLICY_ERRORS` or `extra` names (by
+    `module.QualName`, or by bare name in `extra`), else None: the program's own failure."""
+    names = set(POLICY_ERRORS) | set(extra)
+    for cls in type(exc).__mro__:
+        full = f"{cls.__module__}.{cls.__qualname__}"
+        if full in names or cls.__qualname__ in extra:
+            return cls.__qualname__
+    return None
+
+
 class MachineryError(RuntimeError):
     """flexmarl's own machinery failed under a program (a decode that could not run): the op
     fails and is retried, it never counts as the program's wrong answer."""
@@ -114,5 +145,8 @@ class TrajectoryResult:
     answer: str | None
     error: str | None
     records: list[CallRecord] = field(default_factory=list)
+    #: the type of a policy failure (`policy_error_type`): the error is the model's doing, and
+    #: the trajectory's calls are trained with the failure reward; None: dropped, if it failed
+    policy_error: str | None = None
     #: client-side seconds of each call, and the seconds it waited for and ran its decode
     latencies: list[tuple[float, float]] = field(default_factory=list)

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import openai
 
-from flexmarl_core.programs.api import CallRecord, ProgramError, TrajectoryResult
+from flexmarl_core.programs.api import CallRecord, ProgramError, TrajectoryResult, policy_error_type
 from flexmarl_core.programs.gateway import VIA_HEADER, Gateway, Session, Trajectory
 
 #: one trajectory's work: (input_id, traj, mb, problem text)
@@ -158,17 +158,18 @@ def _error(exc: BaseException) -> str:
 
 
 def run_program(fn: Callable[..., Any], jobs: Sequence[Job], session: Session, gateway: Gateway,
-                *, timeout_s: float = 600.0) -> list[TrajectoryResult]:
-    """Every job's trajectory, run concurrently; results in job order."""
+                *, timeout_s: float = 600.0, policy_errors: tuple[str, ...] = ()) -> list[TrajectoryResult]:
+    """Every job's trajectory, run concurrently; results in job order. A trajectory that raised
+    one of the policy's errors (`api.policy_error_type` with `policy_errors`) says so."""
     trajs = [gateway.open(session, input_id, traj, mb) for input_id, traj, mb, _ in jobs]
     results = [TrajectoryResult(i, tr, mb, None, None) for i, tr, mb, _ in jobs]
     latencies: list[tuple[float, float]] = []
     timer = _Timer(latencies)
     try:
         if inspect.iscoroutinefunction(fn):
-            asyncio.run(_run_async(fn, jobs, trajs, results, gateway, timer, timeout_s))
+            asyncio.run(_run_async(fn, jobs, trajs, results, gateway, timer, timeout_s, policy_errors))
         else:
-            _run_threads(fn, jobs, trajs, results, gateway, timer, timeout_s)
+            _run_threads(fn, jobs, trajs, results, gateway, timer, timeout_s, policy_errors)
         gateway.drain(session)
     finally:
         gateway.close(session)
@@ -214,9 +215,14 @@ def _outcome(res: TrajectoryResult, value: Any) -> None:
         res.error = f"TypeError: the program returned {type(value).__name__}, not the answer as a str"
 
 
+def _failed(res: TrajectoryResult, exc: BaseException, policy_errors: tuple[str, ...]) -> None:
+    res.error = _error(exc)
+    res.policy_error = policy_error_type(exc, policy_errors)
+
+
 def _run_threads(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Trajectory],
                  results: list[TrajectoryResult], gateway: Gateway, timer: _Timer,
-                 timeout_s: float) -> None:
+                 timeout_s: float, policy_errors: tuple[str, ...]) -> None:
     def one(k: int) -> None:
         _CALLER.set(trajs[k].key)  # this pool thread runs trajectory k now
         with httpx.Client(timeout=timeout_s, verify=_tls(), limits=_LIMITS,
@@ -225,8 +231,8 @@ def _run_threads(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Trajec
                                    http_client=http, max_retries=0)
             try:
                 _outcome(results[k], fn(jobs[k][3], client))
-            except BaseException as exc:  # the program's own failure: this trajectory only
-                results[k].error = _error(exc)
+            except BaseException as exc:  # the program's (or the policy's) failure: this trajectory only
+                _failed(results[k], exc, policy_errors)
             finally:
                 gateway.finish(trajs[k])
 
@@ -236,7 +242,7 @@ def _run_threads(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Trajec
 
 async def _run_async(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Trajectory],
                      results: list[TrajectoryResult], gateway: Gateway, timer: _Timer,
-                     timeout_s: float) -> None:
+                     timeout_s: float, policy_errors: tuple[str, ...]) -> None:
     async def one(k: int) -> None:
         _CALLER.set(trajs[k].key)  # this task's context: trajectory k
         async with httpx.AsyncClient(timeout=timeout_s, verify=_tls(), limits=_LIMITS,
@@ -247,7 +253,7 @@ async def _run_async(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Tr
             try:
                 _outcome(results[k], await fn(jobs[k][3], client))
             except Exception as exc:
-                results[k].error = _error(exc)
+                _failed(results[k], exc, policy_errors)
             finally:
                 await asyncio.to_thread(gateway.finish, trajs[k])
 
@@ -255,8 +261,9 @@ async def _run_async(fn: Callable[..., Any], jobs: Sequence[Job], trajs: list[Tr
 
 
 def check_failures(spec: str, results: Sequence[TrajectoryResult], where: str) -> None:
-    """Every trajectory failed: the program is broken, not unlucky."""
-    if results and all(r.error is not None for r in results):
+    """Every trajectory failed, none by the policy's doing: the program is broken, not unlucky.
+    (A trajectory the policy broke is trained on: a run of them is a policy still learning.)"""
+    if results and all(r.error is not None and r.policy_error is None for r in results):
         first = results[0]
         raise ProgramError(f"{where}: every trajectory of team.program {spec!r} failed; e.g. input "
                            f"{first.input_id} trajectory {first.traj}: {first.error}")

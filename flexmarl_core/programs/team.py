@@ -9,6 +9,7 @@ run of the program over a batch of problems (a program op, an evaluation, SFT's 
 from __future__ import annotations
 
 import functools
+import json
 import random
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -69,6 +70,10 @@ class ProgramTeam:
     agents: dict[str, AgentSpec]
     window_s: float
     output: str
+    #: exception types beside `api.POLICY_ERRORS` that are the policy's failure (`team.policy_errors`)
+    policy_errors: tuple[str, ...] = ()
+    #: the reward of a trajectory the policy broke (`team.failure_reward`)
+    failure_reward: float = 0.0
 
     def run(self, jobs: Sequence[Job], dispatcher: Dispatcher, versions: Mapping[str, int],
             seed_of: Callable[[str, int, str, str], int], *, greedy: bool = False,
@@ -77,7 +82,7 @@ class ProgramTeam:
         decode failed, `ProgramError` if every trajectory did (unless `all_may_fail`)."""
         session = Session(secrets.token_urlsafe(16), self.agents, dict(versions), dispatcher, seed_of,
                           window_s=self.window_s, greedy=greedy)
-        results = run_program(self.fn, jobs, session, Gateway.shared())
+        results = run_program(self.fn, jobs, session, Gateway.shared(), policy_errors=self.policy_errors)
         if session.error is not None:
             raise MachineryError(f"{where}: {session.error}") from session.error
         if not all_may_fail:
@@ -140,7 +145,8 @@ def _cached(team_json: str, seed: int) -> ProgramTeam:
         raise ValueError("not a program team (team.program is unset)")
     agents = {a.name: agent_spec(a, seed) for a in team.agents}
     output = team.output or team.agents[-1].name
-    return ProgramTeam(team.program, load_program(team.program), agents, team.batch_window_ms / 1e3, output)
+    return ProgramTeam(team.program, load_program(team.program), agents, team.batch_window_ms / 1e3, output,
+                       tuple(team.policy_errors), team.failure_reward)
 
 
 def program_team(team: TeamConfig, seed: int) -> ProgramTeam:
@@ -165,32 +171,43 @@ def score(team: ProgramTeam, workload: Workload, problems: Mapping[str, Problem]
     """Rewards of every trajectory that ended with an answer (`workload.reward` on each agent's
     last output, the program's answer as the output agent's, each call within `deadline`), the
     rows of their calls, and per micro-batch the manifest of what was written: the sample ids
-    that count, the failures (a trajectory that raised, or whose input's reward hung)."""
+    that count, the failures (a trajectory that raised, or whose input's reward hung). A
+    trajectory the policy broke (`policy_error`) is listed as failed with `trained: true`, and
+    its calls count, rewarded `team.failure_reward` through the workload's credit rule."""
     out = Scored({}, {}, {}, [], {}, {})
     hung: set[str] = set()
     for res in results:
         man = out.manifest.setdefault(res.mb, {"samples": {}, "failed": []})
-        if res.error is not None or res.input_id in hung:
+        broke = res.policy_error is not None and res.input_id not in hung
+        if (res.error is not None and not broke) or res.input_id in hung:
             why = res.error or "its input's reward ran past its deadline"
             man["failed"].append({"input_id": res.input_id, "traj": res.traj, "error": why[:500]})
             continue
         problem = problems[res.input_id]
-        outputs = team.outputs(res)
+        if broke:
+            man["failed"].append({"input_id": res.input_id, "traj": res.traj, "error": (res.error or "")[:500],
+                                  "policy_error": res.policy_error, "trained": True})
+            rewards, acc = dict.fromkeys(team.agents, team.failure_reward), 0.0
+        else:
+            outputs = team.outputs(res)
 
-        def scored(p: Problem = problem, o: dict[str, str] = outputs) -> tuple[dict[str, float], float]:
-            return workload.reward(p, o), float(workload.is_correct(p, o))
+            def scored(p: Problem = problem, o: dict[str, str] = outputs) -> tuple[dict[str, float], float]:
+                return workload.reward(p, o), float(workload.is_correct(p, o))
 
-        ok, got = deadline.call(scored, res.input_id) if deadline is not None else (True, scored())
-        if not ok or got is None:
-            hung.add(res.input_id)
-            man["failed"].append({"input_id": res.input_id, "traj": res.traj,
-                                  "error": f"the reward ran past its deadline of {deadline.seconds:g} s"})
-            continue
-        rewards, acc = got
+            ok, got = deadline.call(scored, res.input_id) if deadline is not None else (True, scored())
+            if not ok or got is None:
+                hung.add(res.input_id)
+                man["failed"].append({"input_id": res.input_id, "traj": res.traj,
+                                      "error": f"the reward ran past its deadline of {deadline.seconds:g} s"})
+                continue
+            rewards, acc = got
         out.correct.append(acc)
         for agent in team.agents:
             out.calls[agent] = out.calls.get(agent, 0) + sum(1 for r in res.records if r.agent == agent)
         for agent, rs in trajectory_rows(res, team.decode).items():
+            if broke:  # the store says which samples a broken trajectory left, and how it broke
+                for r in rs:
+                    r["extra"] = json.dumps({**json.loads(r["extra"]), "policy_error": res.policy_error})
             given = workload.turn_rewards(problem, agent, [r["response_text"] for r in rs], rewards.get(agent, 0.0))
             out.rows.setdefault(agent, []).extend(rs)
             man["samples"].setdefault(agent, []).extend(r["sample_id"] for r in rs)

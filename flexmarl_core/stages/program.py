@@ -77,12 +77,16 @@ def decode_on_instance(run_dir: str, agent: str, version: int,
 def _result(op: Op, got: Any, results: list, session: Any, versions: dict[str, int]) -> StageResult:
     tokens = sum(sum(r["loss_mask"].count(1) if r["loss_mask"] else len(r["response_ids"]) for r in rows)
                  for rows in got.rows.values())
-    n_ok = sum(1 for r in results if r.error is None)
+    dropped = sum(1 for r in results if r.error is not None and r.policy_error is None)
+    broke = [r for r in results if r.policy_error is not None]
+    n_ok = len(results) - dropped  # trajectories whose calls count: answered, or broken by the policy
     lat = sorted(max(c - e, 0.0) for r in results for c, e in r.latencies)
+    untrained = sum(1 for m in got.manifest.values() for f in m["failed"] if not f.get("trained"))
     metrics: dict[str, float] = {
         "team/accuracy": sum(got.correct) / max(len(got.correct), 1),
-        "team/program/failed": float(len(results) - n_ok),
-        "team/reward/failed": float(sum(len(m["failed"]) for m in got.manifest.values()) - (len(results) - n_ok)),
+        "team/program/failed": float(dropped),
+        "team/program/policy_failed": float(len(broke)),
+        "team/reward/failed": float(untrained - dropped),
         "team/program/requests_per_decode": sum(d[1] for d in session.decodes) / max(len(session.decodes), 1),
         "team/program/decodes": float(len(session.decodes)),
     }
@@ -91,6 +95,12 @@ def _result(op: Op, got: Any, results: list, session: Any, versions: dict[str, i
         metrics["team/program/call_overhead_ms_p99"] = 1e3 * lat[min(int(0.99 * len(lat)), len(lat) - 1)]
     if session.overheads:  # the endpoint's own share of it (parsing, templating, tokenising, JSON)
         metrics["team/program/server_overhead_ms_p50"] = 1e3 * median(session.overheads)
+    for r in broke:  # by exception type and by agent: what the policy keeps breaking
+        key = f"team/program/policy_failed/{r.policy_error}"
+        metrics[key] = metrics.get(key, 0.0) + 1.0
+        for rec in r.records:
+            k = agent_key(rec.agent, "program/policy_failed_calls")
+            metrics[k] = metrics.get(k, 0.0) + 1.0
     for agent, rewards in got.rewards.items():
         metrics[agent_key(agent, "reward")] = sum(rewards) / max(len(rewards), 1)
     for agent, calls in got.calls.items():
