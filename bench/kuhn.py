@@ -6,7 +6,7 @@ legal moves, `EnvironmentTeam.demonstrations`), then N RL iterations on a local 
 (real stages, store and scheduler; no Prefect), in three conditions:
 
     selfplay  alice plays player_0, bob player_1, both train from their own samples
-    frozen    alice trains; bob stays at the SFT start (`trainable: false`)
+    frozen    alice trains; bob plays at his SFT start (`frozen: true`), never learning
     shared    one agent plays both seats, told which by the observation (SPIRAL's shape)
 
 Before RL (version 0) and after it (version N), the policy is read from the models exactly:
@@ -43,12 +43,14 @@ SFT = ["train.warm_start=sft", "train.sft_target_accuracy=1.0", "train.sft_max_s
        "train.sft_eval_every=50", "train.sft_batch=32"]
 
 
-def condition(name: str) -> dict:
-    """configs/env_kuhn.yaml, changed for condition `name`."""
+def condition(name: str, render: str | None = None) -> dict:
+    """configs/env_kuhn.yaml, changed for condition `name` (and `options.render`)."""
     data = yaml.safe_load(CONFIG.read_text())
     team = data["team"]
-    if name == "frozen":
-        team["agents"][1]["trainable"] = False
+    if render:
+        team["environment"]["options"] = {"render": render}
+    if name == "frozen":  # bob plays at his SFT start, never learning
+        team["environment"]["seats"]["player_1"] = {"agent": "bob", "frozen": True}
     elif name == "shared":
         agent = {**team["agents"][0], "name": "player"}
         team["agents"] = [agent]
@@ -74,27 +76,30 @@ def measure(cfg, run_dir: Path, version: int) -> dict:
     from flexmarl_core.teams.environment import EnvironmentTeam
 
     team = EnvironmentTeam(cfg)
-    models = {}
+    models, frozen = {}, {}
     for agent in team.meg.agent_names:
-        model, _ = load_agent_model(cfg.agent(agent).model, seed=cfg.seed)
-        v = version if cfg.agent(agent).trainable else 0
-        model.load_state_dict(load_weights(run_dir, agent, v))
-        models[agent] = model.eval()
-    seats = {s: models[c.agent] for s, c in team.ecfg.seats.items()}
+        for v, into in ((version if cfg.agent(agent).trainable else 0, models), (0, frozen)):
+            model, _ = load_agent_model(cfg.agent(agent).model, seed=cfg.seed)
+            model.load_state_dict(load_weights(run_dir, agent, v))
+            into[agent] = model.eval()
+    seats = {s: frozen[c.agent] if c.frozen else models[c.agent] for s, c in team.ecfg.seats.items()}
     probs = policy(team, seats)
-    return {"exploitability": kuhn.exploitability(probs),
-            **{f"value_vs_random_{s}": kuhn.value_vs_random(probs, s) for s in kuhn.SEATS},
-            **{f"win_rate_vs_random_{s}": kuhn.win_rate_vs_random(probs, s) for s in kuhn.SEATS}}
+    render = team.env.render  # what the seats were shown: the config's `options.render`, if any
+    return {"exploitability": kuhn.exploitability(probs, render),
+            **{f"value_vs_random_{s}": kuhn.value_vs_random(probs, s, render) for s in kuhn.SEATS},
+            **{f"win_rate_vs_random_{s}": kuhn.win_rate_vs_random(probs, s, render) for s in kuhn.SEATS},
+            "probs": {f"{seat} {obs}": [round(x, 4) for x in probs(seat, obs, legal)]
+                      for seat, obs, legal in kuhn.kuhn_infosets(render)}}
 
 
-def one(name: str, seed: int, iterations: int, out: Path, client) -> dict:
+def one(name: str, seed: int, iterations: int, out: Path, client, render: str | None) -> dict:
     from flexmarl_core import cluster
     from flexmarl_core.config import load_config
     from flexmarl_core.driver import run
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(condition(name), f)
-    run_dir = out / f"{name}-{seed}"
+        yaml.safe_dump(condition(name, render), f)
+    run_dir = out / f"{name}-{seed}{'-' + render.rsplit(':', 1)[1] if render else ''}"
     cfg = load_config(f.name, [f"run_dir={run_dir}", f"seed={seed}", f"train.iterations={iterations}",
                                "train.evaluate=false", "train.evaluate_initial=false", *SFT])
     folder = run.prepare_run(cfg, log=lambda _: None)
@@ -103,7 +108,7 @@ def one(name: str, seed: int, iterations: int, out: Path, client) -> dict:
     wall = time.time() - t0
     before, after = measure(cfg, folder, 0), measure(cfg, folder, iterations)
     last = res.iterations[-1]
-    row = {"condition": name, "seed": seed, "iterations": iterations, "rl_wall_s": wall, "before": before,
+    row = {"condition": name, "seed": seed, "render": render or "default", "iterations": iterations, "rl_wall_s": wall, "before": before,
            "after": after, "delta_exploitability": after["exploitability"] - before["exploitability"],
            "invalid_last_iteration": last.get("team/env/invalid", 0.0) / max(last.get("team/env/episodes", 1.0), 1.0),
            "train_win_rate_last_iteration": last["accuracy"]}
@@ -145,6 +150,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--conditions", nargs="+", default=["selfplay", "frozen", "shared"])
     ap.add_argument("--out", default="runs/bench-kuhn")
+    ap.add_argument("--render", default=None, help="team.environment.options.render, e.g. "
+                    "flexmarl_core.envs.openspiel:render_kuhn_short (default: the adapter's own)")
     args = ap.parse_args()
     if args.quick:
         args.seeds, args.iterations, args.conditions = [0], 6, ["selfplay"]
@@ -158,7 +165,7 @@ def main() -> None:
         {"name": "w1", "resources": {"rollout": 1, "train": 1}}]}), dashboard=False)
     t0 = time.time()
     try:
-        rows = [one(c, s, args.iterations, out, client) for c in args.conditions for s in args.seeds]
+        rows = [one(c, s, args.iterations, out, client, args.render) for c in args.conditions for s in args.seeds]
     finally:
         client.close()
         if cluster is not None:
@@ -167,7 +174,8 @@ def main() -> None:
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                        text=True).stdout.strip(),
               "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "seeds": args.seeds, "iterations": args.iterations, "rows": rows, "summary": summary(rows),
+              "seeds": args.seeds, "iterations": args.iterations, "render": args.render or "default",
+              "rows": rows, "summary": summary(rows),
               "uniform_random_exploitability": 0.4583333333333333, "nash_value_player_0": -1 / 18}
     print(f"{'condition':9s} {'exploitability before':>22s} {'after':>8s} {'change':>16s} {'beyond spread':>14s}")
     for name, s in result["summary"].items():

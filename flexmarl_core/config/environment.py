@@ -13,6 +13,9 @@ from flexmarl_core.config.agent import _Strict
 
 class SeatConfig(_Strict):
     agent: str | None = Field(None, description="The agent that plays this seat (several seats may share one).")
+    frozen: bool = Field(
+        False, description="The agent plays this seat at its starting weights (version 0: its SFT start or its "
+        "model) whatever it has learned since, and these answers train nobody: an opponent that does not learn.")
     scripted: str | None = Field(
         None, description="A scripted policy plays this seat instead: random (uniform over the legal moves), "
         "first, openspiel:kuhn_nash, or python:<module>:<function> `(turn, rng) -> answer`.")
@@ -21,6 +24,8 @@ class SeatConfig(_Strict):
     def _one(self) -> SeatConfig:
         if (self.agent is None) == (self.scripted is None):
             raise ValueError("a seat names exactly one of `agent` or `scripted`")
+        if self.frozen and self.agent is None:
+            raise ValueError("`frozen` is for a seat an agent plays")
         return self
 
 

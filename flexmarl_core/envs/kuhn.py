@@ -18,6 +18,8 @@ from flexmarl_core.envs.api import require
 from flexmarl_core.envs.openspiel import legal_texts, render_kuhn
 
 Probs = Callable[[str, str, tuple[str, ...]], Sequence[float]]
+#: an information state as text: `render(state, player)` (the adapter's, or `options.render`)
+Render = Callable[[Any, int], str]
 GAME = "kuhn_poker"
 SEATS = ("player_0", "player_1")
 
@@ -45,14 +47,15 @@ def _infosets(game: Any) -> dict[str, Any]:
     return out
 
 
-def kuhn_infosets() -> list[tuple[str, str, tuple[str, ...]]]:
+def kuhn_infosets(render: Render = render_kuhn) -> list[tuple[str, str, tuple[str, ...]]]:
     """(seat, observation text as the adapter renders it, legal action texts) for each of the
-    12 decision points, player_0's first."""
+    12 decision points, player_0's first (`render`: the config's `options.render`)."""
     found = [(s.current_player(), key, s) for key, s in _infosets(_game()).items()]
-    return [(SEATS[p], render_kuhn(s, p), legal_texts(s, p)) for p, _, s in sorted(found, key=lambda x: x[:2])]
+    return [(SEATS[p], render(s, p), legal_texts(s, p)) for p, _, s in sorted(found, key=lambda x: x[:2])]
 
 
-def tabular_policy(probs: Probs, seats: Sequence[str] = SEATS) -> Any:
+def tabular_policy(probs: Probs, seats: Sequence[str] = SEATS,
+                   render: Render = render_kuhn) -> Any:
     """An OpenSpiel `TabularPolicy` playing `probs` in `seats` and uniform random elsewhere."""
     from open_spiel.python.policy import TabularPolicy
 
@@ -63,7 +66,7 @@ def tabular_policy(probs: Probs, seats: Sequence[str] = SEATS) -> Any:
         if SEATS[p] not in seats:
             continue
         legal = legal_texts(s, p)
-        row = [float(x) for x in probs(SEATS[p], render_kuhn(s, p), legal)]
+        row = [float(x) for x in probs(SEATS[p], render(s, p), legal)]
         if len(row) != len(legal) or min(row) < 0 or sum(row) <= 0:
             raise ValueError(f"probs for {SEATS[p]} over {legal} must be {len(legal)} non-negative "
                              f"numbers with a positive sum, got {row}")
@@ -74,31 +77,31 @@ def tabular_policy(probs: Probs, seats: Sequence[str] = SEATS) -> Any:
     return policy
 
 
-def exploitability(probs: Probs) -> float:
+def exploitability(probs: Probs, render: Render = render_kuhn) -> float:
     """OpenSpiel's exploitability of the joint policy (NashConv / 2): 0 at Nash."""
     from open_spiel.python.algorithms import exploitability as ex
 
-    return float(ex.exploitability(_game(), tabular_policy(probs)))
+    return float(ex.exploitability(_game(), tabular_policy(probs, render=render)))
 
 
-def nash_conv(probs: Probs) -> float:
+def nash_conv(probs: Probs, render: Render = render_kuhn) -> float:
     from open_spiel.python.algorithms import exploitability as ex
 
-    return float(ex.nash_conv(_game(), tabular_policy(probs)))
+    return float(ex.nash_conv(_game(), tabular_policy(probs, render=render)))
 
 
-def value_vs_random(probs: Probs, seat: str) -> float:
+def value_vs_random(probs: Probs, seat: str, render: Render = render_kuhn) -> float:
     """The exact expected return of `probs` playing `seat` against a uniform random opponent."""
     from open_spiel.python.algorithms.expected_game_score import policy_value
 
-    policy = tabular_policy(probs, seats=(seat,))
+    policy = tabular_policy(probs, seats=(seat,), render=render)
     return float(policy_value(_game().new_initial_state(), [policy, policy])[SEATS.index(seat)])
 
 
-def win_rate_vs_random(probs: Probs, seat: str) -> float:
+def win_rate_vs_random(probs: Probs, seat: str, render: Render = render_kuhn) -> float:
     """The exact probability that `probs` in `seat` ends with a positive return against a
     uniform random opponent (walks the 30 terminal histories)."""
-    policy = tabular_policy(probs, seats=(seat,))
+    policy = tabular_policy(probs, seats=(seat,), render=render)
     me = SEATS.index(seat)
 
     def walk(state: Any) -> float:

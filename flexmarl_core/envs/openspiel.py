@@ -89,6 +89,15 @@ def render_kuhn(state: Any, player: int) -> str:
     )
 
 
+def render_kuhn_short(state: Any, player: int) -> str:
+    """kuhn_poker in a few tokens, the card last but one line (a small model attends to what is
+    near its answer): `options.render: flexmarl_core.envs.openspiel:render_kuhn_short`."""
+    info = state.information_state_string(player)
+    said = {"p": "pass", "b": "bet"}
+    history = " ".join(said[c] for c in info[1:]) or "-"
+    return f"P{player} bets: {history}\ncard {KUHN_CARDS[int(info[0])]}\n{bracketed(legal_texts(state, player))}"
+
+
 class OpenSpielEnvironment:
     def __init__(self, game: Any, render: Render) -> None:
         self.game, self.render = game, render

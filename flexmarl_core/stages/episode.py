@@ -58,7 +58,8 @@ def episode(ctx: WorkerContext, op: Op) -> StageResult:
     for agent in sorted(rows):
         ctx.store.write_samples(agent, it, rows[agent])
         ctx.store.write_status(agent, it, status[agent])
-    res = _result(op, played, rows, status, decodes, versions, trainable)
+    learning = {s for s, c in team.ecfg.seats.items() if c.agent in trainable and not c.frozen}
+    res = _result(op, played, rows, status, decodes, versions, learning)
     done = {"samples": res.samples, "tokens": res.tokens, "version": res.version, "metrics": res.metrics}
     for j in mbs:  # last: its presence means the op is done
         ids = {a: sorted(r["sample_id"] for r in rs if r["mb"] == j) for a, rs in rows.items()}
@@ -71,7 +72,7 @@ def _samples(team: EnvironmentTeam, p: Played, trainable: set[str]) -> list[tupl
     """(agent, sample row, reward) of a played episode's trainable answers."""
     by_seat: dict[str, list[Answer]] = defaultdict(list)
     for a in p.answers:
-        if a.agent in trainable and a.reply is not None:
+        if a.agent in trainable and a.reply is not None and not team.ecfg.seats[a.seat].frozen:
             by_seat[a.seat].append(a)
     out = []
     multi = team.ecfg.samples == "multi_turn"
@@ -126,9 +127,9 @@ def _continued(team: EnvironmentTeam, answers: list[Answer]) -> list[list[Answer
 
 def _result(op: Op, played: list[Played], rows: dict[str, list[dict[str, Any]]],
             status: dict[str, list[dict[str, Any]]], decodes: list[tuple[str, DecodeStats]],
-            versions: dict[str, int], trainable: set[str]) -> StageResult:
-    seats = {a.seat for p in played for a in p.answers if a.agent in trainable}
-    wins = [p.returns.get(s, 0.0) > 0 for p in played for s in seats if s in p.returns]
+            versions: dict[str, int], learning: set[str]) -> StageResult:
+    """`learning`: the seats whose answers train (their win rate is the op's accuracy)."""
+    wins = [p.returns.get(s, 0.0) > 0 for p in played for s in sorted(learning) if s in p.returns]
     answers = [a for p in played for a in p.answers]
     metrics: dict[str, float] = {
         "team/accuracy": sum(wins) / max(len(wins), 1),

@@ -70,10 +70,11 @@ class EnvironmentTeam:
         one batch per round on `dispatcher` at `versions`; `decodes` collects what each decode
         measured."""
         def reply(pending: list[Pending]) -> None:
-            by_agent: dict[str, list[Pending]] = {}
-            for q in pending:
-                by_agent.setdefault(q.answer.agent, []).append(q)
-            for agent, qs in by_agent.items():
+            by_agent: dict[tuple[str, int], list[Pending]] = {}
+            for q in pending:  # a frozen seat decodes at its agent's starting weights
+                v = 0 if self.ecfg.seats[q.answer.seat].frozen else versions[q.answer.agent]
+                by_agent.setdefault((q.answer.agent, v), []).append(q)
+            for (agent, version), qs in by_agent.items():
                 acfg = self.cfg.agent(agent)
                 sampling = acfg.sampling.model_copy(update={"temperature": 0.0}) if greedy else acfg.sampling
                 groups = []
@@ -82,7 +83,7 @@ class EnvironmentTeam:
                     seed = seed_of(q.played.input_id, q.played.traj, agent, q.answer.k)
                     groups.append(DecodeGroup(tuple(ids), sampling, seed, 1, (q.played.input_id, q.played.traj)))
                 stats = DecodeStats()
-                gens = dispatcher.decode(agent, versions[agent], groups, stats)
+                gens = dispatcher.decode(agent, version, groups, stats)
                 if decodes is not None:
                     decodes.append((agent, stats))
                 for q, g in zip(qs, gens, strict=True):
@@ -132,7 +133,7 @@ class EnvironmentTeam:
         """Problem i is one episode with the i-th agent-played seat (in turn) against the
         scripted `eval_opponent` in every other seat; the output agent's "answer" is `win` if
         that seat's outcome is positive (the held-out accuracy is the win rate)."""
-        played_seats = [s for s, c in self.ecfg.seats.items() if c.agent is not None]
+        played_seats = [s for s, c in self.ecfg.seats.items() if c.agent is not None and not c.frozen]
         versions = {a: int(engines[a].version) for a in self.meg.agent_names}
         disp = LocalDispatcher.of_engines(engines)
         out: list[dict[str, str]] = []

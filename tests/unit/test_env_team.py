@@ -214,3 +214,41 @@ def test_an_environment_not_among_the_examples_trains_from_a_config_alone(tmp_pa
     assert audit_run(str(folder))[1] == []
     rows = MEGStore(cfg.resolved_store_uri()).read_samples("alice", 0).to_pylist()
     assert rows and all(r["reward"] is not None and r["consumed_step"] == 0 for r in rows)
+
+
+def test_a_frozen_seat_decodes_at_its_agents_start_and_trains_nobody(tmp_path):
+    """bob plays player_1 frozen: his answers decode at version 0 even in iteration 1 and are
+    no samples; alice's are, and train."""
+    cfg, folder, out = _run(tmp_path, "train.iterations=2", "team.environment.seats.player_1={agent: bob, frozen: true}")
+    assert audit_run(str(folder))[1] == []
+    store = MEGStore(cfg.resolved_store_uri())
+    assert store.read_samples("bob", 1).num_rows == 0
+    alice = store.read_samples("alice", 1).to_pylist()
+    assert alice and {r["policy_version"] for r in alice} == {1}
+    assert all(m["team/env/episodes"] == 12 for m in out.iterations)
+
+
+def test_frozen_seats_decode_at_version_0(tmp_path):
+    seen: list[tuple[str, int]] = []
+
+    class Recording(ScriptedDispatcher):
+        def decode(self, agent, version, groups, stats):
+            seen.extend((agent, version) for _ in groups)
+            return super().decode(agent, version, groups, stats)
+
+    class Host(ScriptedHost):
+        def __init__(self, team):
+            self.dispatch = Recording(team)
+
+    cfg = load_config(KUHN, [f"run_dir={tmp_path / 'run'}", *SMALL, "train.iterations=2",
+                             "team.environment.seats.player_1={agent: bob, frozen: true}"])
+    folder = run.prepare_run(cfg, log=lambda _: None)
+    ex = ThreadExecutor(stage_fn(str(folder)), {w.name: dict(w.resources) for w in cfg.cluster.workers})
+    from flexmarl_core.runtime.worker import context
+    engines.install_host(Host(context(str(folder)).team))
+    try:
+        run.train(cfg, folder, ex)
+    finally:
+        engines._HOST.clear()
+        ex.close()
+    assert {v for a, v in seen if a == "bob"} == {0} and {v for a, v in seen if a == "alice"} == {0, 1}
