@@ -1,11 +1,13 @@
-"""What the fresh-clone benches share (`bench/first_run.py`, `bench/suite.py`): a clone of one
-commit in a temporary folder, and the machine's load while they run (the 1-minute load
-average, sampled in a thread)."""
+"""What benches that write their own provenance share (`bench/first_run.py`, `bench/suite.py`,
+`bench/kuhn.py`): a clone of one commit in a temporary folder, the machine, and its load while
+they run (the 1-minute load average, sampled in a thread)."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -19,6 +21,13 @@ def fresh_clone(repo: Path, commit: str, prefix: str) -> tuple[str, Path, Path]:
     subprocess.run(["git", "clone", "--quiet", str(repo), str(clone)], check=True)
     subprocess.run(["git", "-C", str(clone), "checkout", "--quiet", sha], check=True)
     return sha, work, clone
+
+
+def machine() -> dict[str, object]:
+    """What a record says of the machine it was made on."""
+    cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
+    mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
+    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem, 1), "python": sys.version.split()[0]}
 
 
 def load_now() -> float:

@@ -31,12 +31,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from _fresh import LoadSampler, fresh_clone  # bench/ is this script's folder
+from _fresh import LoadSampler, fresh_clone, machine  # bench/ is this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 HELD_OUT = re.compile(r"held-out team accuracy: ([\d.]+) before RL -> ([\d.]+) after \(([+-][\d.]+)\)")
@@ -79,12 +78,6 @@ def phases(lines: list[tuple[float, str]]) -> dict[str, float]:
            "sft": sft_end - (sft_start if sft_start is not None else sft_end),
            "rl": iters[-1][0] - start_rl, "evaluation": held - iters[-1][0], "finish": end - held}
     return {k: round(v, 1) for k, v in out.items()}
-
-
-def machine() -> dict[str, object]:
-    cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
-    mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
-    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem, 1), "python": sys.version.split()[0]}
 
 
 def main() -> None:

@@ -158,8 +158,17 @@ def main() -> None:
     from flexmarl_core.cluster import start_cluster
     from flexmarl_core.config import ClusterConfig
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _fresh import LoadSampler, machine
+
     torch.set_num_threads(1)
     out = Path(args.out).absolute()
+    load = LoadSampler()
+    load.start()
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()  # the code that ran: taken before it runs
     cluster, client = start_cluster(ClusterConfig.model_validate({"workers": [
         {"name": "w0", "resources": {"rollout": 1, "train": 1}},
         {"name": "w1", "resources": {"rollout": 1, "train": 1}}]}), dashboard=False)
@@ -171,8 +180,8 @@ def main() -> None:
         if cluster is not None:
             cluster.close()
     result = {"bench": "kuhn", "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0,
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                       text=True).stdout.strip(),
+              "commit": commit, "start_utc": started, "machine": machine(), "load_before": load_before,
+              "load": load.stop(),
               "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
               "seeds": args.seeds, "iterations": args.iterations, "render": args.render or "default",
               "rows": rows, "summary": summary(rows),
