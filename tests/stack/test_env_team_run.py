@@ -67,45 +67,66 @@ def kuhn_run(dask_cluster, tmp_path_factory):
     return run_dir
 
 
-def _replayed(rows: list[dict], max_invalid: int = 2, penalty: float = -1.0) -> dict[str, float]:
-    """Every episode of one iteration's rows replayed on a fresh Kuhn poker with the stored
-    answers: sample id -> the return its answer earned (the forfeit rule of `envs/play.py`)."""
+def _replayed(cfg, rows: list[dict]) -> dict[str, float]:
+    """Every episode of one iteration's rows replayed on a fresh environment of `cfg` with the
+    stored answers: sample id -> the return its answer earned (the forfeit rule of
+    `envs/play.py`). Seats a script plays are answered by that script, seeded as the run's."""
+    import random
+
+    from flexmarl_core.envs import scripted_policy
+
+    ecfg = cfg.team.environment
     answers: dict[tuple[str, int, str], list[str]] = defaultdict(list)
     for r in sorted(rows, key=lambda r: r["turn"]):
         answers[(r["input_id"], r["traj"], r["agent"])].append(r["response_text"])
-    agents = {"player_0": "alice", "player_1": "bob"}
     out: dict[str, float] = {}
     for input_id, traj in {(i, t) for i, t, _ in answers}:
-        ep = make_environment("openspiel:kuhn_poker").episode(episode_seed(input_id))
+        seed = episode_seed(input_id)
+        ep = make_environment(ecfg.spec, ecfg.options).episode(seed)
         done: list[list] = []
         k: dict[str, int] = defaultdict(int)
         refused: dict[str, int] = defaultdict(int)
         last: dict[str, list] = {}
-        while (turn := ep.turn()) is not None:
-            agent = agents[turn.seat]
-            text = answers[(input_id, traj, agent)][k[agent]]
+        scripts = {s: (scripted_policy(c.scripted), random.Random(f"{seed}:{traj}:{s}"))
+                   for s, c in ecfg.seats.items() if c.scripted}
+        while (turn := ep.turn()) is not None and len(done) < ecfg.max_turns:
+            agent = ecfg.seats[turn.seat].agent
+            if agent is None:
+                policy, rng = scripts[turn.seat]
+                text, sid = policy(turn, rng), None
+            else:
+                text = answers[(input_id, traj, agent)][k[agent]]
+                sid = f"{input_id}:{traj}:{agent}:{k[agent]}"
+                k[agent] += 1
             step = ep.act(text)
-            a = [f"{input_id}:{traj}:{agent}:{k[agent]}", turn.seat, 0.0 if step.valid else penalty]
-            k[agent] += 1
+            a = [sid, turn.seat, 0.0 if step.valid else ecfg.invalid_penalty]
             done.append(a)
             last[turn.seat] = a
-            for seat, r in step.rewards.items():
-                last[seat][2] += r
             refused[turn.seat] = 0 if step.valid else refused[turn.seat] + 1
-            if refused[turn.seat] >= max_invalid:
+            for seat, r in step.rewards.items():
+                if seat in last:
+                    last[seat][2] += r
+            if refused[turn.seat] >= ecfg.max_invalid:
                 break
         ret: dict[str, float] = {}
         for sid, seat, r in reversed(done):
-            out[sid] = ret[seat] = r + ret.get(seat, 0.0)
+            ret[seat] = r + ecfg.gamma * ret.get(seat, 0.0)
+            if sid is not None:
+                out[sid] = ret[seat]
     return out
+
+
+def _assert_rows_replay(run_dir: Path) -> None:
+    cfg = load_config(run_dir / "config.yaml")
+    rows = _rows(run_dir)
+    for it in range(ITERATIONS):
+        mine = [{**r, "agent": a} for (a, i), rs in rows.items() if i == it for r in rs]
+        assert {r["sample_id"]: pytest.approx(r["reward"], abs=1e-6) for r in mine} == _replayed(cfg, mine)
 
 
 def test_kuhn_poker_on_the_real_stack_every_seats_rows_replay_to_their_rewards(kuhn_run):
     assert_committed_once(kuhn_run)
-    rows = _rows(kuhn_run)
-    for it in range(ITERATIONS):
-        both = [{**r, "agent": a} for a in ("alice", "bob") for r in rows[(a, it)]]
-        assert {r["sample_id"]: pytest.approx(r["reward"], abs=1e-6) for r in both} == _replayed(both)
+    _assert_rows_replay(kuhn_run)
     eps = [o for o in ops_log(kuhn_run) if o["kind"] == "episode"]
     assert sorted(o["op"] for o in eps) == sorted(f"episode it={i} mb={j}" for i in range(ITERATIONS) for j in range(2))
     assert all(o["busy"] for o in eps) and {b[0] for o in eps for b in o["busy"]} <= {"w0", "w1"}
@@ -154,3 +175,4 @@ def test_each_protocol_trains_from_its_example_config(dask_cluster, tmp_path, co
     its = [json.loads(x) for x in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in its] == list(range(ITERATIONS))
     assert all(m["team/env/episodes"] == 8 for m in its)
+    _assert_rows_replay(run_dir)  # every seat's rows, replayed on a fresh environment
