@@ -16,6 +16,10 @@ class SeatConfig(_Strict):
     frozen: bool = Field(
         False, description="The agent plays this seat at its starting weights (version 0: its SFT start or its "
         "model) whatever it has learned since, and these answers train nobody: an opponent that does not learn.")
+    pool: bool = Field(
+        False, description="The agent plays this seat at a version drawn per episode from the ones the run keeps "
+        "below its current one (version 0 and every `train.keep_every`-th: fictitious self-play against its past "
+        "selves), and these answers train nobody. Needs `train.keep_every`.")
     scripted: str | None = Field(
         None, description="A scripted policy plays this seat instead: random (uniform over the legal moves), "
         "first, openspiel:kuhn_nash, or python:<module>:<function> `(turn, rng) -> answer`.")
@@ -24,9 +28,17 @@ class SeatConfig(_Strict):
     def _one(self) -> SeatConfig:
         if (self.agent is None) == (self.scripted is None):
             raise ValueError("a seat names exactly one of `agent` or `scripted`")
-        if self.frozen and self.agent is None:
-            raise ValueError("`frozen` is for a seat an agent plays")
+        if (self.frozen or self.pool) and self.agent is None:
+            raise ValueError("`frozen` and `pool` are for a seat an agent plays")
+        if self.frozen and self.pool:
+            raise ValueError("a seat is `frozen` (version 0) or plays a `pool` of versions, not both")
         return self
+
+
+    @property
+    def learns(self) -> bool:
+        """Whether this seat's answers are samples of its agent (not frozen, not a pool)."""
+        return self.agent is not None and not self.frozen and not self.pool
 
 
 class EnvironmentConfig(_Strict):

@@ -28,7 +28,7 @@ class Answer:
 
     seat: str
     agent: str
-    k: int  #: this answer's index among the agent's answers in the episode (its frozen seats' apart)
+    k: int  #: this answer's index among the agent's answers in the episode (its past selves' apart)
     messages: list[dict[str, str]]
     text: str = ""
     valid: bool = True
@@ -155,7 +155,7 @@ class _Seats:
         convo = [*self.history.get(seat, [])] if self.ecfg.samples == "multi_turn" else []
         convo.append({"role": "user", "content": seen})
         agent = self.seats[seat] or ""
-        key = f"{agent}/frozen" if self.ecfg.seats[seat].frozen else agent
+        key = agent if self.ecfg.seats[seat].learns else f"{agent}/past"
         k = self.calls.get(key, 0)
         self.calls[key] = k + 1
         return Answer(seat, agent, k, convo)

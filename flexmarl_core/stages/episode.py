@@ -58,7 +58,7 @@ def episode(ctx: WorkerContext, op: Op) -> StageResult:
     for agent in sorted(rows):
         ctx.store.write_samples(agent, it, rows[agent])
         ctx.store.write_status(agent, it, status[agent])
-    learning = {s for s, c in team.ecfg.seats.items() if c.agent in trainable and not c.frozen}
+    learning = {s for s, c in team.ecfg.seats.items() if c.agent in trainable and c.learns}
     res = _result(op, played, rows, status, decodes, versions, learning)
     done = {"samples": res.samples, "tokens": res.tokens, "version": res.version, "metrics": res.metrics}
     for j in mbs:  # last: its presence means the op is done
@@ -72,7 +72,7 @@ def _samples(team: EnvironmentTeam, p: Played, trainable: set[str]) -> list[tupl
     """(agent, sample row, reward) of a played episode's trainable answers."""
     by_seat: dict[str, list[Answer]] = defaultdict(list)
     for a in p.answers:
-        if a.agent in trainable and a.reply is not None and not team.ecfg.seats[a.seat].frozen:
+        if a.agent in trainable and a.reply is not None and team.ecfg.seats[a.seat].learns:
             by_seat[a.seat].append(a)
     out = []
     multi = team.ecfg.samples == "multi_turn"

@@ -46,6 +46,9 @@ class EnvironmentTeam:
         self.meg = MEG.from_config(cfg.team)
         # built now, so a missing package or a seat the game does not have stops the run at start
         self.env: Environment = make_environment(self.ecfg.spec, self.ecfg.options)
+        if any(s.pool for s in self.ecfg.seats.values()) and not cfg.train.keep_every:
+            raise ConfigError("team.environment.seats: a `pool` seat plays versions the run keeps; set "
+                              "train.keep_every (e.g. 5) so that there are some beside version 0")
         if set(self.ecfg.seats) != set(self.env.seats):
             raise ConfigError(f"team.environment.seats names {sorted(self.ecfg.seats)}; environment "
                               f"{self.ecfg.spec!r} has seats {list(self.env.seats)}: map each of them")
@@ -71,8 +74,9 @@ class EnvironmentTeam:
         measured."""
         def reply(pending: list[Pending]) -> None:
             by_agent: dict[tuple[str, int], list[Pending]] = {}
-            for q in pending:  # a frozen seat decodes at its agent's starting weights
-                v = 0 if self.ecfg.seats[q.answer.seat].frozen else versions[q.answer.agent]
+            for q in pending:  # a frozen seat or a pool decodes at its agent's past weights
+                v = self.version(q.answer.seat, q.answer.agent, versions[q.answer.agent], q.played.input_id,
+                                 q.played.traj)
                 by_agent.setdefault((q.answer.agent, v), []).append(q)
             for (agent, version), qs in by_agent.items():
                 acfg = self.cfg.agent(agent)
@@ -89,6 +93,17 @@ class EnvironmentTeam:
                 for q, g in zip(qs, gens, strict=True):
                     q.answer.reply, q.answer.text = g[0], g[0].text
         return play(self.env, self.ecfg, seat_agents(self.ecfg) if seats is None else seats, jobs, reply)
+
+    def version(self, seat: str, agent: str, current: int, input_id: str, traj: int) -> int:
+        """The weights version `seat` plays at in one episode: the agent's `current` one where it
+        learns; 0 where frozen; for a pool, one drawn per episode (seeded by it) from version 0
+        and every `train.keep_every`-th below `current` (the versions the run keeps)."""
+        s = self.ecfg.seats[seat]
+        if s.learns:
+            return current
+        every = self.cfg.train.keep_every or 0
+        pool = [0, *range(every, current, every)] if s.pool and every else [0]
+        return random.Random(f"{input_id}:{traj}:{seat}:pool").choice(pool)
 
     def prompt(self, agent: str, messages: list[dict[str, str]]) -> tuple[list[int], str]:
         """(token ids, text) of `agent`'s prompt for a seat's conversation: its `system`
@@ -133,7 +148,7 @@ class EnvironmentTeam:
         """Problem i is one episode with the i-th agent-played seat (in turn) against the
         scripted `eval_opponent` in every other seat; the output agent's "answer" is `win` if
         that seat's outcome is positive (the held-out accuracy is the win rate)."""
-        played_seats = [s for s, c in self.ecfg.seats.items() if c.agent is not None and not c.frozen]
+        played_seats = [s for s, c in self.ecfg.seats.items() if c.learns]
         versions = {a: int(engines[a].version) for a in self.meg.agent_names}
         disp = LocalDispatcher.of_engines(engines)
         out: list[dict[str, str]] = []

@@ -252,3 +252,48 @@ def test_frozen_seats_decode_at_version_0(tmp_path):
         engines._HOST.clear()
         ex.close()
     assert {v for a, v in seen if a == "bob"} == {0} and {v for a, v in seen if a == "alice"} == {0, 1}
+
+
+def test_a_pool_seat_plays_the_agents_kept_past_versions_drawn_per_episode(tmp_path):
+    """Fictitious self-play: alice plays player_0 learning and player_1 as a past self, drawn
+    per episode from the versions the run keeps below her current one (0, and every
+    keep_every-th); the past selves' answers are no samples."""
+    seen: list[tuple[str, int, int]] = []  # (agent, version, number of rows)
+
+    class Recording(ScriptedDispatcher):
+        def decode(self, agent, version, groups, stats):
+            seen.append((agent, version, len(groups)))
+            return super().decode(agent, version, groups, stats)
+
+    class Host(ScriptedHost):
+        def __init__(self, team):
+            self.dispatch = Recording(team)
+
+    cfg = load_config(KUHN, [f"run_dir={tmp_path / 'run'}", *SMALL, "train.iterations=3", "train.keep_every=1",
+                             "team.agents=[{name: alice, model: {preset: tiny-1m}}]",
+                             "team.environment.seats={player_0: alice, player_1: {agent: alice, pool: true}}",
+                             "cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}]"])
+    folder = run.prepare_run(cfg, log=lambda _: None)
+    ex = ThreadExecutor(stage_fn(str(folder)), {w.name: dict(w.resources) for w in cfg.cluster.workers})
+    from flexmarl_core.runtime.worker import context
+    engines.install_host(Host(context(str(folder)).team))
+    try:
+        run.train(cfg, folder, ex)
+    finally:
+        engines._HOST.clear()
+        ex.close()
+    assert audit_run(str(folder))[1] == []
+    store = MEGStore(cfg.resolved_store_uri())
+    for it in range(3):
+        rows = store.read_samples("alice", it).to_pylist()
+        assert rows and {json.loads(r["extra"])["seat"] for r in rows} == {"player_0"}
+        assert {r["policy_version"] for r in rows} == {it}
+    assert {v for _, v, _ in seen} == {0, 1, 2}
+    team = EnvironmentTeam(load_config(KUHN, ["train.keep_every=2",
+                                              "team.environment.seats.player_1={agent: bob, pool: true}"]))
+    drawn = [team.version("player_1", "bob", 5, f"deal{i}", t) for i in range(50) for t in range(4)]
+    assert set(drawn) == {0, 2, 4}  # the kept versions below the current 5, each drawn
+    assert drawn == [team.version("player_1", "bob", 5, f"deal{i}", t) for i in range(50) for t in range(4)]
+    assert team.version("player_0", "alice", 5, "deal0", 0) == 5
+    with pytest.raises(Exception, match="set train.keep_every"):
+        EnvironmentTeam(load_config(KUHN, ["team.environment.seats.player_1={agent: bob, pool: true}"]))
