@@ -1,5 +1,6 @@
-"""Team shapes (`api.py`): a graph of templated agents (`graph.py`) or a program that calls its
-agents (`program.py`), picked once by `team.shape`.
+"""Team shapes (`api.py`): a graph of templated agents (`graph.py`), a program that calls its
+agents (`program.py`), or a team that plays an environment (`environment.py`), picked once by
+`team.shape`.
 
     team = team_shape(cfg)        # the run's shape, built from its config
     team.generation(plan, it)     # what the shared path calls; it never asks which shape

@@ -9,7 +9,7 @@ these methods and never asks which shape it holds.
 A new shape is one module with a class registered under a name (`register_shape`), picked by
 `team.shape` in the config:
 
-    @register_shape("env")
+    @register_shape("environment")      # teams/environment.py
     class EnvironmentTeam:
         def __init__(self, cfg: ExperimentConfig) -> None: ...
 """
