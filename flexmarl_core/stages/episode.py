@@ -37,7 +37,9 @@ def episode(ctx: WorkerContext, op: Op) -> StageResult:
     if all(ctx.loc.is_file(program_key(it, j)) for j in mbs):
         return committed_result(ctx, op, it, mbs[0])
     team = ctx.team
-    assert isinstance(team, EnvironmentTeam)
+    if not isinstance(team, EnvironmentTeam):
+        raise TypeError(f"{op.name}: an episode op plays an environment team's episodes, not a "
+                        f"{type(team).__name__}'s")
     jobs = [(inp["input_id"], traj, j) for j in mbs for inp in ctx.inputs(it, j)
             for traj in range(ctx.cfg.batch.group_size)]
     versions = {a: weights_version(ctx, a, it) for a in ctx.meg.agent_names}

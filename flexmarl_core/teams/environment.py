@@ -41,7 +41,8 @@ class EnvironmentTeam:
     trajectory_groups = False  # groups: an input's episodes (one deal), an agent's k-th answers
 
     def __init__(self, cfg: ExperimentConfig) -> None:
-        assert cfg.team.environment is not None
+        if cfg.team.environment is None:
+            raise ConfigError("team.shape environment needs team.environment (its spec and seats)")
         self.cfg, self.ecfg = cfg, cfg.team.environment
         self.meg = MEG.from_config(cfg.team)
         # built now, so a missing package or a seat the game does not have stops the run at start
