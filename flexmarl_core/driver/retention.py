@@ -67,8 +67,8 @@ class Retention(RunHook):
     def __init__(self, rule: KeepRule, loc: RunLocation, durable: Callable[[], int]) -> None:
         self.rule, self.loc, self.durable = rule, loc, durable
         self._seen = 0  # op records passed to this hook
-        #: (record number, kind, agent, version) not yet durable
-        self._pending: list[tuple[int, str, str, int]] = []
+        #: (record number, a step (else a sync), agent, version) not yet durable
+        self._pending: list[tuple[int, bool, str, int]] = []
         self._stepped: dict[str, int] = {}
         self._synced: dict[str, int] = {}
 
@@ -77,7 +77,7 @@ class Retention(RunHook):
         op = record.op
         kind = traits(op.kind)
         if kind.steps or kind.publishes:
-            self._pending.append((self._seen, "step" if kind.steps else "sync", op.agent, op.iteration + 1))
+            self._pending.append((self._seen, kind.steps, op.agent, op.iteration + 1))
         self.release()
 
     def release(self, *, everything: bool = False) -> None:
@@ -88,8 +88,8 @@ class Retention(RunHook):
         upto = self._seen if everything else self.durable()
         changed: set[str] = set()
         while self._pending and self._pending[0][0] <= upto:
-            _, kind, agent, version = self._pending.pop(0)
-            seen = self._stepped if kind == "step" else self._synced
+            _, stepped, agent, version = self._pending.pop(0)
+            seen = self._stepped if stepped else self._synced
             seen[agent] = max(seen.get(agent, 0), version)
             changed.add(agent)
         for agent in sorted(changed):

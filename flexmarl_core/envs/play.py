@@ -35,6 +35,9 @@ class Answer:
     reward: float = 0.0  #: what it earned before the seat's next answer (see the module doc)
     ret: float = 0.0  #: its discounted return
     reply: Any = None
+    #: the agent's prompt for `messages` as it was decoded (token ids, text)
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_text: str = ""
 
 
 @dataclass
@@ -102,7 +105,7 @@ def play(env: Environment, ecfg: EnvironmentConfig, seats: Mapping[str, str | No
             if not step.valid:
                 a.reward += ecfg.invalid_penalty
             for seat, r in step.rewards.items():  # this answer's own rewards are its own
-                st.earn(p, seat, r)
+                st.earn(seat, r)
         still = []
         for p, ep, st in live:
             over = ep.turn() is None
@@ -181,7 +184,7 @@ class _Seats:
         self.refused[a.seat] = self.refused.get(a.seat, 0) + 1
         return self.refused[a.seat]
 
-    def earn(self, p: Played, seat: str, r: float) -> None:
+    def earn(self, seat: str, r: float) -> None:
         if seat in self.last:
             self.last[seat].reward += r
         else:

@@ -30,6 +30,10 @@ from flexmarl_core.sim.cost import CostModel, op_rng
 _FREE, _SEEN = 0, 1  # event kinds; at equal times a worker frees before a completion is seen
 
 
+#: the op kinds the cost model prices: a graph team's (`sim/cost.py`)
+PRICED = frozenset({"rollout", "reward", "train", "step", "sync"})
+
+
 @dataclass
 class _Job:
     op: Op
@@ -239,6 +243,8 @@ class SimExecutor:
         return [n.turn for n in self.meg.nodes if n.agent == agent]
 
     def _base_s(self, op: Op) -> float:
+        if op.kind not in PRICED:  # a guess for another kind would be a wrong answer
+            raise ValueError(f"{op.name}: the simulator has no cost model for op kind {op.kind!r}")
         c, it = self.cost, op.iteration
         if op.kind == "rollout":
             held, busy = c.rollout_s(op.agent, self.prompts(op.agent, op.turn, it, op.mb),
@@ -256,10 +262,7 @@ class SimExecutor:
             return sum(c.step_s(op.agent))
         if op.kind == "sync":
             return c.sync_s(op.agent)
-        if op.kind == "reward":
-            return c.reward_s(self._seqs)
-        # the cost model prices a graph team's kinds; a guess for another would be a wrong answer
-        raise ValueError(f"{op.name}: the simulator has no cost model for op kind {op.kind!r}")
+        return c.reward_s(self._seqs)
 
     def _helper_s(self, op: Op, worker: str) -> tuple[float, dict[str, float]]:
         """A gradient helper's extras: the weights of the op's version where this worker's

@@ -23,9 +23,8 @@ from flexmarl_core.meg import sample_id
 from flexmarl_core.ops import Op, StageResult, agent_key
 from flexmarl_core.programs.api import DecodeStats
 from flexmarl_core.programs.engines import current_host
-from flexmarl_core.runfiles.location import program_key
 from flexmarl_core.runtime.worker import WorkerContext
-from flexmarl_core.stages.program import committed_result
+from flexmarl_core.stages.program import commit, committed
 from flexmarl_core.stages.registry import stage, stage_seed, weights_version, worker_name
 from flexmarl_core.teams.environment import EnvironmentTeam
 
@@ -33,9 +32,9 @@ from flexmarl_core.teams.environment import EnvironmentTeam
 @stage("episode")
 def episode(ctx: WorkerContext, op: Op) -> StageResult:
     it = op.iteration
-    mbs = [op.mb] if op.mb >= 0 else list(range(ctx.cfg.batch.num_micro_batches))
-    if all(ctx.loc.is_file(program_key(it, j)) for j in mbs):
-        return committed_result(ctx, op, it, mbs[0])
+    mbs, done = committed(ctx, op)
+    if done is not None:
+        return done
     team = ctx.team
     if not isinstance(team, EnvironmentTeam):
         raise TypeError(f"{op.name}: an episode op plays an environment team's episodes, not a "
@@ -62,11 +61,8 @@ def episode(ctx: WorkerContext, op: Op) -> StageResult:
         ctx.store.write_status(agent, it, status[agent])
     learning = {s for s, c in team.ecfg.seats.items() if c.agent in trainable and c.learns}
     res = _result(op, played, rows, status, decodes, versions, learning)
-    done = {"samples": res.samples, "tokens": res.tokens, "version": res.version, "metrics": res.metrics}
-    for j in mbs:  # last: its presence means the op is done
-        ids = {a: sorted(r["sample_id"] for r in rs if r["mb"] == j) for a, rs in rows.items()}
-        ctx.loc.write_text(program_key(it, j), json.dumps({"samples": ids, "failed": [], "versions": versions,
-                                                           "result": done}))
+    commit(ctx, it, {j: {"samples": {a: sorted(r["sample_id"] for r in rs if r["mb"] == j) for a, rs in rows.items()},
+                         "failed": []} for j in mbs}, versions, res)
     return res
 
 
@@ -79,17 +75,16 @@ def _samples(team: EnvironmentTeam, p: Played, trainable: set[str]) -> list[tupl
     out = []
     multi = team.ecfg.samples == "multi_turn"
     for seat, answers in by_seat.items():
-        for run in (_continued(team, answers) if multi else [[a] for a in answers]):
+        for run in (_continued(answers) if multi else [[a] for a in answers]):
             first = run[0]
-            ids, text = team.prompt(first.agent, first.messages)
+            ids, text = first.prompt_ids, first.prompt_text
             response: list[int] = []
             logprobs: list[float] = []
             mask: list[int] = []
             texts: list[str] = []
             for n, a in enumerate(run):
                 if n:  # the observation between two answers: what the seat's next prompt adds
-                    full = team.prompt(a.agent, a.messages)[0]
-                    inserted = full[len(ids) + len(response):]
+                    inserted = a.prompt_ids[len(ids) + len(response):]
                     response += inserted
                     logprobs += [0.0] * len(inserted)
                     mask += [0] * len(inserted)
@@ -111,14 +106,14 @@ def _samples(team: EnvironmentTeam, p: Played, trainable: set[str]) -> list[tupl
     return out
 
 
-def _continued(team: EnvironmentTeam, answers: list[Answer]) -> list[list[Answer]]:
+def _continued(answers: list[Answer]) -> list[list[Answer]]:
     """A seat's answers in runs whose prompts continue each other token for token (the chat
     template re-renders the conversation; where it does not extend the earlier prompt and
     answer exactly, or the weights version changed, a new sample starts)."""
     runs: list[list[Answer]] = []
     full: list[int] = []
     for a in answers:
-        ids = team.prompt(a.agent, a.messages)[0]
+        ids = a.prompt_ids
         if runs and runs[-1][-1].reply.version == a.reply.version and ids[:len(full)] == full:
             runs[-1].append(a)
         else:

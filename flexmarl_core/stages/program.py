@@ -30,9 +30,9 @@ from flexmarl_core.workloads.api import Problem
 @stage("program")
 def program(ctx: WorkerContext, op: Op) -> StageResult:
     it = op.iteration
-    mbs = [op.mb] if op.mb >= 0 else list(range(ctx.cfg.batch.num_micro_batches))
-    if all(ctx.loc.is_file(program_key(it, j)) for j in mbs):
-        return committed_result(ctx, op, it, mbs[0])
+    mbs, done = committed(ctx, op)
+    if done is not None:
+        return done
     team = program_team(ctx.cfg.team, ctx.cfg.seed)
     inputs = [(j, inp) for j in mbs for inp in ctx.inputs(it, j)]
     problems = {inp["input_id"]: Problem(inp["input_id"], inp["text"], inp["answer"], inp["meta"]) for _, inp in inputs}
@@ -49,20 +49,30 @@ def program(ctx: WorkerContext, op: Op) -> StageResult:
     for agent, rows in got.status.items():
         ctx.store.write_status(agent, it, rows)
     res = _result(op, got, results, session, versions)
-    done = {"samples": res.samples, "tokens": res.tokens, "version": res.version, "metrics": res.metrics}
-    for j in mbs:  # last: its presence means the op is done
-        man = got.manifest.get(j, {"samples": {}, "failed": []})
-        ctx.loc.write_text(program_key(it, j), json.dumps({**man, "versions": versions, "result": done}))
+    commit(ctx, it, {j: got.manifest.get(j, {"samples": {}, "failed": []}) for j in mbs}, versions, res)
     return res
 
 
-def committed_result(ctx: WorkerContext, op: Op, it: int, mb: int) -> StageResult:
-    """A retry after the op committed (its worker died before the driver logged it): it reports
-    what the committed op did (from its manifest of micro-batch `mb`), so the iteration's
-    figures count that work once."""
-    done = json.loads(ctx.loc.read_text(program_key(it, mb))).get("result", {})
-    return StageResult(op, skipped=True, samples=done.get("samples", 0), tokens=done.get("tokens", 0),
-                       version=done.get("version"), metrics=done.get("metrics", {}))
+def commit(ctx: WorkerContext, it: int, manifests: dict[int, dict[str, Any]], versions: dict[str, int],
+           res: StageResult) -> None:
+    """Write each micro-batch's manifest, with the weights versions and what the op did (what
+    `committed` reports to a retry): last, as its presence means the op is done."""
+    done = {"samples": res.samples, "tokens": res.tokens, "version": res.version, "metrics": res.metrics}
+    for j, man in manifests.items():
+        ctx.loc.write_text(program_key(it, j), json.dumps({**man, "versions": versions, "result": done}))
+
+
+def committed(ctx: WorkerContext, op: Op) -> tuple[list[int], StageResult | None]:
+    """The micro-batches a program or episode op commits, and, for a retry after the op
+    committed (its worker died before the driver logged it), what the committed op did (from
+    its manifest), so the iteration's figures count that work once; else None."""
+    it = op.iteration
+    mbs = [op.mb] if op.mb >= 0 else list(range(ctx.cfg.batch.num_micro_batches))
+    if not all(ctx.loc.is_file(program_key(it, j)) for j in mbs):
+        return mbs, None
+    done = json.loads(ctx.loc.read_text(program_key(it, mbs[0]))).get("result", {})
+    return mbs, StageResult(op, skipped=True, samples=done.get("samples", 0), tokens=done.get("tokens", 0),
+                            version=done.get("version"), metrics=done.get("metrics", {}))
 
 
 def decode_on_instance(run_dir: str, agent: str, version: int,

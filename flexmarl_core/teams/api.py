@@ -72,6 +72,15 @@ class Generation:
     rewarded: list[list[Op]]
 
 
+def hosted_generation(plan: PlanView, it: int, kind: str, agents: Sequence[str]) -> Generation:
+    """One `kind` op per micro-batch (without `dependency_parallel`: one for the batch) that may
+    call any of `agents` (a program op, an episode op), so each waits for all their gating
+    weights; a micro-batch is rewarded once its op is done."""
+    gates = list(dict.fromkeys(op for a in agents for op in plan.gate(it, a)))
+    ops = [Op(it, kind, mb=j) for j in range(plan.num_mb)] if plan.dependency_parallel else [Op(it, kind)]
+    return Generation({o: list(gates) for o in ops}, [[o for o in ops if o.mb in (j, -1)] for j in range(plan.num_mb)])
+
+
 #: (prompt, target) pairs per agent; a prompt is text, or token ids where the shape renders it
 Demonstrations = dict[str, list[tuple[str | list[int], str]]]
 

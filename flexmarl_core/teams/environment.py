@@ -18,12 +18,18 @@ from flexmarl_core.envs import make_environment
 from flexmarl_core.envs.api import Environment
 from flexmarl_core.envs.play import Pending, Played, against, play, seat_agents
 from flexmarl_core.meg import MEG
-from flexmarl_core.ops import Op
 from flexmarl_core.programs.api import DecodeGroup, DecodeStats, Dispatcher
 from flexmarl_core.programs.chat import render, template_source
 from flexmarl_core.programs.engines import LocalDispatcher
 from flexmarl_core.programs.manifest import committed_ids
-from flexmarl_core.teams.api import Demonstrations, Generation, PlanView, RunView, register_shape
+from flexmarl_core.teams.api import (
+    Demonstrations,
+    Generation,
+    PlanView,
+    RunView,
+    hosted_generation,
+    register_shape,
+)
 
 if TYPE_CHECKING:
     from flexmarl_core.config import ExperimentConfig
@@ -56,11 +62,7 @@ class EnvironmentTeam:
 
     def generation(self, plan: PlanView, it: int) -> Generation:
         """An episode may give a turn to any seat, so it waits for every agent's gating weights."""
-        gates = list(dict.fromkeys(op for a in self.meg.agent_names for op in plan.gate(it, a)))
-        eps = ([Op(it, "episode", mb=j) for j in range(plan.num_mb)] if plan.dependency_parallel
-               else [Op(it, "episode")])
-        return Generation({e: list(gates) for e in eps},
-                          [[e for e in eps if e.mb in (j, -1)] for j in range(plan.num_mb)])
+        return hosted_generation(plan, it, "episode", self.meg.agent_names)
 
     def expected_ids(self, run: RunView, it: int, mbs: Sequence[int], agent: str, *,
                      trained: bool = True) -> set[str]:
@@ -84,9 +86,10 @@ class EnvironmentTeam:
                 sampling = acfg.sampling.model_copy(update={"temperature": 0.0}) if greedy else acfg.sampling
                 groups = []
                 for q in qs:
-                    ids, _ = self.prompt(agent, q.answer.messages)
+                    q.answer.prompt_ids, q.answer.prompt_text = self.prompt(agent, q.answer.messages)
                     seed = seed_of(q.played.input_id, q.played.traj, agent, q.answer.k)
-                    groups.append(DecodeGroup(tuple(ids), sampling, seed, 1, (q.played.input_id, q.played.traj)))
+                    groups.append(DecodeGroup(tuple(q.answer.prompt_ids), sampling, seed, 1,
+                                              (q.played.input_id, q.played.traj)))
                 stats = DecodeStats()
                 gens = dispatcher.decode(agent, version, groups, stats)
                 if decodes is not None:

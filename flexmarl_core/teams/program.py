@@ -12,10 +12,16 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flexmarl_core.meg import MEG
-from flexmarl_core.ops import Op
 from flexmarl_core.programs.manifest import committed_ids
 from flexmarl_core.programs.team import ProgramTeam, program_team
-from flexmarl_core.teams.api import Demonstrations, Generation, PlanView, RunView, register_shape
+from flexmarl_core.teams.api import (
+    Demonstrations,
+    Generation,
+    PlanView,
+    RunView,
+    hosted_generation,
+    register_shape,
+)
 
 if TYPE_CHECKING:
     from flexmarl_core.config import ExperimentConfig
@@ -39,11 +45,7 @@ class ProgramShape:
 
     def generation(self, plan: PlanView, it: int) -> Generation:
         """A program op may call any agent, so it waits for every agent's gating weights."""
-        gates = list(dict.fromkeys(op for a in self.meg.agent_names for op in plan.gate(it, a)))
-        progs = ([Op(it, "program", mb=j) for j in range(plan.num_mb)] if plan.dependency_parallel
-                 else [Op(it, "program")])
-        return Generation({p: list(gates) for p in progs},
-                          [[p for p in progs if p.mb in (j, -1)] for j in range(plan.num_mb)])
+        return hosted_generation(plan, it, "program", self.meg.agent_names)
 
     def expected_ids(self, run: RunView, it: int, mbs: Sequence[int], agent: str, *,
                      trained: bool = True) -> set[str]:
