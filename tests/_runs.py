@@ -125,3 +125,24 @@ def kill_group_when(proc: subprocess.Popen, ready: Callable[[], bool], limit_s: 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
 
+
+
+def train_on_threads(cfg, host_of: Callable | None = None):
+    """`cfg`'s run through the real stages on the in-process ThreadExecutor: (run folder,
+    result). `host_of(team)`: a program host to install for the run (a scripted model behind
+    the dispatcher seam), taken out again afterwards."""
+    from flexmarl_core.driver import run
+    from flexmarl_core.programs import engines
+    from flexmarl_core.runtime.worker import context
+    from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
+
+    folder = run.prepare_run(cfg, log=lambda _: None)
+    ex = ThreadExecutor(stage_fn(str(folder)), {w.name: dict(w.resources) for w in cfg.cluster.workers})
+    if host_of is not None:
+        engines.install_host(host_of(context(str(folder)).team))
+    try:
+        return folder, run.train(cfg, folder, ex)
+    finally:
+        if host_of is not None:
+            engines._HOST.clear()
+        ex.close()

@@ -14,15 +14,13 @@ from pathlib import Path
 import pytest
 
 from flexmarl_core.config import load_config
-from flexmarl_core.driver import run
 from flexmarl_core.driver.audit import audit_run
 from flexmarl_core.envs import make_environment
 from flexmarl_core.envs.play import episode_seed
 from flexmarl_core.inference.api import Generation
-from flexmarl_core.programs import engines
-from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 from flexmarl_core.teams.environment import EnvironmentTeam
 from storage import MEGStore
+from tests._runs import train_on_threads
 
 pytest.importorskip("pyspiel", reason="open_spiel is a dev dependency (make setup installs it)")
 
@@ -45,8 +43,8 @@ class ScriptedDispatcher:
     """A scripted model behind the real `Dispatcher` seam: answers `script(agent, traj, k)` for
     the agent's k-th answer in the trajectory, tokenized with the agent's tokenizer."""
 
-    def __init__(self, team: EnvironmentTeam) -> None:
-        self.team = team
+    def __init__(self, team: EnvironmentTeam, seen: list[tuple[str, int]] | None = None) -> None:
+        self.team, self.seen = team, seen
         self.calls: dict[tuple[str, int, str], int] = defaultdict(int)
 
     def capacity(self, agent: str) -> int:
@@ -54,6 +52,8 @@ class ScriptedDispatcher:
 
     def decode(self, agent, version, groups, stats):
         out = []
+        if self.seen is not None:
+            self.seen.extend((agent, version) for _ in groups)
         for g in groups:
             input_id, traj = g.trajectory
             k = self.calls[(input_id, traj, agent)]
@@ -66,8 +66,8 @@ class ScriptedDispatcher:
 
 
 class ScriptedHost:
-    def __init__(self, team: EnvironmentTeam) -> None:
-        self.dispatch = ScriptedDispatcher(team)
+    def __init__(self, team: EnvironmentTeam, seen: list[tuple[str, int]] | None = None) -> None:
+        self.dispatch = ScriptedDispatcher(team, seen)
 
     @contextlib.contextmanager
     def detached(self):
@@ -77,17 +77,11 @@ class ScriptedHost:
         return self.dispatch
 
 
-def _run(tmp_path: Path, *overrides: str):
+def _run(tmp_path: Path, *overrides: str, seen: list[tuple[str, int]] | None = None):
+    """The scripted run of configs/env_kuhn.yaml with `overrides`; `seen` collects the
+    (agent, weights version) of every decoded row."""
     cfg = load_config(KUHN, [f"run_dir={tmp_path / 'run'}", *SMALL, *overrides])
-    folder = run.prepare_run(cfg, log=lambda _: None)
-    ex = ThreadExecutor(stage_fn(str(folder)), {w.name: dict(w.resources) for w in cfg.cluster.workers})
-    from flexmarl_core.runtime.worker import context
-    engines.install_host(ScriptedHost(context(str(folder)).team))
-    try:
-        out = run.train(cfg, folder, ex)
-    finally:
-        engines._HOST.clear()
-        ex.close()
+    folder, out = train_on_threads(cfg, lambda team: ScriptedHost(team, seen))
     return cfg, folder, out
 
 
@@ -197,19 +191,14 @@ def test_an_environment_not_among_the_examples_trains_from_a_config_alone(tmp_pa
     """No code: a spec and a seat map in the config, the real stages and real models."""
     import yaml
 
-    pytest.importorskip(spec.split(":")[0].replace("openspiel", "pyspiel"), reason="a dev dependency")
+    pytest.importorskip(spec.split(":")[0].replace("openspiel", "pyspiel"), reason="open_spiel and pettingzoo are dev dependencies (make setup installs them)")
     data = yaml.safe_load(Path(KUHN).read_text())
     data["team"]["environment"] = {"spec": spec, "seats": seats, "options": {"max_cycles": 4} if "rps" in spec else {}}
     data["team"]["agents"] = [a for a in data["team"]["agents"] if a["name"] in {s for s in seats.values() if isinstance(s, str)}]
     config = tmp_path / "env.yaml"
     config.write_text(yaml.safe_dump(data))
     cfg = load_config(config, [f"run_dir={tmp_path / 'run'}", *SMALL])
-    folder = run.prepare_run(cfg, log=lambda _: None)
-    ex = ThreadExecutor(stage_fn(str(folder)), {w.name: dict(w.resources) for w in cfg.cluster.workers})
-    try:
-        out = run.train(cfg, folder, ex)
-    finally:
-        ex.close()
+    folder, out = train_on_threads(cfg)
     assert out.iterations[0]["team/env/episodes"] == 12
     assert audit_run(str(folder))[1] == []
     rows = MEGStore(cfg.resolved_store_uri()).read_samples("alice", 0).to_pylist()
@@ -219,38 +208,15 @@ def test_an_environment_not_among_the_examples_trains_from_a_config_alone(tmp_pa
 def test_a_frozen_seat_decodes_at_its_agents_start_and_trains_nobody(tmp_path):
     """bob plays player_1 frozen: his answers decode at version 0 even in iteration 1 and are
     no samples; alice's are, and train."""
-    cfg, folder, out = _run(tmp_path, "train.iterations=2", "team.environment.seats.player_1={agent: bob, frozen: true}")
+    seen: list[tuple[str, int]] = []
+    cfg, folder, out = _run(tmp_path, "train.iterations=2", "team.environment.seats.player_1={agent: bob, frozen: true}",
+                            seen=seen)
     assert audit_run(str(folder))[1] == []
     store = MEGStore(cfg.resolved_store_uri())
     assert store.read_samples("bob", 1).num_rows == 0
     alice = store.read_samples("alice", 1).to_pylist()
     assert alice and {r["policy_version"] for r in alice} == {1}
     assert all(m["team/env/episodes"] == 12 for m in out.iterations)
-
-
-def test_frozen_seats_decode_at_version_0(tmp_path):
-    seen: list[tuple[str, int]] = []
-
-    class Recording(ScriptedDispatcher):
-        def decode(self, agent, version, groups, stats):
-            seen.extend((agent, version) for _ in groups)
-            return super().decode(agent, version, groups, stats)
-
-    class Host(ScriptedHost):
-        def __init__(self, team):
-            self.dispatch = Recording(team)
-
-    cfg = load_config(KUHN, [f"run_dir={tmp_path / 'run'}", *SMALL, "train.iterations=2",
-                             "team.environment.seats.player_1={agent: bob, frozen: true}"])
-    folder = run.prepare_run(cfg, log=lambda _: None)
-    ex = ThreadExecutor(stage_fn(str(folder)), {w.name: dict(w.resources) for w in cfg.cluster.workers})
-    from flexmarl_core.runtime.worker import context
-    engines.install_host(Host(context(str(folder)).team))
-    try:
-        run.train(cfg, folder, ex)
-    finally:
-        engines._HOST.clear()
-        ex.close()
     assert {v for a, v in seen if a == "bob"} == {0} and {v for a, v in seen if a == "alice"} == {0, 1}
 
 
@@ -258,37 +224,18 @@ def test_a_pool_seat_plays_the_agents_kept_past_versions_drawn_per_episode(tmp_p
     """Fictitious self-play: alice plays player_0 learning and player_1 as a past self, drawn
     per episode from the versions the run keeps below her current one (0, and every
     keep_every-th); the past selves' answers are no samples."""
-    seen: list[tuple[str, int, int]] = []  # (agent, version, number of rows)
-
-    class Recording(ScriptedDispatcher):
-        def decode(self, agent, version, groups, stats):
-            seen.append((agent, version, len(groups)))
-            return super().decode(agent, version, groups, stats)
-
-    class Host(ScriptedHost):
-        def __init__(self, team):
-            self.dispatch = Recording(team)
-
-    cfg = load_config(KUHN, [f"run_dir={tmp_path / 'run'}", *SMALL, "train.iterations=3", "train.keep_every=1",
-                             "team.agents=[{name: alice, model: {preset: tiny-1m}}]",
-                             "team.environment.seats={player_0: alice, player_1: {agent: alice, pool: true}}",
-                             "cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}]"])
-    folder = run.prepare_run(cfg, log=lambda _: None)
-    ex = ThreadExecutor(stage_fn(str(folder)), {w.name: dict(w.resources) for w in cfg.cluster.workers})
-    from flexmarl_core.runtime.worker import context
-    engines.install_host(Host(context(str(folder)).team))
-    try:
-        run.train(cfg, folder, ex)
-    finally:
-        engines._HOST.clear()
-        ex.close()
+    seen: list[tuple[str, int]] = []
+    cfg, folder, _ = _run(tmp_path, "train.iterations=3", "train.keep_every=1",
+                          "team.agents=[{name: alice, model: {preset: tiny-1m}}]",
+                          "team.environment.seats={player_0: alice, player_1: {agent: alice, pool: true}}",
+                          "cluster.workers=[{name: w0, resources: {rollout: 1, train: 1}}]", seen=seen)
     assert audit_run(str(folder))[1] == []
     store = MEGStore(cfg.resolved_store_uri())
     for it in range(3):
         rows = store.read_samples("alice", it).to_pylist()
         assert rows and {json.loads(r["extra"])["seat"] for r in rows} == {"player_0"}
         assert {r["policy_version"] for r in rows} == {it}
-    assert {v for _, v, _ in seen} == {0, 1, 2}
+    assert {v for _, v in seen} == {0, 1, 2}
     team = EnvironmentTeam(load_config(KUHN, ["train.keep_every=2",
                                               "team.environment.seats.player_1={agent: bob, pool: true}"]))
     drawn = [team.version("player_1", "bob", 5, f"deal{i}", t) for i in range(50) for t in range(4)]

@@ -18,15 +18,14 @@ from flexmarl_core.algorithms import ADVANTAGES, get_advantage
 from flexmarl_core.algorithms.advantages import register_advantage
 from flexmarl_core.config import load_config
 from flexmarl_core.control.router import OrchestratorError, Router
-from flexmarl_core.driver import run
 from flexmarl_core.driver.audit import audit_run
 from flexmarl_core.ops import KINDS, KindTraits, Op, StageResult, register_kind
 from flexmarl_core.orchestrator.plan import Plan
-from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 from flexmarl_core.stages.registry import STAGES, stage
 from flexmarl_core.teams.api import SHAPES, Generation, PlanView, register_shape
 from flexmarl_core.teams.graph import GraphTeam
 from flexmarl_core.trainers.scopes import SCOPES, GroupScope, ScopePlan, register_scope
+from tests._runs import train_on_threads
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 AGENTS = ("planner", "solver", "verifier")
@@ -87,12 +86,7 @@ def test_a_new_op_kind_and_scope_go_through_the_plan_and_a_real_run(throwaway, t
             assert plan.deps[Op(it, "tally", mb=j)] == [Op(it, "reward", mb=j)]
             for a in AGENTS:  # the scope's rule: its own micro-batch's tally and the first one's
                 assert {Op(it, "tally", mb=j), Op(it, "tally", mb=0)} <= set(plan.deps[Op(it, "train", a, mb=j)])
-    folder = run.prepare_run(cfg, log=lambda _: None)
-    ex = ThreadExecutor(stage_fn(str(folder)), {w.name: dict(w.resources) for w in cfg.cluster.workers})
-    try:
-        out = run.train(cfg, folder, ex)
-    finally:
-        ex.close()
+    folder, out = train_on_threads(cfg)
     assert [m["iteration"] for m in out.iterations] == list(range(cfg.train.iterations))
     assert audit_run(str(folder))[1] == []
     every = {(it, j) for it in range(cfg.train.iterations) for j in range(plan.num_mb)}

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from flexmarl_core.config import load_config
-from flexmarl_core.driver import run
 from flexmarl_core.driver.audit import audit_run
 from flexmarl_core.programs.manifest import read_manifest
-from flexmarl_core.sim.threads import ThreadExecutor, stage_fn
 from storage import MEGStore
+from tests._runs import train_on_threads
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SMALL = ["train.iterations=1", "train.evaluate=false", "train.evaluate_initial=false", "train.warm_start=none",
@@ -26,12 +25,7 @@ SMALL = ["train.iterations=1", "train.evaluate=false", "train.evaluate_initial=f
 
 def _run(config: str, tmp_path: Path, *overrides: str):
     cfg = load_config(str(CONFIGS / config), [f"run_dir={tmp_path / 'run'}", *SMALL, *overrides])
-    folder = run.prepare_run(cfg, log=lambda _: None)
-    ex = ThreadExecutor(stage_fn(str(folder)), {w.name: dict(w.resources) for w in cfg.cluster.workers})
-    try:
-        return cfg, folder, run.train(cfg, folder, ex)
-    finally:
-        ex.close()
+    return cfg, *train_on_threads(cfg)
 
 
 def _check_broken_are_trained(cfg, folder, out, types: set[str], reward: float) -> int:
