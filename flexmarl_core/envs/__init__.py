@@ -9,8 +9,16 @@ PettingZoo and a user's own class, plus scripted opponents and Kuhn poker ground
 
 from __future__ import annotations
 
-from flexmarl_core.envs.api import Environment, Episode, Step, Turn, make_environment, parse_action
+from flexmarl_core.envs.api import (
+           Environment,
+           Episode,
+           Step,
+           Turn,
+           bracketed,
+           make_environment,
+           parse_action,
+)
 from flexmarl_core.envs.scripted import Policy, scripted_policy
 
-__all__ = ["Environment", "Episode", "Policy", "Step", "Turn", "make_environment", "parse_action",
+__all__ = ["Environment", "Episode", "Policy", "Step", "Turn", "bracketed", "make_environment", "parse_action",
            "scripted_policy"]
