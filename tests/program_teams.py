@@ -67,3 +67,18 @@ def langgraph_until_done(problem: str, client: OpenAI) -> str:
     g.add_edge(START, "think")
     g.add_conditional_edges("think", lambda s: END if "done" in s["notes"] else "think")
     return g.compile().invoke({}, {"recursion_limit": 4})["notes"]
+
+
+def langgraph_forced_tool(problem: str, client: OpenAI) -> str:
+    """LangGraph's prebuilt agent made to call its calculator (`tool_choice="required"`): after the
+    forced `<tool_call>` start an untrained model never writes a call that parses, and the agent
+    ends on that answer (langchain-openai reads it as text): flexmarl's `MalformedToolCall`."""
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    from examples.programs.react_calculator import calculator
+
+    llm = ChatOpenAI(model="solver", base_url=str(client.base_url), api_key=client.api_key, max_retries=0)
+    agent = create_react_agent(llm.bind_tools([calculator], tool_choice="required"), [calculator])
+    out = agent.invoke({"messages": [("user", f"Compute {problem}")]}, {"recursion_limit": 6})
+    return str(out["messages"][-1].content)

@@ -33,6 +33,12 @@ class PolicyFailure(Exception):
     (`team.policy_errors` names other exception types that mean the same)."""
 
 
+class MalformedToolCall(PolicyFailure):
+    """The trajectory ended on a tool call the model broke: one that does not parse in the agent's
+    tool format, or calls a function it was not offered. flexmarl sets it itself (the program
+    saw the answer as text and returned); a program may raise it too."""
+
+
 #: exception types that are the policy's failure whatever the config adds: the frameworks'
 #: verdicts on a model's output (an answer cut at its limit, a turn limit, a malformed tool call
 #: or JSON, an output that fails its schema), matched by `module.QualName` along the MRO

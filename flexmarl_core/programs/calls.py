@@ -110,13 +110,17 @@ def answer(t: Trajectory, req: CallRequest, spec: AgentSpec, text: str, identity
     """One choice as the program reads it: its text, or its tool calls (ids derived from the
     call's identity, the answer's text kept under them for the call that sends them back)."""
     if not req.tools or req.tool_choice == "none":
+        t.broken_call = None
         return Answer(text, [], None)
     content, calls = spec.parser.extract(text)
     offered = {tool["name"] for tool in req.tools}
     if not calls or any(c.name not in offered for c in calls):
         # a call of a function the request did not offer is text, as with a malformed one:
-        # the program sees what the model wrote and the reward judges it
+        # the program sees what the model wrote; if the trajectory ends on it, the model broke
+        # it (`runner.py`, MalformedToolCall)
+        t.broken_call = req.agent if calls or spec.parser.attempted(text) else None
         return Answer(text, [], None)
+    t.broken_call = None
     if not req.parallel_tool_calls:
         calls = calls[:1]
     out = []

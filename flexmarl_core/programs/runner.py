@@ -41,7 +41,13 @@ from typing import Any
 import httpx
 import openai
 
-from flexmarl_core.programs.api import CallRecord, ProgramError, TrajectoryResult, policy_error_type
+from flexmarl_core.programs.api import (
+    CallRecord,
+    MalformedToolCall,
+    ProgramError,
+    TrajectoryResult,
+    policy_error_type,
+)
 from flexmarl_core.programs.gateway import VIA_HEADER, Gateway, Session, Trajectory
 
 #: one trajectory's work: (input_id, traj, mb, problem text)
@@ -176,6 +182,11 @@ def run_program(fn: Callable[..., Any], jobs: Sequence[Job], session: Session, g
     for r, t in zip(results, trajs, strict=True):
         r.records = _numbered(t.records)
     _check_routes(trajs, results)
+    for r, t in zip(results, trajs, strict=True):
+        if r.error is None and t.broken_call is not None:  # the program returned on the broken call
+            r.error = (f"MalformedToolCall: agent {t.broken_call!r} ended the trajectory with a tool call that "
+                       "does not parse or names a function it was not offered")
+            r.policy_error = MalformedToolCall.__name__
     if results:
         results[0].latencies = latencies
     return results

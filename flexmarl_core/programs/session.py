@@ -63,6 +63,9 @@ class Trajectory:
     rerouted: int = 0
     pending: int = 0
     live: bool = True
+    #: the agent whose last answer here was a tool call that does not parse or names a function
+    #: it was not offered (None once an answer is well formed): ending on it is the model's failure
+    broken_call: str | None = None
 
     @property
     def key(self) -> str:

@@ -42,6 +42,11 @@ class ToolParser:
         """The start of an answer that is a call (of `function`, when one is named)."""
         raise NotImplementedError
 
+    def attempted(self, text: str) -> bool:
+        """Whether `text` starts a call in this format (parsed or not): a call that then does not
+        parse is the model's broken call, not plain text it meant to say."""
+        return False
+
     def render(self, call: ToolCall) -> str:
         """A call as the model writes it."""
         raise NotImplementedError
@@ -94,6 +99,9 @@ class Hermes(ToolParser):
             return text, []
         return self.BLOCK.sub("", text).strip(), calls
 
+    def attempted(self, text: str) -> bool:
+        return "<tool_call>" in text
+
     def forced_prefix(self, function: str | None) -> str:
         return '<tool_call>\n{"name": ' + (f'"{function}", "arguments": ' if function else "")
 
@@ -121,6 +129,9 @@ class Mistral(ToolParser):
         if not calls or any(c is None for c in calls):
             return text, []
         return text[:at].strip(), [c for c in calls if c is not None]
+
+    def attempted(self, text: str) -> bool:
+        return self.MARK in text
 
     def forced_prefix(self, function: str | None) -> str:
         return self.MARK + '[{"name": ' + (f'"{function}", "arguments": ' if function else "")

@@ -1,6 +1,7 @@
 """A trajectory the model broke is trained, with `team.failure_reward`, through the real stages
 and endpoint on the in-process ThreadExecutor: a planner whose answer is not JSON, the Agents
-SDK's `incomplete` answer at the token limit, LangGraph's recursion limit. A bug of the
+SDK's `incomplete` answer at the token limit, LangGraph's recursion limit, a LangGraph agent
+ending on a tool call that does not parse. A bug of the
 program's own (a `TypeError`) is still dropped, and stops the run when every trajectory hits it.
 (The models are untrained: they never write a JSON object, never finish within 12 tokens, never
 say "done" in a handful; the checks hold whichever trajectories do.)"""
@@ -38,6 +39,10 @@ def _check_broken_are_trained(cfg, folder, out, types: set[str], reward: float) 
     rows = [r for a in cfg.team.agents for r in store.read_samples(a.name, 0).to_pylist()
             if (r["input_id"], r["traj"]) in keys]
     assert rows and all(r["reward"] == pytest.approx(reward) and r["consumed_step"] == 0 for r in rows)
+    for r in rows:  # the answer's own sampled tokens are trained, each with its behaviour log-prob
+        n = len(r["response_ids"])
+        assert n > 0 and len(r["logprobs"]) == n and (r["loss_mask"] is None or (len(r["loss_mask"]) == n
+                                                                                and sum(r["loss_mask"]) > 0))
     assert all(json.loads(r["extra"])["policy_error"] in types for r in rows)
     m = out.iterations[0]
     assert m["team/program/policy_failed"] == len(broke) == sum(m[f"team/program/policy_failed/{t}"] for t in types
@@ -65,6 +70,15 @@ def test_langgraphs_recursion_limit_is_the_policys_failure(tmp_path):
     cfg, folder, out = _run("program_team.yaml", tmp_path, "team.program=tests.program_teams:langgraph_until_done",
                             "workload.credit=team")
     _check_broken_are_trained(cfg, folder, out, {"GraphRecursionError"}, 0.0)
+
+
+def test_a_tool_call_that_does_not_parse_ends_langgraphs_agent_and_is_the_policys_failure(tmp_path):
+    pytest.importorskip("langgraph", reason="langgraph is a dev dependency")
+    cfg, folder, out = _run("program_react.yaml", tmp_path, "team.program=tests.program_teams:langgraph_forced_tool",
+                            "team.failure_reward=-1.0", "team.agents.0.sampling.max_new_tokens=16")
+    # a call that did parse would loop to the recursion limit: the policy's failure as well
+    n = _check_broken_are_trained(cfg, folder, out, {"MalformedToolCall", "GraphRecursionError"}, -1.0)
+    assert out.iterations[0].get("team/program/policy_failed/MalformedToolCall", 0) > 0 and n == 8
 
 
 def test_a_bug_of_the_program_is_dropped_and_stops_the_run_when_every_trajectory_hits_it(tmp_path):

@@ -127,16 +127,21 @@ def test_tool_choice_required_starts_the_answer_with_a_call_and_none_parses_noth
     '<tool_call>\n{"name": "calculator", "arguments": {"expression": </tool_call>',  # bad JSON
     '<tool_call>\n{"name": "search", "arguments": {"q": "2+3"}}\n</tool_call>',  # not offered
 ], ids=["malformed", "not-offered"])
-def test_a_malformed_call_comes_back_as_text_never_an_error(bad: str):
+def test_a_malformed_call_comes_back_as_text_and_ending_on_it_is_the_policys_failure(bad: str):
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 
     def team(problem: str, client: openai.OpenAI) -> str:
         r = client.chat.completions.create(model="solver", messages=[{"role": "user", "content": problem}], tools=tools)
         assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+        if problem == "again":  # the program asks once more and gets a plain answer
+            r = client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "plain"}], tools=tools)
         return r.choices[0].message.content or ""
 
-    (res,) = run_program(team, [("p3", 0, 0, "?")], scripted_session(ScriptDispatcher(lambda a, p: bad)), Gateway.shared())
-    assert res.error is None and res.answer == bad
+    script = ScriptDispatcher(lambda a, p: "42" if "plain" in p else bad)
+    ended, recovered = run_program(team, [("p3", 0, 0, "?"), ("p4", 0, 0, "again")], scripted_session(script),
+                                   Gateway.shared())
+    assert ended.answer == bad and ended.policy_error == "MalformedToolCall" and "MalformedToolCall" in ended.error
+    assert recovered.error is None and recovered.policy_error is None and recovered.answer == "42"
 
 
 @pytest.fixture(scope="module")
