@@ -220,6 +220,14 @@ class BackendConfig(_Strict):
         "their gradients add up to the micro-batch's. None: derived from the worker's memory "
         "limit and the model's size (training/memory.py).",
     )
+    packing: bool = Field(
+        True,
+        description="Pack a training micro-batch (training: torch or deepspeed): samples share a row up to the "
+        "longest sample's length, each attending only to itself (positions restart per sample), so "
+        "short samples stop paying for the longest one's padding. Log-probs, loss and gradients are "
+        "the padded path's (tests/unit/test_packing.py); where no two samples fit in one row "
+        "nothing changes.",
+    )
     activation_checkpointing: bool = Field(
         False,
         description="Recompute each layer's activations in backward instead of keeping them "

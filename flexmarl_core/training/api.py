@@ -66,6 +66,13 @@ class TokenBatch:
     old_logprobs: torch.Tensor  #: (B, R) fp32 behaviour logprobs, 0 on padding
     advantages: torch.Tensor  #: (B,) fp32, or (B, R) when a sample has token advantages
     ref_logprobs: torch.Tensor | None = None  #: (B, R) fp32, set by a trainer with a reference
+    #: packed (`collate(pack=True)`): sample b sits in row `rows[b]` of `input_ids` (N rows <= B),
+    #: its tokens' positions restarting at 0 (`position_ids`, (N, T)), which confines attention
+    #: to each sample; `target_index` is then in row coordinates. None: one sample per row.
+    rows: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    #: token cells of `input_ids` that hold no sample's token
+    padded_tokens: int = 0
 
 
 #: (logprobs (B, R) with grad, batch) -> (loss, metrics). The loss is a SUM over the units the
@@ -96,6 +103,8 @@ class TrainerOptions:
     temperature: float = 1.0
     #: None: the model config's pad token (0 if it has none)
     pad_id: int | None = None
+    #: several samples per row of a micro-batch, each attending only to itself (`collate`)
+    packing: bool = False
 
 
 @dataclass(slots=True)

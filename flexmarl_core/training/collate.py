@@ -29,26 +29,58 @@ def _check(i: int, s: Sample) -> None:
         )
 
 
-def collate(micro_batch: MicroBatch, pad_id: int = 0) -> TokenBatch:
-    """Right-pad a micro-batch into a `TokenBatch` (CPU tensors)."""
+def pack_rows(lengths: Sequence[int]) -> list[list[int]]:
+    """Samples placed into rows no longer than the longest sample, first fit, longest first:
+    the padded width stays what it was and the rows shrink. Deterministic for given lengths;
+    where no two samples fit in one row, exactly the padded layout."""
+    width = max(lengths)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for k, left in enumerate(room):
+            if lengths[i] <= left:
+                rows[k].append(i)
+                room[k] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(width - lengths[i])
+    if len(rows) == len(lengths):  # nothing shares a row: the padded layout, in its own order
+        return [[i] for i in range(len(lengths))]
+    return rows
+
+
+def collate(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = False) -> TokenBatch:
+    """Right-pad a micro-batch into a `TokenBatch` (CPU tensors); `pack`: several samples per
+    row (`pack_rows`), each sample's positions restarting at 0 so that the model's attention
+    stays within it (transformers reads packed rows from `position_ids`)."""
     if not micro_batch:
         raise ValueError("empty micro-batch")
     for i, s in enumerate(micro_batch):
         _check(i, s)
     bsz = len(micro_batch)
-    t_max = max(len(s.prompt_ids) + len(s.response_ids) for s in micro_batch)
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in micro_batch]
+    t_max = max(lengths)
     r_max = max(len(s.response_ids) for s in micro_batch)
-    input_ids = torch.full((bsz, t_max), pad_id, dtype=torch.long)
-    attn = torch.zeros((bsz, t_max), dtype=torch.long)
+    layout = pack_rows(lengths) if pack else [[b] for b in range(bsz)]
+    where = {b: (row, sum(lengths[c] for c in layout[row][:k])) for row, members in enumerate(layout)
+             for k, b in enumerate(members)}  # sample -> (row, offset in it)
+    n_rows = len(layout)
+    input_ids = torch.full((n_rows, t_max), pad_id, dtype=torch.long)
+    attn = torch.zeros((n_rows, t_max), dtype=torch.long)
+    positions = torch.arange(t_max).repeat(n_rows, 1) if pack else None
     target_index = torch.zeros((bsz, r_max), dtype=torch.long)
     response_ids = torch.zeros((bsz, r_max), dtype=torch.long)
     mask = torch.zeros((bsz, r_max), dtype=torch.float32)
     old = torch.zeros((bsz, r_max), dtype=torch.float32)
     for b, s in enumerate(micro_batch):
         p, r = len(s.prompt_ids), len(s.response_ids)
-        input_ids[b, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        attn[b, : p + r] = 1
-        target_index[b, :r] = torch.arange(p - 1, p - 1 + r)
+        row, at = where[b]
+        input_ids[row, at: at + p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
+        attn[row, at: at + p + r] = 1
+        if positions is not None:
+            positions[row, at: at + p + r] = torch.arange(p + r)
+        target_index[b, :r] = torch.arange(at + p - 1, at + p - 1 + r)
         response_ids[b, :r] = torch.tensor(s.response_ids, dtype=torch.long)
         mask[b, :r] = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r, dtype=torch.float32)
         old[b, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
@@ -66,6 +98,9 @@ def collate(micro_batch: MicroBatch, pad_id: int = 0) -> TokenBatch:
         mask=mask,
         old_logprobs=old,
         advantages=advantages,
+        rows=torch.tensor([where[b][0] for b in range(bsz)], dtype=torch.long) if pack else None,
+        position_ids=positions,
+        padded_tokens=n_rows * t_max - sum(lengths),
     )
 
 

@@ -256,7 +256,7 @@ class DeepSpeedTrainer(PolicyGradientSteps):
         return float(grad_norm) if grad_norm is not None else float("nan")
 
     def logprobs(self, micro_batch: MicroBatch) -> list[list[float]]:
-        batch = collate(micro_batch, self.pad_id)
+        batch = collate(micro_batch, self.pad_id, pack=self.packing)
         with torch.no_grad():
             lp = self._logprobs(self.engine.module, batch).cpu()
         return [lp[b, : len(s.response_ids)].tolist() for b, s in enumerate(micro_batch)]

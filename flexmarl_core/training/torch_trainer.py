@@ -72,7 +72,11 @@ def response_logprobs(
     # holds each row's first target position.
     lo = int(batch.target_index[:, 0].min())
     hi = int(batch.target_index.max()) + 1
-    kwargs: dict[str, Any] = {}
+    # No KV cache: nothing decodes after this forward, and transformers reads packed rows from
+    # `position_ids` only when there is no cache.
+    kwargs: dict[str, Any] = {"use_cache": False}
+    if batch.position_ids is not None:  # packed rows: positions restart per sample, and so does attention
+        kwargs["position_ids"] = batch.position_ids.to(dev)
     if keep_ok:  # lm_head runs only over the span
         kwargs["logits_to_keep"] = torch.arange(lo, hi, device=dev)
     with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16):
@@ -87,6 +91,8 @@ def response_logprobs(
     per_pos = token_logprobs(logits, next_tokens, temperature, inplace=True)  # (B, T')
     del logits
     index = (batch.target_index.to(dev) - lo).clamp_(min=0)  # padding entries were 0
+    if batch.rows is not None:  # packed: each sample's row (rows hold several samples)
+        per_pos = per_pos.index_select(0, batch.rows.to(dev))
     return per_pos.gather(1, index)  # (B, R)
 
 
@@ -113,6 +119,8 @@ class PolicyGradientSteps(ABC):
     #: AdamW's rate and its warm-up (`lr_at`), from the options
     lr: float
     lr_warmup_steps: int
+    #: several samples per row (`collate(pack=True)`), from the options
+    packing: bool = False
 
     def _set_options(self, model: PreTrainedModel, opts: TrainerOptions,
                      ref_model: PreTrainedModel | None) -> None:
@@ -120,6 +128,7 @@ class PolicyGradientSteps(ABC):
         self.loss_fn, self.loss_weight_fn = opts.loss_fn, opts.loss_weight_fn
         self.max_grad_norm, self.bf16, self.temperature = opts.max_grad_norm, opts.bf16, opts.temperature
         self.lr, self.lr_warmup_steps = opts.lr, opts.lr_warmup_steps
+        self.packing = opts.packing
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
@@ -167,7 +176,7 @@ class PolicyGradientSteps(ABC):
         return out
 
     def _accumulate_chunk(self, micro_batch: MicroBatch, loss_scale: float) -> dict[str, float]:
-        batch = collate(micro_batch, self.pad_id)
+        batch = collate(micro_batch, self.pad_id, pack=self.packing)
         if self.ref_model is not None:
             with torch.no_grad():
                 batch.ref_logprobs = self._logprobs(self.ref_model, batch)
@@ -179,6 +188,9 @@ class PolicyGradientSteps(ABC):
         self._backward(loss * loss_scale)
         out = {"loss": float(loss.detach()) * loss_scale}
         out.update({k: float(v) * loss_scale for k, v in metrics.items()})
+        # counts, not loss terms: summed over the step as they are (padding share = padded / cells)
+        out["tokens_padded"] = float(batch.padded_tokens)
+        out["tokens_cells"] = float(batch.input_ids.numel())
         return out
 
     def lr_at(self, version: int) -> float:
@@ -379,7 +391,7 @@ class TorchTrainer(PolicyGradientSteps):
         return [(n, tuple(p.shape)) for n, p in zip(self._names, self._params, strict=True)]
 
     def logprobs(self, micro_batch: MicroBatch) -> list[list[float]]:
-        batch = collate(micro_batch, self.pad_id)
+        batch = collate(micro_batch, self.pad_id, pack=self.packing)
         with torch.no_grad():
             lp = self._logprobs(self.model, batch).cpu()
         return [lp[b, : len(s.response_ids)].tolist() for b, s in enumerate(micro_batch)]

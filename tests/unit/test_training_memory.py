@@ -57,7 +57,9 @@ def test_chunked_gradient_equals_unchunked(temperature, ckpt):
         torch.testing.assert_close(_grads(chunked)[name], g, rtol=0, atol=atol, msg=name)
     assert m_whole.keys() == m_chunk.keys()
     for k, v in m_whole.items():
-        assert m_chunk[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+        if k not in ("tokens_padded", "tokens_cells"):  # counts of the layout, which chunking changes
+            assert m_chunk[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert m_chunk["tokens_cells"] - m_chunk["tokens_padded"] == m_whole["tokens_cells"] - m_whole["tokens_padded"]
     assert whole.step().grad_norm == pytest.approx(chunked.step().grad_norm, rel=1e-5)
 
 
