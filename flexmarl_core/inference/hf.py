@@ -104,6 +104,8 @@ class HFInferenceEngine:
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         # Tied models share lm_head with the embedding, so a state dict may omit it.
         self._tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        #: prefill each distinct prompt once and copy its cache to the rows that share it
+        self.share_prefill = True
 
     @property
     def version(self) -> int:
@@ -236,11 +238,18 @@ class HFInferenceEngine:
             constraints = RowConstraints(self.tokenizer, self.eos_ids, schemas, prompt_ids)
 
         with torch.inference_mode():
-            # 2. prefill
-            out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                             logits_to_keep=1, **fkw)
+            # 2. prefill: each distinct prompt once (a GRPO group's G rows share theirs), its cache
+            # and last logits then copied to every row that has it
+            first, copies = distinct_rows(prompt_ids, fkw, dev) if self.share_prefill else (None, None)
+            pf = (input_ids, attn, pos, fkw) if first is None else (
+                input_ids[first], attn[first], pos[first], select_row_kwargs(fkw, first.tolist(), bsz))
+            out = self.model(input_ids=pf[0], attention_mask=pf[1], position_ids=pf[2], use_cache=True,
+                             logits_to_keep=1, **pf[3])
             cache = out.past_key_values
             logits = out.logits[:, -1].float()  # (B, V)
+            if copies is not None:
+                cache.batch_select_indices(copies)
+                logits = logits[copies]
             live = list(range(len(spans)))  # the requests in the model's batch, in row order
             rows = torch.arange(bsz, device=dev)  # the batch's rows as indices into all rows
             for step in range(max_new):
@@ -324,6 +333,27 @@ class HFInferenceEngine:
 
 #: a request of one decode: its rows [lo, hi) in the batch, its sampling and seed
 Span = tuple[int, int, SamplingConfig, int]
+
+
+def distinct_rows(prompt_ids: Sequence[Sequence[int]], fkw: Mapping[str, object],
+                  device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(one row per distinct prompt, and for every row the index of its distinct one), or
+    (None, None) when every row is distinct. Rows are alike when their prompt ids and their
+    per-row forward arguments (a LoRA engine's adapter name) are."""
+    per_row = [v for v in fkw.values() if isinstance(v, list) and len(v) == len(prompt_ids)]
+    seen: dict[tuple[Any, ...], int] = {}
+    first: list[int] = []
+    copies: list[int] = []
+    for i, ids in enumerate(prompt_ids):
+        key = (tuple(ids), *(v[i] for v in per_row))
+        if key not in seen:
+            seen[key] = len(first)
+            first.append(i)
+        copies.append(seen[key])
+    if len(first) == len(prompt_ids):
+        return None, None
+    return (torch.tensor(first, dtype=torch.long, device=device),
+            torch.tensor(copies, dtype=torch.long, device=device))
 
 
 def left_pad(prompt_ids: Sequence[Sequence[int]], pad_id: int,

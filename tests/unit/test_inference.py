@@ -268,3 +268,32 @@ def test_token_versions_mark_tokens_from_each_switch_on():
     token_versions([short, long], [(2, 4), (5, 6)], 3)
     assert short.token_versions is None
     assert long.token_versions == [3, 3, 4, 4, 4, 6, 6]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_group_prefilled_once_samples_what_it_samples_prefilled_row_by_row(temperature):
+    """G rows of one prompt (and two groups in one decode) share one prefill, its cache copied
+    to each row: the same tokens and, to fp32 summation order, the same log-probs as G prefills."""
+    eng = engine(3)
+    sp = SamplingConfig(temperature=temperature, max_new_tokens=10)
+    groups = [([PROMPTS[0]] * 4, sp, 5), ([PROMPTS[2]] * 3 + [PROMPTS[1]], sp, 6)]
+    shared = eng.generate_groups(groups)
+    eng.share_prefill = False
+    alone = eng.generate_groups(groups)
+    hidden, eps = eng.model.config.hidden_size, torch.finfo(torch.float32).eps
+    for a, b in zip((g for gs in shared for g in gs), (g for gs in alone for g in gs), strict=True):
+        assert a.response_ids == b.response_ids and a.text == b.text
+        want = torch.tensor(b.logprobs)  # bound as in the engine-against-trainer test above
+        torch.testing.assert_close(torch.tensor(a.logprobs), want, rtol=0, atol=hidden * eps * float(want.abs().max()))
+
+
+def test_distinct_rows_tell_prompts_and_adapters_apart():
+    from flexmarl_core.inference.hf import distinct_rows
+
+    cpu = torch.device("cpu")
+    assert distinct_rows([[1, 2], [3]], {}, cpu) == (None, None)
+    first, copies = distinct_rows([[1, 2], [1, 2], [3], [1, 2]], {}, cpu)
+    assert first.tolist() == [0, 2] and copies.tolist() == [0, 0, 1, 0]
+    # one prompt under two adapters is two prefills (a LoRA engine's per-row adapter names)
+    first, copies = distinct_rows([[1], [1], [1]], {"adapter_names": ["a", "b", "a"]}, cpu)
+    assert first.tolist() == [0, 1] and copies.tolist() == [0, 1, 0]

@@ -80,9 +80,10 @@ def test_requests_in_one_decode_sample_what_each_samples_alone(base):
                                                with_kwargs=True)
     together = eng.generate_requests(reqs)
     hook.remove()
-    # The solver's request (6 tokens at most) left the batch when its rows ended; the planner's
-    # rows went on alone.
-    assert sizes[0] == 6 and sizes[-1] == 4, sizes
+    # One prefill for the 5 distinct (prompt, adapter) rows (the planner's two "Q:4-5" share
+    # theirs), decoding on 6; the solver's request (6 tokens at most) left the batch when its
+    # rows ended, and the planner's rows went on alone.
+    assert sizes[0] == 5 and sizes[1] == 6 and sizes[-1] == 4, sizes
     for (agent, prompts, sampling, seed), gens in zip(reqs, together, strict=True):
         alone = eng.view(agent).generate(prompts, sampling, seed)
         assert [g.response_ids for g in gens] == [g.response_ids for g in alone]
