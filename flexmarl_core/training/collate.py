@@ -63,6 +63,7 @@ def collate(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = False) -> 
     t_max = max(lengths)
     r_max = max(len(s.response_ids) for s in micro_batch)
     layout = pack_rows(lengths) if pack else [[b] for b in range(bsz)]
+    pack = len(layout) < bsz  # nothing shares a row: exactly the padded batch
     where = {b: (row, sum(lengths[c] for c in layout[row][:k])) for row, members in enumerate(layout)
              for k, b in enumerate(members)}  # sample -> (row, offset in it)
     n_rows = len(layout)
