@@ -122,6 +122,8 @@ class VLLMInferenceEngine:
             "enforce_eager": True,
             "logprobs_mode": "processed_logprobs",
             "max_num_seqs": 256,
+            # a GRPO group's G rows share their prompt's KV blocks (reset on each weight update)
+            "enable_prefix_caching": True,
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
