@@ -228,3 +228,26 @@ def test_kuhn_ground_truth():
     assert kuhn.win_rate_vs_random(uniform, "player_0") == pytest.approx(0.5625)
     with pytest.raises(ValueError, match="non-negative"):
         kuhn.exploitability(lambda s, o, legal: [1.0])
+
+
+def test_the_ultimatum_game_pays_shares_and_is_solved_exactly():
+    from examples.envs.ultimatum import evaluate, infosets
+
+    env = make_environment("python:examples.envs.ultimatum:Ultimatum", {"coins": 4})
+    ep = env.episode(0)
+    assert ep.turn().seat == "proposer" and not ep.act("half").valid and ep.turn().seat == "proposer"
+    assert ep.act("[1]").valid and ep.turn().seat == "responder" and "offers you 1" in ep.turn().observation
+    assert ep.act("[accept]").rewards == {"proposer": 0.75, "responder": 0.25} and ep.turn() is None
+    rejected = env.episode(0)
+    rejected.act("[3]")
+    rejected.act("reject")
+    assert rejected.returns() == {"proposer": 0.0, "responder": 0.0}
+    # ground truth: uniform play is 0.5 from equilibrium; offering 0 and accepting all is one
+    uniform = evaluate(lambda seat, obs, legal: [1.0] * len(legal))
+    assert uniform["nash_conv"] == pytest.approx(0.5) and uniform["accept_rate"] == pytest.approx(0.5)
+    spe = evaluate(lambda seat, obs, legal: [1.0, 0, 0, 0, 0] if seat == "proposer" else [1.0, 0.0])
+    assert spe["nash_conv"] == pytest.approx(0.0) and spe["value_proposer"] == pytest.approx(1.0)
+    # a responder who rejects everything leaves the proposer nothing to gain and herself the offer
+    stubborn = evaluate(lambda seat, obs, legal: [0, 0, 1.0, 0, 0] if seat == "proposer" else [0.0, 1.0])
+    assert stubborn["gain_responder"] == pytest.approx(0.5) and stubborn["gain_proposer"] == pytest.approx(0.0)
+    assert [s for s, _, _ in infosets(4)] == ["proposer"] + ["responder"] * 5
