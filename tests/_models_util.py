@@ -137,7 +137,16 @@ class ScriptedLM(torch.nn.Module):
                 firsts = [m.index(1) for m in attention_mask.tolist()]
             contexts = [[tuple(row[first : t + 1]) for t in kept] for row, first in zip(ids, firsts, strict=True)]
             if use_cache:
-                out.past_key_values.script_rows = [list(row[first:]) for row, first in zip(ids, firsts, strict=True)]
+                cache = out.past_key_values
+                cache.script_rows = [list(row[first:]) for row, first in zip(ids, firsts, strict=True)]
+                select = cache.batch_select_indices
+
+                def follow(indices, cache=cache, select=select) -> None:
+                    # the engine picks or copies rows (ended requests leave, a group's rows share a
+                    # prefill): each row's context follows its cache row
+                    select(indices)
+                    cache.script_rows = [list(cache.script_rows[i]) for i in indices.tolist()]
+                cache.batch_select_indices = follow
         bias = torch.zeros_like(out.logits)
         for b, row in enumerate(contexts):
             for j, ctx in enumerate(row):
