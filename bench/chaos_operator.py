@@ -5,7 +5,11 @@ slowly, each through the real CLI on the tiny team, each checked to leave a clea
 - hanging reward: a reward that never returns on one input (`per_kind_s.reward`: 2 s);
 - full disk: the run folder on a 24 MB tmpfs, resumed after it grows (needs root to mount;
   reported as not run otherwise);
-- damaged store: a truncated fragment before a resume, repaired by `flexmarl store repair`.
+- damaged store: a truncated fragment before a resume, repaired by `flexmarl store repair`;
+- dead API: the run's Prefect API server killed in iteration 2 of 6 and never brought back
+  (a server of the scenario's own): the run finishes, says so in one line, and its process
+  exits; `dead_api_exit_s` is the time from the kill to the exit (the promise: about a minute
+  after the run's last op, under 90 s here).
 
 Each entry of the result says whether it was survived: the run (or its resume) completed, the
 mistake was refused or reported in one line, and `store audit` calls the run clean.
@@ -108,10 +112,53 @@ def damaged_store(env: dict[str, str], root: Path) -> dict[str, Any]:
     return {"survived": ok, "resume_said": refused.stderr.strip()}
 
 
+#: the dead-API scenario's promise: from the kill to the process's exit (seconds)
+DEAD_API_EXIT_S = 90.0
+
+
+def dead_api(env: dict[str, str], root: Path) -> dict[str, Any]:
+    import signal
+    import socket
+
+    from flexmarl.prefect_api import start_server, stop_server
+    from flexmarl_core.stages.faults import faults_dir, held_ops, release
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    home, run_dir, held = root / "dead-api-prefect", root / "dead-api", "rollout[solver] it=2 mb=1"
+    api = start_server(home, port)
+    env = {k: v for k, v in env.items() if k not in ("PREFECT_CLIENT_MAX_RETRIES", "FLEXMARL_API_GIVE_UP_S")}
+    env.update(PREFECT_API_URL=api, PREFECT_HOME=str(home))
+    Path(faults_dir(run_dir)).mkdir(parents=True)
+    (Path(faults_dir(run_dir)) / f"hold@{held}").write_text("")
+    run = _cli(env, "train", TINY, *_sets(run_dir, "train.iterations=6"), "--no-progress", wait=False)
+    try:
+        deadline = time.time() + 600
+        while held not in held_ops(run_dir) and run.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        stop_server(home, signal.SIGKILL)
+        killed = time.time()
+        release(run_dir, held)
+        out, err = run.communicate(timeout=1200)
+        exit_s = time.time() - killed
+    finally:
+        if run.poll() is None:
+            run.kill()
+        stop_server(home, signal.SIGKILL)
+    said = [x for x in (out + err).splitlines() if "Prefect API" in x]
+    ops = [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines() if x.strip()]
+    last_op_s = max(o["finished"] for o in ops) - killed
+    return {"survived": run.returncode == 0 and len(said) == 1 and exit_s < DEAD_API_EXIT_S and _clean(env, run_dir),
+            "dead_api_exit_s": round(exit_s, 1), "last_op_after_kill_s": round(last_op_s, 1),
+            "exit_after_last_op_s": round(exit_s - last_op_s, 1), "said": said[0] if said else ""}
+
+
 def operator_phase(api: str) -> dict[str, dict[str, Any]]:
-    """Every scenario above against the Prefect API `api`; each one's result."""
+    """Every scenario above against the Prefect API `api` (the dead-API one against a server of
+    its own); each one's result."""
     env = {**os.environ, "PREFECT_API_URL": api, "PYTHONPATH": str(REPO)}
     root = Path(tempfile.mkdtemp(prefix="flexmarl-chaos-operator-"))
     return {name: fn(env, root) for name, fn in (
         ("double launch", double_launch), ("hanging reward", hanging_reward),
-        ("full disk", full_disk), ("damaged store", damaged_store))}
+        ("full disk", full_disk), ("damaged store", damaged_store), ("dead api", dead_api))}

@@ -6,13 +6,18 @@
     flexmarl sft CONFIG [--out DIR]         warm-start checkpoints from demonstrations
     flexmarl store check PATH               list problems in a MEG Store; non-zero exit if any
     flexmarl store audit RUN_OR_STORE       exactly-once audit; exit 1 on duplicates/missing
-    flexmarl store repair RUN               set damaged fragments aside; a resume writes them again
+    flexmarl store repair RUN               set damaged fragments aside; a resume writes them again, or they are lost
     flexmarl report RUN [--compare RUN2]    draw timeline.png and curves.png of a run
-    flexmarl server stop                    stop the Prefect server `train` started
+    flexmarl server status                  the local Prefect servers flexmarl started
+    flexmarl server stop [--all]            stop this PREFECT_HOME's (--all: every one)
+    flexmarl server start                   start this PREFECT_HOME's again, on its last port
     flexmarl simulate CONFIG --cluster C    simulated cluster: Table 2/3 of the co-design (simulated)
     flexmarl simulate --calibrate RUN       fit the cost model from a run's op log and replay it
     flexmarl humaneval [FILE] --completions JSONL | --canonical | --empty
                                             grade completions in the sandbox
+    flexmarl export RUN --out DIR           each agent as a Hugging Face folder (from_pretrained)
+    flexmarl eval RUN [--version N]         the team's held-out accuracy at a kept version
+    flexmarl serve RUN|DIR [--port P]       the team behind an OpenAI-compatible endpoint
 """
 
 from __future__ import annotations
@@ -82,7 +87,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         os.environ["FLEXMARL_DEBUG"] = "1"
     # Training never waits on the API (task-run events are buffered and resent by Prefect's
     # events client), but the flow run's own states are API calls: 7 retries back off for
-    # 2+4+...+128 s, so an API server away for up to ~4 minutes is ridden out.
+    # 2+4+...+128 s, so an API server away for up to ~4 minutes is ridden out (at the run's end,
+    # one budget of about a minute covers every report instead: tasks/api_watch.py).
     os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", str(API_RETRIES))
     from flexmarl.prefect_api import drop_unsent, ensure_api, ui_url
     from flexmarl_core.driver.console import console
@@ -98,9 +104,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # one line that names the config file too
         said = str(exc)
         raise ConfigError(said if args.config in said else f"{args.config}: {said}") from None
+    skipped = _skipped_check(cfg) if args.resume and args.skip_check else None  # said with the summary
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
         console.print(f"started a local Prefect server at {ui_url(api)} (stop: flexmarl server stop)")
+    lease = _take_run_folder(cfg, args)  # after every check: a launch refused earlier makes no folder
     import httpx
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -127,11 +135,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                 console.print(f"the run finished, but the Prefect API at {api} stopped answering "
                               f"({type(exc).__name__}), so its UI does not show the run's end", style="yellow",
                               markup=False, soft_wrap=True)
-                return 0
+                _exit_now(0, lease)
             console.print(f"run stopped: the Prefect API at {api} did not answer "
                           f"({type(exc).__name__}: {exc}); what finished is stored: start the API, "
                           f"then `flexmarl train --resume {cfg.run_location().uri}`", style="red", markup=False)
-            return 1
+            _exit_now(1, lease)
     if not state.is_completed():
         exc = state.result(raise_on_failure=False)
         if args.debug and isinstance(exc, BaseException):
@@ -140,8 +148,36 @@ def cmd_train(args: argparse.Namespace) -> int:
                 else f"run stopped: {state.message}")
         console.print(line, style="red", markup=False, soft_wrap=True)  # `[solver]` is text, not markup
         return 1
-    _print_summary(state.result())
+    _print_summary(state.result(), skipped)
     return 0
+
+
+def _take_run_folder(cfg, args: argparse.Namespace):  # noqa: ANN001, ANN202 - a config, a RunLease
+    """The run folder's lease, taken before any flow run exists (the flow adopts it, and
+    releases it at its end; at the latest, this process's exit does): a launch that cannot have
+    it, a second launch or the loser of two at the same moment, is refused with the same one
+    line as `_preflight`'s and leaves no flow run behind."""
+    import atexit
+
+    from flexmarl_core.driver.lease import RunExistsError, RunLease, RunLockedError
+    from flexmarl_core.driver.run import RunFolderError
+
+    try:
+        lease = RunLease.acquire(cfg.run_location(), resume=bool(args.resume), overwrite=args.overwrite)
+    except (RunLockedError, RunExistsError, RunFolderError) as exc:
+        said = str(exc)
+        raise ConfigError(said if args.config in said else f"{args.config}: {said}") from None
+    atexit.register(lease.release)
+    return lease
+
+
+def _exit_now(code: int, lease) -> NoReturn:  # noqa: ANN001 - a RunLease
+    """The Prefect API is dead and the last line is printed: end the process now, without
+    Prefect's exit-time flushes to the dead API (`tasks/api_watch.py`)."""
+    lease.release()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _finished(cfg, since: float) -> dict | None:  # noqa: ANN001 - an ExperimentConfig
@@ -154,12 +190,26 @@ def _finished(cfg, since: float) -> dict | None:  # noqa: ANN001 - an Experiment
     return json.loads(path.read_text())
 
 
-def _print_summary(out: dict) -> None:
+def _print_summary(out: dict, note: str | None = None) -> None:
     from flexmarl_core.driver.console import console, summary_lines, summary_table
 
     console.print(summary_table(out["iterations"], out["summary"]))
     for line in summary_lines(out["summary"]):
         console.print(line, soft_wrap=True)  # a long path stays one line, not broken mid-word
+    if note:
+        console.print(note, style="yellow", markup=False, soft_wrap=True)
+
+
+def _skipped_check(cfg) -> str:  # noqa: ANN001 - an ExperimentConfig
+    """What `--resume --skip-check` skips, for the summary: the store check, and the damage a
+    footer scan finds now."""
+    from flexmarl_core.driver.repair import skipped_check
+    from storage import StoreError
+
+    try:
+        return skipped_check(cfg.run_location().uri)
+    except (OSError, ValueError, StoreError) as exc:
+        return f"--skip-check: the store was not checked before the resume (a scan of it failed: {exc})"
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -168,6 +218,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     for path in filter(None, [args.run, args.compare]):
         if not (Path(path) / "metrics" / "ops.jsonl").is_file():
             raise ConfigError(f"{path}: no metrics/ops.jsonl (not a finished or resumed flexmarl run folder)")
+    _close_left_open(args.run)
     try:
         paths = report(args.run, args.compare, args.out)
     except OSError as exc:
@@ -288,7 +339,8 @@ def cmd_store_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_store_repair(args: argparse.Namespace) -> int:
-    """Set a run's damaged store fragments aside and rewind the ops that wrote them."""
+    """Set a run's damaged store fragments aside; rewind the ops that write each again, or
+    record its samples as lost (trained on before the damage, their weights gone)."""
     from flexmarl_core.driver.repair import DamagedStoreError, repair_run
     from flexmarl_core.runfiles.location import CONFIG_NAME, RunLocation
 
@@ -298,34 +350,45 @@ def cmd_store_repair(args: argparse.Namespace) -> int:
         fixed = repair_run(args.run)
     except DamagedStoreError as exc:
         raise ConfigError(str(exc)) from None
-    for d in fixed:
+    for rep in fixed:
+        d = rep.damage
         mb = "every micro-batch (compacted)" if d.mb == -1 else f"micro-batch {d.mb}"
-        print(f"set aside {d.problem.path} ({d.problem.kind}): {d.table} of {d.agent}, iteration {d.iteration}, {mb}")
-    print(f"{args.run}: {len(fixed)} damaged file(s) set aside" + (
-        f"; `flexmarl train --resume {args.run}` writes them again" if fixed else ": nothing to repair"))
+        what = (f"{len(rep.rewound)} ops run again to write it" if rep.outcome == "rewritten" else
+                f"lost: {len(rep.lost)} samples{' (their rewards and consumption)' if d.table == 'status' else ''}, "
+                "trained on before the damage, whose weights the run no longer keeps")
+        print(f"set aside {d.problem.path} ({d.problem.kind}): {d.table} of {d.agent}, iteration {d.iteration}, "
+              f"{mb}; {what}")
+    again = sum(rep.outcome == "rewritten" for rep in fixed)
+    lost = sum(len(rep.lost) for rep in fixed)
+    print(f"{args.run}: {len(fixed)} damaged file(s) set aside" + (": nothing to repair" if not fixed else (
+        f"; `flexmarl train --resume {args.run}` writes {again} of them again" if again else "")
+        + (f"; {lost} samples lost, recorded in {RunLocation(args.run).display('repairs.jsonl')} "
+           f"(`flexmarl store audit {args.run}` names them)" if lost else "")))
     return 0
 
 
 def _stale_owner(loc) -> None:  # noqa: ANN001 - a RunLocation
-    """A run folder whose owner died: say so, and mark its flow run Crashed where the API that
-    ran it (PREFECT_API_URL, or the server flexmarl started) answers."""
-    from flexmarl.prefect_api import _answers, _home, our_server
+    """A run folder whose owner died: say so, and end what its attempts left open in the API."""
     from flexmarl_core.driver.lease import read_lease
 
     lease = read_lease(loc)
-    if lease is None or lease.alive():
-        return
-    print(f"{loc.uri}: its run stopped without ending ({lease.owner()} is gone): "
-          f"`flexmarl train --resume {loc.uri}` continues it")
-    own = our_server(_home())
-    api = os.environ.get("PREFECT_API_URL") or (own["url"] if own else None)
-    if lease.flow_run and api and _answers(api):
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+    if lease is not None and not lease.alive():
+        print(f"{loc.uri}: its run stopped without ending ({lease.owner()} is gone): "
+              f"`flexmarl train --resume {loc.uri}` continues it")
+    _close_left_open(loc.uri)
 
-        from tasks.prepare import mark_crashed
 
-        with temporary_settings(updates={PREFECT_API_URL: api}):
-            mark_crashed(lease)
+def _close_left_open(run: str) -> None:
+    """End the flow and task runs the run's attempts left open in the Prefect API (a killed
+    run's, or one whose API was away at its end): `tasks/leftovers.py`."""
+    from flexmarl_core.runfiles.location import LEASE_NAME, RunLocation
+    from tasks.leftovers import RECORD, close_for_command
+
+    loc = RunLocation(run)
+    if loc.exists(RECORD) or loc.exists(LEASE_NAME):
+        ended = close_for_command(loc)
+        if ended:
+            print(f"{run}: ended {ended} Prefect flow and task runs its attempts left open")
 
 
 def cmd_humaneval(args: argparse.Namespace) -> int:
@@ -355,10 +418,19 @@ def cmd_humaneval(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_server_stop(args: argparse.Namespace) -> int:
-    from flexmarl.prefect_api import stop_server
+def cmd_server(args: argparse.Namespace) -> int:
+    """`server status`, `server stop [--all]`, `server start` (flexmarl/servers.py)."""
+    from flexmarl import servers
+    from flexmarl.prefect_api import _home, local_server, stop_server, ui_url
 
-    print(stop_server())
+    if args.server_command == "status":
+        print("\n".join(servers.status_lines()))
+    elif args.server_command == "stop":
+        print("\n".join(servers.stop_all()) if args.all else stop_server())
+    else:
+        url, started = local_server(_home(), join=False)
+        print(f"{'started' if started else 'already running:'} the local Prefect server at {ui_url(url)} "
+              f"(Prefect home {_home()}){servers.idle_note(url)}")
     return 0
 
 
@@ -515,7 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("path", help="run folder (also checks each completed iteration's "
                      "expected samples) or store path/URI")
     aud.set_defaults(fn=cmd_store_audit)
-    rep = st_sub.add_parser("repair", help="set a run's damaged store fragments aside; a resume writes them again")
+    rep = st_sub.add_parser("repair", help="set a run's damaged store fragments aside: a resume writes them "
+                            "again, or, trained on and their weights gone, they are recorded as lost")
     rep.add_argument("run", help="run folder")
     rep.set_defaults(fn=cmd_store_repair)
 
@@ -554,10 +627,20 @@ def build_parser() -> argparse.ArgumentParser:
     he.add_argument("-v", "--verbose", action="store_true", help="a line per failed task")
     he.set_defaults(fn=cmd_humaneval)
 
-    sv = sub.add_parser("server", help="the local Prefect server")
+    sv = sub.add_parser("server", help="the local Prefect servers flexmarl started")
     sv_sub = sv.add_subparsers(dest="server_command", required=True)
-    stop = sv_sub.add_parser("stop", help="stop the server `flexmarl train` started")
-    stop.set_defaults(fn=cmd_server_stop)
+    sv_sub.add_parser("status", help="each one: port, Prefect home, pid, in use or idle").set_defaults(fn=cmd_server)
+    stop = sv_sub.add_parser("stop", help="stop the server `flexmarl train` started in this PREFECT_HOME")
+    stop.add_argument("--all", action="store_true", help="stop every one `server status` lists")
+    stop.set_defaults(fn=cmd_server)
+    sv_sub.add_parser("start", help="start this PREFECT_HOME's server again, on its last port").set_defaults(
+        fn=cmd_server)
+
+    # After training: each command's code lives in its own module.
+    from flexmarl import evaluate, export, serve
+
+    for command in (export, evaluate, serve):
+        command.register(sub)
     return p
 
 

@@ -7,6 +7,7 @@ flexmarl talks only to the API that `PREFECT_API_URL` (or `cluster.prefect_api_u
 or to the server it started itself: its pid file in `PREFECT_HOME` holds the server's pid,
 URL and a token that the server process carries in its environment, so another checkout's
 server on port 4200, or a process that reused a dead server's pid, is never taken for it.
+The servers flexmarl started, their users and their idle stop: `flexmarl/servers.py`.
 """
 
 from __future__ import annotations
@@ -15,21 +16,18 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from urllib.parse import urlsplit
 
+from flexmarl import servers
+from flexmarl.servers import PID_FILE, TOKEN_ENV, our_server  # noqa: F401 - this module's names too
 from flexmarl_core.config.checks import ConfigError
 
 DEFAULT_PORT = 4200
-PID_FILE = "flexmarl-server.pid"
-#: the token a server flexmarl started carries, which its pid file names
-TOKEN_ENV = "FLEXMARL_SERVER_TOKEN"
 #: The local server we start runs this much nicer than the run. It turns the flow's events into
 #: task runs from a queue, so on a shared machine it can take the cycles training leaves
 #: (between ops, after the run) instead of slicing a core out of every stage; the UI lags by
@@ -61,11 +59,6 @@ def _answers(api_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
-
-
 def current_api_url() -> str | None:
     """The API this process would report to: env var or Prefect settings (e.g. a test harness)."""
     url = os.environ.get("PREFECT_API_URL")
@@ -87,8 +80,10 @@ def ensure_api(configured: str | None = None, *, home: Path | None = None) -> tu
     """Return `(api_url, started)`; start a detached local server if no API is configured.
 
     A server this `home` started earlier (its pid file, checked by its token) is used again;
-    any other server, on port 4200 or elsewhere, is not. The server is left running after the
-    run so the UI link keeps working; `flexmarl server stop` stops it.
+    any other server, on port 4200 or elsewhere, is not. This process counts as a user of a
+    server flexmarl started (`servers.use`); the server is left running after the run, so the
+    UI link keeps working, and stops itself once idle for `FLEXMARL_SERVER_IDLE_S`
+    (`flexmarl server stop` stops it at once).
     """
     url = configured or current_api_url()
     if url:
@@ -99,47 +94,47 @@ def ensure_api(configured: str | None = None, *, home: Path | None = None) -> tu
                 "the URL, or unset it to let flexmarl start a local one"
             )
         os.environ["PREFECT_API_URL"] = url
+        named = servers.find_home(url)  # a server flexmarl started, named by its URL
+        if named is not None:
+            with servers.lock(named):
+                servers.use(named)
         return url, False
-    home = home or _home()
-    own = our_server(home)
-    if own is not None and _healthy(own["url"]):
-        os.environ["PREFECT_API_URL"] = own["url"]
-        return own["url"], False
-    url = start_server(home, DEFAULT_PORT)
+    url, started = local_server(home or _home())
     os.environ["PREFECT_API_URL"] = url
-    return url, True
+    return url, started
+
+
+def local_server(home: Path, *, join: bool = True) -> tuple[str, bool]:
+    """`(api_url, started)` of `home`'s own server: the one running, else one started now on
+    the port it last had (links to it work again), stopping itself once idle
+    (`servers.idle_limit`). `join`: this process counts as its user until it exits."""
+    with servers.lock(home):  # the idle watcher decides under it: never stops a server chosen here
+        own = our_server(home)
+        started = own is None or not _healthy(own["url"])
+        url = start_server(home, servers.last_port(home) or DEFAULT_PORT, idle_s=servers.idle_limit()) \
+            if started else own["url"]
+        if join:
+            servers.use(home)
+    return url, started
 
 
 def _home() -> Path:
     return Path(os.environ.get("PREFECT_HOME", Path.cwd() / ".prefect"))
 
 
-def _environ(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            return fh.read()
-    except OSError:
-        return b""
-
-
-def our_server(home: Path) -> dict | None:
-    """The server this `home`'s pid file names, if it is still that server: its process lives
-    and carries the file's token (None: no file, a dead pid, a pid now someone else's)."""
-    try:
-        info = json.loads((home / PID_FILE).read_text())
-        pid, token = int(info["pid"]), str(info["token"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if f"{TOKEN_ENV}={token}".encode() not in _environ(pid).split(b"\0"):
-        return None
-    return {"pid": pid, "url": str(info["url"]), "token": token}
-
-
-def start_server(home: Path, port: int = DEFAULT_PORT) -> str:
+def start_server(home: Path, port: int = DEFAULT_PORT, idle_s: float = 0.0) -> str:
     """Start a detached local server with its database in `home`, on `port` or the next free
-    one (its pid and URL in `home`/flexmarl-server.pid); its API URL once it is healthy."""
-    while not _port_free(port):
-        port += 1
+    one (its pid and URL in `home`/flexmarl-server.pid, listed by `flexmarl server status`);
+    its API URL once it is healthy. `idle_s` > 0: it stops itself after that long without a
+    user (`servers.watch`). Servers start one at a time on this machine (`servers.start_lock`),
+    so two starting at once never both pick the same free port."""
+    with servers.start_lock():
+        while not servers.port_free(port):
+            port += 1
+        return _start(home, port, idle_s)
+
+
+def _start(home: Path, port: int, idle_s: float) -> str:
     url = f"http://127.0.0.1:{port}/api"
     home.mkdir(parents=True, exist_ok=True)
     log = open(home / "server.log", "ab")  # noqa: SIM115 - handed to the child process
@@ -154,39 +149,26 @@ def start_server(home: Path, port: int = DEFAULT_PORT) -> str:
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         preexec_fn=_lower_priority,
     )
-    (home / PID_FILE).write_text(json.dumps({"pid": proc.pid, "url": url, "token": token}))
+    info = {"pid": proc.pid, "url": url, "token": token, "port": port, "started": time.time(), "idle_s": idle_s}
+    (home / PID_FILE).write_text(json.dumps(info))
+    servers.record(home, info)
     deadline = time.time() + 180
     while time.time() < deadline:
-        if _healthy(url):
-            return url
-        if proc.poll() is not None:
+        if proc.poll() is not None:  # before health: another process may answer on the port
             raise RuntimeError(f"prefect server exited with {proc.returncode}; see {home / 'server.log'}")
+        if _healthy(url):
+            if idle_s > 0:
+                servers.start_watcher(home, idle_s)
+            return url
         time.sleep(0.5)
     proc.terminate()
     raise RuntimeError(f"prefect server did not become healthy at {url} in 180 s; see {home / 'server.log'}")
 
 
 def stop_server(home: Path | None = None, sig: int = signal.SIGTERM) -> str:
-    """Signal the server `start_server` started in `home` (SIGKILL: a drill's sudden loss), once
-    its process is checked to be that server, and wait up to 10 s for its port to be free, so
-    a new one can start there. Returns what it did, in a line."""
-    home = home or _home()
-    pidfile = home / PID_FILE
-    if not pidfile.exists():
-        return "no server started by flexmarl"
-    own = our_server(home)
-    pidfile.unlink()
-    if own is None:  # its pid is dead, or another process's now: signal nothing
-        return f"the server {pidfile} named is gone (stale pid file removed; nothing signalled)"
-    try:
-        os.killpg(own["pid"], sig)
-    except ProcessLookupError:
-        pass
-    port = urlsplit(own["url"]).port
-    deadline = time.time() + 10
-    while port and not _port_free(port) and time.time() < deadline:
-        time.sleep(0.1)
-    return f"stopped the server at {ui_url(own['url'])}"
+    """Signal the server `start_server` started in `home` (default: this PREFECT_HOME's);
+    see `servers.stop_server`."""
+    return servers.stop_server(home or _home(), sig)
 
 
 def drop_unsent() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import Problem
@@ -12,14 +13,21 @@ from .fold import KEY, row_keys
 from .read import Reader
 from .schema import derive_sample_ids, validate_agent, validate_iteration
 
-__all__ = ["Auditor"]
+__all__ = ["LOST_NAMED", "Auditor"]
+
+#: lost sample_ids a ``lost`` finding names (the rest are counted)
+LOST_NAMED = 40
 
 
 class Auditor(Reader):
     """Auditing partitions."""
 
     def audit(
-        self, agent: str, iteration: int, expected: int | Iterable[str] | None = None
+        self,
+        agent: str,
+        iteration: int,
+        expected: int | Iterable[str] | None = None,
+        lost: Iterable[str] = (),
     ) -> list[Problem]:
         """Exactly-once check of one partition.
 
@@ -27,7 +35,11 @@ class Auditor(Reader):
         compaction removes them), sample_ids present under several policy versions (warning),
         malformed sample_ids, status rows for unknown samples (warning), and, with
         ``expected`` (a row count or the expected sample_ids), missing or unexpected samples.
+        ``lost``: sample_ids recorded as lost to damage after they were trained on (a repair
+        set their fragment aside): missing, they are one ``lost`` finding (a warning) naming
+        them, and status rows naming them are no orphans.
         """
+        gone = set(lost)
         agent = validate_agent(agent)
         iteration = validate_iteration(iteration)
         where = self.display(self._samples_dir(agent, iteration))
@@ -76,6 +88,10 @@ class Auditor(Reader):
             orphan = status.filter(
                 pc.invert(pc.is_in(row_keys(status), value_set=row_keys(samples)))
             )
+            if gone and orphan.num_rows:
+                orphan = orphan.filter(
+                    pc.invert(pc.is_in(orphan.column("sample_id"), value_set=pa.array(sorted(gone), pa.string())))
+                )
             if orphan.num_rows:
                 problems.append(
                     Problem(
@@ -94,7 +110,19 @@ class Auditor(Reader):
         elif expected is not None:
             want = set(expected)
             have = set(unique.column("sample_id").to_pylist())
-            missing, extra = sorted(want - have), sorted(have - want)
+            missing, extra = sorted(want - have - gone), sorted(have - want)
+            lost_here = sorted((want & gone) - have)
+            if lost_here:
+                shown = ", ".join(lost_here[:LOST_NAMED])
+                more = f" and {len(lost_here) - LOST_NAMED} more" if len(lost_here) > LOST_NAMED else ""
+                problems.append(
+                    Problem(
+                        "lost",
+                        where,
+                        f"{len(lost_here)} samples lost to damage, trained before it: {shown}{more}",
+                        "warning",
+                    )
+                )
             if missing:
                 problems.append(
                     Problem(

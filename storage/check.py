@@ -30,7 +30,11 @@ from .schema import (
 )
 from .store import MEGStore
 
-__all__ = ["EXACTLY_ONCE", "audit_store", "check_store", "main"]
+__all__ = ["EXACTLY_ONCE", "QUARANTINE", "audit_store", "check_store", "main"]
+
+#: where ``flexmarl store repair`` sets damaged fragments aside, under the store's root: no
+#: reader lists it, and the check passes over it (the run's audit reports what was lost)
+QUARANTINE = "_quarantine"
 
 _SAMPLE_NAME = re.compile(r"(mb\d{6,}|all)-[0-9a-f]+\.parquet")
 _INPUT_NAME = re.compile(r"part-[0-9a-f]+\.parquet")
@@ -85,7 +89,7 @@ def check_store(
         parts = rel.split("/")
         is_file = e.type == pafs.FileType.File
         top = parts[0]
-        if rel == MARKER:
+        if rel == MARKER or top == QUARANTINE:
             continue
         if top == STAGING:
             if is_file and e.mtime is not None and now - e.mtime.timestamp() > stale_after_s:
@@ -219,21 +223,31 @@ EXACTLY_ONCE = frozenset({"duplicate", "orphan_status", "bad_sample_id", "missin
 def audit_store(
     uri: str,
     expected: Mapping[tuple[str, int], Iterable[str]] | None = None,
+    lost: Mapping[tuple[str, int], Iterable[str]] | None = None,
     **fs_kwargs: Any,
 ) -> list[Problem]:
     """Exactly-once audit of every (agent, iteration) partition of a store.
 
     Errors: a (sample_id, policy_version) stored more than once, a status row naming no stored
     sample, a malformed sample_id, and, for the partitions in ``expected`` (its keys: (agent,
-    iteration); values: the sample_ids that must be there), missing or unexpected samples.
-    A sample_id under several policy versions stays a warning.
+    iteration); values: the sample_ids that must be there), missing or unexpected samples; a
+    partition with a fragment that cannot be read is one error naming the file, and the audit
+    goes on with the others. A sample_id under several policy versions stays a warning, and so
+    do the ``lost`` ones (per partition: sample_ids lost to damage after they were trained on,
+    see ``MEGStore.audit``).
     """
     store = MEGStore(uri, create=False, **fs_kwargs)
     keys = set(expected or {}) | set(store.partitions("samples")) | set(store.partitions("status"))
     problems = []
     for agent, iteration in sorted(keys):
         want = (expected or {}).get((agent, iteration))
-        for p in store.audit(agent, iteration, expected=want):
+        try:
+            found = store.audit(agent, iteration, expected=want, lost=(lost or {}).get((agent, iteration), ()))
+        except StoreError as err:  # the first damaged fragment of the partition, named
+            problems.append(Problem(err.reason, err.path or store.display(store.partition_dir("samples", agent, iteration)),
+                                    str(err)))
+            continue
+        for p in found:
             if p.kind in EXACTLY_ONCE:
                 p = Problem(p.kind, p.path, p.message, "error")
             problems.append(p)

@@ -22,7 +22,9 @@ from prefect.settings import PREFECT_API_URL
 from flexmarl_core import cluster
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.ops import FusedResult, Op, Route, StageResult, traits
-from tasks import lean
+from flexmarl_core.runfiles.location import shown
+from tasks import lean, leftovers
+from tasks.api_watch import ApiWatch
 from tasks.iteration_runs import IterationFlowRuns
 from tasks.task_runs import FLUSH_S, PENDING_AFTER_S, RETRY_DELAY_S, TaskRunReporter
 
@@ -37,6 +39,8 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
         super().__init__(client, run_dir, retry_delay_s=RETRY_DELAY_S)
         #: each iteration's nested flow run (None: the ops' task runs are the flow run's own)
         self.iterations = iterations
+        #: how long the run's end waits for its API (`open_executor` sets the run's)
+        self.api = iterations.api if iterations is not None else ApiWatch(None)
         self.reporter = TaskRunReporter(flow_run_id, flow_run_count, pending_after_s, flush_s, clock=self.now,
                                         flow_run_of=None if iterations is None else iterations.flow_run_id)
         self.log = log
@@ -62,6 +66,8 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
         self._ops[future] = op
         # Ops finished by an earlier attempt (resume) have no task run here: no edge to them.
         self.reporter.submitted(op, list(deps), self.now())
+        if self.iterations is not None:
+            self.iterations.submitted(op, deps)
         return future
 
     def submit_fused(self, ops: Sequence[Op], route: Route, deps: Sequence[Sequence[Op]] = (),
@@ -73,6 +79,8 @@ class PrefectDaskExecutor(cluster.DaskExecutor):
         t = self.now()
         for op, ds in zip(ops, deps, strict=True):
             self.reporter.submitted(op, list(ds), t)
+            if self.iterations is not None:
+                self.iterations.submitted(op, ds)
         return future
 
     def wait_any(self, handles: Sequence[distributed.Future], timeout: float | None = None) -> list[distributed.Future]:
@@ -129,25 +137,30 @@ def open_executor(cfg: ExperimentConfig, flow_run_id: uuid.UUID | str, flow_run_
     reports each op as a task run of this flow run. Code in the workers that talks to Prefect
     itself (a custom reward) reports cheaply (`tasks/lean.py`) when the API is one flexmarl
     reaches directly. Dask's INFO lines go to the run's logs folder, not the terminal. On the
-    way out the held-back reports are sent, whatever happened, and after a run that ended well
-    the workers' names (by address, for the timeline) are written."""
+    way out the held-back reports are sent, whatever happened, the task runs and iteration
+    flow runs still open end in the state that matches the run's (`tasks/leftovers.py`), within
+    the run's budget for a silent API (`ex.api`, `tasks/api_watch.py`), and after a run that
+    ended well the workers' names (by address, for the timeline) are written."""
     loc = cfg.run_location()
     scratch = loc.scratch_dir()
     api = PREFECT_API_URL.value()
     cheap = bool(api) and (cfg.cluster.prefect_lean is True or (
         cfg.cluster.prefect_lean == "auto" and cfg.cluster.address is None))
-    log.info("run folder %s, store %s%s", loc.uri, cfg.resolved_store_uri(),
-             "" if loc.local else f", local scratch {scratch}")
+    log.info("run folder %s, store %s%s", shown(loc.uri), shown(cfg.resolved_store_uri()),
+             "" if loc.local else f", local scratch {shown(scratch)}")
     with cluster.cluster_for(cfg.cluster, env=lean.worker_env(api) if cheap else {}) as client, \
             get_client(sync_client=True) as api_client:
         if cfg.cluster.upload:  # before any task or plugin: the workers unpickle them with this code
             log.info("shipped to the workers: %s", cluster.upload_code(client, cfg.cluster.upload))
         if cheap:
             lean.refresh_worker_settings(client)
-        iterations = IterationFlowRuns(api_client, flow_run_id, flow_run_count) if cfg.cluster.prefect_nested else None
+        watch = ApiWatch(api)
+        iterations = IterationFlowRuns(api_client, flow_run_id, flow_run_count, run_name=cfg.name,
+                                       iterations=cfg.train.iterations, api=watch) if cfg.cluster.prefect_nested else None
         ex = PrefectDaskExecutor(client, loc.uri, flow_run_id, flow_run_count, log=log,
                                  pending_after_s=cfg.cluster.pending_after_s, flush_s=cfg.cluster.task_run_flush_s,
                                  iterations=iterations)
+        ex.api = watch
         log.info("Dask dashboard: %s", client.dashboard_link)
         stop_logs = cluster.log_to_files(client, scratch / "logs", workers=cfg.cluster.address is None)
         names = cluster.worker_names(client)
@@ -158,7 +171,10 @@ def open_executor(cfg: ExperimentConfig, flow_run_id: uuid.UUID | str, flow_run_
             error = exc
             raise
         finally:  # the final states held back, whether the run ended well or not
+            watch.ended()
             ex.reporter.flush()
+            type_ = leftovers.ending(error)
+            ex.reporter.end(type_, type_.title(), leftovers.reason(type_, error), ex.now())
             if iterations is not None:
                 iterations.close(error)
             ex.reporter.flush(final=True)

@@ -2,43 +2,57 @@
 
 The Prefect server draws a flow run's graph only up to 10,000 task runs, and a run of the
 default team has ~35 ops per iteration, so one flat flow run stops drawing at iteration ~290.
-Here the training run's flow run holds one task run per iteration ("iteration 3", each with the
-previous one as its upstream input), and that task run is the parent of the iteration's own
-flow run (`flexmarl-iteration`, named "iteration 3"), which holds the iteration's op task runs
-(`tasks/task_runs.py`): every graph stays the size of one iteration's MEG, and the parent lists
-the iterations, as a subflow call would draw them.
+Here the training run's flow run holds one task run per iteration, and that task run is the
+parent of the iteration's own flow run (`flexmarl-iteration`), which holds the iteration's op
+task runs (`tasks/task_runs.py`): every graph stays the size of one iteration's MEG, and the
+parent lists the iterations (each with the previous one as its upstream input), as a subflow
+call would draw them. Both are named after the run, `arith-tiny it 3` (a flow-run retry's
+"arith-tiny it 3 (flow run 2)"), and tagged with the run's name.
 
 An iteration's flow run is asked for when its first op is submitted and set Completed when the
-iteration is final (its metrics row emitted); one still open when the training flow stops is
-set Failed (or Crashed if the flow is crashing) with the flow's error. A flow-run retry (a
-resume) opens new ones for the iterations it still runs or first reports, named "iteration 3
-(flow run 2)".
+iteration is final (its metrics row emitted), with its own record: its line and decisions in
+its logs, its ops and figures in an artifact, and the ops of other iterations it waited for
+(`tasks/iteration_record.py`). One still open when the training flow stops ends in the state
+that matches the flow's (Completed, Failed, Crashed or Cancelled, `tasks/leftovers.py`) with
+the flow's error as the reason.
 
-The API calls (five per iteration) run on a thread of their own, in order: the orchestrator
-never waits for the API, and an API server that is away delays only the reports (the op task
-runs of an iteration whose flow run does not exist yet wait in the reporter, `flow_run_id`
-answering None until it does), as the events of the op task runs themselves are buffered.
+The API calls (six per iteration) run on a thread of their own, flow-run creations first: the
+orchestrator never waits for the API, and an API server that is away delays only the reports
+(the op task runs of an iteration whose flow run does not exist yet wait in the reporter,
+`flow_run_id` answering None until it does). Each call is tried once per `RETRY_S` for as long
+as the run goes; once it ends, the run's one budget for a silent API applies
+(`tasks/api_watch.py`), however many calls are queued.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import datetime as dt
 import logging
-import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefect import Flow, Task
 from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.actions import ArtifactCreate, LogCreate
 from prefect.client.schemas.objects import TaskRunResult
-from prefect.states import Completed, Crashed, Failed, Running
+from prefect.settings import (
+    PREFECT_CLIENT_MAX_RETRIES,
+    PREFECT_LOGGING_TO_API_ENABLED,
+    temporary_settings,
+)
+from prefect.states import Running
 
+from flexmarl_core.control import Decision
+from flexmarl_core.ops import Op, OpRecord
 from flexmarl_core.orchestrator.hooks import RunHook
+from tasks import iteration_record, leftovers
+from tasks.api_watch import ApiWatch
 
-__all__ = ["ITERATION_FLOW", "IterationFlowRuns"]
+__all__ = ["ITERATION_FLOW", "TRACKING_KEY", "IterationFlowRuns"]
 
 log = logging.getLogger(__name__)
 
@@ -50,32 +64,53 @@ def _iteration(iteration: int) -> None:
 #: the flow the iterations' flow runs belong to (registered by name on first use)
 ITERATION_FLOW: Flow[Any, Any] = Flow(_iteration, name="flexmarl-iteration")
 _TRACKING = Task(_iteration, name="flexmarl-iteration")
-#: seconds between two tries of an API call that failed (the client's own retries spent)
+#: the `task_key` of the iterations' task runs in the training run's flow run
+TRACKING_KEY = _TRACKING.task_key
+#: seconds between two tries of an API call that failed
 RETRY_S = 2.0
 
 
 class IterationFlowRuns(RunHook):
     """The flow runs of a training flow run's iterations (see the module docstring); as a run
-    hook, it completes each iteration's flow run once its metrics row is final."""
+    hook, it gathers each iteration's ops and decisions, and completes the iteration's flow
+    run once its metrics row is final."""
 
     def __init__(self, client: SyncPrefectClient, parent_flow_run_id: uuid.UUID | str,
-                 flow_run_count: int = 1) -> None:
+                 flow_run_count: int = 1, run_name: str = "", iterations: int = 0,
+                 api: ApiWatch | None = None) -> None:
         self.client = client
         self.parent = uuid.UUID(str(parent_flow_run_id))
         self.flow_run_count = flow_run_count
+        self.run_name = run_name
+        #: iterations in the run (the logged lines count them from 1)
+        self.iterations = iterations
+        self.api = api if api is not None else ApiWatch(None)
         #: iteration -> (its task run in the parent, its own flow run), once made
         self.runs: dict[int, tuple[uuid.UUID, uuid.UUID]] = {}
         self._asked: set[int] = set()
         #: iterations whose runs the API thread set Completed (it adds, `forget` removes)
         self._ended: set[int] = set()
-        self._todo: queue.Queue[tuple[str, int, Any]] = queue.Queue()
+        # Gathered on the orchestrator's thread (appends only), handed over at the iteration's end.
+        self._ops: dict[int, list[OpRecord]] = {}
+        self._waited: dict[int, dict[str, list[str]]] = {}
+        self._decided: dict[int, list[Decision]] = {}
+        self._seen = 0
+        #: rows final, whose iteration's last op has yet to reach this hook (`iteration_done`)
+        self._rows: dict[int, dict[str, Any]] = {}
+        #: iterations whose record is made: what comes for them later (a rerun op) is not kept
+        self._recorded: set[int] = set()
+        # Work for the API thread: flow-run creations go before everything else.
+        self._opens: collections.deque[tuple[str, int, Any]] = collections.deque()
+        self._rest: collections.deque[tuple[str, int, Any]] = collections.deque()
+        self._wake = threading.Condition()
         self._last_tracking: uuid.UUID | None = None
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._work, name="flexmarl-iteration-runs", daemon=True)
         self._thread.start()
 
     def _name(self, iteration: int) -> str:
-        return f"iteration {iteration}" + ("" if self.flow_run_count <= 1 else f" (flow run {self.flow_run_count})")
+        run = f"{self.run_name} it {iteration}" if self.run_name else f"iteration {iteration}"
+        return run + ("" if self.flow_run_count <= 1 else f" (flow run {self.flow_run_count})")
 
     # -- the flow's thread ---------------------------------------------------------------------
     def flow_run_id(self, iteration: int) -> uuid.UUID | None:
@@ -87,21 +122,58 @@ class IterationFlowRuns(RunHook):
         self._ask(iteration)
         return None
 
+    def _put(self, item: tuple[str, int, Any]) -> None:
+        with self._wake:
+            (self._opens if item[0] == "open" else self._rest).append(item)
+            self._wake.notify()
+
     def _ask(self, iteration: int) -> None:
         if iteration not in self._asked:
             self._asked.add(iteration)
-            self._todo.put(("open", iteration, None))
+            self._put(("open", iteration, None))
+
+    def submitted(self, op: Op, deps: Sequence[Op]) -> None:
+        """`op` was submitted after `deps`: those of other iterations are edges Prefect cannot
+        draw (they lead into another flow run), so the iteration's record names them."""
+        other = [d.name for d in deps if d.iteration != op.iteration]
+        if other:
+            self._waited.setdefault(op.iteration, {})[op.name] = other
+
+    def op_done(self, record: OpRecord, *, decisions: list[Decision] | None = None, **kwargs: Any) -> None:
+        if record.op.iteration not in self._recorded:
+            self._ops.setdefault(record.op.iteration, []).append(record)
+        if decisions is not None and len(decisions) > self._seen:  # rare: a decision since the last op
+            for d in decisions[self._seen:]:
+                it = iteration_record.decision_iteration(d)
+                it = record.op.iteration if it is None else it
+                if it not in self._recorded:
+                    self._decided.setdefault(it, []).append(d)
+            self._seen = len(decisions)
+        if self._rows:
+            self._finish_rows()
 
     def iteration_done(self, row: dict[str, Any], **kwargs: Any) -> None:
-        self.finished(int(row["iteration"]))
+        """The iteration tracker, a hook called before this one, emits a row as its last op
+        ends: the row waits for that op to reach this hook too (`op_done`, or `close`)."""
+        self._rows[int(row["iteration"])] = row
 
-    def finished(self, iteration: int) -> None:
-        """`iteration` is final: its flow run and its task run in the parent become Completed.
-        One whose ops all ran in an earlier attempt, which stopped before its row was final (a
-        resume), gets a flow run of this attempt too, holding no op: the earlier attempt's
-        was set Failed with it, and every iteration ends with a Completed one."""
+    def _finish_rows(self) -> None:
+        for it, row in sorted(self._rows.items()):
+            self.finished(it, row)
+        self._rows.clear()
+
+    def finished(self, iteration: int, row: dict[str, Any] | None = None) -> None:
+        """`iteration` is final: its flow run and its task run in the parent become Completed,
+        with its record (`row`: its metrics row). One whose ops all ran in an earlier attempt,
+        which stopped before its row was final (a resume), gets a flow run of this attempt
+        too, holding no op: the earlier attempt's was ended with it, and every iteration ends
+        with a Completed one."""
         self._ask(iteration)
-        self._todo.put(("end", iteration, None))
+        self._recorded.add(iteration)
+        record = None if row is None else iteration_record.IterationRecord(
+            iteration, row, self._ops.pop(iteration, []), self._decided.pop(iteration, []),
+            self._waited.pop(iteration, {}))
+        self._put(("end", iteration, record))
 
     def forget(self, below: int) -> None:
         """Drop the iterations before `below` whose runs are Completed (every op of them is
@@ -110,60 +182,110 @@ class IterationFlowRuns(RunHook):
             self._ended.discard(it)
             self.runs.pop(it, None)
             self._asked.discard(it)
+        self._recorded -= {i for i in self._recorded if i < below}
 
-    def close(self, error: BaseException | None, timeout_s: float = 60.0) -> None:
-        """The training flow stops: iterations still open failed with it (`error`), or, when it
-        ended well, are Completed. Waits up to `timeout_s` for the API calls still queued."""
-        self._todo.put(("close", -1, error))
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            self._closing.set()
+    def close(self, error: BaseException | None, timeout_s: float = 60.0) -> bool:
+        """The training flow stops: iterations still open end in the state that matches its
+        own, with `error` as the reason. Waits for the API calls still queued, for at most
+        `timeout_s` and within the run's budget for a silent API (`ApiWatch.deadline`; past
+        it the API is given up on). True: every call was made."""
+        self._finish_rows()
+        self._put(("close", -1, error))
+        until = min(time.monotonic() + timeout_s, self.api.deadline())
+        self._thread.join(max(until - time.monotonic(), 0.0))
+        if not self._thread.is_alive():
+            return True
+        self._closing.set()
+        with self._wake:
+            self._wake.notify()
+        if self.api.failing_since is not None:
+            self.api.give_up()
+        else:
             log.warning("the Prefect API did not take the iterations' flow-run states within %.0f s; "
                         "the run's own records are complete (metrics/ops.jsonl)", timeout_s)
+        return False
 
     # -- the API thread ------------------------------------------------------------------------
+    def _next(self) -> tuple[str, int, Any]:
+        with self._wake:
+            while not self._opens and not self._rest:
+                self._wake.wait()
+            return (self._opens or self._rest).popleft()
+
     def _work(self) -> None:
-        while True:
-            what, iteration, error = self._todo.get()
-            if what == "open":
-                self._call(functools.partial(self._open, iteration))
-            elif what == "end":
-                if iteration in self.runs and iteration not in self._ended:
-                    self._call(functools.partial(self._set, iteration, Completed))
-                    self._ended.add(iteration)  # after the call: `forget` may drop it now
-            else:
-                for it in sorted(set(self.runs) - self._ended):
-                    self._call(functools.partial(self._stop, it, error))
-                return
+        # The thread's own calls are tried once by the client: `_call` retries, and stops when
+        # the run gives up on the API.
+        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
+            while True:
+                what, iteration, arg = self._next()
+                if what == "open":
+                    self._call(lambda it=iteration: self._open(it))
+                elif what == "end":
+                    if iteration in self.runs and iteration not in self._ended:
+                        shown = self._record(arg)
+                        self._call(lambda it=iteration, shown=shown: self._end(it, *shown))
+                        self._ended.add(iteration)  # after the call: `forget` may drop it now
+                else:
+                    type_ = leftovers.ending(arg)
+                    message = leftovers.reason(type_, arg)
+                    for it in sorted(set(self.runs) - self._ended):
+                        self._call(lambda it=it, t=type_, m=message: self._set(it, t, m))
+                    return
 
     def _call(self, fn: Callable[[], None]) -> None:
+        warned = False
         while not self._closing.is_set():
             try:
                 fn()
+                self.api.answered()
                 return
-            except Exception as exc:  # the API away: try again (the client's retries are spent)
-                log.warning("Prefect API call for the iterations' flow runs failed (%s); trying again", exc)
-                time.sleep(RETRY_S)
+            except Exception as exc:  # the API away: try again while the run goes on
+                self.api.failed()
+                if not warned:
+                    log.warning("Prefect API call for the iterations' flow runs failed (%s); trying again", exc)
+                    warned = True
+                self._closing.wait(RETRY_S)
 
     def _open(self, iteration: int) -> None:
         name = self._name(iteration)
+        tags = [self.run_name] if self.run_name else []
         inputs = {"previous": [TaskRunResult(id=self._last_tracking)]} if self._last_tracking else {}
         tracking = self.client.create_task_run(_TRACKING, self.parent, dynamic_key=name, name=name,
-                                               state=Running(), task_inputs=inputs)
+                                               extra_tags=tags, state=Running(), task_inputs=inputs)
         child = self.client.create_flow_run(ITERATION_FLOW, name=name, parameters={"iteration": iteration},
-                                            parent_task_run_id=tracking.id, state=Running())
+                                            tags=tags, parent_task_run_id=tracking.id, state=Running())
         self._last_tracking = tracking.id
         self.runs[iteration] = (tracking.id, child.id)
 
-    def _set(self, iteration: int, state: Any, message: str | None = None) -> None:
+    def _set(self, iteration: int, type_: str, message: str) -> None:
         tracking, child = self.runs[iteration]
-        self.client.set_flow_run_state(child, state(message=message), force=True)
-        self.client.set_task_run_state(tracking, state(message=message), force=True)
+        self.client.set_flow_run_state(child, leftovers.state(type_, message), force=True)
+        self.client.set_task_run_state(tracking, leftovers.state(type_, message), force=True)
 
-    def _stop(self, iteration: int, error: BaseException | None) -> None:
-        if error is None:
-            self._set(iteration, Completed)
-            return
-        crashed = isinstance(error, KeyboardInterrupt | SystemExit)
-        self._set(iteration, Crashed if crashed else Failed,
-                  f"the training flow stopped: {type(error).__name__}: {str(error)[:400]}")
+    def _record(self, rec: iteration_record.IterationRecord | None) -> tuple[list[str], str | None]:
+        """The iteration's log lines and artifact (none for a row that cannot be shown: the
+        iteration still ends)."""
+        if rec is None:
+            return [], None
+        try:
+            return (iteration_record.log_lines(rec, self.run_name, self.iterations),
+                    iteration_record.markdown(rec, self.run_name, self.iterations))
+        except Exception as exc:  # a row without the usual figures: no record, never a stuck thread
+            log.warning("no record for iteration %d's flow run: %s: %s", rec.iteration, type(exc).__name__, exc)
+            return [], None
+
+    def _end(self, iteration: int, lines: list[str], markdown: str | None) -> None:
+        """The iteration's record (logs, then its artifact), then Completed: a reader who sees
+        the run Completed finds its record there."""
+        child = self.runs[iteration][1]
+        if lines and PREFECT_LOGGING_TO_API_ENABLED.value():
+            now = dt.datetime.now(dt.UTC)
+            self.client.create_logs([LogCreate(name="flexmarl-iteration", level=logging.INFO, message=line,
+                                               timestamp=now, flow_run_id=child) for line in lines])
+        waits = [x for x in lines[1:] if x.startswith("waited on")]  # the edges Prefect cannot draw
+        if markdown is not None:
+            self.client.create_artifact(ArtifactCreate(
+                type="markdown", data=markdown, flow_run_id=child,
+                description="; ".join([f"{self._name(iteration)}: ops, times, rewards, decisions", *waits])))
+        message = "; ".join(lines[:1] + waits) or "iteration final"
+        self._set(iteration, "COMPLETED", message)

@@ -5,7 +5,10 @@ A training run publishes four artifacts (keys from the run's name, e.g. `arith-t
 statistics per agent, balancing and swap figures per iteration), `-decisions` (table: every
 control-plane decision), `-summary` (markdown: store, run folder, text charts of reward and
 throughput, run figures) and `-pictures` (markdown: the run's timeline and learning curves as
-embedded PNGs, data URIs, which the Prefect UI's markdown shows inline).
+embedded PNGs, data URIs, which the Prefect UI's markdown shows inline). Artifacts and logs
+name the run folder as `runfiles.location.shown` does (relative, never this machine's
+absolute path) and its files relative to it. Each task run has a stable name (`evaluate it 20`,
+`report`), not Prefect's random suffix.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from flexmarl_core.driver.metrics import metric_agents
 from flexmarl_core.driver.plots import report as draw
 from flexmarl_core.driver.run import RunOutcome
 from flexmarl_core.ops import agent_key
+from flexmarl_core.runfiles.location import shown
 from flexmarl_core.workloads import make_workload
+from tasks.api_watch import ApiWatch
 
 #: per-iteration columns shown first, in this order; other metrics (stage_s/*, busy_s/*) follow
 ITERATION_LEAD = ["iteration", "e2e_s", "tokens", "tokens_per_s", "utilization", "accuracy"]
@@ -45,7 +50,8 @@ def artifact_key(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower())
 
 
-@task(name="evaluate", retries=1, cache_policy=NO_CACHE, persist_result=False)
+@task(name="evaluate", task_run_name="evaluate it {iteration}", retries=1, cache_policy=NO_CACHE,
+      persist_result=False)
 def evaluate(run_dir: str, iteration: int) -> dict[str, Any]:
     """CPU: greedy held-out accuracy of the team with the weights of `iteration`."""
     res = stages.evaluate(run_dir, iteration)
@@ -128,12 +134,21 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else f"`{v}`" if isinstance(v, str) else str(v)
 
 
+#: summary entries that are paths on the machine that ran: shown relative (`shown`)
+_PATHS = ("run_dir", "scratch_dir")
+
+
 def summary_markdown(name: str, per_it: list[dict[str, Any]], summary: dict[str, Any], store_uri: str) -> str:
-    lines = [f"# {name}", "", f"- store: `{store_uri}`", f"- run folder: `{summary.get('run_dir', '')}`", "",
-             "## Reward and throughput", "", "```text", text_charts(per_it), "```", "", "## Run figures", ""]
+    run_dir = summary.get("run_dir", "")
+    lines = [f"# {name}", "", f"- store: `{shown(store_uri)}`", f"- run folder: `{shown(run_dir)}`", ""]
+    if summary.get("scratch_dir", run_dir) != run_dir:
+        lines[-1:-1] = [f"- this machine's copy of its metrics and pictures: `{shown(summary['scratch_dir'])}`"]
+    lines += ["## Reward and throughput", "", "```text", text_charts(per_it), "```", "", "## Run figures", ""]
     for k, v in summary.items():
-        if k == "run_dir":
+        if k in _PATHS:
             continue
+        if k == "pictures" and isinstance(v, dict):
+            v = {kind: shown(p, summary.get("scratch_dir", run_dir)) for kind, p in v.items()}
         if isinstance(v, dict):  # e.g. critical_path, final_reward: one sub-item per entry
             lines.append(f"- {k}:" + ("" if v else " (none)"))
             lines += [f"  - {sk}: {_fmt(sv)}" for sk, sv in v.items()]
@@ -142,7 +157,7 @@ def summary_markdown(name: str, per_it: list[dict[str, Any]], summary: dict[str,
     return "\n".join(lines)
 
 
-@task(name="report", cache_policy=NO_CACHE, persist_result=False)
+@task(name="report", task_run_name="report", cache_policy=NO_CACHE, persist_result=False)
 def report(
     name: str, per_it: list[dict[str, Any]], summary: dict[str, Any], store_uri: str,
     decisions: list[dict[str, Any]] | None = None,
@@ -157,7 +172,8 @@ def report(
     create_markdown_artifact(key=keys["summary"], markdown=summary_markdown(name, per_it, summary, store_uri),
                              description=f"{name}: run summary")
     get_run_logger().info("artifacts %s published for run folder %s (store %s, %d decisions)",
-                          ", ".join(keys.values()), summary.get("run_dir", ""), store_uri, len(decisions or []))
+                          ", ".join(keys.values()), shown(summary.get("run_dir", "")), shown(store_uri),
+                          len(decisions or []))
     return keys
 
 
@@ -165,15 +181,15 @@ def report(
 EMBED_MAX_BYTES = 400_000
 
 
-@task(name="pictures", cache_policy=NO_CACHE, persist_result=False)
+@task(name="pictures", task_run_name="pictures", cache_policy=NO_CACHE, persist_result=False)
 def pictures(name: str, run_dir: str) -> dict[str, str]:
     """CPU/IO: `timeline.png` and `curves.png` in the run folder, and a `-pictures` artifact
     that shows them."""
     paths = draw(run_dir)
-    lines = [f"# {name}: pictures", "", f"Run folder `{run_dir}`.", ""]
+    lines = [f"# {name}: pictures", "", f"Run folder `{shown(run_dir)}`.", ""]
     for kind, path in paths.items():
         data = path.read_bytes()
-        lines.append(f"## {kind}  (`{path}`)")
+        lines.append(f"## {kind}  (`{shown(path, run_dir)}` in the run folder)")
         if len(data) <= EMBED_MAX_BYTES:
             lines.append(f"![{kind}](data:image/png;base64,{base64.b64encode(data).decode()})")
         lines.append("")
@@ -182,27 +198,28 @@ def pictures(name: str, run_dir: str) -> dict[str, str]:
     return {k: str(v) for k, v in paths.items()}
 
 
-@task(name="evaluation-report", cache_policy=NO_CACHE, persist_result=False)
+@task(name="evaluation-report", task_run_name="evaluation-report", cache_policy=NO_CACHE, persist_result=False)
 def evaluation_report(name: str, run_dir: str, result: dict[str, Any]) -> None:
     """IO: a markdown artifact with a run's held-out evaluation (accuracy, reward per agent)."""
     key = artifact_key(name)
     lines = [f"# {name}: held-out evaluation, iteration {result['iteration']}", "",
-             f"- run folder: `{run_dir}`",
+             f"- run folder: `{shown(run_dir)}`",
              f"- accuracy: {result['heldout_accuracy']:.4g} on {result['heldout_n']} problems"]
     lines += [f"- {k}: {v:.4g}" for k, v in sorted(result.items()) if k.startswith("heldout_reward/")]
     create_markdown_artifact(key=f"{key}-evaluation", markdown="\n".join(lines),
                              description=f"{name}: held-out evaluation")
-    get_run_logger().info("artifact %s-evaluation published for %s", key, run_dir)
+    get_run_logger().info("artifact %s-evaluation published for %s", key, shown(run_dir))
 
 
-def summarise(cfg: ExperimentConfig, outcome: RunOutcome) -> dict[str, Any]:
+def summarise(cfg: ExperimentConfig, outcome: RunOutcome, api: ApiWatch | None = None) -> dict[str, Any]:
     """A trained run's summary (`RunOutcome.summary`) with its held-out accuracy before and
     after (the `evaluate` tasks, as the config asks), published with its artifacts and
     pictures (a picture that cannot be drawn does not fail a finished run), and written to
     the run's metrics (`SUMMARY_NAME`), where the CLI finds it if the flow cannot report its
     end. With the Prefect API gone, the same figures are made without task runs or artifacts
-    (each would wait out the client's retries first)."""
-    online = _api_answers()
+    (each would wait out the client's retries first): `api`, the run's watch on it, waits for
+    it within the run's budget (`tasks/api_watch.py`); without one, it is asked once."""
+    online = api.settle() if api is not None else _api_answers()
     summary = outcome.summary()
     summary["prefect_api"] = "reachable" if online else "unreachable"
     evaluated = evaluate if online else evaluate.fn
@@ -222,9 +239,10 @@ def summarise(cfg: ExperimentConfig, outcome: RunOutcome) -> dict[str, Any]:
         summary["pictures"] = (pictures(cfg.name, outcome.scratch_dir) if online else
                                {k: str(v) for k, v in draw(outcome.scratch_dir).items()})
     except Exception as exc:
-        get_run_logger().warning("pictures of %s not drawn: %s: %s", outcome.run_dir, type(exc).__name__, exc)
+        get_run_logger().warning("pictures of %s not drawn: %s: %s", shown(outcome.run_dir), type(exc).__name__, exc)
         summary["pictures"] = {}
-    get_run_logger().info("done: %s", {k: v for k, v in summary.items() if not isinstance(v, dict)})
+    get_run_logger().info("done: %s", {k: shown(v) if k in _PATHS else v for k, v in summary.items()
+                                       if not isinstance(v, dict)})
     out = Path(outcome.scratch_dir) / "metrics" / SUMMARY_NAME
     out.write_text(json.dumps({"summary": summary, "iterations": outcome.iterations}, default=str))
     return summary

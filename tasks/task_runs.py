@@ -14,6 +14,9 @@ recorder turns into task runs and states (why: docs/decisions/task-run-reporting
   (`cluster.task_run_flush_s`), so the server records them in one burst; anything else
   (Pending, a retry, a failure) goes at once, after everything held before it, so the API sees
   each task run's states in order. The flow flushes at its end whatever happened (`flush`).
+- When the training flow stops, the task runs of ops still in flight (reported Pending) end
+  in the state that matches the flow's, with its error as the reason (`end`): nothing is left
+  Pending in the API.
 
 Retries per kind below: rollouts and rewards are cheap to redo, a trainer op twice at most.
 They run in the worker (no round trip), and each attempt shows in the API as a retry of that
@@ -45,6 +48,10 @@ RETRY_DELAY_S = 1.0
 PENDING_AFTER_S = 2.0
 #: final states of ops that went well are sent together this often (see above)
 FLUSH_S = 2.0
+#: state types a task run does not leave
+FINAL_TYPES = frozenset({"COMPLETED", "FAILED", "CRASHED", "CANCELLED"})
+
+
 def _iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.UTC).isoformat()
 
@@ -62,6 +69,8 @@ class _Run:
     flow_run_id: str = ""
     #: its reports waiting for its flow run (`TaskRunReporter._deferred`)
     waiting: int = 0
+    #: a final state of it was reported (or waits to be)
+    final: bool = False
 
 
 class TaskRunReporter:
@@ -207,8 +216,22 @@ class TaskRunReporter:
         run.start = run.start if run.start is not None else t
         self._emit(op, run, t, "RUNNING", "Running")
 
+    def end(self, type_: str, name: str, message: str, t: float) -> int:
+        """The flow stops: every task run reported and not final ends in `type_` (`name`)
+        with `message` at `t`; how many. Ops submitted but not reported yet stay unreported."""
+        self._unreported.clear()
+        left = [(op, run) for op, run in self.runs.items() if run.last_event is not None or run.waiting]
+        n = 0
+        for op, run in left:
+            if not run.final:
+                self._emit(op, run, t, type_, name, message=message)
+                n += 1
+        return n
+
     def _emit(self, op: Op, run: _Run, t: float, type_: str, name: str, *, message: str | None = None,
               details: dict[str, Any] | None = None) -> None:
+        if type_ in FINAL_TYPES:
+            run.final = True
         self._drain()  # what waited goes first: the API sees each task run's states in order
         if run.waiting or not self._owner(op, run):
             run.waiting += 1
@@ -218,7 +241,7 @@ class TaskRunReporter:
 
     def _send(self, op: Op, run: _Run, t: float, type_: str, name: str, message: str | None,
               details: dict[str, Any] | None) -> None:
-        final = type_ in ("COMPLETED", "FAILED")
+        final = type_ in FINAL_TYPES
         task_run = {
             "name": op.name, "task_key": f"flexmarl-{op.kind}", "dynamic_key": run.dynamic_key,
             "empirical_policy": {"retries": traits(op.kind).retries, "retry_delay": RETRY_DELAY_S},

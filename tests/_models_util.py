@@ -192,3 +192,35 @@ def calling_floor(model, token: int, temperature: float) -> float:
         ids = torch.arange(vocab).unsqueeze(1)  # (V, 1): each token alone as the context
         logits = model(input_ids=ids).logits[:, -1].float()  # (V, V)
     return float(torch.softmax(logits / temperature, dim=-1)[:, token].min())
+
+
+#: Qwen2.5-0.5B-Instruct's `config.json` as the hub publishes it: its shape, which the memory
+#: plan reads (494M parameters, the `small-0.5b` preset's), without its 1 GB of weights
+QWEN_05B_INSTRUCT = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "hidden_size": 896,
+    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+    "max_position_embeddings": 32768, "max_window_layers": 21, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "use_sliding_window": False, "tie_word_embeddings": True, "vocab_size": 151936,
+    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16", "use_cache": True,
+}
+
+
+def publish(cache: Path, repo: str, commit: str, *, seed: int = 0, config: dict | None = None) -> Path:
+    """What `hf download` leaves in a hub cache (`HF_HUB_CACHE`, or `HF_HOME`/hub): the snapshot
+    folder `models--org--name/snapshots/<commit>/` and the branch's ref. By default a tiny Qwen2
+    model (`tiny_model(seed)`) with the local tokenizer and its chat template; with `config`, only
+    that config.json (enough for config load and the memory plan, not for loading weights)."""
+    import json
+
+    from flexmarl_core.models import save_model
+
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snap = root / "snapshots" / commit
+    if config is None:
+        save_model(tiny_model(seed=seed), tokenizer(), snap)
+    else:
+        snap.mkdir(parents=True, exist_ok=True)
+        (snap / "config.json").write_text(json.dumps(config))
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    return snap

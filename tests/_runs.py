@@ -4,6 +4,7 @@ sample exactly once and ended with the undisturbed run's samples and weights."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -82,7 +83,38 @@ async def read_op_task_runs(client, flow_run_id) -> list:
     runs: list = []
     while batch := await client.read_task_runs(flow_run_filter=flt, limit=200, offset=len(runs)):
         runs += batch
-    return [r for r in runs if not r.name.startswith("iteration ")]
+    from tasks.iteration_runs import TRACKING_KEY
+
+    return [r for r in runs if r.task_key != TRACKING_KEY]
+
+
+def open_runs_under(flow_run_id, patience_s: float = 30.0) -> list[str]:
+    """The flow runs and task runs under a training flow run (itself, its iterations' flow
+    runs, their task runs) that are not final, as `kind name state` lines; [] once the API
+    holds none (the server records task runs from events in batches: polled briefly)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterParentFlowRunId,
+    )
+
+    async def read() -> list[str]:
+        async with get_client() as c:
+            kids = await c.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+            runs = [await c.read_flow_run(flow_run_id), *kids]
+            flt = FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in runs]))
+            tasks: list = []
+            while batch := await c.read_task_runs(flow_run_filter=flt, limit=200, offset=len(tasks)):
+                tasks += batch
+        return [f"{kind} {r.name} {r.state.name if r.state else None}" for kind, rs in (("flow run", runs),
+                ("task run", tasks)) for r in rs if r.state is None or not r.state.is_final()]
+
+    deadline = time.monotonic() + patience_s
+    while (left := asyncio.run(read())) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
 
 
 async def task_runs(flow_run_id):

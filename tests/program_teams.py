@@ -82,3 +82,12 @@ def langgraph_forced_tool(problem: str, client: OpenAI) -> str:
     agent = create_react_agent(llm.bind_tools([calculator], tool_choice="required"), [calculator])
     out = agent.invoke({"messages": [("user", f"Compute {problem}")]}, {"recursion_limit": 6})
     return str(out["messages"][-1].content)
+
+
+def tiny_turns(problem: str, client: OpenAI) -> str:
+    """configs/tiny.yaml's YAML team as a program, its solver in turns (its system message and
+    its template as the user's; tests/unit/test_export.py `TURNS`): the same prompts."""
+    plan = _ask(client, "planner", f"Q:{problem}\nP:")
+    r = client.chat.completions.create(model="solver", messages=[
+        {"role": "system", "content": "Solve it."}, {"role": "user", "content": f"Q:{problem}\nP:{plan}\nA:"}])
+    return _ask(client, "verifier", f"Q:{problem}\nA:{r.choices[0].message.content or ''}\nV:")

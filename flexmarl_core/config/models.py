@@ -237,7 +237,8 @@ class DeadlineConfig(_Strict):
     reward_timeouts: int = Field(
         3, ge=1,
         description="Inputs in a row whose reward ran past its deadline that stop the run (the "
-        "reward function is broken or too slow), with an error naming it and the input.",
+        "reward function is broken or too slow), with an error naming it and the input; counted "
+        "across the run's workers, and an input scored in time on any of them starts the count again.",
     )
 
     @property

@@ -1,6 +1,11 @@
 """Exactly-once audit of a run: every expected sample of every completed iteration is stored
 once, every status row belongs to a stored sample, and the run's op log and iteration log
-record each op and iteration once, in order (`flexmarl store audit RUN_DIR`)."""
+record each op and iteration once, in order (`flexmarl store audit RUN_DIR`).
+
+Samples that `flexmarl store repair` recorded as lost (`REPAIRS_NAME`: their fragment was
+damaged after they were trained on, and the weights that sampled them are gone) are one
+finding per partition naming them, not an error; a fragment that cannot be read is an error
+naming it and the repair."""
 
 from __future__ import annotations
 
@@ -20,11 +25,17 @@ from flexmarl_core.runfiles.location import CONFIG_NAME, RunLocation, weights_ke
 from flexmarl_core.runtime.worker import inputs_by_mb
 from flexmarl_core.teams import team_shape
 from flexmarl_core.trainers.kinds import TRAINER_KINDS, AuditCheck
-from storage import MEGStore, Problem, Store, audit_store
+from storage import MEGStore, Problem, Store, StoreError, audit_store
+from storage.audit import LOST_NAMED
+
+#: what `flexmarl store repair` did, one JSON line per damaged fragment it set aside (`repair.py`)
+REPAIRS_NAME = "repairs.jsonl"
+#: problem kinds of a fragment that cannot be read (`StoreError.reason`)
+DAMAGE = ("unreadable", "schema")
 
 
 @dataclass
-class _RunFiles:
+class RunFiles:
     """A run's files, store and inputs, as the team shape reads them (`teams.RunView`)."""
 
     loc: RunLocation
@@ -49,7 +60,8 @@ def completed_iterations(run_dir: str | Path | RunLocation, iterations: int, tra
 
 class RunAudit(NamedTuple):
     """What `audit_run` found, and what it checked: completed iterations, the samples they
-    must hold, the op log's ops and the iteration log's rows."""
+    must hold, the op log's ops and the iteration log's rows; `lost`: samples a repair
+    recorded as lost to damage after they were trained on."""
 
     uri: str
     problems: list[Problem]
@@ -57,13 +69,43 @@ class RunAudit(NamedTuple):
     samples: int
     ops: int
     rows: int
+    lost: int = 0
 
     def verdict(self) -> str:
-        """`clean`, `empty` (nothing completed to check), or the count of errors."""
+        """`clean`, `empty` (nothing completed to check), or the count of errors; a clean run
+        with samples lost to damage says how many."""
         errors = sum(p.severity == "error" for p in self.problems)
         if errors:
             return f"{errors} error(s)"
-        return "empty (no completed iteration)" if not self.iterations else "clean"
+        if not self.iterations:
+            return "empty (no completed iteration)"
+        return "clean" if not self.lost else f"clean but for {self.lost} samples lost to damage, trained before it"
+
+
+class Lost(NamedTuple):
+    """Per (agent, iteration): the sample ids whose rows, or whose status rows, a repair
+    recorded as lost."""
+
+    samples: dict[tuple[str, int], set[str]]
+    status: dict[tuple[str, int], set[str]]
+
+
+def read_lost(loc: RunLocation) -> Lost:
+    """What the run's repairs recorded as lost (`REPAIRS_NAME`; a torn last line is ignored)."""
+    out = Lost({}, {})
+    try:
+        lines = loc.read_text(REPAIRS_NAME).splitlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("outcome") == "lost":
+            table = out.samples if rec["table"] == "samples" else out.status
+            table.setdefault((rec["agent"], int(rec["iteration"])), set()).update(rec["ids"])
+    return out
 
 
 def log_problems(loc: RunLocation) -> tuple[int, int, list[Problem]]:
@@ -123,14 +165,21 @@ def audit_run(run_dir: str | Path) -> RunAudit:
     expected: dict[tuple[str, int], list[str]] = {}
     trainers = trainer_kinds(cfg)
     done = completed_iterations(loc, cfg.train.iterations, list(trainers))
-    run = _RunFiles(loc, store)
+    run = RunFiles(loc, store)
     mbs = range(cfg.batch.num_micro_batches)
     trained: dict[tuple[str, int], set[str]] = {}
     for it in done:
         for agent in meg.agent_names:
             expected[(agent, it)] = sorted(team.expected_ids(run, it, mbs, agent, trained=False))
             trained[(agent, it)] = team.expected_ids(run, it, mbs, agent)
-    problems = audit_store(uri, expected)
+    lost = read_lost(loc)
+    problems = audit_store(uri, expected, lost.samples)
+    damaged = set()
+    for k, p in enumerate(problems):
+        if p.kind in DAMAGE:  # what to do about it, in the line that names it
+            damaged.add(p.path)
+            problems[k] = Problem(p.kind, p.path, f"{p.message}; `flexmarl store repair {loc.uri}` sets it "
+                                  "aside and says what a resume writes again and what is lost", p.severity)
     ops, rows, logged = log_problems(loc)
     problems += logged
     checks: dict[str, list[AuditCheck]] = {}
@@ -139,8 +188,14 @@ def audit_run(run_dir: str | Path) -> RunAudit:
             checks.setdefault(agent, []).extend(cs)
     for agent, cs in checks.items():
         for it in done:
-            tbl = store.read_samples(agent, it, columns=["sample_id", *(c.column for c in cs)])
-            ours = pa.array(sorted(trained[(agent, it)]), pa.string())  # a failed trajectory trains nobody
+            try:
+                tbl = store.read_samples(agent, it, columns=["sample_id", *(c.column for c in cs)])
+            except StoreError as err:
+                if err.path not in damaged:  # one damaged fragment is one problem
+                    problems.append(Problem(err.reason, err.path or "", str(err)))
+                continue
+            # a failed trajectory trains nobody; a status row lost to damage is a finding below
+            ours = pa.array(sorted(trained[(agent, it)] - lost.status.get((agent, it), set())), pa.string())
             tbl = tbl.filter(pc.is_in(tbl.column("sample_id"), value_set=ours))
             for c in cs:
                 bare = tbl.filter(tbl.column(c.column).is_null())
@@ -149,4 +204,15 @@ def audit_run(run_dir: str | Path) -> RunAudit:
                         c.kind, store.display(store.partition_dir("samples", agent, it)),
                         f"{bare.num_rows} samples of completed iteration {it} {c.what}, "
                         f"e.g. {bare.column('sample_id').to_pylist()[:5]}"))
-    return RunAudit(uri, problems, done, sum(len(v) for v in expected.values()), ops, rows)
+    for (agent, it), ids in sorted(lost.status.items()):
+        problems.append(Problem("lost", store.display(store.partition_dir("status", agent, it)),
+                                f"the rewards and consumption of {len(ids)} samples lost to damage, trained "
+                                f"before it: {', '.join(sorted(ids)[:LOST_NAMED])}", "warning"))
+    n_lost = sum(len(v) for v in lost.status.values())
+    for (agent, it), ids in lost.samples.items():  # those still missing (a later run may have written some)
+        try:
+            have = set(store.read_samples(agent, it, columns=["sample_id"]).column("sample_id").to_pylist())
+        except StoreError:
+            continue
+        n_lost += len(ids - have)
+    return RunAudit(uri, problems, done, sum(len(v) for v in expected.values()), ops, rows, n_lost)

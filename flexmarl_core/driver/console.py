@@ -130,6 +130,12 @@ class IterationProgress:
     def iteration(self, row: dict[str, Any]) -> None:
         """Print iteration `row`'s line (`run.train`'s `on_iteration`): above the bars at a
         terminal, as a plain line in a log or pipe."""
+        it = row["iteration"]
+        if row.get("rebuilt_ops") and it in self.bars and it not in self._finished:
+            # a repair rewound only some of its ops: its bar ends with them, short of its total
+            self._finished.add(it)
+            self._done.pop(it, None)
+            self.progress.remove_task(self.bars.pop(it))
         console.print(iteration_line(row, self.iterations), soft_wrap=True, highlight=False)
 
 
@@ -139,29 +145,36 @@ def iteration_line(m: dict[str, Any], iterations: int) -> str:
         iteration 3/20  E2E 4.21 s  acc 0.412  util 0.87  reward planner 0.500 solver 0.312
 
     Counted from 1 out of the run's total; E2E seconds of the iteration's window, the team's
-    accuracy on its training inputs, utilisation of the workers, each agent's mean reward."""
+    accuracy on its training inputs, utilisation of the workers, each agent's mean reward, and
+    when there are any, its failed trajectories (they train nobody: a program raised, a reward
+    ran past its deadline) and the trajectories the policy broke. A row a repair rebuilt keeps
+    its first figures and says so."""
     rewards = " ".join(f"{a} {m[agent_key(a, 'reward')]:.3f}" for a in metric_agents([m]))
     return (f"iteration {m['iteration'] + 1}/{iterations}  E2E {m['e2e_s']:.2f} s  "
             f"acc {m['accuracy']:.3f}  util {m['utilization']:.2f}"
             + (f"  reward {rewards}" if rewards else "")
+            + (f"  failed trajectories {m['failed_trajectories']:.0f}" if m.get("failed_trajectories") else "")
             + (f"  policy-broken {m['team/program/policy_failed']:.0f}" if m.get("team/program/policy_failed") else "")
-            + (f"  ({m['downtime_s']:.0f} s down before the resume left out)" if m.get("downtime_s") else ""))
+            + (f"  ({m['downtime_s']:.0f} s down before the resume left out)" if m.get("downtime_s") else "")
+            + (f"  (rebuilt after a store repair: {m['rebuilt_ops']} ops ran again; the figures are the "
+               "first run's)" if m.get("rebuilt_ops") else ""))
 
 
 def summary_table(per_it: list[dict[str, Any]], summary: dict[str, Any]) -> Table:
     """One row per iteration; under 100 columns for a team of a few agents (agent names are
     column headers in full, values are 3 decimals)."""
     agents = metric_agents(per_it)
+    failed = any(m.get("failed_trajectories") for m in per_it)  # a column only when some failed
     t = Table(title=f"flexmarl run: {summary.get('iterations', 0)} iterations, "
               f"{summary.get('wall_s', 0):.1f} s wall", padding=(0, 1))
-    for col in ["it", "E2E s", "tok/s", "util", "moves", "swaps", "acc"]:
+    for col in ["it", "E2E s", "tok/s", "util", "moves", "swaps", "acc", *(["failed"] if failed else [])]:
         t.add_column(col, justify="right")
     for a in agents:
         t.add_column(f"R {a}", justify="right", no_wrap=True, min_width=len(a) + 2)
     for m in per_it:
         t.add_row(str(m["iteration"] + 1), f"{m['e2e_s']:.2f}", f"{m['tokens_per_s']:.0f}",
                   f"{m['utilization']:.2f}", str(m.get("balance_moves", 0)), str(m.get("train_swaps", 0)),
-                  f"{m['accuracy']:.2f}",
+                  f"{m['accuracy']:.2f}", *([f"{m.get('failed_trajectories', 0):.0f}"] if failed else []),
                   *[f"{m.get(agent_key(a, 'reward'), float('nan')):.3f}" for a in agents])
     return t
 
@@ -179,6 +192,12 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
             lines.append(f"held-out team accuracy: {s['heldout_accuracy']:.3f} after training")
     if s.get("final_reward"):
         lines.append("final reward per agent: " + ", ".join(f"{a} {v:.3f}" for a, v in s["final_reward"].items()))
+    if s.get("failed_trajectories"):
+        lines.append(f"failed trajectories: {s['failed_trajectories']} (they train nobody; the iterations' "
+                     "reward and program manifests name them)")
+    if "attempt_wall_s" in s:
+        lines.append(f"resumed: {s['wall_s']:.1f} s of running in all, {s['attempt_wall_s']:.1f} s of them in "
+                     "this attempt (the downtime between is left out)")
     lines.append(
         f"E2E {s['e2e_s_per_iteration']:.2f} s/iteration, {s['tokens_per_s']:.0f} tokens/s, "
         f"utilisation {s['utilization']:.2f}, Prefect+Dask bookkeeping {100 * s['prefect_overhead_frac']:.1f}% of CPU")

@@ -81,3 +81,33 @@ def evaluation_iteration(run_dir: str | Path, iteration: int | None = None) -> t
                 f"published versions: {have or 'none'}"
             )
     return cfg, it
+
+
+def problems_from_file(workload: Workload, path: str | Path) -> list[Problem]:
+    """Problems to evaluate on, one per row of a JSONL or Parquet file: through the run's own
+    field mapping when its workload reads files (`kind: dataset`, `gsm8k`), else from the
+    columns `input` and `answer` (and `id`, default `e<row>`), every other column in `meta`
+    (what a workload's reward may read, e.g. the arithmetic plan)."""
+    from flexmarl_core.workloads.api import WorkloadError
+    from flexmarl_core.workloads.dataset import read_rows, resolve_path
+
+    file = resolve_path(str(path), None)
+    if not file.is_file():
+        raise WorkloadError(f"--data {path}: no such file")
+    own = getattr(workload, "row_to_problem", None)
+    out: list[Problem] = []
+    for i, (where, row) in enumerate(read_rows(file)):
+        if own is not None:
+            out.append(own(row, where=where, default_id=f"e{i}", split="heldout"))
+            continue
+        missing = [k for k in ("input", "answer") if row.get(k) in (None, "")]
+        if missing:
+            raise WorkloadError(f"{where}: no {missing} (a row needs `input` and `answer`; it has {sorted(row)})")
+        try:
+            out.append(Problem(str(row.get("id", f"e{i}")), str(row["input"]), str(row["answer"]),
+                               {k: v for k, v in row.items() if k not in ("id", "input", "answer")}))
+        except WorkloadError as exc:
+            raise WorkloadError(f"{where}: {exc}") from None
+    if not out:
+        raise WorkloadError(f"--data {path}: no rows")
+    return out

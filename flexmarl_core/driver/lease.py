@@ -6,12 +6,18 @@ A second `flexmarl train` on a folder whose lease is alive stops with one line n
 owner; a fresh run over an existing run needs `--overwrite`; a lease whose owner is gone
 (its process is dead on this host, or it has not renewed for `TTL_S`) is taken over by
 `--resume` (or `--overwrite`), once: two takers of one stale lease race on an exclusive
-marker named by its token, and one wins.
+marker named by its token, and one wins. The loser of two launches at the same moment gets
+the same line as any second launch.
 
-Exclusive creation is `O_EXCL` on local disk. An object store has no create-if-absent through
-`pyarrow.fs`: there the lease is written, then read back after `SETTLE_S`, and the taker whose
-token is not the one read back gives way (two launches closer together than that can both
-pass; the docs say so).
+`flexmarl train` takes the lease before it starts the flow run, so a launch that is refused
+leaves no flow run behind; the flow adopts the lease its process holds (`RunLease.adopt`) and
+names its flow run in it. A flow started otherwise (a deployment) takes the lease itself.
+
+Exclusive creation on local disk is a hard link of a complete temp file (`os.link` fails
+if the name exists), so a reader never sees a half-written lease. An object store has no
+create-if-absent through `pyarrow.fs`: there the lease is written, then read back after
+`SETTLE_S`, and the taker whose token is not the one read back gives way (two launches closer
+together than that can both pass; the docs say so).
 """
 
 from __future__ import annotations
@@ -101,18 +107,28 @@ def holds_run(loc: RunLocation) -> bool:
     return any(loc.exists(k) for k in (RUN_MARKER, CONFIG_NAME, LEASE_NAME))
 
 
+def _in_use(loc: RunLocation, owner: str) -> str:
+    return f"run folder {loc.uri} is in use by another flexmarl train ({owner}); wait for it to end or stop it first"
+
+
 def check_claim(loc: RunLocation, *, resume: bool, overwrite: bool) -> Lease | None:
     """Whether this launch may take `loc`, without taking it: raises `RunLockedError` while a
     live run holds it, `RunExistsError` for a fresh run over a run without `overwrite`.
     Returns the stale lease a resume would take over (None: no lease)."""
     lease = read_lease(loc)
     if lease is not None and lease.alive():
-        raise RunLockedError(f"run folder {loc.uri} is in use by another flexmarl train ({lease.owner()}); "
-                             "wait for it to end or stop it first")
+        raise RunLockedError(_in_use(loc, lease.owner()))
     if not resume and not overwrite and holds_run(loc):
+        now = read_lease(loc)  # a launch at the same moment may have taken it since the first look
+        if now is not None and now.alive():
+            raise RunLockedError(_in_use(loc, now.owner()))
         raise RunExistsError(f"run folder {loc.uri} holds a run: continue it with "
                              f"`flexmarl train --resume {loc.uri}`, or replace it with --overwrite")
     return lease
+
+
+#: the leases this process holds, by location (`RunLease.adopt`)
+_HELD: dict[RunLocation, RunLease] = {}
 
 
 class RunLease:
@@ -145,6 +161,19 @@ class RunLease:
             loc.delete(f"{LEASE_NAME}.taken-{stale.token}")
         held = cls(loc, mine, stale)
         held._thread.start()
+        _HELD[loc] = held
+        return held
+
+    @classmethod
+    def adopt(cls, loc: RunLocation, flow_run: str | None) -> RunLease | None:
+        """The lease this process already holds on `loc` (the CLI took it before starting the
+        flow run), now naming `flow_run`; None when it holds none."""
+        held = _HELD.get(loc)
+        if held is None:
+            return None
+        if flow_run is not None and held.lease.flow_run != flow_run:
+            held.lease = Lease(**{**asdict(held.lease), "flow_run": flow_run})
+            held.loc.write_text(LEASE_NAME, json.dumps(asdict(held.lease)))
         return held
 
     def _renew(self) -> None:
@@ -160,6 +189,8 @@ class RunLease:
 
     def release(self) -> None:
         self._stop.set()
+        if _HELD.get(self.loc) is self:
+            del _HELD[self.loc]
         try:
             current = read_lease(self.loc)
         except RunLockedError:
@@ -180,14 +211,19 @@ def _create(loc: RunLocation, key: str, lease: Lease) -> None:
     data = json.dumps(asdict(lease)).encode()
     if loc.local:
         os.makedirs(loc.root, exist_ok=True)
+        # Beside the folder, not in it: a launch checking the folder meanwhile must not find
+        # a stray file there (`check_run_folder`); inside it where the parent is not writable.
+        parent, name = os.path.split(loc.root.rstrip("/"))
         try:
-            fd = os.open(loc.path(key), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            tmp = _write_whole(os.path.join(parent, f".{name}.{key}.{lease.token}"), data)
+        except PermissionError:
+            tmp = _write_whole(loc.path(f".{key}.{lease.token}"), data)
+        try:
+            os.link(tmp, loc.path(key))  # whole, or not at all: fails if another launch made it
         except FileExistsError:
             raise RunLockedError(_lost_race(loc, key)) from None
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        finally:
+            os.unlink(tmp)
         return
     if loc.exists(key):
         raise RunLockedError(_lost_race(loc, key))
@@ -197,9 +233,19 @@ def _create(loc: RunLocation, key: str, lease: Lease) -> None:
         raise RunLockedError(_lost_race(loc, key))
 
 
+def _write_whole(path: str, data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
 def _lost_race(loc: RunLocation, key: str) -> str:
+    """The line of any launch on a folder in use: the loser of a race is refused like a
+    second launch."""
     try:
         owner = Lease(**json.loads(loc.read_text(key))).owner()
     except (OSError, ValueError, TypeError):
         owner = "another launch"
-    return f"run folder {loc.uri} was just taken by another flexmarl train ({owner})"
+    return _in_use(loc, owner)

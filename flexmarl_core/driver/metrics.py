@@ -18,7 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
-from flexmarl_core.ops import Op, OpRecord, agent_key, traits
+from flexmarl_core.driver.critical_path import CriticalPath, critical_path
+from flexmarl_core.ops import OpRecord, agent_key, traits
+
+__all__ = ["CriticalPath", "IterationTracker", "MetricsWriter", "critical_path", "iteration_metrics",
+           "log_lines", "log_parts", "metric_agents", "rewrite_log", "run_summary"]
 
 
 def _window_busy(records: Iterable[OpRecord], lo: float, hi: float) -> dict[str, float]:
@@ -37,7 +41,8 @@ def metric_agents(per_it: list[dict[str, Any]], metric: str = "reward") -> list[
 
 
 #: per-op counts that an iteration sums (work skipped or wasted, stages/train.py and stages/rollout.py)
-COUNTED = ("/program/policy_failed_calls", "/train/skipped_samples", "/train/skipped_tokens", "/rollout/decode_slots",
+COUNTED = ("/program/policy_failed_calls", "/train/skipped_samples", "/train/skipped_tokens",
+           "/train/tokens_padded", "/train/tokens_cells", "/rollout/decode_slots",
            "/rollout/wasted_decode_slots", "/rollout/decodes", "/rollout/mixed_rows", "/rollout/resumed_rows",
            "/rollout/resumed_tokens")
 
@@ -67,6 +72,8 @@ def _train_stats(ops: list[OpRecord]) -> dict[str, float]:
                 rewards[a].append(v)
     out.update({k: sums[k] / weights[k] for k in sums if weights[k] > 0})
     out.update({agent_key(a, "reward"): sum(v) / len(v) for a, v in rewards.items()})
+    for k in [k for k in out if k.endswith("/train/tokens_cells") and out[k] > 0]:  # what padding cost
+        out[k.replace("tokens_cells", "padding_share")] = out[k.replace("cells", "padded")] / out[k]
     return dict(sorted(out.items()))
 
 
@@ -153,12 +160,16 @@ class IterationTracker:
     overlap its window). Feeds `emit` in iteration order, while the run goes on.
 
     `n_workers()`: how many workers the run has now; utilisation divides by it (a worker with
-    no finished op yet is idle, not absent)."""
+    no finished op yet is idle, not absent). `rebuilt(row)`: an iteration an earlier attempt
+    reported, whose ops a repair rewound (its row says `rebuilt_ops`), has all of them done
+    again; its row stands as first written and is not emitted again."""
 
     def __init__(self, sizes: dict[int, int], emit: Callable[[dict[str, Any]], None],
-                 n_workers: Callable[[], int] = lambda: 0) -> None:
+                 n_workers: Callable[[], int] = lambda: 0,
+                 rebuilt: Callable[[dict[str, Any]], None] = lambda row: None) -> None:
         self.left = dict(sizes)
         self.emit = emit
+        self.rebuilt = rebuilt
         self.n_workers = n_workers
         #: when the first op recorded started (the first window's start)
         self._first_start: float | None = None
@@ -173,23 +184,47 @@ class IterationTracker:
         self._workers: set[str] = set()
         #: when the run was down between attempts: left out of the windows that span it
         self.gaps: list[tuple[float, float]] = []
+        #: reported iterations whose rewound ops run again: their rows, until they are done
+        self._kept: dict[int, dict[str, Any]] = {}
+        #: the ends of the last iterations emitted (a window's start when one ends out of order)
+        self._ends: list[float] = []
+        #: the earlier attempts' share of the run's wall time (`resume`)
+        self.earlier_s = 0.0
 
     def resume(self, earlier: list[OpRecord], emitted: list[dict[str, Any]],
                resumed_at: float | None = None) -> None:
-        """An interrupted attempt's records, and the rows it already wrote (not written again).
-        Iterations it completed but did not report are emitted now: nothing of this attempt
-        can overlap their windows, as nothing of it has started. `resumed_at`: when this
-        attempt started; from the earlier attempt's last op to then, the run was down."""
+        """An interrupted attempt's records, and the rows it already wrote (kept as they are,
+        never written again; one whose iteration lacks ops, which a repair rewound, is
+        `rebuilt` once they are done again). Iterations it completed but did not report are
+        emitted now: nothing of this attempt can overlap their windows, as nothing of it has
+        started. `resumed_at`: when this attempt started; from the earlier attempt's last op
+        to then, the run was down."""
         for rec in earlier:
             self._take(rec)
-        if earlier and resumed_at is not None:
-            self.gaps.append((max(r.result.t_end for r in earlier), resumed_at))
+        last = max((r.result.t_end for r in earlier), default=None)
+        if last is not None and resumed_at is not None:
+            self.gaps.append((last, resumed_at))
         for row in emitted:
-            if row.get("iteration") != self._next or self.left.get(self._next) != 0:
+            it = row.get("iteration")
+            if it != self._next or it not in self.left:
                 break
             self.rows.append(row)
-            self._prev_end = max(r.result.t_end for r in self._by_it.pop(self._next))
+            ops = self._by_it.pop(it, [])
+            if self.left[it]:
+                self._kept[it] = row
+            if ops:
+                self._prev_end = max(r.result.t_end for r in ops)
+                self._ends.append(self._prev_end)
             self._next += 1
+        self._ends = self._ends[-8:]
+        # the earlier attempts' time: their iterations' windows (downtime left out), then
+        # what ran after the last one they reported, up to their last op
+        self.earlier_s = sum(float(r.get("e2e_s", 0.0)) for r in self.rows)
+        if last is not None:
+            self.earlier_s += max(0.0, last - (self._prev_end if self._prev_end is not None else
+                                               min(r.result.t_start for r in earlier)))
+        if self._prev_end is not None:
+            self._prune(self._prev_end)
         self.flush(None)
 
     def add(self, rec: OpRecord, in_flight_since: float | None, decisions: list[Decision]) -> None:
@@ -203,97 +238,43 @@ class IterationTracker:
             self._first_start = rec.result.t_start
         self._live.append(rec)
         self._workers.add(rec.result.worker)
-        self._by_it[rec.op.iteration].append(rec)
-        self.left[rec.op.iteration] -= 1
+        it = rec.op.iteration
+        self.left[it] -= 1
+        if it in self._kept:  # its row stands; only say when it is whole again
+            if not self.left[it]:
+                self.rebuilt(self._kept.pop(it))
+            return
+        self._by_it[it].append(rec)
+
+    def _prune(self, upto: float) -> None:
+        """Forget the records that ended by `upto`: no window still to come reaches back past
+        it (each starts at or after the start of the last one emitted)."""
+        self._live = [r for r in self._live if r.result.t_end > upto]
 
     def flush(self, in_flight_since: float | None = None, *, final: bool = False) -> None:
         while self._next in self.left and self.left[self._next] == 0:
             end = max(r.result.t_end for r in self._by_it[self._next])
             if not final and in_flight_since is not None and in_flight_since < end:
                 return  # a running op may still overlap this iteration's window
-            if self._prev_end is None:
-                self._prev_end = self._first_start
-            row = iteration_metrics(self._live, self.decisions, self._next, self._prev_end,
+            lo = self._first_start if self._prev_end is None else self._prev_end
+            if lo is not None and end < lo:
+                # it ended before the iteration before it, whose rewound ops ran again after a
+                # resume: its window starts where the last one to end before it ended
+                lo = max((e for e in self._ends if e <= end), default=self._first_start)
+            row = iteration_metrics(self._live, self.decisions, self._next, lo,
                                     n_workers=self.n_workers(), ops=self._by_it.pop(self._next),
                                     workers=self._workers, gaps=self.gaps)
             self.rows.append(row)
             self.emit(row)
             self._prev_end = end
-            self._live = [r for r in self._live if r.result.t_end > end]
+            self._ends = [*self._ends[-7:], end]
+            self._prune(min(lo, end))  # an iteration ended out of order may start its window at `lo`
             self._next += 1
 
 
-def critical_path(records: list[OpRecord], deps: dict[Any, list[Any]]) -> dict[str, Any]:
-    """Where the run's time went on its critical path: from the op that finished last, walk
-    back through the dependency that finished last. Seconds per stage kind on the path, and
-    `wait_s`: time an op on the path was ready but not yet running (queued behind other work
-    on its worker, or dispatch overhead)."""
-    if not records:
-        return {}
-    by_op = {r.op: r for r in records}
-    cur: OpRecord | None = max(records, key=lambda r: r.result.t_end)
-    out: dict[str, Any] = defaultdict(float)
-    ops = 0
-    while cur is not None:
-        ops += 1
-        res = cur.result
-        out[f"stage_s/{cur.op.kind}"] += res.seconds
-        parents = [by_op[d] for d in deps.get(cur.op, []) if d in by_op]
-        gate = max(parents, key=lambda r: r.result.t_end, default=None)
-        ready_at = gate.result.t_end if gate else cur.submitted
-        out["wait_s"] += max(res.t_start - ready_at, 0.0)
-        cur = gate
-    out["ops"] = ops
-    return dict(out)
-
-
-class CriticalPath:
-    """`critical_path` kept as the run goes, in memory bounded by the plan's window: each op's
-    path (the gate it waited for last, and that one's path) is folded into a summary when it is
-    recorded, and the summaries of iterations no op still to come can wait for are dropped.
-    `deps(op)`: the op's dependencies; `sizes`: ops per iteration; `reach`: how many
-    iterations back a dependency goes (`Plan.reach`)."""
-
-    def __init__(self, deps: Callable[[Op], list[Op]], sizes: dict[int, int], reach: int) -> None:
-        self.deps, self.left, self.reach = deps, dict(sizes), reach
-        #: op -> (its end, its path's summary)
-        self._paths: dict[Op, tuple[float, dict[str, float]]] = {}
-        self._last: tuple[float, dict[str, float]] | None = None
-        self._open = min(sizes, default=0)  # the lowest iteration with an op not recorded
-
-    def add(self, rec: OpRecord) -> None:
-        """`rec`, after every record of its dependencies (the op log's order)."""
-        res = rec.result
-        parents = [self._paths[d] for d in self.deps(rec.op) if d in self._paths]
-        gate = max(parents, key=lambda p: p[0], default=None)
-        path = dict(gate[1]) if gate else {"ops": 0}
-        key = f"stage_s/{rec.op.kind}"
-        path[key] = path.get(key, 0.0) + res.seconds
-        path["wait_s"] = path.get("wait_s", 0.0) + max(res.t_start - (gate[0] if gate else rec.submitted), 0.0)
-        path["ops"] += 1
-        self._paths[rec.op] = (res.t_end, path)
-        if self._last is None or res.t_end > self._last[0]:
-            self._last = (res.t_end, path)
-        it = rec.op.iteration
-        if it in self.left:
-            self.left[it] -= 1
-        while self.left.get(self._open) == 0:
-            del self.left[self._open]
-            self._open += 1
-            keep = self._open - self.reach  # what an op still to come can wait for
-            self._paths = {op: p for op, p in self._paths.items() if op.iteration >= keep}
-
-    def summary(self) -> dict[str, Any]:
-        """Seconds per stage kind on the path, `wait_s` and `ops` (as `critical_path`)."""
-        if self._last is None:
-            return {}
-        out = dict(self._last[1])
-        out["ops"] = out.pop("ops")  # last, as `critical_path` has it
-        return out
-
-
 def run_summary(per_it: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """Whole-run figures: mean E2E per iteration, tokens/s and utilisation over the run."""
+    """Whole-run figures: mean E2E per iteration, tokens/s and utilisation over the run, the
+    trajectories that failed; `wall_s`: the run's time (every attempt's, downtime left out)."""
     if not per_it:
         return {"iterations": 0, "wall_s": wall_s}
     span = sum(m["e2e_s"] for m in per_it)
@@ -305,6 +286,8 @@ def run_summary(per_it: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "utilization": sum(m["utilization"] * m["e2e_s"] for m in per_it) / span,
         "final_accuracy": per_it[-1]["accuracy"],
         "final_reward": {a: per_it[-1][agent_key(a, "reward")] for a in metric_agents(per_it[-1:])},
+        # trajectories that trained nobody (a program raised, a reward ran past its deadline)
+        "failed_trajectories": int(sum(m.get("failed_trajectories", 0) for m in per_it)),
     }
 
 

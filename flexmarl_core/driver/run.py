@@ -38,6 +38,7 @@ from flexmarl_core.ops import OpRecord, StageResult, traits
 from flexmarl_core.orchestrator.hooks import Callbacks, RunHook, TrackIterations, WriteOpLog
 from flexmarl_core.orchestrator.loop import Executor, Orchestrator
 from flexmarl_core.orchestrator.plan import Plan
+from flexmarl_core.runfiles import provenance
 from flexmarl_core.runfiles.location import (
     CONFIG_NAME,
     LEASE_NAME,
@@ -122,6 +123,7 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
     if loc.local:
         Path(loc.root).mkdir(parents=True, exist_ok=True)
     loc.write_bytes(RUN_MARKER, b"")
+    provenance.record(loc)  # the commit a model exported from this run names
     init_from = cfg.train.init_from
     if init_from is None and cfg.train.warm_start == "sft":
         info = warm if warm is not None else warm_start(cfg, default_cache_dir(), log=log)[1]
@@ -243,7 +245,10 @@ class RunOutcome:
     run's processes spent, from which its summary is made (`summary`)."""
 
     iterations: list[dict[str, Any]]
+    #: the run's time: this attempt's, and an earlier attempt's up to its last op (a resume)
     wall_s: float
+    #: this attempt's
+    attempt_wall_s: float
     run_dir: str
     #: this process's own files (metrics, logs, pictures): the run folder, or a local scratch
     #: folder for a run on object storage
@@ -269,8 +274,9 @@ class RunOutcome:
         else:
             workers, flow = max(self.worker_cpu_s - stage, 0.0), self.flow_cpu_s
         overhead = workers + flow
+        resumed = {"attempt_wall_s": self.attempt_wall_s} if self.attempt_wall_s < self.wall_s else {}
         return {
-            **run_summary(self.iterations, self.wall_s),
+            **run_summary(self.iterations, self.wall_s), **resumed,
             "run_dir": self.run_dir, "scratch_dir": self.scratch_dir, "ops": self.ops,
             "stage_cpu_s": stage, "bookkeeping_cpu_s": overhead, "flow_cpu_s": self.flow_cpu_s,
             "worker_bookkeeping_cpu_s": workers,
@@ -315,17 +321,21 @@ def train(
     if compaction is not None:
         compaction.catch_up(int(r["iteration"]) for r in reported)
 
-    def emit(row: dict[str, Any]) -> None:
-        writer.iteration(row)
+    def emit(row: dict[str, Any], *, written: bool = False) -> None:
+        if not written:
+            writer.iteration(row)
         if compaction is not None:
             compaction.iteration_done(row)
         for hook in hooks:
             hook.iteration_done(row)
 
-    tracker = IterationTracker(plan.sizes(), emit, lambda: len(executor.worker_resources()))
+    # an iteration a repair rewound: its row stands as first written, its ops ran again
+    tracker = IterationTracker(plan.sizes(), emit, lambda: len(executor.worker_resources()),
+                               rebuilt=lambda row: emit(row, written=True))
     if resume:  # the downtime since the earlier attempt's last op is no iteration's time
         tracker.resume(earlier, reported, resumed_at=executor.now())
     retention = Retention(KeepRule(cfg.codesign.max_staleness, cfg.train.keep_every), loc, writer.durable)
+    retention.restore(earlier)
     path = CriticalPath(plan.deps_of, plan.sizes(), plan.reach)
     for rec in earlier:
         path.add(rec)
@@ -348,7 +358,8 @@ def train(
     retention.release(everything=True)  # only after a run that ended: a failed one keeps its files
     workers1 = _worker_cpu(executor)
     return RunOutcome(
-        iterations=tracker.rows, wall_s=result.wall_s, run_dir=loc.uri if not loc.local else loc.root,
+        iterations=tracker.rows, wall_s=tracker.earlier_s + result.wall_s, attempt_wall_s=result.wall_s,
+        run_dir=loc.uri if not loc.local else loc.root,
         scratch_dir=str(loc.scratch_dir()), decisions=result.decisions, ops=n_earlier + result.ops,
         critical_path=path.summary(), flow_cpu_s=time.process_time() - cpu0,
         worker_cpu_s=None if workers0 is None or workers1 is None else workers1 - workers0,

@@ -146,3 +146,24 @@ def initial_adapter_state(base: torch.nn.Module, spec: LoraSpec, *, seed: int, a
     shared = SharedBase(copy.deepcopy(base))
     shared.add(agent, spec, seed=seed)
     return shared.adapter_state(agent)
+
+
+def merged_state(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor],
+                 spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """`base`'s state with an adapter state folded in: W + (alpha / rank) * B @ A for every
+    adapted linear layer, in fp32 (PEFT's merge, done on tensors so a folder can be written
+    without building a PeftModel). Keys of `adapter` are PEFT's saved names
+    (`base_model.model.<module>.lora_A.weight`)."""
+    out = {k: v.detach().clone() for k, v in base.items()}
+    scale = spec.alpha / spec.rank
+    for key, a in adapter.items():
+        if ".lora_A." not in key:
+            continue
+        module = key.removeprefix("base_model.model.").rsplit(".lora_A.", 1)[0]
+        b = adapter.get(key.replace(".lora_A.", ".lora_B."))
+        w = out.get(f"{module}.weight")
+        if b is None or w is None:
+            raise ValueError(f"adapter tensor {key!r} has no lora_B or no base weight {module}.weight")
+        delta = scale * (b.double() @ a.double())  # fp64 product: the merge adds no rounding of its own
+        out[f"{module}.weight"] = (w.double() + delta).to(w.dtype)
+    return out

@@ -105,7 +105,7 @@ class Gateway:
     _shared: Gateway | None = None
     _shared_lock = threading.Lock()
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
         self._tokens: dict[str, Trajectory] = {}
         self._queues: dict[tuple[int, str, int], list[_Waiting]] = {}
@@ -120,7 +120,7 @@ class Gateway:
         # response (headers, then body) waited ~40 ms for the client's delayed ACK on every call.
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
+        self._sock.bind((host, port))  # 0: a free port (training); `flexmarl serve` names one
         self.port = self._sock.getsockname()[1]
         app = Starlette(routes=[
             *[Route(api.route, functools.partial(self._handle, api=api), methods=["POST"]) for api in APIS],

@@ -13,6 +13,8 @@ the endpoint from `AWS_ENDPOINT_URL` for S3-compatible servers). Tasks carry the
     RUN/trainers/<agent>/v<k>.state         trainer state after k steps (training/handles.py format)
     RUN/metrics/{ops,iterations,decisions}.jsonl   the op log and metrics (JSON lines)
     RUN/warm_start.json                     the SFT warm start the run began from
+    RUN/prefect-runs.json                   each attempt's Prefect flow run (tasks/leftovers.py)
+    RUN/provenance.json                     the flexmarl version and commit that prepared it
     RUN.faults/<kind>@<op name>             fault-injection markers (stages/faults.py)
 
 On local disk a write is a temp file and a rename; on an object store one whole-object PUT.
@@ -92,6 +94,26 @@ def is_uri(where: str | os.PathLike[str]) -> bool:
     """A URI of a remote filesystem (`file://` is local disk)."""
     text = os.fspath(where)
     return "://" in text and not text.startswith("file://")
+
+
+def shown(where: str | os.PathLike[str], within: str | os.PathLike[str] | None = None) -> str:
+    """A run's folder or file as records others read name it (Prefect artifacts and logs),
+    without this machine's absolute path: a URI as it is; a path inside `within` (the run
+    folder) relative to it; else relative to the working folder when inside it, `~/...` inside
+    the home folder, else `.../<parent>/<name>`."""
+    text = os.fspath(where)
+    if is_uri(text):
+        return text
+    path = Path(text.removeprefix("file://")).absolute()
+    for base, prefix in ((within, ""), (Path.cwd(), ""), (Path.home(), "~/")):
+        if base is None or is_uri(base):
+            continue
+        try:
+            rel = path.relative_to(Path(os.fspath(base)).absolute())
+        except ValueError:
+            continue
+        return prefix + (rel.as_posix() if rel.parts else ".")
+    return "/".join(["...", *path.parts[1:][-2:]])
 
 
 class RunLocation:

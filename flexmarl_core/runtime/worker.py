@@ -61,7 +61,7 @@ from flexmarl_core.training.api import GradientTrainer
 from flexmarl_core.training.handles import dump, load, trim_buffers
 from flexmarl_core.workloads import make_workload
 from flexmarl_core.workloads.api import Workload
-from flexmarl_core.workloads.bounded import Deadline
+from flexmarl_core.workloads.bounded import Deadline, RunStreak
 from storage import MEGStore, Store, retry
 
 __all__ = ["CONFIG_NAME", "WorkerContext", "as_location", "context", "load_weights", "publish_weights",
@@ -122,11 +122,12 @@ class WorkerContext:
     @property
     def reward_deadline(self) -> Deadline:
         """The deadline of each reward call of this run in this process
-        (`cluster.deadlines`), with its count of inputs in a row past it."""
+        (`cluster.deadlines`), with the run's count of inputs in a row past it (every
+        worker's, kept at the run's location)."""
         if self._reward_deadline is None:
             d, wl = self.cfg.cluster.deadlines, self.cfg.workload
             what = f"workload.reward {wl.reward!r}" if wl.reward else f"the {wl.kind} workload's reward"
-            self._reward_deadline = Deadline(what, d.reward_s, d.reward_timeouts)
+            self._reward_deadline = Deadline(what, d.reward_s, d.reward_timeouts, RunStreak(self.loc))
         return self._reward_deadline
 
     @property

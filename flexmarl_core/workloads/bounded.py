@@ -5,14 +5,24 @@ stops with one error naming the callable and the input.
 
 A Python call cannot be stopped from outside, so a timed-out call is left running on a daemon
 thread of its own (it ends with its process: the worker), and the next call gets a new thread.
+
+The count in a row is the run's, not one process's (`RunStreak`): every worker scores inputs at
+once, and a reward that always hangs would otherwise time out `reward_timeouts` inputs per
+worker before one of them stopped the run. Its files live at the run's location and are
+written only around a timeout (which takes the deadline's seconds), so a run whose rewards
+answer in time never touches them.
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import socket
 import threading
+import time
+import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -41,13 +51,65 @@ class _Runner:
                 done.set()
 
 
+class Files(Protocol):
+    """What `RunStreak` uses of a run's location (`runfiles.location.RunLocation`)."""
+
+    def list(self, key: str = "") -> list[str]: ...
+    def read_text(self, key: str) -> str: ...
+    def write_text(self, key: str, text: str) -> None: ...
+
+
+class RunStreak:
+    """The run's inputs in a row past the reward's deadline, across its worker processes, kept
+    under `folder` at the run's location: one file per timeout (`t-<time>-<process>-<n>`,
+    naming its input) and one per process that has scored an input in time since one
+    (`ok-<process>`, holding when). The count is the timeouts after the newest `ok` time.
+
+    A process writes its `ok` only when it knows of a timeout not yet followed by one: one it
+    saw (its own, or listed with it), or one a look at the folder finds, at most every
+    `look_every_s` while it scores inputs. So a run whose rewards answer in time lists the
+    folder once in a while and writes nothing."""
+
+    def __init__(self, files: Files, folder: str = "deadlines/reward", look_every_s: float = 10.0) -> None:
+        self.files, self.folder, self.look_every_s = files, folder, look_every_s
+        self.me = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+        self._n = 0
+        self._dirty = False  # a timeout this process knows of is not yet followed by its `ok`
+        self._looked = float("-inf")
+
+    def _count(self) -> int:
+        names = self.files.list(self.folder)
+        oks = [float(self.files.read_text(f"{self.folder}/{n}")) for n in names if n.startswith("ok-")]
+        since = max(oks, default=float("-inf"))
+        return sum(1 for n in names if n.startswith("t-") and float(n.split("-")[1]) > since)
+
+    def timed_out(self, input_id: str) -> int:
+        """Record a timeout of `input_id`; the run's count in a row, this one included."""
+        self._n += 1
+        self.files.write_text(f"{self.folder}/t-{time.time():.6f}-{self.me}-{self._n}", input_id)
+        self._dirty = True
+        return self._count()
+
+    def in_time(self) -> None:
+        """An input scored in time: the run's count starts again, if any timeout is counted."""
+        now = time.monotonic()
+        if not self._dirty and now - self._looked >= self.look_every_s:
+            self._looked = now
+            self._dirty = self._count() > 0
+        if self._dirty:
+            self.files.write_text(f"{self.folder}/ok-{self.me}", f"{time.time():.6f}")
+            self._dirty = False
+
+
 class Deadline:
     """Calls of one workload callable (`what`), each bounded by `seconds`; after `limit`
-    inputs in a row past it, `RewardHungError`. One per run per process."""
+    inputs in a row past it, `RewardHungError`. One per run per process; `streak`: the
+    run's count across its processes (`RunStreak`), else this process's."""
 
-    def __init__(self, what: str, seconds: float, limit: int) -> None:
+    def __init__(self, what: str, seconds: float, limit: int, streak: RunStreak | None = None) -> None:
         self.what, self.seconds, self.limit = what, seconds, limit
-        self.in_a_row = 0
+        self.streak = streak
+        self.in_a_row = 0  # the run's count at the last timeout (this process's, without a streak)
         self._runner: _Runner | None = None
         self._lock = threading.Lock()
 
@@ -61,7 +123,7 @@ class Deadline:
             self._runner.jobs.put((fn, box, done))
             if not done.wait(self.seconds):
                 self._runner = None  # left to its hung call; the next call gets a fresh thread
-                self.in_a_row += 1
+                self.in_a_row = self.streak.timed_out(input_id) if self.streak else self.in_a_row + 1
                 if self.in_a_row >= self.limit:
                     raise RewardHungError(
                         f"{self.what}: {self.in_a_row} inputs in a row ran past its deadline of "
@@ -69,6 +131,8 @@ class Deadline:
                         "fix it, or raise cluster.deadlines.per_kind_s.reward")
                 return False, None
             self.in_a_row = 0
+            if self.streak is not None:
+                self.streak.in_time()
         if "error" in box:
             raise box["error"]
         return True, box["value"]

@@ -1,8 +1,10 @@
 """Faults on the real stack: a Dask worker process killed during a rollout and during a
 training micro-step, an op that hangs (cancelled past its deadline, its worker restarted), a
 stage that raises once (Prefect's task retry), a stage that fails for good (Prefect's flow-run
-retry resumes the run), and the whole training process killed (kill -9) and resumed. After each, the store holds every sample exactly once and the final weights equal
-an uninterrupted run's. The uninterrupted run's Prefect artifacts are checked here too."""
+retry resumes the run), and the whole training process killed (kill -9) and resumed. After
+each, the store holds every sample exactly once and the final weights equal an uninterrupted
+run's; a killed run leaves no flow or task run open once the audit or the resume has seen it.
+The uninterrupted run's Prefect artifacts are checked here too."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from safetensors.torch import load_file
 
 from flexmarl_core.config import load_config
 from flexmarl_core.meg import MEG
-from flexmarl_core.runfiles.location import RunLocation
+from flexmarl_core.runfiles.location import RunLocation, shown
 from flexmarl_core.runtime.worker import trainer_state_path, weights_path
 from flexmarl_core.stages import faults_dir
 from tests._holds import Holds
@@ -35,6 +37,7 @@ from tests._runs import (
     flow,
     flow_run,
     kill_group_when,
+    open_runs_under,
     ops_log,
     plant_fault,
     task_runs,
@@ -221,12 +224,12 @@ def test_flow_run_retry_resumes_the_run(baseline, dask_cluster, tmp_path):
 
     _, kids, task_runs_of = children_of(state.state_details.flow_run_id, ITERATIONS + 1)
     by_name = {k.name: k for k in kids.values()}
-    assert by_name["iteration 1"].state.is_failed(), by_name["iteration 1"].state
-    assert by_name["iteration 1 (flow run 2)"].state.is_completed()
-    done = {int(k.name.split()[1]) for k in kids.values() if k.state.is_completed()}
+    assert by_name[f"{cfg.name} it 1"].state.is_failed(), by_name[f"{cfg.name} it 1"].state
+    assert by_name[f"{cfg.name} it 1 (flow run 2)"].state.is_completed()
+    done = {int(k.name.split()[2]) for k in kids.values() if k.state.is_completed()}
     assert done == set(range(ITERATIONS)), sorted(by_name)
     for k in kids.values():
-        it = int(k.name.split()[1])
+        it = int(k.name.split()[2])
         assert all(f" it={it}" in r.name for r in task_runs_of[k.id]), k.name
 
 
@@ -263,7 +266,9 @@ def test_run_artifacts(baseline_run, prefect_api):
     md = by_key["arith-tiny-summary"]
     assert md["type"] == "markdown"
     text = md["data"]
-    assert f"store: `{cfg.resolved_store_uri()}`" in text and f"run folder: `{cfg.resolved_run_dir()}`" in text
+    # Where the run is, relative: never this machine's absolute path.
+    assert f"store: `{shown(cfg.resolved_store_uri())}`" in text and f"run folder: `{shown(cfg.resolved_run_dir())}`" in text
+    assert str(cfg.resolved_run_dir()) not in text
     chart = text.split("```text", 1)[1].split("```", 1)[0]
     assert "reward per agent" in chart and "tokens/s" in chart
     assert all(any(line.startswith(a) and any(c in line for c in "▁▂▃▄▅▆▇█") for line in chart.splitlines())
@@ -309,6 +314,8 @@ def test_kill_9_training_process_then_resume(baseline, prefect_api, tmp_path):
     assert "stopped without ending" in seen.stdout, seen.stdout + seen.stderr
     run, _ = asyncio.run(flow_run(killed))
     assert run.state.is_crashed(), run.state
+    # ... and so does everything under it: its iterations' flow runs, its held steps' task runs.
+    assert open_runs_under(killed) == []
     shutil.rmtree(holds)  # the resumed run goes through
     resumed = _cli("train", "--resume", str(run_dir), "--no-progress", env=env)
     out, _ = resumed.communicate(timeout=900)
@@ -362,9 +369,17 @@ def test_kill_9_between_checkpoints_then_resume_replays(prefect_api, dask_cluste
         assert trainer_state_path(run_dir, a, 2).exists() and not trainer_state_path(run_dir, a, 3).exists()
         assert not weights_path(run_dir, a, 3).exists()
     shutil.rmtree(holds)
+    killed = json.loads((run_dir / "run.lease").read_text())["flow_run"]
     resumed = _cli("train", "--resume", str(run_dir), "--no-progress", env=env)
     out, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, out[-3000:]
+    # The resume ended what the killed attempt left open (its held steps' task runs were
+    # Pending), and left nothing of its own open: no Running flow or task run anywhere.
+    attempts = json.loads((run_dir / "prefect-runs.json").read_text())["attempts"]
+    assert [a["flow_run"] for a in attempts][0] == killed and attempts[-1]["ended"] == "COMPLETED"
+    run, _ = asyncio.run(flow_run(killed))
+    assert run.state.is_crashed(), run.state
+    assert open_runs_under(killed) == [] and open_runs_under(attempts[-1]["flow_run"]) == []
     cfg, want = load_config(run_dir / "config.yaml"), load_config(TINY, base)
     assert_exactly_once(cfg)
     for a in agents:

@@ -46,6 +46,9 @@ def test_the_rule_keeps_what_rollouts_and_a_resume_read():
     # from stays, and so do its weights (the newest full checkpoint).
     assert on_policy.states([10, 20], stepped=27) == {20}
     assert on_policy.weights([0, 10, 20, 27], synced=27, states={20}) == {0, 20, 27}
+    # A program or environment team samples with every agent's weights: an agent ahead of
+    # the others keeps its versions back to the lowest synced, which a repair may need.
+    assert on_policy.weights([0, 3, 4, 5], synced=5, states={5}, floor=4) == {0, 4, 5}
     stale = rule("codesign.max_staleness=2", "train.keep_every=4", *OFF_POLICY)
     assert stale.weights(list(range(11)), synced=10, states={10}) == {0, 4, 8, 9, 10}
     assert stale.states([4, 8, 9, 10], stepped=10) == {4, 8, 10}
@@ -142,3 +145,23 @@ def test_keep_every_one_keeps_every_version(every):
     keep = rule(*([] if every is None else [f"train.keep_every={every}"]))
     kept = keep.weights(list(range(6)), synced=5, states={5})
     assert kept == ({0, 5} if every is None else set(range(6)))
+
+
+def test_a_resume_drops_what_the_earlier_attempt_recorded_but_had_not_deleted(tmp_path):
+    """The earlier attempt recorded the solver's last sync (version 2) and died before deleting
+    version 1; the resume runs no op of the solver. Once it ends, version 1 goes all the same."""
+    from flexmarl_core.driver.retention import Retention
+    from flexmarl_core.ops import Op, OpRecord, StageResult
+    from flexmarl_core.runfiles.location import trainer_key, weights_key
+
+    loc = RunLocation(tmp_path)
+    for v in (0, 1, 2):
+        loc.write_bytes(weights_key("solver", v), b"w")
+    loc.write_bytes(trainer_key("solver", 2), b"t")
+    earlier = [OpRecord(op, 0.0, 1.0, StageResult(op)) for op in (Op(1, "step", "solver"), Op(1, "sync", "solver"))]
+    kept = Retention(rule(), loc, durable=lambda: 0)
+    kept.restore(earlier)
+    kept.release()  # the resume is under way: nothing of the earlier attempt is dropped yet
+    assert loc.versions("weights/solver") == [0, 1, 2]
+    kept.release(everything=True)
+    assert loc.versions("weights/solver") == [0, 2] and loc.versions("trainers/solver") == [2]

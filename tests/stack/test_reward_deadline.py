@@ -6,25 +6,32 @@ the run with one error naming the reward and the input. Through the real flow on
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
 
 from flexmarl_core.config import load_config
 from flexmarl_core.driver.audit import audit_run
-from flexmarl_core.workloads.bounded import Deadline, RewardHungError
+from flexmarl_core.runfiles.location import RunLocation
+from flexmarl_core.workloads.bounded import Deadline, RewardHungError, RunStreak
+from flows.train import train
 from storage import MEGStore
-from tests._runs import COMMON, flow
+from tests._runs import COMMON, TINY, flow
 
 HANG = ["cluster.deadlines.per_kind_s.reward=2", "cluster.prefect_lean=true"]
 
 
-def test_a_reward_that_hangs_on_one_input_fails_that_input_and_the_run_goes_on(dask_cluster, tmp_path):
+def test_a_reward_that_hangs_on_one_input_fails_that_input_and_the_run_goes_on(dask_cluster, tmp_path, capsys):
     run_dir = tmp_path / "run"
     over = [*COMMON, *HANG, f"run_dir={run_dir}", f"cluster.address={dask_cluster}",
             "workload.reward=tests.reward_fns:hangs_on_one"]
-    state = flow(over)
+    state = train(TINY, over, progress=True, return_state=True)  # the terminal's lines too
     assert state.is_completed(), state.message
+    shown = capsys.readouterr().out
+    (line,) = [x for x in shown.splitlines() if x.startswith("iteration 1/2")]
+    assert "failed trajectories 2" in line, shown  # its input's G = 2 trajectories
+    assert "failed trajectories" not in next(x for x in shown.splitlines() if x.startswith("iteration 2/2"))
     man = json.loads((run_dir / "rewards" / "it0" / "mb0.json").read_text())
     cfg = load_config(str(run_dir / "config.yaml"))
     assert sorted((f["input_id"], f["traj"]) for f in man["failed"]) == [("a0t1", t) for t in range(cfg.batch.group_size)]
@@ -51,6 +58,11 @@ def test_a_reward_that_always_hangs_stops_the_run_naming_it_and_the_input(dask_c
     msg = state.message or ""
     assert "tests.reward_fns:always_hangs" in msg and "2 inputs in a row" in msg and "input_id 'a0t" in msg, msg
     assert time.monotonic() - t0 < 240  # not the 1,000 s the reward sleeps, nor hung-op retries
+    # Counted per run: both workers score inputs at once, and the run stops at 2 timeouts in
+    # all, or 3 when the other worker's input in flight timed out before the stop reached it
+    # (counted per worker, each needed 2 of its own: 4).
+    timeouts = [n for n in os.listdir(tmp_path / "run" / "deadlines" / "reward") if n.startswith("t-")]
+    assert 2 <= len(timeouts) <= 3, timeouts
 
 
 def test_the_deadline_returns_in_time_results_and_raises_their_errors():
@@ -64,3 +76,22 @@ def test_the_deadline_returns_in_time_results_and_raises_their_errors():
     slow.call(lambda: time.sleep(5), "i3")
     with pytest.raises(RewardHungError, match="2 inputs in a row.*'i4'"):
         slow.call(lambda: time.sleep(5), "i4")
+
+
+def test_the_count_in_a_row_is_the_runs_across_its_processes(tmp_path):
+    """Two worker processes' deadlines on one run folder: 3 timeouts in a row between them
+    stop the run though neither saw 3; an input scored in time on either starts it again."""
+    loc = RunLocation(tmp_path / "run")
+    a, b = (Deadline("r", 0.05, 3, RunStreak(loc, look_every_s=0.0)) for _ in range(2))
+    hang = lambda: time.sleep(5)  # noqa: E731
+    assert a.call(hang, "i1") == (False, None) and b.call(hang, "i2") == (False, None)
+    assert b.in_a_row == 2
+    assert a.call(lambda: 7, "i3") == (True, 7)  # in time: the run's count starts again
+    assert b.call(hang, "i4") == (False, None) and b.in_a_row == 1
+    assert a.call(hang, "i5") == (False, None)
+    with pytest.raises(RewardHungError, match="3 inputs in a row.*'i6'"):
+        b.call(hang, "i6")
+    c, d = (Deadline("r", 0.05, 3, RunStreak(RunLocation(tmp_path / "other"), look_every_s=0.0)) for _ in range(2))
+    c.call(hang, "j1"), d.call(hang, "j2")
+    with pytest.raises(RewardHungError, match="3 inputs in a row.*'j3'"):
+        c.call(hang, "j3")  # c's own: 2

@@ -100,19 +100,42 @@ def test_a_second_launch_on_a_live_run_stops_with_one_line_and_leaves_it_intact(
 
 
 def test_two_launches_at_the_same_moment_run_once(prefect_api, tmp_path):
+    """The loser of two launches at the same moment is refused like any second launch (one
+    line naming the winner, exit 2) and leaves no flow run behind: the lease is taken before
+    the flow run is made."""
     run_dir = tmp_path / "run"
     env = _env(prefect_api)
     procs = [_cli("train", TINY, *_sets(run_dir), "--no-progress", env=env) for _ in range(2)]
     outs = [p.communicate(timeout=900) for p in procs]
     codes = sorted(p.returncode for p in procs)
-    assert codes[0] == 0 and codes[1] != 0, [o[1][-1500:] for o in outs]
-    loser = outs[[p.returncode for p in procs].index(codes[1])]
-    said = loser[0] + loser[1]
-    assert "in use by" in said or "just taken" in said or "holds a run" in said, said[-2000:]
+    assert codes == [0, 2], [o[1][-1500:] for o in outs]
+    winner = procs[[p.returncode for p in procs].index(0)]
+    _, err = outs[[p.returncode for p in procs].index(2)]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "in use by another flexmarl train" in lines[0] and f"pid {winner.pid}" in lines[0], err
+    assert _training_runs(run_dir) == ["COMPLETED"]  # the winner's flow run, and no other
     names = _ops(run_dir)
     assert len(names) == len(set(names))
     run = audit_run(str(run_dir))
     assert run.problems == [] and run.verdict() == "clean"
+
+
+def _training_runs(run_dir: Path) -> list[str]:
+    """The state of every training flow run in the API whose overrides name `run_dir`."""
+    import asyncio
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    async def read() -> list[str]:
+        runs: list = []
+        async with get_client() as c:
+            while page := await c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["flexmarl-train"])),
+                                                 limit=200, offset=len(runs)):
+                runs += page
+        return [r.state.type.value for r in runs if f"run_dir={run_dir}" in (r.parameters.get("overrides") or [])]
+
+    return asyncio.run(read())
 
 
 def test_a_dead_runs_lease_is_taken_over_by_resume_only(tmp_path):

@@ -113,3 +113,21 @@ def test_each_iteration_prints_its_figures_in_one_line(capsys, terminal):
 def test_an_iteration_line_without_agent_rewards_says_so_by_leaving_them_out():
     m = {"iteration": 9, "e2e_s": 12.345, "accuracy": 1.0, "utilization": 0.954}
     assert iteration_line(m, 10) == "iteration 10/10  E2E 12.35 s  acc 1.000  util 0.95"
+
+
+def test_failed_trajectories_and_a_rebuilt_row_show_on_the_line_and_in_the_summary():
+    from flexmarl_core.driver.console import summary_lines, summary_table
+    from flexmarl_core.driver.metrics import run_summary
+
+    rows = [{"iteration": 0, "e2e_s": 1.0, "tokens": 10, "tokens_per_s": 10.0, "accuracy": 0.5, "utilization": 0.5,
+             "failed_trajectories": 2.0},
+            {"iteration": 1, "e2e_s": 1.0, "tokens": 10, "tokens_per_s": 10.0, "accuracy": 0.5, "utilization": 0.5,
+             "failed_trajectories": 0.0, "rebuilt_ops": 3}]
+    assert iteration_line(rows[0], 2).endswith("util 0.50  failed trajectories 2")
+    assert "failed" not in iteration_line(rows[1], 2) and "rebuilt after a store repair: 3 ops" in iteration_line(rows[1], 2)
+    s = {**run_summary(rows, 5.0), "attempt_wall_s": 1.5, "prefect_overhead_frac": 0.0, "run_dir": "r"}
+    assert s["failed_trajectories"] == 2
+    lines = summary_lines(s)
+    assert any(x.startswith("failed trajectories: 2") for x in lines), lines
+    assert any("5.0 s of running in all, 1.5 s of them in this attempt" in x for x in lines), lines
+    assert "failed" in [c.header for c in summary_table(rows, s).columns]

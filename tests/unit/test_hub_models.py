@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from flexmarl_core.config import ConfigError, ModelConfig, config_from_text, load_config
-from flexmarl_core.models import load_agent_model, save_model
-from tests._models_util import tiny_model, tokenizer
+from flexmarl_core.models import load_agent_model
+from tests._models_util import publish, tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -23,12 +23,7 @@ FIRST, SECOND = "1" * 40, "2" * 40
 
 
 def _publish(cache: Path, repo: str, commit: str, seed: int) -> Path:
-    """What `hf download` leaves in a cache: the snapshot folder and the branch's ref."""
-    root = cache / f"models--{repo.replace('/', '--')}"
-    snap = save_model(tiny_model(seed=seed), tokenizer(), root / "snapshots" / commit)
-    (root / "refs").mkdir(parents=True, exist_ok=True)
-    (root / "refs" / "main").write_text(commit)
-    return snap
+    return publish(cache, repo, commit, seed=seed)
 
 
 @pytest.fixture

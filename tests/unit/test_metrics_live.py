@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from flexmarl_core.config import load_config
 from flexmarl_core.driver import run
 from flexmarl_core.ops import OpRecord
@@ -104,3 +106,42 @@ def test_tracker_rows_equal_a_full_scan_of_every_record():
     assert [r["iteration"] for r in rows] == list(range(12))
     assert rows == expected
     assert len(tracker._live) < len(recs) / 4  # it does prune
+
+
+def test_a_resume_after_a_repair_keeps_the_rows_written_and_no_window_goes_negative():
+    """A repair rewound one op of iteration 1, which runs again after a resume, long after the
+    earlier attempt's last op. Rows the earlier attempt wrote stand (iteration 1's is only
+    said to be rebuilt, once its op is done); an iteration it finished but did not report,
+    which ended before iteration 1's rerun op, still gets a window of its own time (the bug:
+    1e-09 s, an absurd rate, utilisation 0); the earlier attempt's time is the run's."""
+    from flexmarl_core.driver.metrics import IterationTracker
+    from flexmarl_core.ops import Op, StageResult
+
+    def rec(it: int, mb: int, t0: float, t1: float) -> OpRecord:
+        op = Op(it, "rollout", "solver", mb=mb)
+        return OpRecord(op, t0, t1, StageResult(op, worker="w0", t_start=t0, t_end=t1, tokens=10))
+
+    earlier = [rec(0, 0, 0, 1), rec(0, 1, 1, 2), rec(1, 0, 2, 3), rec(2, 0, 4, 5), rec(2, 1, 5, 6)]
+    again = rec(1, 1, 100.5, 101)  # iteration 1's rewound op, run again after the resume
+    sizes = {0: 2, 1: 2, 2: 2}
+    for reported in ([0, 1, 2], [0]):
+        first = IterationTracker(sizes, lambda row: None)
+        for r in [*earlier[:3], rec(1, 1, 3, 4), *earlier[3:]]:
+            first.add(r, None, [])
+        rows = [r for r in first.rows if r["iteration"] in reported]
+        emitted, rebuilt = [], []
+        tracker = IterationTracker(sizes, emitted.append, rebuilt=rebuilt.append)
+        tracker.resume(earlier, [{**r, "rebuilt_ops": 1} if r["iteration"] == 1 else r for r in rows], resumed_at=100)
+        tracker.add(again, None, [])
+        tracker.flush(final=True)
+        if reported == [0, 1, 2]:
+            assert emitted == [] and [r["iteration"] for r in rebuilt] == [1]
+            assert tracker.rows[0] == first.rows[0] and tracker.earlier_s == sum(r["e2e_s"] for r in first.rows)
+            continue
+        assert [r["iteration"] for r in emitted] == [1, 2] and rebuilt == []
+        one, two = emitted
+        assert one["e2e_s"] == pytest.approx(6 - 2 + 1)  # 2..6 before the kill, 100..101 after
+        assert two["e2e_s"] == pytest.approx(6 - 2)  # from iteration 0's end, not from 101
+        for r in emitted:
+            assert 0 < r["utilization"] <= 1 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["e2e_s"])
+        assert tracker.earlier_s == pytest.approx(6)

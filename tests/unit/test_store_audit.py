@@ -72,3 +72,30 @@ def test_neither_store_nor_run_exits_2(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     res = audit(tmp_path / "empty")
     assert res.returncode == 2 and "neither a MEG store nor a run folder" in res.stderr
+
+
+def test_lost_samples_are_a_finding_and_a_damaged_fragment_an_error_naming_it(tmp_path: Path) -> None:
+    """Samples recorded as lost are one warning naming them (their status rows are no orphans),
+    not missing; a fragment that cannot be read is one error naming the file, and the audit
+    goes on with the other partitions instead of stopping."""
+    from storage import audit_store
+
+    root = tmp_path / "store"
+    _store(root)
+    part = root / "samples" / "agent=solver" / "iteration=0"
+    frag = sorted(part.glob("mb000000-*.parquet"))[0]
+    frag.unlink()  # micro-batch 0's samples, whose status rows stay
+    ids = {(a, it): [f"p{i}:{t}:solver:0" for i in range(2) for t in range(2)] for a, it in [("solver", 0), ("solver", 1)]}
+    lost = {("solver", 0): ["p0:0:solver:0", "p0:1:solver:0"]}
+    problems = audit_store(str(root), ids, lost)
+    (found,) = problems
+    assert (found.kind, found.severity) == ("lost", "warning")
+    assert found.message == "2 samples lost to damage, trained before it: p0:0:solver:0, p0:1:solver:0"
+    assert [p.kind for p in audit_store(str(root), ids)] == ["orphan_status", "missing"]  # unrecorded: errors
+    bad = sorted((root / "samples" / "agent=solver" / "iteration=1").glob("*.parquet"))[0]
+    bad.write_bytes(bad.read_bytes()[:100])
+    problems = audit_store(str(root), ids, lost)
+    assert [(p.kind, p.severity) for p in problems] == [("lost", "warning"), ("unreadable", "error")]
+    assert problems[1].path == str(bad)
+    res = audit(root)
+    assert res.returncode == 1 and "Traceback" not in res.stderr and str(bad) in res.stdout

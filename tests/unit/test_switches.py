@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from flexmarl_core.config import REQUIRES, SWITCHES, ConfigError, load_config, switch_overrides
+from flexmarl_core.meg import MEG
+from tests._models_util import QWEN_05B_INSTRUCT, publish
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -88,6 +90,12 @@ def test_switch_overrides_turn_off_what_acts_through_a_switch():
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")) + sorted(
     (REPO / "examples").rglob("config*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_config_still_loads(path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_every_shipped_config_still_loads(path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.chdir(REPO)  # configs name their files relative to the project root
-    assert load_config(path).team.agents
+    # A config naming a hub model (configs/qwen_gsm8k.yaml) resolves it in the cache, offline:
+    # here one holding that model's config.json (tests/unit/test_real_model_config.py trains it).
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    publish(tmp_path, "Qwen/Qwen2.5-0.5B-Instruct", "0" * 40, config=QWEN_05B_INSTRUCT)
+    cfg = load_config(path)
+    assert cfg.team.agents and MEG.from_config(cfg.team).agent_names
