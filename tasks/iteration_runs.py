@@ -40,6 +40,7 @@ from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import ArtifactCreate, LogCreate
 from prefect.client.schemas.objects import TaskRunResult
 from prefect.settings import (
+    PREFECT_API_URL,
     PREFECT_CLIENT_MAX_RETRIES,
     PREFECT_LOGGING_TO_API_ENABLED,
     temporary_settings,
@@ -104,6 +105,10 @@ class IterationFlowRuns(RunHook):
         self._rest: collections.deque[tuple[str, int, Any]] = collections.deque()
         self._wake = threading.Condition()
         self._last_tracking: uuid.UUID | None = None
+        # A thread starts without the flow's settings context: it gets the flow's API (else a
+        # call that emits an event, as an artifact's creation does, would start a temporary
+        # server of its own) and tries each call once (`_call` retries).
+        self._settings = {PREFECT_API_URL: PREFECT_API_URL.value(), PREFECT_CLIENT_MAX_RETRIES: 0}
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._work, name="flexmarl-iteration-runs", daemon=True)
         self._thread.start()
@@ -186,23 +191,26 @@ class IterationFlowRuns(RunHook):
 
     def close(self, error: BaseException | None, timeout_s: float = 60.0) -> bool:
         """The training flow stops: iterations still open end in the state that matches its
-        own, with `error` as the reason. Waits for the API calls still queued, for at most
-        `timeout_s` and within the run's budget for a silent API (`ApiWatch.deadline`; past
-        it the API is given up on). True: every call was made."""
+        own, with `error` as the reason. Waits for the API calls still queued: while the API
+        answers, for at most `timeout_s`; while it does not, within the run's budget for a
+        silent API (`ApiWatch.deadline`), past which the API is given up on. True: every call
+        was made."""
         self._finish_rows()
         self._put(("close", -1, error))
-        until = min(time.monotonic() + timeout_s, self.api.deadline())
-        self._thread.join(max(until - time.monotonic(), 0.0))
-        if not self._thread.is_alive():
-            return True
+        since = time.monotonic()
+        while True:
+            self._thread.join(1.0)
+            if not self._thread.is_alive():
+                return True
+            now, silent = time.monotonic(), self.api.failing_since is not None
+            if silent and now >= self.api.deadline():
+                self.api.give_up()
+                break
+            if not silent and now >= since + timeout_s:
+                log.warning("the Prefect API did not take the iterations' flow-run states within %.0f s; "
+                            "the run's own records are complete (metrics/ops.jsonl)", timeout_s)
+                break
         self._closing.set()
-        with self._wake:
-            self._wake.notify()
-        if self.api.failing_since is not None:
-            self.api.give_up()
-        else:
-            log.warning("the Prefect API did not take the iterations' flow-run states within %.0f s; "
-                        "the run's own records are complete (metrics/ops.jsonl)", timeout_s)
         return False
 
     # -- the API thread ------------------------------------------------------------------------
@@ -213,9 +221,7 @@ class IterationFlowRuns(RunHook):
             return (self._opens or self._rest).popleft()
 
     def _work(self) -> None:
-        # The thread's own calls are tried once by the client: `_call` retries, and stops when
-        # the run gives up on the API.
-        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
+        with temporary_settings(updates=self._settings):
             while True:
                 what, iteration, arg = self._next()
                 if what == "open":
