@@ -75,7 +75,9 @@ def _capture(engine: Any, tok: Any, problems: list[str], sampling: SamplingConfi
     s = Session("k", specs, dict.fromkeys(AGENTS, 0), LocalDispatcher.of_engines(dict.fromkeys(AGENTS, engine)),
                 lambda *_: 0, greedy=True)
     res = run_program(_program, [(f"p{i}", 0, 0, p) for i, p in enumerate(problems)], s, Gateway.shared())
-    errors = [r.error for r in res if r.error]
+    # an untrained model's forced tool call rarely parses: the policy's failure (MalformedToolCall),
+    # whose calls are recorded and trained all the same; anything else is the endpoint's fault
+    errors = [r.error for r in res if r.error and r.policy_error is None]
     if errors or s.error:
         raise AssertionError(f"program failed: {errors[:2] or s.error}")
     return {(r.input_id, c.agent, c.call): c for r in res for c in r.records}
