@@ -127,8 +127,10 @@ def trl_python(venv: Path, pip_args: list[str]) -> Path:
 def workload_config(name: str, out: Path, short_start: tuple[Path, dict] | None = None) -> Path:
     """The config file of a workload: the overhead config, or for `long` a copy of it whose
     template puts the few-shot examples before the question and whose model is the short
-    workload's SFT start (`short_start`: its folder and weights, saved as an HF folder named by
-    that folder's key), so its SFT only has to carry that start over to the long prompt."""
+    workload's SFT start (`short_start`: its folder and weights, saved once as an HF folder
+    under $FLEXMARL_CACHE/peer-trl named by that folder's key: the long warm start's key stamps
+    the folder's files, so it must stay put), so its SFT only carries that start over to the
+    long prompt."""
     if name == "short":
         return CONFIG
     import yaml
@@ -136,7 +138,9 @@ def workload_config(name: str, out: Path, short_start: tuple[Path, dict] | None 
     from flexmarl_core.config import load_config
     from flexmarl_core.models.factory import save_model
     from flexmarl_core.models.tokenizer import get_tokenizer
+    from flexmarl_core.runfiles.location import default_cache_dir
     from flexmarl_core.workloads import make_workload
+    from storage.atomic import atomic_folder
 
     cfg = load_config(str(CONFIG), WORKLOAD)
     tok = get_tokenizer()
@@ -149,9 +153,10 @@ def workload_config(name: str, out: Path, short_start: tuple[Path, dict] | None 
     raw["name"] = "peer-long"
     raw["team"]["agents"][0]["template"] = shots + "Q:{input}\nA:"
     if short_start is not None:
-        model_dir = out / f"short-sft-hf-{short_start[0].name}"
-        if not (model_dir / "config.json").is_file():  # written once: the long warm start's key stamps it
-            save_model(*base_model(cfg, short_start[1]), model_dir)  # type: ignore[arg-type]
+        model_dir = default_cache_dir() / "peer-trl" / f"sft-hf-{short_start[0].name}"
+        if not (model_dir / "config.json").is_file():
+            with atomic_folder(model_dir) as tmp:  # another bench never sees half a folder
+                save_model(*base_model(cfg, short_start[1]), tmp)  # type: ignore[arg-type]
         raw["team"]["agents"][0]["model"] = {"path": str(model_dir)}
     path = out / "peer-long.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
