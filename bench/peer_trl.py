@@ -33,7 +33,7 @@ What is the same on both sides:
   neither side's wall time holds an evaluation.
 
 Workloads: `short`, the arithmetic one of `bench/single_agent.py` (a + b and a - b below 50,
-prompts of about 8 tokens, answers of 3 to 4 tokens with the stop); `long`, the same problems
+prompts of about 10 tokens, answers of 2 to 3 tokens with the stop); `long`, the same problems
 behind a fixed few-shot prompt of about 300 tokens (train-split problems with their answers,
 `LONG_PROMPT_TOKENS`), where padding, packing and prefix sharing matter.
 
@@ -54,7 +54,10 @@ span: flexmarl's run summary, the iterations' windows from the first op to the l
 first step start to last step end), `span_s`, `wall_s` (the whole side: flow call, or TRL
 process from start to exit, imports and model loading included), `step_s` (each step's
 seconds: TRL's steps, flexmarl's iteration windows) and its median `step_s_median`, `reward`
-(the train reward, mean over tenths of the run),
+(the train reward, mean over tenths of the run), `machine_busy` (the share of all the
+machine's cores busy while it ran, /proc/stat), `server_cpu_s` (the Prefect server's CPU in
+that time) and `settle_s` (how long the bench waited before the side for the server to go
+idle, so that what it still does for a flow run that ended never lands on the next side),
 `acc_after`, and the 1-minute load average sampled every 2 s while it ran. Per pair:
 `ratio` = flexmarl's tokens/s over TRL's, `wall_ratio` = TRL's wall over flexmarl's,
 `acc_sft`. Summary per workload and background: means over seeds, `ratio` the mean of the
@@ -76,7 +79,9 @@ first op, which loads the model in the worker, TRL's after its model is loaded; 
 side includes what it is (a flow process, a Dask scheduler and worker, the Prefect API)
 where TRL is one process.
 
-`--quick`: one seed, 30 iterations per workload, 256 held-out problems.
+`--quick`: one seed, 30 iterations per workload, 256 held-out problems: about 3 minutes once
+the SFT starts and the TRL venv exist; the first run makes them (the long workload's SFT took
+about 1,150 steps, most of an hour on a busy 2-core machine).
 """
 
 from __future__ import annotations
@@ -296,6 +301,41 @@ def run_flexmarl(train: object, api: str, config: Path, overrides: list[str], ru
     return res, load_weights(str(run_dir), agent, iterations)
 
 
+def cpu_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine so far (/proc/stat)."""
+    f = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(f) - f[3] - f[4], sum(f)
+
+
+def server_cpu_s(home: Path | None) -> float | None:
+    """CPU seconds so far of the Prefect server flexmarl started with its files in `home`
+    (default PREFECT_HOME), children included; None where there is none to measure."""
+    import psutil
+
+    from flexmarl.servers import read_pid_file
+
+    home = home or Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
+    try:
+        proc = psutil.Process(int((read_pid_file(home) or {})["pid"]))
+        return sum(t.user + t.system for t in (p.cpu_times() for p in [proc, *proc.children(recursive=True)]))
+    except (KeyError, ValueError, psutil.Error):
+        return None
+
+
+def settle(home: Path | None, limit_s: float = 60.0) -> float:
+    """Wait until the Prefect server is idle (under 5% of a core over a second), at most
+    `limit_s`: what it still does for a flow run that ended (events, logs) must not land on the
+    next side. Seconds waited."""
+    t0, last = time.time(), server_cpu_s(home)
+    while last is not None and time.time() - t0 < limit_s:
+        time.sleep(1.0)
+        now = server_cpu_s(home)
+        if now is None or now - last < 0.05:
+            break
+        last = now
+    return time.time() - t0
+
+
 @contextlib.contextmanager
 def background(n: int, nice: int) -> Iterator[None]:
     """`n` processes spinning a pure-Python loop at `nice` while the block runs."""
@@ -367,6 +407,7 @@ def main() -> int:
     from flexmarl_core.runfiles.weights import initial_weights
 
     with contextlib.ExitStack() as stack:
+        home: Path | None = None  # the server's PREFECT_HOME (None: the environment's)
         if args.api == "fresh":
             home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flexmarl-bench-prefect-")))
             stack.callback(stop_server, home)
@@ -412,9 +453,10 @@ def main() -> int:
                     pair["order"], k = order, k + 1
                     tag = f"{wname}-s{seed}-bg{bg}"
                     for side in order:
-                        sampler = LoadSampler(every=2.0)
+                        sampler, waited = LoadSampler(every=2.0), settle(home)
                         with background(bg, args.background_nice):
                             sampler.start()
+                            srv0, (busy0, total0) = server_cpu_s(home), cpu_busy()
                             if side == "trl":
                                 figures, state = run_trl(py, config, base, cfg, sft_state, iterations,
                                                          out / f"{tag}-trl")
@@ -425,6 +467,9 @@ def main() -> int:
                                     f"train.init_from={ckpt}", "train.evaluate=false",
                                     f"train.checkpoint_every={iterations}"], run_dir, iterations)
                             figures["load"] = sampler.stop()
+                            srv1, (busy1, total1) = server_cpu_s(home), cpu_busy()
+                        figures.update(settle_s=waited, machine_busy=(busy1 - busy0) / max(total1 - total0, 1.0),
+                                       server_cpu_s=None if srv0 is None or srv1 is None else srv1 - srv0)
                         figures["acc_after"] = heldout_accuracy(cfg, state)
                         pair[side] = figures
                         print(f"{tag} {side}: {figures['tokens_per_s']:.0f} tokens/s over {figures['span_s']:.1f} s "
