@@ -91,7 +91,9 @@ def server_cpu_s(home: Path | None = None) -> float | None:
     if not pidfile.exists():
         return None
     try:
-        proc = psutil.Process(int(pidfile.read_text().split()[0]))
+        text = pidfile.read_text().strip()  # a JSON record ({"pid": ...}) or, from older runs, the pid
+        pid = int(json.loads(text)["pid"]) if text.startswith("{") else int(text.split()[0])
+        proc = psutil.Process(pid)
         total = 0.0
         for p in [proc, *proc.children(recursive=True)]:
             t = p.cpu_times()
