@@ -18,20 +18,37 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
 from flexmarl_core.config import ExperimentConfig
 from flexmarl_core.control import OrchestratorError
 from flexmarl_core.meg import MEG, NodeKey
-from flexmarl_core.ops import Op, Route, StageResult, agent_key, traits
+from flexmarl_core.ops import KindTraits, Op, Route, StageResult, agent_key, traits
 from flexmarl_core.sim.cost import CostModel, op_rng
 
 _FREE, _SEEN = 0, 1  # event kinds; at equal times a worker frees before a completion is seen
 
 
-#: the op kinds the cost model prices: a graph team's (`sim/cost.py`)
-PRICED = frozenset({"rollout", "reward", "train", "step", "sync"})
+Price = Literal["rollout", "reward", "train", "step", "sync"]
+
+
+def priced_as(kind: KindTraits) -> Price | None:
+    """Which of the cost model's formulas (`sim/cost.py`, a graph team's ops) prices an op of
+    this kind, read from its traits; None: none does (a program's or an environment's host op,
+    a critic's forward), and a guess would be a wrong answer."""
+    if kind.generates and kind.placement == "instance":
+        return "rollout"
+    if kind.scores and kind.placement == "anywhere":
+        return "reward"
+    if kind.trains:
+        return "train"
+    if kind.steps:
+        return "step"
+    if kind.publishes:
+        return "sync"
+    return None
 
 
 @dataclass
@@ -243,24 +260,25 @@ class SimExecutor:
         return [n.turn for n in self.meg.nodes if n.agent == agent]
 
     def _base_s(self, op: Op) -> float:
-        if op.kind not in PRICED:  # a guess for another kind would be a wrong answer
+        price = priced_as(traits(op.kind))
+        if price is None:
             raise ValueError(f"{op.name}: the simulator has no cost model for op kind {op.kind!r}")
         c, it = self.cost, op.iteration
-        if op.kind == "rollout":
+        if price == "rollout":
             held, busy = c.rollout_s(op.agent, self.prompts(op.agent, op.turn, it, op.mb),
                                      self.lengths(op.agent, op.turn, it, op.mb))
             if not c.replica_release:  # else priced when it starts (`_release`)
                 self.rollout_held_s += held
                 self.rollout_replica_busy_s += held * busy
             return held
-        if op.kind == "train":
+        if price == "train":
             turns = self._turns(op.agent)
             p = sum(float(self.prompts(op.agent, t, it, op.mb).sum()) for t in turns)
             r = sum(float(self.lengths(op.agent, t, it, op.mb).sum()) for t in turns)
             return c.train_s(op.agent, p, r)
-        if op.kind == "step":
+        if price == "step":
             return sum(c.step_s(op.agent))
-        if op.kind == "sync":
+        if price == "sync":
             return c.sync_s(op.agent)
         return c.reward_s(self._seqs)
 
@@ -313,20 +331,21 @@ class SimExecutor:
 
     def _result(self, op: Op, worker: str, t0: float, t1: float, swap: dict[str, float]) -> StageResult:
         res = StageResult(op, worker=worker, t_start=t0, t_end=t1, swap=swap)
-        if op.kind == "rollout":
+        price = priced_as(traits(op.kind))
+        if price == "rollout":
             n = self.lengths(op.agent, op.turn, op.iteration, op.mb)
             res.samples, res.tokens, res.version = len(n), int(n.sum()), op.iteration
             res.metrics = {agent_key(op.agent, "response_tokens"): float(n.mean())}
-        elif op.kind == "train":
+        elif price == "train":
             turns = self._turns(op.agent)
             res.samples = self._seqs * len(turns)
             res.tokens = int(sum(self.lengths(op.agent, t, op.iteration, op.mb).sum() for t in turns))
-        elif op.kind == "reward":
+        elif price == "reward":
             # The simulator scores nothing: accuracy is not simulated (NaN, dropped from reports).
             res.samples, res.metrics = self._seqs, {"team/accuracy": math.nan}
-        elif op.kind in ("step", "sync"):
+        elif price in ("step", "sync"):
             res.version = op.iteration + 1
-            if op.kind == "sync":
+            if price == "sync":
                 res.bytes = int(self.cost.agent(op.agent).weight_bytes)
         return res
 
