@@ -28,14 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import yaml
+from _fresh import local_cluster, provenance, spread, train_run  # bench/ is this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "env_kuhn.yaml"
@@ -93,19 +91,11 @@ def measure(cfg, run_dir: Path, version: int) -> dict:
 
 
 def one(name: str, seed: int, iterations: int, out: Path, client, render: str | None) -> dict:
-    from flexmarl_core import cluster
-    from flexmarl_core.config import load_config
-    from flexmarl_core.driver import run
-
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(condition(name, render), f)
     run_dir = out / f"{name}-{seed}{'-' + render.rsplit(':', 1)[1] if render else ''}"
-    cfg = load_config(f.name, [f"run_dir={run_dir}", f"seed={seed}", f"train.iterations={iterations}",
-                               "train.evaluate=false", "train.evaluate_initial=false", *SFT])
-    folder = run.prepare_run(cfg, log=lambda _: None)
-    t0 = time.time()
-    res = run.train(cfg, folder, cluster.DaskExecutor(client, str(folder)))
-    wall = time.time() - t0
+    cfg, folder, res, wall = train_run(f.name, [f"run_dir={run_dir}", f"seed={seed}", f"train.iterations={iterations}",
+                                                "train.evaluate=false", "train.evaluate_initial=false", *SFT], client)
     before, after = measure(cfg, folder, 0), measure(cfg, folder, iterations)
     last = res.iterations[-1]
     row = {"condition": name, "seed": seed, "render": render or "default", "iterations": iterations, "rl_wall_s": wall, "before": before,
@@ -119,10 +109,6 @@ def one(name: str, seed: int, iterations: int, out: Path, client, render: str | 
     return row
 
 
-def _spread(xs: list[float]) -> float:
-    return statistics.stdev(xs) if len(xs) > 1 else 0.0
-
-
 def summary(rows: list[dict]) -> dict:
     out = {}
     for name in dict.fromkeys(r["condition"] for r in rows):
@@ -131,8 +117,8 @@ def summary(rows: list[dict]) -> dict:
         s = {"seeds": [r["seed"] for r in rs],
              "exploitability_before": statistics.mean(r["before"]["exploitability"] for r in rs),
              "exploitability_after": statistics.mean(r["after"]["exploitability"] for r in rs),
-             "spread_after": _spread([r["after"]["exploitability"] for r in rs]),
-             "delta": statistics.mean(d), "delta_spread": _spread(d)}
+             "spread_after": spread([r["after"]["exploitability"] for r in rs]),
+             "delta": statistics.mean(d), "delta_spread": spread(d)}
         for key in ("value_vs_random_player_0", "value_vs_random_player_1",
                     "win_rate_vs_random_player_0", "win_rate_vs_random_player_1"):
             s[f"{key}_before"] = statistics.mean(r["before"][key] for r in rs)
@@ -155,35 +141,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.seeds, args.iterations, args.conditions = [0], 6, ["selfplay"]
-    from flexmarl_core.cluster import start_cluster
-    from flexmarl_core.config import ClusterConfig
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _fresh import LoadSampler, machine
-
     torch.set_num_threads(1)
     out = Path(args.out).absolute()
-    load = LoadSampler()
-    load.start()
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    load_before = Path("/proc/loadavg").read_text().split()[:3]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()  # the code that ran: taken before it runs
-    cluster, client = start_cluster(ClusterConfig.model_validate({"workers": [
-        {"name": "w0", "resources": {"rollout": 1, "train": 1}},
-        {"name": "w1", "resources": {"rollout": 1, "train": 1}}]}), dashboard=False)
-    t0 = time.time()
-    try:
+    with provenance(REPO) as rec, local_cluster() as client:
         rows = [one(c, s, args.iterations, out, client, args.render) for c in args.conditions for s in args.seeds]
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
-    result = {"bench": "kuhn", "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0,
-              "commit": commit, "start_utc": started, "machine": machine(), "load_before": load_before,
-              "load": load.stop(),
-              "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "seeds": args.seeds, "iterations": args.iterations, "render": args.render or "default",
+    result = {"bench": "kuhn", **rec, "seeds": args.seeds, "iterations": args.iterations, "render": args.render or "default",
               "rows": rows, "summary": summary(rows),
               "uniform_random_exploitability": 0.4583333333333333, "nash_value_player_0": -1 / 18}
     print(f"{'condition':9s} {'exploitability before':>22s} {'after':>8s} {'change':>16s} {'beyond spread':>14s}")

@@ -29,12 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
+from _fresh import local_cluster, provenance, spread, train_run  # bench/ is this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "program_sdk_plain.yaml"
@@ -50,17 +48,9 @@ def start_overrides(start: str) -> list[str]:
 
 
 def one(start: str, seed: int, iterations: int, out: Path, client) -> dict:
-    from flexmarl_core import cluster
-    from flexmarl_core.config import load_config
-    from flexmarl_core.driver import run
-
-    run_dir = out / f"{start}-{seed}"
-    cfg = load_config(str(CONFIG), [f"run_dir={run_dir}", f"seed={seed}", f"train.iterations={iterations}",
-                                    "train.evaluate=false", "train.evaluate_initial=false", *start_overrides(start)])
-    folder = run.prepare_run(cfg, log=lambda _: None)
-    t0 = time.time()
-    res = run.train(cfg, folder, cluster.DaskExecutor(client, str(folder)))
-    wall = time.time() - t0
+    cfg, _, res, wall = train_run(str(CONFIG), [f"run_dir={out / f'{start}-{seed}'}", f"seed={seed}",
+                                                f"train.iterations={iterations}", "train.evaluate=false",
+                                                "train.evaluate_initial=false", *start_overrides(start)], client)
     per_it = cfg.batch.inputs_per_iteration * cfg.batch.group_size
     curve = [{"iteration": i,
               "policy_failed_share": m.get("team/program/policy_failed", 0.0) / per_it,
@@ -76,10 +66,6 @@ def one(start: str, seed: int, iterations: int, out: Path, client) -> dict:
             "rl_wall_s": wall, "curve": curve}
 
 
-def _spread(xs: list[float]) -> float:
-    return statistics.stdev(xs) if len(xs) > 1 else 0.0
-
-
 def summary(rows: list[dict]) -> dict:
     out = {}
     for start in dict.fromkeys(r["start"] for r in rows):
@@ -90,8 +76,8 @@ def summary(rows: list[dict]) -> dict:
         d = [b - a for a, b in zip(first, last, strict=True)]
         out[start] = {"seeds": [r["seed"] for r in rs], "window": k,
                       "share_first": statistics.mean(first), "share_last": statistics.mean(last),
-                      "change": statistics.mean(d), "change_spread": _spread(d),
-                      "falls": statistics.mean(d) < 0 and -statistics.mean(d) > _spread(d),
+                      "change": statistics.mean(d), "change_spread": spread(d),
+                      "falls": statistics.mean(d) < 0 and -statistics.mean(d) > spread(d),
                       "dropped_total": sum(c["dropped_share"] for r in rs for c in r["curve"])}
     return out
 
@@ -107,34 +93,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.seeds, args.iterations = [0], 3
-    from flexmarl_core.cluster import start_cluster
-    from flexmarl_core.config import ClusterConfig
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _fresh import LoadSampler, machine
-
     torch.set_num_threads(1)
     out = Path(args.out).absolute()
-    load = LoadSampler()
-    load.start()
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    load_before = Path("/proc/loadavg").read_text().split()[:3]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    cluster, client = start_cluster(ClusterConfig.model_validate({"workers": [
-        {"name": "w0", "resources": {"rollout": 1, "train": 1}},
-        {"name": "w1", "resources": {"rollout": 1, "train": 1}}]}), dashboard=False)
-    t0 = time.time()
-    try:
+    with provenance(REPO) as rec, local_cluster() as client:
         rows = [one(s, seed, args.iterations, out, client) for s in args.starts for seed in args.seeds]
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
-    result = {"bench": "policy_failures", "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0,
-              "commit": commit, "start_utc": started, "machine": machine(), "load_before": load_before,
-              "load": load.stop(), "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "config": str(CONFIG.relative_to(REPO)), "seeds": args.seeds, "iterations": args.iterations,
+    result = {"bench": "policy_failures", **rec, "config": str(CONFIG.relative_to(REPO)), "seeds": args.seeds, "iterations": args.iterations,
               "rows": rows, "summary": summary(rows)}
     print(f"{'start':10s} {'broken share first':>19s} {'last':>6s} {'change':>16s} {'falls':>6s}")
     for start, s in result["summary"].items():

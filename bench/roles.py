@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import yaml
+from _fresh import local_cluster, provenance, spread, train_run  # bench/ is this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "env_ultimatum.yaml"
@@ -88,19 +87,11 @@ def measure(cfg, run_dir: Path, version: int, swap: bool = False) -> dict:
 
 
 def one(name: str, seed: int, iterations: int, out: Path, client) -> dict:
-    from flexmarl_core import cluster
-    from flexmarl_core.config import load_config
-    from flexmarl_core.driver import run
-
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(condition(name), f)
-    run_dir = out / f"{name}-{seed}"
-    cfg = load_config(f.name, [f"run_dir={run_dir}", f"seed={seed}", f"train.iterations={iterations}",
-                               "train.evaluate=false", "train.evaluate_initial=false", *SFT])
-    folder = run.prepare_run(cfg, log=lambda _: None)
-    t0 = time.time()
-    res = run.train(cfg, folder, cluster.DaskExecutor(client, str(folder)))
-    wall = time.time() - t0
+    cfg, folder, res, wall = train_run(f.name, [f"run_dir={out / f'{name}-{seed}'}", f"seed={seed}",
+                                                f"train.iterations={iterations}", "train.evaluate=false",
+                                                "train.evaluate_initial=false", *SFT], client)
     before, after = measure(cfg, folder, 0), measure(cfg, folder, iterations)
     last = res.iterations[-1]
     row = {"condition": name, "seed": seed, "iterations": iterations, "rl_wall_s": wall,
@@ -117,10 +108,6 @@ def one(name: str, seed: int, iterations: int, out: Path, client) -> dict:
     return row
 
 
-def _spread(xs: list[float]) -> float:
-    return statistics.stdev(xs) if len(xs) > 1 else 0.0
-
-
 def summary(rows: list[dict]) -> dict:
     out = {}
     for name in dict.fromkeys(r["condition"] for r in rows):
@@ -130,9 +117,9 @@ def summary(rows: list[dict]) -> dict:
             if all(when in r for r in rs):
                 for key in FIGURES:
                     s[f"{key}_{when}"] = statistics.mean(r[when][key] for r in rs)
-                s[f"nash_conv_{when}_spread"] = _spread([r[when]["nash_conv"] for r in rs])
+                s[f"nash_conv_{when}_spread"] = spread([r[when]["nash_conv"] for r in rs])
         d = [r["delta_nash_conv"] for r in rs]
-        s["delta_nash_conv"], s["delta_spread"] = statistics.mean(d), _spread(d)
+        s["delta_nash_conv"], s["delta_spread"] = statistics.mean(d), spread(d)
         s["invalid_last_iteration"] = statistics.mean(r["invalid_last_iteration"] for r in rs)
         s["falls_beyond_spread"] = s["delta_nash_conv"] < 0 and -s["delta_nash_conv"] > s["delta_spread"]
         out[name] = s
@@ -150,36 +137,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.seeds, args.iterations = [0], 3
-    from flexmarl_core.cluster import start_cluster
-    from flexmarl_core.config import ClusterConfig
-
-    sys.path.insert(0, str(Path(__file__).parent))
     sys.path.insert(0, str(REPO))  # examples/ is importable from the repository root
-    from _fresh import LoadSampler, machine
-
     torch.set_num_threads(1)
     out = Path(args.out).absolute()
-    load = LoadSampler()
-    load.start()
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    load_before = Path("/proc/loadavg").read_text().split()[:3]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    cluster, client = start_cluster(ClusterConfig.model_validate({"workers": [
-        {"name": "w0", "resources": {"rollout": 1, "train": 1}},
-        {"name": "w1", "resources": {"rollout": 1, "train": 1}}]}), dashboard=False)
-    t0 = time.time()
-    try:
+    with provenance(REPO) as rec, local_cluster() as client:
         rows = [one(c, s, args.iterations, out, client) for c in args.conditions for s in args.seeds]
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
-    result = {"bench": "roles", "game": "ultimatum (4 coins)", "date": time.strftime("%Y-%m-%d"),
-              "wall_s": time.time() - t0, "commit": commit, "start_utc": started, "machine": machine(),
-              "load_before": load_before, "load": load.stop(),
-              "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "seeds": args.seeds, "iterations": args.iterations, "rows": rows, "summary": summary(rows),
+    result = {"bench": "roles", "game": "ultimatum (4 coins)", **rec, "seeds": args.seeds, "iterations": args.iterations, "rows": rows, "summary": summary(rows),
               "uniform_random_nash_conv": 0.5}
     print(f"{'condition':9s} {'NashConv before':>16s} {'after':>7s} {'change':>16s} {'swapped':>8s} {'beyond spread':>14s}")
     for name, s in result["summary"].items():
