@@ -13,6 +13,7 @@
     flexmarl server start                   start this PREFECT_HOME's again, on its last port
     flexmarl simulate CONFIG --cluster C    simulated cluster: Table 2/3 of the co-design (simulated)
     flexmarl simulate --calibrate RUN       fit the cost model from a run's op log and replay it
+    flexmarl cluster certs DIR              a CA and TLS certificates for a cluster you start yourself
     flexmarl humaneval [FILE] --completions JSONL | --canonical | --empty
                                             grade completions in the sandbox
     flexmarl export RUN --out DIR           each agent as a Hugging Face folder (from_pretrained)
@@ -33,6 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import NoReturn
 
+from flexmarl import cluster_cli
 from flexmarl.simulate_cli import cmd_simulate
 from flexmarl_core.config.checks import ConfigError  # light: no pydantic models at parse time
 
@@ -109,9 +111,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
         console.print(f"started a local Prefect server at {ui_url(api)} (stop: flexmarl server stop)")
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.secrets import check_references
+
+    with temporary_settings(updates={PREFECT_API_URL: api}):  # `${secret:..}` blocks live there
+        check_references(cfg)  # an unset variable or missing block: one line, before any folder
     lease = _take_run_folder(cfg, args)  # after every check: a launch refused earlier makes no folder
     import httpx
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.train import train
 
@@ -422,7 +429,7 @@ def cmd_humaneval(args: argparse.Namespace) -> int:
 def cmd_server(args: argparse.Namespace) -> int:
     """`server status`, `server stop [--all]`, `server start` (flexmarl/servers.py)."""
     from flexmarl import servers
-    from flexmarl.prefect_api import _home, local_server, stop_server, ui_url
+    from flexmarl.prefect_api import _home, auth_file, local_server, stop_server, ui_url
 
     if args.server_command == "status":
         print("\n".join(servers.status_lines()))
@@ -432,6 +439,7 @@ def cmd_server(args: argparse.Namespace) -> int:
         url, started = local_server(_home(), join=False)
         print(f"{'started' if started else 'already running:'} the local Prefect server at {ui_url(url)} "
               f"(Prefect home {_home()}){servers.idle_note(url)}")
+        print(f"its auth string (for PREFECT_API_AUTH_STRING and the UI's login) is in {auth_file(_home())}")
     return 0
 
 
@@ -501,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sweep", default=None, metavar="KEY=V1,V2|switches",
                      help="what-if sweep as a Prefect flow, one point per task on Dask")
     sim.set_defaults(fn=cmd_simulate)  # flexmarl/simulate_cli.py
+    cluster_cli.add_parser(sub)  # flexmarl cluster certs
 
     r = sub.add_parser("report", help="draw a run's timeline.png and curves.png")
     r.add_argument("run", help="run folder (finished or resumed)")

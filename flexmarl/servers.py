@@ -9,6 +9,8 @@ A server flexmarl starts (`prefect_api.ensure_api`) keeps, in its Prefect home:
 
     flexmarl-server.pid            {"pid", "url", "token", "port", "started", "idle_s"}: the
                                    server, proved by the token its process carries
+    flexmarl-server.auth           the API's auth string (mode 0600; never in the pid file or
+                                   the registry): a client sends it as PREFECT_API_AUTH_STRING
     flexmarl-server.users/<pid>-<start>   one file per process using it (a run), while it runs
     flexmarl-server.last-used      touched when a user comes or goes: the idle clock
     flexmarl-server.lock           taken while a user joins and while the idle check decides
@@ -46,6 +48,9 @@ LAST_USED = "flexmarl-server.last-used"
 LOCK_FILE = "flexmarl-server.lock"
 #: the token a server flexmarl started carries, which its pid file names
 TOKEN_ENV = "FLEXMARL_SERVER_TOKEN"
+AUTH_FILE = "flexmarl-server.auth"
+#: Prefect's setting for the auth string its API server demands of every client
+SERVER_AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING"
 IDLE_ENV = "FLEXMARL_SERVER_IDLE_S"
 #: seconds without a run after which a server flexmarl started stops itself (`IDLE_ENV`)
 IDLE_S = 1800.0
@@ -110,6 +115,16 @@ def our_server(home: Path) -> dict | None:
     if f"{TOKEN_ENV}={token}".encode() not in _environ(pid).split(b"\0"):
         return None
     return {**info, "pid": pid, "url": str(info["url"]), "token": token}  # type: ignore[index]
+
+
+def server_auth(pid: int) -> str | None:
+    """The auth string the server process `pid` demands (None: none, e.g. one started before
+    flexmarl gave its servers one). Readable only by the server's own user, as its file is."""
+    prefix = f"{SERVER_AUTH_ENV}=".encode()
+    for item in _environ(pid).split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix):].decode() or None
+    return None
 
 
 def stop_server(home: Path, sig: int = signal.SIGTERM) -> str:

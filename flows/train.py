@@ -20,7 +20,7 @@ from flexmarl_core.driver.console import RunConsole
 from flexmarl_core.driver.lease import RunLease
 from flexmarl_core.orchestrator.plan import Plan
 from flexmarl_core.runfiles import location
-from tasks import leftovers, prepare, report
+from tasks import leftovers, prepare, report, secrets
 from tasks.executor import open_executor
 
 
@@ -41,6 +41,7 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
     if PREFECT_UI_URL.value():
         shown.say(f"Prefect UI for this run: {PREFECT_UI_URL.value()}/runs/flow-run/{me}{ui_hint(api)}")
     cfg = load_config(config, overrides or [])
+    secrets.install()  # `${secret:..}` values resolve from this flow run's API where used
     loc = cfg.run_location()  # a local folder or a URI: what the workers are told
     resume = resume or (flow_run.run_count > 1 and loc.exists(run.CONFIG_NAME))
     held = RunLease.adopt(loc, me) or RunLease.acquire(loc, resume=resume, overwrite=overwrite, flow_run=me)

@@ -52,8 +52,10 @@ def worker_env(api_url: str) -> dict[str, str]:
 
 def server_env() -> dict[str, str]:
     """Settings for a local `prefect server start`: batch the task-run recorder and event
-    persister (task runs show up to ~1 s later), quieter logs."""
+    persister (task runs show up to ~1 s later), quieter logs, and CSRF tokens demanded of
+    every write (Prefect's clients and UI fetch them; its auth string: `flexmarl.prefect_api`)."""
     return {
+        "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED": "true",
         "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "50",
         "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "50",
         "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",

@@ -201,7 +201,7 @@ def close_for_command(loc: RunLocation) -> int:
     attempts left open, on the API each reported to when it answers (a lease taken from a dead
     owner before the record existed: on this process's API, or the local server flexmarl
     started). Returns how many runs were ended."""
-    from flexmarl.prefect_api import _answers, _home, current_api_url, our_server
+    from flexmarl.prefect_api import _answers, _home, current_api_url, our_server, own_auth
 
     attempts = [a for a in _read(loc) if not a.get("closed") and a.get("api")]
     lease = _lease(loc)
@@ -215,12 +215,13 @@ def close_for_command(loc: RunLocation) -> int:
             apis.append(ambient)
     if not apis:
         return 0
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     ended = 0
     for api in apis:
         if not _answers(api):
             continue
-        with temporary_settings(updates={PREFECT_API_URL: api}):
+        auth = own_auth(api)  # a server flexmarl started demands its string; others get the user's
+        with temporary_settings(updates={PREFECT_API_URL: api, **({PREFECT_API_AUTH_STRING: auth} if auth else {})}):
             ended += close_earlier(loc, api, stale=stale if _same_api(api, ambient) else None)
     return ended

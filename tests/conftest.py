@@ -44,7 +44,7 @@ CALLER_MALLOC_TRIM = os.environ.get("MALLOC_TRIM_THRESHOLD_")
 
 
 #: fixtures that start the real stack: a test in tests/unit/ may use none of them
-STACK_FIXTURES = frozenset({"prefect_api", "dask_cluster"})
+STACK_FIXTURES = frozenset({"prefect_api", "dask_cluster", "cluster_certs"})
 #: the tier folders under tests/, lightest first
 TIERS = ("unit", "stack", "slow")
 
@@ -89,16 +89,42 @@ TEST_WORKERS = [
 ]
 
 
+#: Dask's own TLS settings, by role and file (`flexmarl cluster certs` names)
+TLS_ENV = {"DASK_DISTRIBUTED__COMM__TLS__CA_FILE": "ca.pem",
+           **{f"DASK_DISTRIBUTED__COMM__TLS__{role.upper()}__{part.upper()}": f"{role}{suffix}.pem"
+              for role in ("scheduler", "worker", "client") for part, suffix in (("cert", ""), ("key", "-key"))}}
+
+
 @pytest.fixture(scope="session")
-def dask_cluster(prefect_api: str) -> Iterator[str]:
-    """Address of a local cluster of two tagged worker processes, shared by the session; its
-    workers report to the session's Prefect API cheaply (tasks/lean.py)."""
+def cluster_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA and per-role certificates for the session's TLS clusters, set as Dask's own TLS
+    settings in this process and (through the environment) every process the tests start: an
+    in-process flow, `flexmarl train` and `dask scheduler`/`dask worker` find them as a user's
+    machines would in their dask.yaml."""
+    import dask
+
+    from flexmarl_core.cluster.security import make_certs
+
+    folder = tmp_path_factory.mktemp("certs")
+    make_certs(folder)
+    for var, name in TLS_ENV.items():
+        os.environ[var] = str(folder / name)
+    dask.config.refresh()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def dask_cluster(prefect_api: str, cluster_certs: Path) -> Iterator[str]:
+    """tls:// address of a local cluster of two tagged worker processes, shared by the session;
+    its workers report to the session's Prefect API cheaply (tasks/lean.py)."""
     from flexmarl_core.cluster import start_cluster
     from flexmarl_core.config import ClusterConfig
     from tasks.lean import worker_env
 
+    security = {"ca_file": str(cluster_certs / "ca.pem"), "cert_file": str(cluster_certs / "worker.pem"),
+                "key_file": str(cluster_certs / "worker-key.pem")}
     cluster, client = start_cluster(
-        ClusterConfig.model_validate({"workers": TEST_WORKERS}), dashboard=False,
+        ClusterConfig.model_validate({"workers": TEST_WORKERS, "security": security}), dashboard=False,
         env=worker_env(prefect_api),
     )
     try:

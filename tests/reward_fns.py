@@ -35,3 +35,24 @@ def always_hangs(problem: object, outputs: Mapping[str, str]) -> float:
 
     time.sleep(1000)
     return 0.0
+
+
+#: `<sha256 of canary A> <sha256 of canary B>`: what `canaries_delivered` checks its worker's
+#: FLEXMARL_CANARY_A and FLEXMARL_CANARY_B against (tests/slow/test_secrets_canary.py)
+CANARY_DIGESTS_ENV = "FLEXMARL_CANARY_SHA256"
+
+
+def canaries_delivered(problem: object, outputs: Mapping[str, str]) -> float:
+    """`varied`, but it raises (failing the run) unless this worker's FLEXMARL_CANARY_A and
+    FLEXMARL_CANARY_B, set by `cluster.worker_env` references, hash to the digests in
+    `CANARY_DIGESTS_ENV`: the secrets reached the worker, and only digests travel beside them."""
+    import hashlib
+    import os
+
+    want = os.environ[CANARY_DIGESTS_ENV].split()
+    names = ("FLEXMARL_CANARY_A", "FLEXMARL_CANARY_B")
+    wrong = [n for n, w in zip(names, want, strict=True)
+             if hashlib.sha256(os.environ.get(n, "").encode()).hexdigest() != w]
+    if wrong:
+        raise RuntimeError(f"{wrong} in this worker do not hold the planted canaries")
+    return varied(problem, outputs)

@@ -22,7 +22,9 @@ import distributed
 from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
 from distributed.comm.addressing import parse_address, parse_host_port
 
+from flexmarl_core.cluster.security import cluster_security
 from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
+from flexmarl_core.config.secrets import resolve_map
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, is_rollout_tag, rollout_tag
 from flexmarl_core.ops import MEMORY_ENV, MemoryRestart
 
@@ -79,7 +81,7 @@ CONNECT_TIMEOUT_S = 5.0
 def check_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
     """Raise ConfigError, naming `cluster.address`, unless `address` parses as a scheduler
     address and (tcp/tls) a TCP connection to it opens within `timeout` seconds."""
-    example = "e.g. tcp://10.0.0.5:8786, or remove cluster.address to start a local cluster"
+    example = "e.g. tls://10.0.0.5:8786, or remove cluster.address to start a local cluster"
     try:
         scheme, loc = parse_address(address)
         host, port = parse_host_port(loc, default_port=8786) if scheme in ("tcp", "tls") else ("", 0)
@@ -158,12 +160,16 @@ def start_cluster(
     logging.getLogger("distributed").setLevel(logging.WARNING)
     if cfg.address:
         check_address(cfg.address)  # fail in seconds, by name, not after Dask's 30 s
-        return None, Client(cfg.address)
+        return None, Client(cfg.address, security=cluster_security(cfg))
+    sec = cluster_security(cfg)
+    tls = {"security": sec, "protocol": "tls"} if sec is not None else {}
     # Worker processes inherit the environment; pin BLAS/torch threads before they start so two
     # workers on two cores do not oversubscribe.
     env = {"OMP_NUM_THREADS": str(cfg.torch_threads), "MKL_NUM_THREADS": str(cfg.torch_threads),
            "FLEXMARL_TORCH_THREADS": str(cfg.torch_threads),
-           "DASK_LOGGING__DISTRIBUTED": "warning", **cfg.worker_env, **(env or {})}
+           "DASK_LOGGING__DISTRIBUTED": "warning",
+           # `${env:..}`/`${secret:..}` references resolved now, into the nannies' env only
+           **resolve_map(cfg.worker_env, "cluster.worker_env"), **(env or {})}
     workers = {
         w.name: {
             "cls": Nanny,
@@ -172,6 +178,8 @@ def start_cluster(
                 "resources": dict(w.resources),
                 "memory_limit": w.memory_limit,
                 "name": w.name,
+                "host": "127.0.0.1",
+                **tls,
                 "env": {**env, "FLEXMARL_WORKER_NAME": w.name,
                         # the trainer sizes its chunks from it (training/memory.py)
                         MEMORY_ENV: str(dask.utils.parse_bytes(w.memory_limit))},
@@ -181,9 +189,10 @@ def start_cluster(
     }
     scheduler = {
         "cls": Scheduler,
-        "options": {"dashboard_address": ":0" if dashboard else None, "host": "127.0.0.1"},
+        "options": {"dashboard_address": cfg.dashboard_address if dashboard else None,
+                    "host": "127.0.0.1", **tls},
     }
-    cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40)
+    cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40, security=sec)
     client = Client(cluster)
     client.wait_for_workers(len(workers), timeout=120)
     warm_up(client)

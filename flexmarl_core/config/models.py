@@ -8,6 +8,7 @@ team graph) are checked where configs are read (`load.py`); import all of it fro
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -258,6 +259,17 @@ class DeadlineConfig(_Strict):
         return v
 
 
+class TLSFilesConfig(_Strict):
+    """This process's certificate for a Dask cluster secured with TLS (`flexmarl cluster certs`
+    makes a set). Each value is a file path, or a `${env:NAME}` / `${secret:BLOCK}` reference
+    holding the PEM text itself."""
+
+    ca_file: str = Field(description="The cluster's CA certificate (PEM): peers must be signed by it.")
+    cert_file: str = Field(description="This process's certificate (PEM): the flow's client "
+                           "certificate at `address`; every role's for a local cluster.")
+    key_file: str | None = Field(None, description="Its private key (PEM); None: appended to cert_file.")
+
+
 class ClusterConfig(_Strict):
     address: str | None = Field(
         None, description="Existing Dask scheduler address; None starts a local cluster."
@@ -271,10 +283,25 @@ class ClusterConfig(_Strict):
     )
 
     torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each worker.")
+    security: Literal["auto", "none"] | TLSFilesConfig = Field(
+        "auto",
+        description="TLS on every Dask connection (cluster/security.py). auto: a local cluster gets "
+        "certificates made for the run, in memory; at a tls:// `address` the flow uses Dask's own "
+        "TLS settings (distributed.comm.tls.*), and a tcp:// one is refused. A {ca_file, cert_file, "
+        "key_file} mapping: those files. none: plain tcp, which anyone who reaches the scheduler "
+        "can use to run code as you.",
+    )
+    dashboard_address: str | None = Field(
+        "127.0.0.1:0", description="Where a local cluster's dashboard listens (host:port, port 0 "
+        "any free one); None: no dashboard. Bind it beyond 127.0.0.1 only behind your own access control.",
+    )
     worker_env: dict[str, str] = Field(
         default_factory=dict,
         description="Extra environment variables of the local worker processes (e.g. OpenMP's "
-        "GOMP_SPINCOUNT); not applied to a cluster at `address`.",
+        "GOMP_SPINCOUNT); not applied to a cluster at `address`. A value may be (or contain) a "
+        "secret reference, resolved when the workers start and never written anywhere: "
+        "`${env:NAME}` (the flow process's variable NAME) or `${secret:BLOCK}` (the Prefect Secret "
+        "block BLOCK), e.g. `AWS_SECRET_ACCESS_KEY: ${secret:s3-key}` (docs/operations.md).",
     )
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
                         description="torch device of the workers' engines and trainers: cpu, cuda, cuda:N.")
@@ -339,6 +366,20 @@ class ClusterConfig(_Strict):
                 "no workers: a local cluster needs at least one in cluster.workers (or set "
                 "cluster.address to use an existing scheduler)"
             )
+        if self.address is not None:
+            # no scheme is Dask's tcp; what does not parse is left to check_address, which names it
+            scheme = self.address.split("://", 1)[0] if "://" in self.address else \
+                "tcp" if re.fullmatch(r"[^:/]+:\d+", self.address) else "?"
+            if scheme == "tcp" and self.security == "auto":
+                raise ValueError(
+                    f"address {self.address!r} is plain tcp: anyone who reaches that scheduler runs "
+                    "code as you. Use a tls:// scheduler (docs/cluster.md, Security) with Dask's TLS "
+                    "settings or cluster.security: {ca_file, cert_file, key_file}, or set "
+                    "cluster.security: none to accept an unencrypted cluster"
+                )
+            if scheme != "tls" and isinstance(self.security, TLSFilesConfig):
+                raise ValueError(f"security names certificates but address {self.address!r} is not "
+                                 "tls://; use the scheduler's tls:// address")
         if self.address is not None and self.worker_env:
             raise ValueError(
                 f"worker_env has no effect with address={self.address!r} (it is the environment of "

@@ -32,7 +32,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from flexmarl_core.driver.run import check_run_folder
-from flexmarl_core.runfiles.location import CONFIG_NAME, LEASE_NAME, RUN_MARKER, RunLocation
+from flexmarl_core.runfiles.location import (
+    CONFIG_NAME,
+    LEASE_NAME,
+    RUN_MARKER,
+    RunLocation,
+    make_private,
+)
 
 #: a lease not renewed for this long has lost its owner (a process on another host, or one
 #: whose liveness this host cannot see)
@@ -210,7 +216,7 @@ def _create(loc: RunLocation, key: str, lease: Lease) -> None:
     launch created it first."""
     data = json.dumps(asdict(lease)).encode()
     if loc.local:
-        os.makedirs(loc.root, exist_ok=True)
+        make_private(loc.root)  # a new run folder is its owner's only (0700)
         # Beside the folder, not in it: a launch checking the folder meanwhile must not find
         # a stray file there (`check_run_folder`); inside it where the parent is not writable.
         parent, name = os.path.split(loc.root.rstrip("/"))

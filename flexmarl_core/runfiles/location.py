@@ -20,7 +20,8 @@ the endpoint from `AWS_ENDPOINT_URL` for S3-compatible servers). Tasks carry the
 On local disk a write is a temp file and a rename; on an object store one whole-object PUT.
 Both are atomic: a reader sees the old object or the new one, never half. Only the flow
 process keeps a local scratch folder (`scratch_dir`: TensorBoard, Dask logs, pictures), and
-nothing a worker needs is in it.
+nothing a worker needs is in it. A local run folder, and a local store, flexmarl creates is
+its owner's only (mode 0700, `make_private`).
 """
 
 from __future__ import annotations
@@ -114,6 +115,26 @@ def shown(where: str | os.PathLike[str], within: str | os.PathLike[str] | None =
             continue
         return prefix + (rel.as_posix() if rel.parts else ".")
     return "/".join(["...", *path.parts[1:][-2:]])
+
+
+#: the mode of a local run folder (and store) flexmarl creates: its owner's only, as it holds the
+#: run's config, logs and weights
+PRIVATE_MODE = 0o700
+
+
+def make_private(where: str | os.PathLike[str]) -> None:
+    """Create the local folder `where` readable by its owner only (`PRIVATE_MODE`; missing
+    parents get the usual mode). A folder that exists keeps its mode (the owner chose it); a URI
+    is left alone (an object store's access is its own)."""
+    text = os.fspath(where)
+    if is_uri(text):
+        return
+    path = Path(text.removeprefix("file://"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, PRIVATE_MODE)  # the umask can only take bits away from 0o700
+    except FileExistsError:
+        pass
 
 
 class RunLocation:

@@ -41,7 +41,7 @@ def test_api_server_away_for_a_minute_mid_run_training_goes_on(baseline, tmp_pat
     undisturbed run's samples and weights, and afterwards the API holds a completed task run
     for every op: the reports were buffered and sent once the API was back."""
     from prefect import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from flexmarl.prefect_api import start_server, stop_server
     from flexmarl_core.stages.faults import held_ops, release
@@ -97,7 +97,9 @@ def test_api_server_away_for_a_minute_mid_run_training_goes_on(baseline, tmp_pat
 
         want = {o["op"] for o in ops}
         deadline = time.monotonic() + 60
-        with temporary_settings(updates={PREFECT_API_URL: api}):
+        # start_server put its server's auth string in this process's environment
+        auth = os.environ["PREFECT_API_AUTH_STRING"]
+        with temporary_settings(updates={PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: auth}):
             while not want <= (got := asyncio.run(completed())) and time.monotonic() < deadline:
                 time.sleep(1)
         assert want <= got, sorted(want - got)[:10]

@@ -55,7 +55,7 @@ def test_a_full_disk_is_one_line_and_a_resume_after_freeing_space_completes(pref
 
 @pytest.mark.parametrize(("config", "sets", "says"), [
     (TINY, ["store.uri=s3://no-bucket/x?endpoint_override=127.0.0.1:1&scheme=http"], "store.uri"),
-    (TINY, ["cluster.address=tcp://127.0.0.1:1"], "cluster.address"),
+    (TINY, ["cluster.address=tls://127.0.0.1:1"], "cluster.address"),
     (GSM8K, ["workload.path=/nonexistent/gsm8k.jsonl"], "/nonexistent/gsm8k.jsonl"),
 ], ids=["store-unreachable", "scheduler-unreachable", "data-file-missing"])
 def test_a_bad_config_line_names_the_config_file(config, sets, says, tmp_path):

@@ -128,8 +128,9 @@ def _dask_processes(port: int, env: dict[str, str], log_dir: Path) -> list[subpr
         return subprocess.Popen([str(bin_dir / "dask"), *cmd], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
-    address = f"tcp://127.0.0.1:{port}"
-    procs = [start("scheduler", "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard")]
+    address = f"tls://127.0.0.1:{port}"  # the certificates: Dask's TLS settings (`cluster_certs`)
+    procs = [start("scheduler", "scheduler", "--protocol", "tls", "--host", "127.0.0.1", "--port", str(port),
+                   "--no-dashboard")]
     procs += [start(f"w{i}", "worker", address, "--name", f"w{i}", "--nthreads", "1",
                     "--resources", "rollout=1,train=1") for i in range(2)]
     try:
@@ -150,7 +151,7 @@ def _kill(procs: list[subprocess.Popen]) -> None:
         p.wait(timeout=30)
 
 
-def test_scheduler_lost_mid_run_stops_clearly_and_resume_completes(baseline, prefect_api, tmp_path):
+def test_scheduler_lost_mid_run_stops_clearly_and_resume_completes(baseline, prefect_api, cluster_certs, tmp_path):
     """The `dask scheduler` process of an external cluster is killed mid-iteration (while a
     rollout of iteration 1 is held): the run stops at once with an error that says what was
     lost and how to resume. With a scheduler and workers started again at the same address,
@@ -168,7 +169,7 @@ def test_scheduler_lost_mid_run_stops_clearly_and_resume_completes(baseline, pre
     run_dir = tmp_path / "run"
     victim = "rollout[solver] it=1 mb=0"
     holds = plant_fault(run_dir, "hold", victim, "600").parent
-    overrides = [f"run_dir={run_dir}", f"cluster.address=tcp://127.0.0.1:{port}", *COMMON]
+    overrides = [f"run_dir={run_dir}", f"cluster.address=tls://127.0.0.1:{port}", *COMMON]
     procs = _dask_processes(port, env, tmp_path)
     killed = threading.Event()
 

@@ -279,7 +279,7 @@ def test_bad_dataset_stops_train_cli_naming_the_line(tmp_path: Path) -> None:
 # -- (e) a corpus of bad configs and arguments through the command line ------------------------
 
 TINY_DATA = yaml.safe_load(TINY.read_text())
-DEAD = "tcp://127.0.0.1:1"  # a privileged port nothing listens on: connection refused
+DEAD = "tls://127.0.0.1:1"  # a privileged port nothing listens on: connection refused
 
 
 def _set(dotted: str, value: Any) -> Callable[[dict], None]:
@@ -425,7 +425,7 @@ def test_unreachable_cluster_fails_in_seconds_by_name() -> None:
     from flexmarl_core.cluster import start_cluster
     from flexmarl_core.config import ClusterConfig
 
-    with pytest.raises(ConfigError, match=r"cluster.address 'tcp://127.0.0.1:1': no scheduler"):
+    with pytest.raises(ConfigError, match=r"cluster.address 'tls://127.0.0.1:1': no scheduler"):
         start_cluster(ClusterConfig(address=DEAD))
 
 

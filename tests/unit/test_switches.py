@@ -65,12 +65,12 @@ def test_gradient_helpers_with_one_training_slot():
              "codesign.gradient_helpers=true has no effect with 1 training slot(s) in cluster.workers (['w0'])",
              "give a second worker the 'train' tag or set gradient_helpers: false")
     # a cluster at an address: its workers' tags are not in the config, so nothing to refuse
-    assert load_config(TINY, ["codesign.gradient_helpers=true", one, "cluster.address=tcp://10.0.0.5:8786"])
+    assert load_config(TINY, ["codesign.gradient_helpers=true", one, "cluster.address=tls://10.0.0.5:8786"])
 
 
 def test_worker_env_with_a_cluster_address():
-    _refused(["cluster.address=tcp://10.0.0.5:8786", "cluster.worker_env={GOMP_SPINCOUNT: '0'}"],
-             "cluster: worker_env has no effect with address='tcp://10.0.0.5:8786'", "or remove it")
+    _refused(["cluster.address=tls://10.0.0.5:8786", "cluster.worker_env={GOMP_SPINCOUNT: '0'}"],
+             "cluster: worker_env has no effect with address='tls://10.0.0.5:8786'", "or remove it")
 
 
 def test_switch_overrides_turn_off_what_acts_through_a_switch():
