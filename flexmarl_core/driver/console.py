@@ -16,6 +16,7 @@ from rich.table import Table
 
 from flexmarl_core.control import Decision, Resubmit
 from flexmarl_core.driver.metrics import metric_agents
+from flexmarl_core.driver.telemetry import step_lines
 from flexmarl_core.ops import OpRecord, agent_key
 from flexmarl_core.orchestrator.hooks import Callbacks, RunHook
 from flexmarl_core.orchestrator.plan import Plan
@@ -198,6 +199,7 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     if "attempt_wall_s" in s:
         lines.append(f"resumed: {s['wall_s']:.1f} s of running in all, {s['attempt_wall_s']:.1f} s of them in "
                      "this attempt (the downtime between is left out)")
+    lines += step_lines(s.get("where_a_step_goes", {}))
     lines.append(
         f"E2E {s['e2e_s_per_iteration']:.2f} s/iteration, {s['tokens_per_s']:.0f} tokens/s, "
         f"utilisation {s['utilization']:.2f}, Prefect+Dask bookkeeping {100 * s['prefect_overhead_frac']:.1f}% of CPU")

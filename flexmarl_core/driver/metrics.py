@@ -19,6 +19,7 @@ from typing import Any
 
 from flexmarl_core.control import Decision, GradientHelper, MoveInstance, TrainSlot
 from flexmarl_core.driver.critical_path import CriticalPath, critical_path
+from flexmarl_core.driver.telemetry import Pipeline, op_seconds, shares, where_a_step_goes
 from flexmarl_core.ops import OpRecord, agent_key, traits
 
 __all__ = ["CriticalPath", "IterationTracker", "MetricsWriter", "critical_path", "iteration_metrics",
@@ -40,11 +41,11 @@ def metric_agents(per_it: list[dict[str, Any]], metric: str = "reward") -> list[
                    if k.startswith("agent/") and k.endswith("/" + metric)})
 
 
-#: per-op counts that an iteration sums (work skipped or wasted, stages/train.py and stages/rollout.py)
+#: per-op counts and seconds that an iteration sums (stages/train.py, stages/rollout.py, driver/telemetry.py)
 COUNTED = ("/program/policy_failed_calls", "/train/skipped_samples", "/train/skipped_tokens",
            "/train/tokens_padded", "/train/tokens_cells", "/rollout/decode_slots",
            "/rollout/wasted_decode_slots", "/rollout/decodes", "/rollout/mixed_rows", "/rollout/resumed_rows",
-           "/rollout/resumed_tokens")
+           "/rollout/resumed_tokens", "/train/fwd_bwd_s", "/rollout/prefill_s", "/rollout/generate_s")
 
 
 def _train_stats(ops: list[OpRecord]) -> dict[str, float]:
@@ -72,8 +73,7 @@ def _train_stats(ops: list[OpRecord]) -> dict[str, float]:
                 rewards[a].append(v)
     out.update({k: sums[k] / weights[k] for k in sums if weights[k] > 0})
     out.update({agent_key(a, "reward"): sum(v) / len(v) for a, v in rewards.items()})
-    for k in [k for k in out if k.endswith("/train/tokens_cells") and out[k] > 0]:  # what padding cost
-        out[k.replace("tokens_cells", "padding_share")] = out[k.replace("cells", "padded")] / out[k]
+    out.update(shares(out))  # what padding cost, prefill's part of decoding
     return dict(sorted(out.items()))
 
 
@@ -150,7 +150,7 @@ def iteration_metrics(records: list[OpRecord], decisions: list[Decision], it: in
     m.update(_env_stats(ops))
     m.update({f"stage_s/{k}": v for k, v in sorted(stage_s.items())})
     m.update({f"busy_s/{w}": busy.get(w, 0.0) for w in workers})
-    m.update(_train_stats(ops))
+    m.update({**_train_stats(ops), **op_seconds(ops)})
     return m
 
 
@@ -162,11 +162,14 @@ class IterationTracker:
     `n_workers()`: how many workers the run has now; utilisation divides by it (a worker with
     no finished op yet is idle, not absent). `rebuilt(row)`: an iteration an earlier attempt
     reported, whose ops a repair rewound (its row says `rebuilt_ops`), has all of them done
-    again; its row stands as first written and is not emitted again."""
+    again; its row stands as first written and is not emitted again. `pipeline`: the figures
+    that need more than an iteration's records (`telemetry.Pipeline`)."""
 
     def __init__(self, sizes: dict[int, int], emit: Callable[[dict[str, Any]], None],
                  n_workers: Callable[[], int] = lambda: 0,
-                 rebuilt: Callable[[dict[str, Any]], None] = lambda row: None) -> None:
+                 rebuilt: Callable[[dict[str, Any]], None] = lambda row: None,
+                 pipeline: Pipeline | None = None) -> None:
+        self.pipeline = pipeline or Pipeline()
         self.left = dict(sizes)
         self.emit = emit
         self.rebuilt = rebuilt
@@ -210,6 +213,7 @@ class IterationTracker:
                 break
             self.rows.append(row)
             ops = self._by_it.pop(it, [])
+            self.pipeline.forget(it)
             if self.left[it]:
                 self._kept[it] = row
             if ops:
@@ -237,6 +241,7 @@ class IterationTracker:
         if self._first_start is None or rec.result.t_start < self._first_start:
             self._first_start = rec.result.t_start
         self._live.append(rec)
+        self.pipeline.take(rec)
         self._workers.add(rec.result.worker)
         it = rec.op.iteration
         self.left[it] -= 1
@@ -264,6 +269,7 @@ class IterationTracker:
             row = iteration_metrics(self._live, self.decisions, self._next, lo,
                                     n_workers=self.n_workers(), ops=self._by_it.pop(self._next),
                                     workers=self._workers, gaps=self.gaps)
+            row.update(self.pipeline.figures(self._next, self._first_start or 0.0, self.gaps))
             self.rows.append(row)
             self.emit(row)
             self._prev_end = end
@@ -274,7 +280,7 @@ class IterationTracker:
 
 def run_summary(per_it: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     """Whole-run figures: mean E2E per iteration, tokens/s and utilisation over the run, the
-    trajectories that failed; `wall_s`: the run's time (every attempt's, downtime left out)."""
+    trajectories that failed, where a step goes; `wall_s`: the run's time (every attempt's, downtime left out)."""
     if not per_it:
         return {"iterations": 0, "wall_s": wall_s}
     span = sum(m["e2e_s"] for m in per_it)
@@ -288,6 +294,7 @@ def run_summary(per_it: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "final_reward": {a: per_it[-1][agent_key(a, "reward")] for a in metric_agents(per_it[-1:])},
         # trajectories that trained nobody (a program raised, a reward ran past its deadline)
         "failed_trajectories": int(sum(m.get("failed_trajectories", 0) for m in per_it)),
+        "where_a_step_goes": where_a_step_goes(per_it),
     }
 
 

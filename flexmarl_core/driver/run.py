@@ -30,6 +30,7 @@ from flexmarl_core.driver.metrics import (
 )
 from flexmarl_core.driver.retention import KeepRule, Retention
 from flexmarl_core.driver.sft import warm_start
+from flexmarl_core.driver.telemetry import Pipeline, queue_bound
 from flexmarl_core.executors.api import CountsWorkerCPU
 from flexmarl_core.meg import MEG
 from flexmarl_core.models import default_cache_dir, load_agent_model
@@ -47,6 +48,7 @@ from flexmarl_core.runfiles.location import (
     RunLocation,
     as_location,
     base_weights_key,
+    make_private,
     weights_key,
 )
 from flexmarl_core.runfiles.weights import initial_weights, load_base, publish_base, publish_weights
@@ -120,8 +122,8 @@ def prepare_run(cfg: ExperimentConfig, *, fresh: bool = True, log: Callable[[str
         loc.delete_all(keep=(LEASE_NAME,))  # the lease of the run that replaces it
         if not loc.local:  # metrics and logs of an earlier run at this URI
             shutil.rmtree(loc.scratch_dir(), ignore_errors=True)
-    if loc.local:
-        Path(loc.root).mkdir(parents=True, exist_ok=True)
+    make_private(loc.scratch_dir())  # the local run folder (a remote run's local scratch): 0700
+    make_private(cfg.resolved_store_uri())  # a local store elsewhere too
     loc.write_bytes(RUN_MARKER, b"")
     provenance.record(loc)  # the commit a model exported from this run names
     init_from = cfg.train.init_from
@@ -331,7 +333,8 @@ def train(
 
     # an iteration a repair rewound: its row stands as first written, its ops ran again
     tracker = IterationTracker(plan.sizes(), emit, lambda: len(executor.worker_resources()),
-                               rebuilt=lambda row: emit(row, written=True))
+                               rebuilt=lambda row: emit(row, written=True), pipeline=Pipeline(
+                                   plan.deps_of, queue_bound(cfg.codesign.async_pipeline, cfg.codesign.max_staleness)))
     if resume:  # the downtime since the earlier attempt's last op is no iteration's time
         tracker.resume(earlier, reported, resumed_at=executor.now())
     retention = Retention(KeepRule(cfg.codesign.max_staleness, cfg.train.keep_every), loc, writer.durable)

@@ -17,7 +17,9 @@ the stop string, so the policy is trained to emit the stop. A final EOS token is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
@@ -46,6 +48,40 @@ class Generation:
     #: per response token: the weights version that sampled it, when the generation spans a
     #: weight update (partial rollouts, `HFInferenceEngine.generate_partial`); None = all `version`
     token_versions: list[int] | None = None
+
+
+@dataclass(slots=True)
+class DecodeClock:
+    """Seconds an engine spent in its decodes, summed over its life (the HF engine keeps one as
+    `clock`): a caller reads it before and after a decode and takes the difference."""
+
+    #: forward passes over prompts: the first prefill, and a partial rollout's re-prefills
+    prefill_s: float = 0.0
+    #: whole decodes: tokenizing, prefill, every decode step and sampling, building the outputs
+    generate_s: float = 0.0
+
+    def since(self, before: DecodeClock) -> dict[str, float]:
+        """What was spent since `before` (an earlier `copy()`), as `prefill_s` and `generate_s`."""
+        return {"prefill_s": self.prefill_s - before.prefill_s, "generate_s": self.generate_s - before.generate_s}
+
+    def copy(self) -> DecodeClock:
+        return DecodeClock(self.prefill_s, self.generate_s)
+
+    @contextlib.contextmanager
+    def prefilling(self, device: torch.device) -> Iterator[None]:
+        """Add the block's seconds to `prefill_s`, the device's queued work included."""
+        t0 = synced_now(device)
+        yield
+        self.prefill_s += synced_now(device) - t0
+
+
+def synced_now(device: torch.device | None = None) -> float:
+    """perf_counter once `device` finished its queued work (a GPU runs kernels asynchronously)."""
+    if device is not None and device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @runtime_checkable

@@ -61,7 +61,8 @@ class Coalescer:
                  seed: int) -> tuple[list[Generation], dict[str, float]]:
         """`agent`'s generations of `prompts` at weights `version`, and what the decode they
         ran in held: `ops` (requests), `agents` (distinct agents), `rows`, `pushed` (1 when
-        this agent's weights came from a sync's push)."""
+        this agent's weights came from a sync's push) and, on an engine with a `DecodeClock`,
+        this request's share (by rows) of the decode's `prefill_s` and `generate_s`."""
         req = _Request(agent, int(version), list(prompts), sampling, int(seed))
         with self._cv:
             self._queue.append(req)
@@ -112,8 +113,11 @@ class Coalescer:
                 ready.append(r)
             if not ready:
                 return
+            clock = getattr(engine, "clock", None)  # the HF engine's (`DecodeClock`)
+            before = clock.copy() if clock is not None else None
             try:
                 outs = engine.generate_requests([(r.agent, r.prompts, r.sampling, r.seed) for r in ready])
+                spent = clock.since(before) if clock is not None and before is not None else {}
             except BaseException as e:
                 for r in ready:
                     r.error = e
@@ -122,4 +126,6 @@ class Coalescer:
                   "rows": float(sum(len(r.prompts) for r in ready))}
         for r, gens in zip(ready, outs, strict=True):
             r.stats.update(shared)
+            # each request's share of the decode's seconds, by its rows: they add up to the decode's
+            r.stats.update({k: v * len(r.prompts) / shared["rows"] for k, v in spent.items()})
             r.gens = gens

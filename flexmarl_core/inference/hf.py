@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flexmarl_core.config import SamplingConfig
-from flexmarl_core.inference.api import FinishReason, Generation
+from flexmarl_core.inference.api import DecodeClock, FinishReason, Generation, synced_now
 from flexmarl_core.models.logprobs import scoring_temperature, token_logprobs
 
 
@@ -106,6 +106,8 @@ class HFInferenceEngine:
         self._tied = bool(getattr(model.config, "tie_word_embeddings", False))
         #: prefill each distinct prompt once and copy its cache to the rows that share it
         self.share_prefill = True
+        #: seconds spent prefilling and decoding, for a rollout's prefill share (`DecodeClock`)
+        self.clock = DecodeClock()
 
     @property
     def version(self) -> int:
@@ -200,6 +202,7 @@ class HFInferenceEngine:
         (requests that ended leave the batch), `select_row_kwargs` (a LoRA engine's per-row
         adapter names follow their rows), `reprefill` (a partial rollout resumes under newer
         weights) and `token_versions` (which weights sampled each token)."""
+        t_call = synced_now(self.device)
         spans, all_prompts = [], []
         for prompts, sampling, seed in groups:
             spans.append((len(all_prompts), len(all_prompts) + len(prompts), sampling, seed))
@@ -240,16 +243,17 @@ class HFInferenceEngine:
         with torch.inference_mode():
             # 2. prefill: each distinct prompt once (a GRPO group's G rows share theirs), its cache
             # and last logits then copied to every row that has it
-            first, copies = distinct_rows(prompt_ids, fkw, dev) if self.share_prefill else (None, None)
-            pf = (input_ids, attn, pos, fkw) if first is None else (
-                input_ids[first], attn[first], pos[first], select_row_kwargs(fkw, first.tolist(), bsz))
-            out = self.model(input_ids=pf[0], attention_mask=pf[1], position_ids=pf[2], use_cache=True,
-                             logits_to_keep=1, **pf[3])
-            cache = out.past_key_values
-            logits = out.logits[:, -1].float()  # (B, V)
-            if copies is not None:
-                cache.batch_select_indices(copies)
-                logits = logits[copies]
+            with self.clock.prefilling(dev):
+                first, copies = distinct_rows(prompt_ids, fkw, dev) if self.share_prefill else (None, None)
+                pf = (input_ids, attn, pos, fkw) if first is None else (
+                    input_ids[first], attn[first], pos[first], select_row_kwargs(fkw, first.tolist(), bsz))
+                out = self.model(input_ids=pf[0], attention_mask=pf[1], position_ids=pf[2], use_cache=True,
+                                 logits_to_keep=1, **pf[3])
+                cache = out.past_key_values
+                logits = out.logits[:, -1].float()  # (B, V)
+                if copies is not None:
+                    cache.batch_select_indices(copies)
+                    logits = logits[copies]
             live = list(range(len(spans)))  # the requests in the model's batch, in row order
             rows = torch.arange(bsz, device=dev)  # the batch's rows as indices into all rows
             for step in range(max_new):
@@ -281,7 +285,8 @@ class HFInferenceEngine:
                 # 5. the next token's logits: one decode step, or a re-prefill under newer weights
                 if refresh is not None and (step + 1) % refresh[1] == 0 and refresh[0]():
                     switches.append((step + 1, self._version))
-                    out, pos = reprefill(self.model, input_ids, tokens, rows, step, nxt, attn, fkw)
+                    with self.clock.prefilling(dev):
+                        out, pos = reprefill(self.model, input_ids, tokens, rows, step, nxt, attn, fkw)
                 else:
                     pos = pos[:, -1:] + 1
                     out = self.model(input_ids=nxt.unsqueeze(-1), attention_mask=attn, position_ids=pos,
@@ -299,6 +304,7 @@ class HFInferenceEngine:
             for lo, hi, s, _ in spans for i in range(lo, hi)
         ]
         token_versions(out_gens, switches, start_version)
+        self.clock.generate_s += synced_now(dev) - t_call
         return out_gens
 
     def _check_stops(

@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flexmarl_core.config import LoraSpec, SamplingConfig
-from flexmarl_core.inference.api import Generation
+from flexmarl_core.inference.api import DecodeClock, Generation
 from flexmarl_core.inference.hf import HFInferenceEngine
 from flexmarl_core.models.lora import SharedBase
 
@@ -102,6 +102,12 @@ class AdapterEngine:
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.shared.tokenizer
+
+    @property
+    def clock(self) -> DecodeClock:
+        """The base engine's: its decodes serve every agent on it (one at a time, under the
+        worker's lock)."""
+        return self.shared.clock
 
     @property
     def eos_ids(self) -> list[int]:

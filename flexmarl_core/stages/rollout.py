@@ -52,10 +52,14 @@ def rollout(ctx: WorkerContext, op: Op) -> StageResult:
             pushed = ctx.pushed_loads
             eng = ctx.engine(agent, version)
             pushed = ctx.pushed_loads - pushed  # 1: the weights came from a sync's broadcast
+            clock = getattr(eng, "clock", None)  # the HF engine's; the engine is ours under the lock
+            before = clock.copy() if clock is not None else None
             if ctx.cfg.codesign.partial_rollouts and tool is None and isinstance(eng, PartialBackend):
                 gens = eng.generate_partial(prompts, sampling, seed, newer_weights(ctx, op, eng), RESUME_EVERY)
             else:
                 gens = generate_with_tool(eng, prompts, sampling, seed, tool)
+            if clock is not None and before is not None:
+                mix.update(clock.since(before))
     rows = [
         {
             "sample_id": sample_id(input_id, traj, agent, turn),
@@ -82,6 +86,8 @@ def rollout(ctx: WorkerContext, op: Op) -> StageResult:
         agent_key(agent, "rollout/decodes"): 1.0 / mix["ops"],
         agent_key(agent, "rollout/mixed_rows"): float(len(rows)) if mix["agents"] > 1 else 0.0,
         **({agent_key(agent, "rollout/pushed_weights"): 1.0} if pushed else {}),
+        # The engine's own seconds prefilling and decoding in all (the prefill share's parts).
+        **{agent_key(agent, f"rollout/{k}"): mix[k] for k in ("prefill_s", "generate_s") if k in mix},
         # Partial rollouts: rows that resumed under newer weights, and their tokens sampled so.
         **({agent_key(agent, "rollout/resumed_rows"): float(len(resumed)),
             agent_key(agent, "rollout/resumed_tokens"): float(sum(

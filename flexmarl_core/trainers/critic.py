@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from flexmarl_core.algorithms.gae import explained_variance, gae_chain, gae_tokens
 from flexmarl_core.config.critic import base_agent, critic_names
+from flexmarl_core.inference.api import synced_now
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
 from flexmarl_core.runfiles.weights import load_weights
 from flexmarl_core.trainers.kinds import AuditCheck, Stepped, register_trainer_kind
@@ -130,13 +131,17 @@ def accumulate(ctx: WorkerView, critic: str, tr: CriticTrainer, it: int, mb: int
     critic's gradients; (per-agent metrics, samples)."""
     batch = critic_batch(ctx, critic, it, mb) if batch is None else batch
     scale = loss_scale(ctx, critic)
+    device = getattr(tr, "device", None)
+    t0 = synced_now(device)
     stats = tr.accumulate(batch, loss_scale=scale, key=(it, mb))
+    fwd_bwd_s = synced_now(device) - t0
     counts: dict[str, int] = defaultdict(int)
     for s in batch:
         counts[s.agent] += len(s.returns)
     # per agent: the mean value loss of its valued positions in this micro-batch
     metrics = {agent_key(a, "value_loss"): stats[f"value_loss/{a}"] / (scale * c) for a, c in counts.items()}
     metrics[agent_key(critic, "train/value_loss")] = stats["value_loss"] / (scale * sum(counts.values()))
+    metrics[agent_key(critic, "train/fwd_bwd_s")] = fwd_bwd_s
     return metrics, len(batch)
 
 

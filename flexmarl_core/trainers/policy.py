@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from flexmarl_core.algorithms import advantage_scope
 from flexmarl_core.algorithms.losses import token_weight
+from flexmarl_core.inference.api import synced_now
 from flexmarl_core.models.lora import SharedBase, base_key
 from flexmarl_core.ops import ConsistencyError, Op, StageResult, agent_key
 from flexmarl_core.runfiles.location import gradient_key, trainer_key
@@ -96,7 +97,11 @@ def accumulate(ctx: WorkerView, tr: TrainBackend, agent: str,
     replay reproduces the run's gradients exactly. Call with `ctx.lock` held."""
     skip = ctx.cfg.agent(agent).algorithm.skip_zero_advantage
     trained, skipped = skip_zero_advantage(batch) if skip else (batch, [])
-    return tr.accumulate(trained, loss_scale=loss_scale(ctx, agent)), trained, skipped
+    device = getattr(tr, "device", None)
+    t0 = synced_now(device)
+    stats = tr.accumulate(trained, loss_scale=loss_scale(ctx, agent))
+    # the forward and backward's own seconds (collate and the reference's forward included)
+    return {**stats, "fwd_bwd_s": synced_now(device) - t0}, trained, skipped
 
 
 def micro_batch(ctx: WorkerView, tr: TrainBackend, op: Op,
@@ -163,7 +168,7 @@ def _result(ctx: WorkerView, op: Op, version: int, rows: Rows,
     # The trainer's figures are token sums times the loss scale: report per-token means of
     # this micro-batch (an iteration's figure is their token-weighted mean, driver/metrics.py).
     per_token = 1.0 / (loss_scale(ctx, agent) * max(tokens, 1))
-    counts = {k: stats[k] for k in ("tokens_padded", "tokens_cells") if k in stats}  # counts, not loss terms
+    counts = {k: stats[k] for k in ("tokens_padded", "tokens_cells", "fwd_bwd_s") if k in stats}  # not loss terms
     metrics = {agent_key(agent, f"train/{k}"): float(v) * per_token for k, v in stats.items() if k not in counts}
     metrics.update({agent_key(agent, f"train/{k}"): float(v) for k, v in counts.items()})
     if ctx.cfg.agent(agent).algorithm.skip_zero_advantage:

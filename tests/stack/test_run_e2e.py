@@ -143,6 +143,60 @@ def test_train_flow_end_to_end(runs, mode):
     assert all(m["swap_out_bytes"] > 0 for m in out["iterations"])
 
 
+@pytest.mark.parametrize("mode", ["sync", "codesign"])
+def test_each_iteration_says_where_its_steps_went(runs, mode):
+    """Per agent and iteration: forward+backward (timed inside the train ops, so never more
+    than their seconds), the step's and the sync's op seconds, the trainer's wait for rollouts,
+    padding and prefill shares; the queue of iterations ahead where the async pipeline is on;
+    their medians in the summary, whose closing lines show them."""
+    from flexmarl_core.driver.console import summary_lines
+
+    state, overrides = runs[mode]
+    assert state.is_completed(), state.message
+    out = state.result()
+    cfg = load_config(TINY, overrides)
+    metrics = Path(cfg.resolved_run_dir()) / "metrics"
+    rows = [json.loads(x) for x in (metrics / "iterations.jsonl").read_text().splitlines()]
+    ops = [json.loads(x) for x in (metrics / "ops.jsonl").read_text().splitlines()]
+    agents = MEG.from_config(cfg.team).trainable_agents
+    assert len(rows) == ITERATIONS
+    for r in rows:
+        it = r["iteration"]
+        for a in agents:
+            mine = {kind: [o for o in ops if (o["iteration"], o["kind"], o["agent"]) == (it, kind, a)]
+                    for kind in ("train", "step", "sync")}
+            for o in mine["train"]:  # measured inside the op: a part of its seconds
+                assert 0 < o[f"agent/{a}/train/fwd_bwd_s"] <= o["t_end"] - o["t_start"], o
+            assert r[f"agent/{a}/train/fwd_bwd_s"] == pytest.approx(sum(o[f"agent/{a}/train/fwd_bwd_s"] for o in mine["train"]))
+            assert r[f"agent/{a}/train/step_s"] == pytest.approx(sum(o["t_end"] - o["t_start"] for o in mine["step"]))
+            assert r[f"agent/{a}/sync/weight_sync_s"] > 0 and len(mine["sync"]) == 1
+            assert r[f"agent/{a}/train/rollout_wait_s"] >= 0
+            for share in ("train/padding_share", "rollout/prefill_share"):
+                assert 0 <= r[f"agent/{a}/{share}"] <= 1, (a, share)
+            assert r[f"agent/{a}/rollout/prefill_share"] > 0  # the HF engine prefills every prompt
+        assert r["pipeline/rollout_wait_s"] == pytest.approx(sum(r[f"agent/{a}/train/rollout_wait_s"] for a in agents))
+        if mode == "codesign":  # async, on-policy: no rollout starts before its iteration trains
+            assert (r["pipeline/queue_depth"], r["pipeline/queue_bound"]) == (0, 0)
+        else:
+            assert "pipeline/queue_depth" not in r
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(metrics / "tensorboard"))
+    board.Reload()
+    for key in ("agent/solver/train/fwd_bwd_s", "agent/solver/rollout/prefill_share", "pipeline/rollout_wait_s"):
+        assert [e.step for e in board.Scalars(key)] == list(range(ITERATIONS)), key
+    block = out["summary"]["where_a_step_goes"]
+    for a in agents:
+        for f in ("train/fwd_bwd_s", "train/step_s", "sync/weight_sync_s", "train/padding_share",
+                  "rollout/prefill_share"):
+            key = f"agent/{a}/{f}"
+            assert min(r[key] for r in rows) <= block[key] <= max(r[key] for r in rows)
+    lines = summary_lines(out["summary"])
+    at = lines.index("where a step goes (medians over iterations):")
+    assert all(any(x.startswith(f"  {a}: fwd+bwd ") for x in lines[at:]) for a in agents), lines
+    assert any(x.startswith("  pipeline: trainers waited") for x in lines[at:]), lines
+
+
 def test_async_codesign_equals_sync(runs):
     """Same seed: the co-design run (async, balanced, on-demand swaps) produced exactly the
     synchronous run's samples, and the same weights (rtol 1e-4) after 3 iterations."""

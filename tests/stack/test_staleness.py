@@ -4,6 +4,7 @@ team with k = 1 through the real run (Prefect flow, Dask workers, MEG Store)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,14 @@ def test_lora_team_with_staleness_through_the_prefect_flow_on_dask(prefect_api, 
     for it in range(3):
         versions = set(store.read_samples("solver", it, columns=["policy_version"]).column("policy_version").to_pylist())
         assert versions and versions <= {it - 1, it} - {-1}, (it, versions)
+    # Where a step goes: rollouts at most k = 1 iteration ahead of training, the samples' mean
+    # staleness within it, prefill a part of each agent's decoding on the shared base engine.
+    rows = [json.loads(x) for x in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["pipeline/queue_bound"] == 1 and r["pipeline/queue_depth"] in (0, 1), r
+        for a in ("planner", "solver", "verifier"):
+            assert 0 <= r[f"agent/{a}/staleness"] <= 1 and 0 < r[f"agent/{a}/rollout/prefill_share"] < 1
+    assert 0 <= state.result()["summary"]["where_a_step_goes"]["pipeline/queue_depth"] <= 1
 
 
 def test_lora_staleness_between_checkpoints_matches_checkpointing_every_step(prefect_api, tmp_path):

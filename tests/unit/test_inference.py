@@ -189,6 +189,21 @@ def test_partial_generation_resumes_under_new_weights():
         torch.testing.assert_close(torch.tensor(lp_new[8:]), want[8:], atol=atol, rtol=0)
 
 
+def test_the_clock_counts_each_decode_and_the_prefill_within_it():
+    """`clock` sums the engine's seconds: a caller's difference around a decode is that
+    decode's, its prefill a part of it (a rollout's `prefill_share`)."""
+    eng = engine()
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=8)
+    before = eng.clock.copy()
+    eng.generate(PROMPTS, sp, seed=1)
+    one, mid = eng.clock.since(before), eng.clock.copy()
+    eng.generate_groups([([PROMPTS[0]] * 3, sp, 2)])  # one prefill for the group's rows
+    two = eng.clock.since(mid)
+    for spent in (one, two):
+        assert 0 < spent["prefill_s"] < spent["generate_s"]
+    assert eng.clock.since(before)["generate_s"] == pytest.approx(one["generate_s"] + two["generate_s"])
+
+
 # -- the decode loop's parts, each alone ---------------------------------------------------------
 
 def test_sample_rows_draws_each_request_as_it_would_alone():

@@ -89,6 +89,11 @@ def test_concurrent_rollouts_of_two_agents_share_a_decode_and_sample_what_they_s
     # Mixing on: some decodes served rows of two different agents, so fewer decodes ran.
     assert total(mixed_rows, "mixed_rows") > 0, mixed_rows
     assert total(mixed_rows, "decodes") < ops
+    # The shared base engine's clock, through each agent's view and through a shared decode
+    # (each op its rows' part of the decode's seconds): prefill is a part of decoding.
+    for r in alone_rows + mixed_rows:
+        for a in AGENTS:
+            assert 0 < r[f"agent/{a}/rollout/prefill_share"] < 1, (a, r)
     # The same samples: tokens exact (each op keeps its own seeded generator); the behaviour
     # logprobs only up to summation order, a few fp32 ulps per token (|logprob| < ~20 over
     # ~100 tokens per agent and iteration: 1e-3 on the sum bounds that with room).
