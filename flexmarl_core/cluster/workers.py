@@ -189,7 +189,10 @@ def start_cluster(
     }
     scheduler = {
         "cls": Scheduler,
-        "options": {"dashboard_address": cfg.dashboard_address if dashboard else None,
+        # The scheduler's HTTP server (health, metrics; the dashboard when shown) always runs:
+        # on a free loopback port unless the config binds the dashboard elsewhere.
+        "options": {"dashboard": bool(dashboard and cfg.dashboard_address),
+                    "dashboard_address": (cfg.dashboard_address if dashboard else None) or "127.0.0.1:0",
                     "host": "127.0.0.1", **tls},
     }
     cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40, security=sec)
