@@ -8,18 +8,29 @@ a lost reply), or delays it, per a seeded schedule.
     proxy.injected   # {"503": 12, "drop": 3, ...}
 
 Which request gets which fault depends only on the seed and the request's arrival order.
+
+On another host (a network namespace: `tests._netns`) it runs as a process of its own, its
+counts in a JSON file rewritten after every fault:
+
+    python -m tests._fault_proxy http://10.231.7.2:5000 --listen 10.231.7.2:9000 \
+        --rates '{"503": 0.02}' --stats faults.json
 """
 
 from __future__ import annotations
 
+import argparse
 import http.client
+import json
+import os
 import random
+import signal
 import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import urlsplit
 
 __all__ = ["FAULTS", "FaultProxy"]
@@ -39,7 +50,7 @@ class FaultProxy:
     fault per request); `burst(n, fault)`: the next `n` requests all get `fault`."""
 
     def __init__(self, upstream: str, *, seed: int = 0, rates: Mapping[str, float] | None = None,
-                 delay_s: float = 0.5) -> None:
+                 delay_s: float = 0.5, stats_file: Path | None = None) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname or not parts.port:
             raise ValueError(f"upstream {upstream!r}: expected http://host:port")
@@ -49,6 +60,7 @@ class FaultProxy:
         if bad or sum(self.rates.values()) > 1:
             raise ValueError(f"rates {self.rates}: faults are {FAULTS}, their sum at most 1")
         self.delay_s = delay_s
+        self.stats_file = stats_file
         self.injected: Counter[str] = Counter()
         self.requests = 0
         self._rng = random.Random(seed)
@@ -87,9 +99,17 @@ class FaultProxy:
                         break
             if fate is not None:
                 self.injected[fate] += 1
+                self._write_stats()
             return fate
 
-    def start(self, port: int = 0) -> FaultProxy:
+    def _write_stats(self) -> None:
+        """`stats_file` replaced whole (a reader never sees half of it); under `_lock`."""
+        if self.stats_file is not None:
+            tmp = self.stats_file.with_name(self.stats_file.name + ".tmp")
+            tmp.write_text(json.dumps({"requests": self.requests, "injected": dict(self.injected)}))
+            os.replace(tmp, self.stats_file)
+
+    def start(self, port: int = 0, host: str = "127.0.0.1") -> FaultProxy:
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -159,9 +179,11 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _serve
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True).start()
+        with self._lock:
+            self._write_stats()  # there from the start: its presence says the proxy listens
         return self
 
     def stop(self) -> None:
@@ -169,3 +191,30 @@ class FaultProxy:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The proxy as a process of its own (module docstring); SIGTERM stops it."""
+    ap = argparse.ArgumentParser(prog="python -m tests._fault_proxy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("upstream", help="the S3 server, http://host:port")
+    ap.add_argument("--listen", required=True, metavar="HOST:PORT", help="where the proxy listens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rates", default="{}", help=f"JSON: each fault's probability per request, faults {FAULTS}")
+    ap.add_argument("--delay-s", type=float, default=0.5, help="how long a delayed request waits")
+    ap.add_argument("--stats", type=Path, required=True, help="JSON file of the counts, rewritten after every fault")
+    args = ap.parse_args(argv)
+    host, _, port = args.listen.rpartition(":")
+    proxy = FaultProxy(args.upstream, seed=args.seed, rates=json.loads(args.rates), delay_s=args.delay_s,
+                       stats_file=args.stats)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    proxy.start(int(port), host)
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    proxy.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -14,17 +14,22 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 
 import pyarrow.fs as pafs
 
 
 class MotoServer:
-    """`python -m moto.server` on 127.0.0.1:`port`, started and answering; `stop()` ends it."""
+    """`python -m moto.server` on `host`:`port`, started and answering; `stop()` ends it.
+    `wrap`: a command prefix it runs under (`ip netns exec NS`: on a host of its own, with
+    `env` as its environment)."""
 
-    def __init__(self, port: int) -> None:
-        self.endpoint = f"http://127.0.0.1:{port}"
-        self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def __init__(self, port: int, host: str = "127.0.0.1", wrap: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        self.endpoint = f"http://{host}:{port}"
+        self._proc = subprocess.Popen([*wrap, sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      env=None if env is None else dict(env))
         deadline = time.monotonic() + 120  # it imports moto's services: seconds on a busy machine
         while True:
             try:
