@@ -32,7 +32,9 @@ def points(sweep: str) -> list[tuple[list[str], str]]:
 
 
 @flow(name="flexmarl-simulate-sweep",
-      task_runner=DaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1}))
+      # TLS with certificates made for the sweep, the dashboard on loopback: as every cluster flexmarl starts
+      task_runner=DaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1, "security": True,
+                                                 "dashboard_address": "127.0.0.1:0"}))
 def sweep(config: str, cluster: str, sweep: str, overrides: list[str] | None = None) -> dict[str, Any]:
     """Every point a `simulate-point` task on the flow's Dask cluster; their summaries."""
     futures = [simulate_point.submit(config, cluster, [*(overrides or []), *extra], mode)
