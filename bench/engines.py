@@ -2,7 +2,8 @@
 
 What it measures, per preset (tiny-1m, tiny-10m, tiny-50m; --quick skips 50m):
 
-* generate: 32 prompts x 64 new tokens, sampling at temperature 1 (no top-k/top-p), fp32.
+* generate: 32 prompts x 64 new tokens (--gen-batch, --gen-new), sampling at temperature 1
+  (no top-k/top-p), fp32.
   `HFInferenceEngine.generate` (our loop, exact logprobs, seeded) vs `model.generate(do_sample=True)`.
   Tokens/s = batch x decode steps / wall time.
 * train step: 16 sequences x 128 tokens (32 prompt + 96 response), fp32, PPO-clipped loss:
@@ -22,23 +23,29 @@ Scale-out rows (when the extras are importable; otherwise the JSON says why they
 
 The run ends with one table of every row (HF/torch, vLLM, DeepSpeed, DeepSpeed DP-2).
 
-LoRA team rows (`lora_team`, per preset; --lora-agents N, default 3, rank 8 on every linear
-layer; skipped without peft): memory of N agents as adapters on one base against N full
-models, counted as the bytes of distinct tensor storages the objects hold (exact, unlike RSS
-on a shared box): `full_infer_bytes` (N engines) vs `lora_infer_bytes` (one shared-base engine
-with N adapters), `full_train_bytes` vs `lora_train_bytes` (N trainers after one AdamW step:
-weights, grads, Adam moments; LoRA: one frozen fp32 base + N adapters' states), `*_ratio` =
-lora / full; `full_swap_bytes` vs `lora_swap_bytes` (one agent's trainer state, what an
-on-demand swap moves) and `full_sync_bytes` vs `lora_sync_bytes` (one published weights
-version); `mixed_gen_tok_s` (one batch mixing the N adapters) vs `full_gen_tok_s` (the same
-batch on one full model).
+--no-train: generate rows only (no train step, no DeepSpeed), for models where a train step
+takes too long (`small-0.5b`). vLLM then takes turns with the HF engine and plain generate in
+one loop, on the same weights and batch, the order rotated every repeat; its row has tokens/s
+and start time (`vs_engine` = vLLM / HF engine tokens/s), no weight push.
 
-Runs are interleaved (engine, plain, engine, ...) after a warm-up, so machine noise hits both
-sides alike; ratios use the best run of each side (on a shared, loaded box the best run is the
+LoRA team rows (`lora_team`, per preset, in bench/engines_lora.py; --lora-agents N, default 3, rank
+8 on every linear layer; skipped without peft): memory of N agents as adapters on one base against
+N full models, counted as the bytes of distinct tensor storages the objects hold (exact, unlike RSS
+on a shared box): `full_infer_bytes` (N engines) vs `lora_infer_bytes` (one shared-base engine with
+N adapters), `full_train_bytes` vs `lora_train_bytes` (N trainers after one AdamW step: weights,
+grads, Adam moments; LoRA: one frozen fp32 base + N adapters' states), `*_ratio` = lora / full;
+`full_swap_bytes` vs `lora_swap_bytes` (one agent's trainer state, what an on-demand swap moves)
+and `full_sync_bytes` vs `lora_sync_bytes` (one published weights version); `mixed_gen_tok_s` (one
+batch mixing the N adapters) vs `full_gen_tok_s` (the same batch on one full model).
+
+Runs are interleaved (engine, plain; plain, engine; ...) after a warm-up, so machine noise hits
+both sides alike; ratios use the best run of each side (on a shared, loaded box the best run is the
 least disturbed one), medians are in the JSON too. Targets: gen_ratio = engine/plain tokens/s >= 0.9 and
 step_ratio = engine/plain seconds <= 1.1. Torch threads = 2 (--threads).
 
     .venv/bin/python bench/engines.py --json /tmp/engines.json --quick
+    .venv/bin/python bench/engines.py --no-train --lora-agents 0 --presets tiny-1m,small-0.5b \
+        --gen-batch 8 --gen-new 32 --reps 3 --json /tmp/engines-vllm.json
 """
 
 from __future__ import annotations
@@ -69,34 +76,60 @@ def gen_prompts(n: int) -> list[str]:
     return [f"question: {i} + {3 * i} * 7 = ?\nplan:" + " step" * (i % 5) for i in range(n)]
 
 
-def bench_generate(model, tok, reps: int) -> tuple[float, float]:
-    prompts = gen_prompts(GEN_BATCH)
+def bench_generate(model, tok, reps: int, *, batch: int = GEN_BATCH, new: int = GEN_NEW,
+                   vllm: bool = False) -> tuple[dict[str, list[float]], dict]:
+    """Tokens/s of each side over `reps` runs on one batch: the HF engine, plain `model.generate`
+    and, with `vllm`, an in-process vLLM engine built from the same weights. After one warm-up
+    each, the sides take turns, the order rotated every repeat (A B C, B C A, ...), so a side
+    is not always the one that runs after another's cache or thread pool. Returns the tok/s
+    per side and `{"order", "vllm_import_s", "vllm_start_s"}` (start: save the weights, build
+    the engine)."""
+    prompts = gen_prompts(batch)
     engine = HFInferenceEngine(model, tok)
-    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=GEN_NEW)
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=new)
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
 
-    def run_engine(seed: int) -> float:
+    def run_engine(seed: int, eng=engine) -> float:
         t0 = time.perf_counter()
-        gens = engine.generate(prompts, sampling, seed=seed)
+        gens = eng.generate(prompts, sampling, seed=seed)
         dt = time.perf_counter() - t0
-        return GEN_BATCH * max(len(g.response_ids) for g in gens) / dt
+        return batch * max(len(g.response_ids) for g in gens) / dt
 
     def run_plain(seed: int) -> float:
         torch.manual_seed(seed)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
-                **enc, do_sample=True, max_new_tokens=GEN_NEW, temperature=1.0, top_k=None, top_p=1.0
+                **enc, do_sample=True, max_new_tokens=new, temperature=1.0, top_k=None, top_p=1.0
             )
         dt = time.perf_counter() - t0
-        return GEN_BATCH * (out.shape[1] - enc["input_ids"].shape[1]) / dt
+        return batch * (out.shape[1] - enc["input_ids"].shape[1]) / dt
 
-    run_engine(0), run_plain(0)  # warm-up
-    eng, plain = [], []
-    for r in range(reps):
-        eng.append(run_engine(r + 1))
-        plain.append(run_plain(r + 1))
-    return eng, plain
+    sides = {"engine": run_engine, "plain": run_plain}
+    info: dict = {"order": []}
+    closer = None
+    if vllm:
+        from flexmarl_core.inference.vllm_engine import VLLMInferenceEngine, _import_vllm
+
+        t0 = time.perf_counter()
+        _import_vllm()  # once per process: kept out of the start time
+        t1 = time.perf_counter()
+        v = VLLMInferenceEngine.from_model(model, tok, max_model_len=512)
+        info.update(vllm_import_s=round(t1 - t0, 2), vllm_start_s=round(time.perf_counter() - t1, 2))
+        sides["vllm"], closer = (lambda seed: run_engine(seed, v)), v.close
+    try:
+        for run in sides.values():  # warm-up
+            run(0)
+        names, out = list(sides), {k: [] for k in sides}
+        for r in range(reps):
+            order = names[r % len(names):] + names[: r % len(names)]
+            info["order"].append(order)
+            for k in order:
+                out[k].append(sides[k](r + 1))
+    finally:
+        if closer is not None:
+            closer()
+    return out, info
 
 
 def train_batch(vocab: int) -> list[Sample]:
@@ -164,12 +197,12 @@ def _step_row(step_s: list[float]) -> dict:
     return {"step_s": round(min(step_s), 4), "step_s_median": _median(step_s)}
 
 
-def bench_vllm(model, tok, reps: int) -> dict:
+def bench_vllm(model, tok, reps: int, batch: int = GEN_BATCH, new: int = GEN_NEW) -> dict:
     """vLLM generate tokens/s on the engine benchmark's batch, start and weight-push times."""
     from flexmarl_core.inference.vllm_engine import VLLMInferenceEngine
 
-    prompts = gen_prompts(GEN_BATCH)
-    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=GEN_NEW)
+    prompts = gen_prompts(batch)
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=new)
     t0 = time.perf_counter()
     engine = VLLMInferenceEngine.from_model(model, tok, max_model_len=512)
     start_s = time.perf_counter() - t0
@@ -181,7 +214,7 @@ def bench_vllm(model, tok, reps: int) -> dict:
         for r in range(reps):
             t0 = time.perf_counter()
             gens = engine.generate(prompts, sampling, seed=r + 1)
-            tok_s.append(GEN_BATCH * max(len(g.response_ids) for g in gens) / (time.perf_counter() - t0))
+            tok_s.append(batch * max(len(g.response_ids) for g in gens) / (time.perf_counter() - t0))
             t0 = time.perf_counter()
             engine.update_weights(state, r + 1)
             push_s.append(time.perf_counter() - t0)
@@ -234,7 +267,7 @@ def bench_deepspeed_dp(model, samples: list[Sample], reps: int, dp: int = 2) -> 
     return {"dp": dp, **_step_row(step_s), "start_s": round(start_s, 2)}
 
 
-def scale_out_rows(presets: list[str], tok, reps: int) -> dict:
+def scale_out_rows(presets: list[str], tok, reps: int, batch: int = GEN_BATCH, new: int = GEN_NEW) -> dict:
     """vLLM and DeepSpeed rows next to the HF/torch ones, or why they were skipped."""
     import importlib.util
 
@@ -260,98 +293,11 @@ def scale_out_rows(presets: list[str], tok, reps: int) -> dict:
         out.setdefault("deepspeed_dp2", {})[preset] = row
         print(f"ds dp-2   {preset:<10} step {row['step_s']:.3f} s | rank start {row['start_s']:.1f} s")
     for preset, model in models.items() if have["vllm"] else ():
-        row = bench_vllm(model, tok, reps)
+        row = bench_vllm(model, tok, reps, batch, new)
         out.setdefault("vllm", {})[preset] = row
         print(f"vllm      {preset:<10} {row['gen_tok_s']:>8.0f} tok/s | start {row['start_s']:.1f} s | "
               f"push {row['push_s'] * 1e3:.0f} ms")
     return out
-
-
-def _storage_bytes(*objs) -> int:
-    """Bytes of the distinct tensor storages reachable from modules, trainers and dicts."""
-    seen: dict[int, int] = {}
-
-    def visit(x) -> None:
-        if isinstance(x, torch.Tensor):
-            st = x.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-        elif isinstance(x, torch.nn.Module):
-            for t in [*x.parameters(), *x.buffers()]:
-                visit(t)
-                if t.grad is not None:
-                    visit(t.grad)
-        elif isinstance(x, dict):
-            for v in x.values():
-                visit(v)
-        elif isinstance(x, list | tuple):
-            for v in x:
-                visit(v)
-        elif hasattr(x, "optimizer"):  # a trainer: its module, flat buffers and Adam state
-            visit(x.model)
-            visit([x._flat, x._flat_grad])
-            visit(list(x.optimizer.state.values()))
-
-    for o in objs:
-        visit(o)
-    return sum(seen.values())
-
-
-def bench_lora_team(preset: str, tok, n: int, reps: int) -> dict:
-    """N LoRA agents on one base vs N full models: memory, swap/sync bytes, mixed-batch speed."""
-    from flexmarl_core.config import LoraSpec
-    from flexmarl_core.inference.lora_engine import SharedBaseEngine
-    from flexmarl_core.models.lora import SharedBase, initial_adapter_state
-    from flexmarl_core.training.lora_trainer import LoraTrainer
-
-    base = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
-    spec = LoraSpec(rank=8)
-    agents = [f"agent{i}" for i in range(n)]
-    loss = make_loss_fn(AlgorithmConfig())
-    samples = train_batch(len(tok))[:4]
-    # Inference: N full engines vs one shared-base engine with N adapters.
-    full_engines = [HFInferenceEngine(copy.deepcopy(base), tok) for _ in agents]
-    shared = SharedBaseEngine(copy.deepcopy(base), tok)
-    for a in agents:
-        shared.add(a, spec, initial_adapter_state(base, spec, seed=0, agent=a), version=0)
-    full_infer = _storage_bytes(*[e.model for e in full_engines])
-    lora_infer = _storage_bytes(shared.model)
-    prompts = gen_prompts(GEN_BATCH)
-    names = [agents[i % n] for i in range(GEN_BATCH)]
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=GEN_NEW)
-    mixed_s, full_s = [], []
-    for r in range(reps + 1):  # interleaved, the first of each is a warm-up
-        t0 = time.perf_counter()
-        shared.generate_mixed(prompts, names, sampling, seed=r)
-        t1 = time.perf_counter()
-        full_engines[0].generate(prompts, sampling, seed=r)
-        t2 = time.perf_counter()
-        if r:
-            mixed_s.append(t1 - t0)
-            full_s.append(t2 - t1)
-    del full_engines, shared
-    # Training: N full trainers vs N adapter trainers on one fp32 base, after one step each.
-    full_tr = [TorchTrainer(copy.deepcopy(base), TrainerOptions(loss, token_weight)) for _ in agents]
-    sb = SharedBase(copy.deepcopy(base))
-    lora_tr = []
-    for a in agents:
-        sb.add(a, spec)
-        lora_tr.append(LoraTrainer(sb, a, TrainerOptions(loss, token_weight)))
-    for tr in [*full_tr, *lora_tr]:
-        tr.accumulate(samples, loss_scale=1e-3)
-        tr.step()
-    toks = GEN_BATCH * GEN_NEW
-    row = {
-        "agents": n, "rank": spec.rank, "base_params": num_params(base),
-        "adapter_params": sum(p.numel() for _, p in sb.adapter_params(agents[0])),
-        "full_infer_bytes": full_infer, "lora_infer_bytes": lora_infer,
-        "infer_ratio": round(lora_infer / full_infer, 4),
-        "full_train_bytes": _storage_bytes(*full_tr), "lora_train_bytes": _storage_bytes(sb.model, *lora_tr),
-        "full_swap_bytes": _storage_bytes(full_tr[0].state()), "lora_swap_bytes": _storage_bytes(lora_tr[0].state()),
-        "full_sync_bytes": _storage_bytes(full_tr[0].weights()), "lora_sync_bytes": _storage_bytes(lora_tr[0].weights()),
-        "mixed_gen_tok_s": round(toks / min(mixed_s), 1), "full_gen_tok_s": round(toks / min(full_s), 1),
-    }
-    row["train_ratio"] = round(row["lora_train_bytes"] / row["full_train_bytes"], 4)
-    return row
 
 
 def print_table(rows: list[dict], scale_out: dict) -> None:
@@ -365,8 +311,8 @@ def print_table(rows: list[dict], scale_out: dict) -> None:
         p = row["preset"]
         vl, ds, dp = (scale_out.get(k, {}).get(p, {}) for k in ("vllm", "deepspeed", "deepspeed_dp2"))
         lines = [
-            ("hf/torch", row["engine_gen_tok_s"], row["engine_step_s"], None, None, None),
-            ("plain", row["plain_gen_tok_s"], row["plain_step_s"], None, None, None),
+            ("hf/torch", row["engine_gen_tok_s"], row.get("engine_step_s"), None, None, None),
+            ("plain", row["plain_gen_tok_s"], row.get("plain_step_s"), None, None, None),
             ("vllm", vl.get("gen_tok_s"), None, vl.get("push_s"), None, None),
             ("deepspeed", None, ds.get("step_s"), None, ds.get("state_swap_s"), ds.get("offload_reload_s")),
             ("deepspeed dp-2", None, dp.get("step_s"), None, None, None),
@@ -379,75 +325,95 @@ def print_table(rows: list[dict], scale_out: dict) -> None:
                   f"{cell(ms[0], 8, 0)} {cell(ms[1], 8, 0)} {cell(ms[2], 8, 0)}")
 
 
+def preset_row(preset: str, tok, reps: int, args: argparse.Namespace, vllm: bool) -> tuple[dict, dict]:
+    """One preset's HF/torch row (generate and, unless --no-train, the train step) and, with
+    `vllm`, its vLLM row from the same interleaved generate loop."""
+    model = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
+    gen, info = bench_generate(model, tok, reps, batch=args.gen_batch, new=args.gen_new, vllm=vllm)
+    e_tok, p_tok = max(gen["engine"]), max(gen["plain"])
+    row = {"preset": preset, "params": num_params(model), "engine_gen_tok_s": round(e_tok, 1),
+           "plain_gen_tok_s": round(p_tok, 1), "gen_ratio": round(e_tok / p_tok, 3),
+           "median": {f"{k}_gen_tok_s": round(statistics.median(v), 1) for k, v in gen.items()}}
+    vl = {}
+    if vllm:
+        vl = {"gen_tok_s": round(max(gen["vllm"]), 1), "gen_tok_s_median": round(statistics.median(gen["vllm"]), 1),
+              "start_s": info["vllm_start_s"], "import_s": info["vllm_import_s"], "vs_engine": round(max(gen["vllm"]) / e_tok, 3)}
+        row["runs"] = {"order": info["order"], **{k: [round(x, 1) for x in v] for k, v in gen.items()}}
+    if not args.no_train:
+        step_e, step_p = bench_train(model, train_batch(len(tok)), reps)
+        row.update(engine_step_s=round(min(step_e), 4), plain_step_s=round(min(step_p), 4),
+                   step_ratio=round(min(step_e) / min(step_p), 3))
+        row["median"].update(engine_step_s=_median(step_e), plain_step_s=_median(step_p))
+    step = (f"{row['engine_step_s']:>13.3f} {row['plain_step_s']:>12.3f} {row['step_ratio']:>6.2f}"
+            if "step_ratio" in row else "train skipped")
+    print(f"{preset:<10} {row['params'] / 1e6:>6.1f}M | {e_tok:>12.0f} {p_tok:>11.0f} "
+          f"{row['gen_ratio']:>6.2f} | {step}" + (f" | vllm {vl['gen_tok_s']:.0f} tok/s, start "
+                                                  f"{vl['start_s']:.1f} s" if vl else ""), flush=True)
+    return row, vl
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--quick", action="store_true", help="skip tiny-50m and use 4 repetitions")
-    ap.add_argument("--presets", nargs="*", default=None, help="override the preset list")
+    ap.add_argument("--presets", nargs="*", default=None,
+                    help="override the preset list (space- or comma-separated, e.g. tiny-1m,small-0.5b)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per side")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    ap.add_argument("--gen-batch", type=int, default=GEN_BATCH, help="prompts per generate batch")
+    ap.add_argument("--gen-new", type=int, default=GEN_NEW, help="new tokens per prompt")
+    ap.add_argument("--no-train", action="store_true",
+                    help="generate rows only (no train step, no DeepSpeed); vLLM joins the generate loop")
     ap.add_argument("--no-scale-out", action="store_true", help="skip the vLLM / DeepSpeed rows")
     ap.add_argument("--lora-agents", type=int, default=3, help="team size of the LoRA rows (0 skips them)")
     ap.add_argument("--only-lora", action="store_true", help="only the LoRA team rows")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    presets = args.presets or (["tiny-1m", "tiny-10m"] if args.quick else ["tiny-1m", "tiny-10m", "tiny-50m"])
+    presets = [p for x in args.presets or () for p in x.split(",") if p] or (
+        ["tiny-1m", "tiny-10m"] if args.quick else ["tiny-1m", "tiny-10m", "tiny-50m"])
     reps = args.reps or (4 if args.quick else 6)
+    import importlib.util
+    import sys
 
-    load_start = os.getloadavg()  # other jobs on the box make absolute numbers meaningless
-    tok = get_tokenizer()
-    rows = []
-    print(f"{'preset':<10} {'params':>7} | {'engine tok/s':>12} {'plain tok/s':>11} {'ratio':>6} | "
-          f"{'engine step s':>13} {'plain step s':>12} {'ratio':>6}")
-    for preset in presets if not args.only_lora else ():
-        model = build_model(ModelConfig(preset=preset), seed=0, tokenizer=tok)
-        gen_e, gen_p = bench_generate(model, tok, reps)
-        step_e, step_p = bench_train(model, train_batch(len(tok)), reps)
-        e_tok, p_tok, e_step, p_step = max(gen_e), max(gen_p), min(step_e), min(step_p)
-        row = {
-            "preset": preset,
-            "params": num_params(model),
-            "engine_gen_tok_s": round(e_tok, 1),
-            "plain_gen_tok_s": round(p_tok, 1),
-            "gen_ratio": round(e_tok / p_tok, 3),
-            "engine_step_s": round(e_step, 4),
-            "plain_step_s": round(p_step, 4),
-            "step_ratio": round(e_step / p_step, 3),
-            "median": {
-                "engine_gen_tok_s": round(statistics.median(gen_e), 1),
-                "plain_gen_tok_s": round(statistics.median(gen_p), 1),
-                "engine_step_s": round(statistics.median(step_e), 4),
-                "plain_step_s": round(statistics.median(step_p), 4),
-            },
-        }
-        rows.append(row)
-        print(f"{preset:<10} {row['params'] / 1e6:>6.1f}M | {e_tok:>12.0f} {p_tok:>11.0f} "
-              f"{row['gen_ratio']:>6.2f} | {e_step:>13.3f} {p_step:>12.3f} {row['step_ratio']:>6.2f}")
-        del model
-    scale_out = {} if args.no_scale_out or args.only_lora else scale_out_rows(presets, tok, reps)
-    lora_team: dict = {}
-    if args.lora_agents > 0:
-        import importlib.util
+    sys.path.insert(0, str(Path(__file__).parent))  # bench/, run as a script or imported
+    from _fresh import provenance
 
-        if importlib.util.find_spec("peft") is None:
-            lora_team = {"skipped": "peft not importable: pip install 'flexmarl[peft]'"}
-        for preset in presets if not lora_team else ():
-            lr = lora_team[preset] = bench_lora_team(preset, tok, args.lora_agents, reps)
-            print(f"lora team {preset:<10} {lr['agents']} agents: inference {lr['lora_infer_bytes'] / 1e6:.1f} MB "
-                  f"vs {lr['full_infer_bytes'] / 1e6:.1f} MB full ({lr['infer_ratio']:.2f}x), training "
-                  f"{lr['lora_train_bytes'] / 1e6:.1f} vs {lr['full_train_bytes'] / 1e6:.1f} MB "
-                  f"({lr['train_ratio']:.2f}x), swap {lr['lora_swap_bytes'] / 1e3:.0f} vs "
-                  f"{lr['full_swap_bytes'] / 1e3:.0f} kB, mixed batch {lr['mixed_gen_tok_s']:.0f} vs "
-                  f"{lr['full_gen_tok_s']:.0f} tok/s")
+    # vLLM takes turns with the HF sides only without DeepSpeed after it (see scale_out_rows).
+    in_loop = args.no_train and not (args.no_scale_out or args.only_lora)
+    vllm = in_loop and importlib.util.find_spec("vllm") is not None
+    with provenance(Path(__file__).resolve().parents[1]) as prov:
+        load_start = os.getloadavg()  # other jobs on the box make absolute numbers meaningless
+        tok = get_tokenizer()
+        rows, scale_out = [], {}
+        print(f"{'preset':<10} {'params':>7} | {'engine tok/s':>12} {'plain tok/s':>11} {'ratio':>6} | "
+              f"{'engine step s':>13} {'plain step s':>12} {'ratio':>6}")
+        for preset in presets if not args.only_lora else ():
+            row, vl = preset_row(preset, tok, reps, args, vllm)
+            rows.append(row)
+            if vl:
+                scale_out.setdefault("vllm", {})[preset] = vl
+        if in_loop:
+            if not vllm:
+                scale_out["vllm"] = {"skipped": "vllm not importable: `make setup-scale` installs it"}
+            scale_out["deepspeed"] = {"skipped": "--no-train"}
+        elif not (args.no_scale_out or args.only_lora):
+            scale_out = scale_out_rows(presets, tok, reps, args.gen_batch, args.gen_new)
+        from engines_lora import lora_rows
+
+        lora_team = lora_rows(presets, tok, args.lora_agents, reps, gen_prompts(args.gen_batch), args.gen_new,
+                              train_batch(len(tok))[:4])
     result = {
         "bench": "engines",
         "setup": {
-            "generate": f"batch {GEN_BATCH} x {GEN_NEW} new tokens, temperature 1, fp32",
-            "train": f"{TRAIN_BATCH} x {TRAIN_LEN} tokens ({TRAIN_PROMPT} prompt), fp32, AdamW",
+            "generate": f"batch {args.gen_batch} x {args.gen_new} new tokens, temperature 1, fp32",
+            "gen_batch": args.gen_batch, "gen_new": args.gen_new,
+            "train": "skipped (--no-train)" if args.no_train else
+            f"{TRAIN_BATCH} x {TRAIN_LEN} tokens ({TRAIN_PROMPT} prompt), fp32, AdamW",
             "ratios": "best run per side; gen_ratio = engine/plain tokens/s (>= 0.9 ok), "
-            "step_ratio = engine/plain s (<= 1.1 ok)",
+            "step_ratio = engine/plain s (<= 1.1 ok); vllm vs_engine = vllm/engine tokens/s",
             "reps": reps,
             "threads": args.threads,
+            "vllm": "in the generate loop, order rotated each repeat" if vllm else "after DeepSpeed",
         },
         "env": {
             "torch": torch.__version__,
@@ -456,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_start": load_start,
             "loadavg_end": os.getloadavg(),
         },
+        **prov,
         "rows": rows,
         "scale_out": scale_out,
         "lora_team": lora_team,
