@@ -294,6 +294,7 @@ def run_flexmarl(train: object, api: str, config: Path, overrides: list[str], ru
     its = [json.loads(x) for x in (run_dir / "metrics" / "iterations.jsonl").read_text().splitlines() if x.strip()]
     res = {"tokens": int(sum(m["tokens"] for m in its)), "span_s": sum(m["e2e_s"] for m in its),
            "tokens_per_s": s["tokens_per_s"], "steps": len(its), "wall_s": wall, "run_wall_s": s["wall_s"],
+           "stage_cpu_s": s.get("stage_cpu_s"),
            "step_s_median": statistics.median(m["e2e_s"] for m in its), "step_s": [m["e2e_s"] for m in its],
            # the train reward's mean over windows of iterations, as TRL logs it
            "reward": [{"step": i + w, "reward": statistics.fmean(m[f"agent/{agent}/reward"] for m in its[i:i + w])}

@@ -16,12 +16,17 @@ its logs, its ops and figures in an artifact, and the ops of other iterations it
 that matches the flow's (Completed, Failed, Crashed or Cancelled, `tasks/leftovers.py`) with
 the flow's error as the reason.
 
-The API calls (six per iteration) run on a thread of their own, flow-run creations first: the
-orchestrator never waits for the API, and an API server that is away delays only the reports
-(the op task runs of an iteration whose flow run does not exist yet wait in the reporter,
-`flow_run_id` answering None until it does). Each call is tried once per `RETRY_S` for as long
-as the run goes; once it ends, the run's one budget for a silent API applies
-(`tasks/api_watch.py`), however many calls are queued.
+The API calls run on a thread of their own, flow-run creations first: the orchestrator never
+waits for the API, and an API server that is away delays only the reports (the op task runs of
+an iteration whose flow run does not exist yet wait in the reporter, `flow_run_id` answering
+None until it does). Each call costs the local server 8-25 ms of CPU, which on a machine the
+workers fill comes out of the stages (docs/results/overhead.md), so they are few: at most five
+per iteration. The flow's id is asked for once, not with every flow run; the tracking task run
+takes each state of its flow run from the server itself (Prefect's `UpdateSubflowParentTask`
+rule), never by a call of its own; and iterations that end within `end_lag_s` of each other
+are recorded together, their log lines in one call (`calls` counts the calls by kind). Each
+call is tried once per `RETRY_S` for as long as the run goes; once it ends, the run's one
+budget for a silent API applies (`tasks/api_watch.py`), however many calls are queued.
 """
 
 from __future__ import annotations
@@ -37,15 +42,15 @@ from typing import Any
 
 from prefect import Flow, Task
 from prefect.client.orchestration import SyncPrefectClient
-from prefect.client.schemas.actions import ArtifactCreate, LogCreate
-from prefect.client.schemas.objects import TaskRunResult
+from prefect.client.schemas.actions import ArtifactCreate, FlowRunCreate, LogCreate
+from prefect.client.schemas.objects import FlowRunPolicy, TaskRunResult
 from prefect.settings import (
     PREFECT_API_URL,
     PREFECT_CLIENT_MAX_RETRIES,
     PREFECT_LOGGING_TO_API_ENABLED,
     temporary_settings,
 )
-from prefect.states import Running
+from prefect.states import Running, to_state_create
 
 from flexmarl_core.control import Decision
 from flexmarl_core.ops import Op, OpRecord
@@ -69,6 +74,8 @@ _TRACKING = Task(_iteration, name="flexmarl-iteration")
 TRACKING_KEY = _TRACKING.task_key
 #: seconds between two tries of an API call that failed
 RETRY_S = 2.0
+#: an iteration's record waits this long for the ends of the next ones, sent together
+END_LAG_S = 1.0
 
 
 class IterationFlowRuns(RunHook):
@@ -78,7 +85,7 @@ class IterationFlowRuns(RunHook):
 
     def __init__(self, client: SyncPrefectClient, parent_flow_run_id: uuid.UUID | str,
                  flow_run_count: int = 1, run_name: str = "", iterations: int = 0,
-                 api: ApiWatch | None = None) -> None:
+                 api: ApiWatch | None = None, end_lag_s: float = END_LAG_S) -> None:
         self.client = client
         self.parent = uuid.UUID(str(parent_flow_run_id))
         self.flow_run_count = flow_run_count
@@ -86,6 +93,10 @@ class IterationFlowRuns(RunHook):
         #: iterations in the run (the logged lines count them from 1)
         self.iterations = iterations
         self.api = api if api is not None else ApiWatch(None)
+        self.end_lag_s = end_lag_s
+        #: API calls made, by kind (`open`, `logs`, `artifact`, `state`)
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._flow_id: uuid.UUID | None = None
         #: iteration -> (its task run in the parent, its own flow run), once made
         self.runs: dict[int, tuple[uuid.UUID, uuid.UUID]] = {}
         self._asked: set[int] = set()
@@ -214,29 +225,53 @@ class IterationFlowRuns(RunHook):
         return False
 
     # -- the API thread ------------------------------------------------------------------------
-    def _next(self) -> tuple[str, int, Any]:
+    def _next(self, until: float | None) -> tuple[str, int, Any] | None:
+        """The next call to make (creations first), or None once `until` (monotonic) passes."""
         with self._wake:
             while not self._opens and not self._rest:
-                self._wake.wait()
+                left = None if until is None else until - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._wake.wait(left)
             return (self._opens or self._rest).popleft()
 
     def _work(self) -> None:
+        ends: list[tuple[int, Any]] = []  # waiting for the ends queued within `end_lag_s`
+        until: float | None = None
         with temporary_settings(updates=self._settings):
             while True:
-                what, iteration, arg = self._next()
+                item = self._next(until)
+                # the lag is over (or the run ends): never later, however busy the queue
+                if item is None or item[0] == "close" or (until is not None and time.monotonic() >= until):
+                    self._end_all(ends)
+                    ends, until = [], None
+                if item is None:
+                    continue
+                what, iteration, arg = item
                 if what == "open":
                     self._call(lambda it=iteration: self._open(it))
                 elif what == "end":
-                    if iteration in self.runs and iteration not in self._ended:
-                        shown = self._record(arg)
-                        self._call(lambda it=iteration, shown=shown: self._end(it, *shown))
-                        self._ended.add(iteration)  # after the call: `forget` may drop it now
+                    ends.append((iteration, arg))
+                    until = until if until is not None else time.monotonic() + self.end_lag_s
                 else:
                     type_ = leftovers.ending(arg)
                     message = leftovers.reason(type_, arg)
                     for it in sorted(set(self.runs) - self._ended):
                         self._call(lambda it=it, t=type_, m=message: self._set(it, t, m))
                     return
+
+    def _end_all(self, ends: list[tuple[int, Any]]) -> None:
+        """Record and complete the iterations in `ends`: their log lines in one call, then each
+        one's artifact and Completed state."""
+        todo = [(it, self._record(rec)) for it, rec in ends if it in self.runs and it not in self._ended]
+        if not todo:
+            return
+        logs = [(self.runs[it][1], line) for it, (lines, _) in todo for line in lines]
+        if logs and PREFECT_LOGGING_TO_API_ENABLED.value():
+            self._call(lambda: self._logs(logs))
+        for it, shown in todo:
+            self._call(lambda it=it, shown=shown: self._end(it, *shown))
+            self._ended.add(it)  # after the call: `forget` may drop it now
 
     def _call(self, fn: Callable[[], None]) -> None:
         warned = False
@@ -258,15 +293,31 @@ class IterationFlowRuns(RunHook):
         inputs = {"previous": [TaskRunResult(id=self._last_tracking)]} if self._last_tracking else {}
         tracking = self.client.create_task_run(_TRACKING, self.parent, dynamic_key=name, name=name,
                                                extra_tags=tags, state=Running(), task_inputs=inputs)
-        child = self.client.create_flow_run(ITERATION_FLOW, name=name, parameters={"iteration": iteration},
-                                            tags=tags, parent_task_run_id=tracking.id, state=Running())
+        if self._flow_id is None:
+            self._flow_id = self.client.create_flow(ITERATION_FLOW)
+        # As `create_flow_run` makes it, less its upsert of the flow (a call per iteration).
+        child = FlowRunCreate(
+            flow_id=self._flow_id, flow_version=ITERATION_FLOW.version, name=name,
+            parameters={"iteration": iteration}, context={}, tags=tags, parent_task_run_id=tracking.id,
+            state=to_state_create(Running()),
+            empirical_policy=FlowRunPolicy(retries=ITERATION_FLOW.retries,
+                                           retry_delay=int(ITERATION_FLOW.retry_delay_seconds or 0)))
+        got = self.client.request("POST", "/flow_runs/", json=child.model_dump(mode="json", exclude_unset=True))
+        self.calls["open"] += 1
         self._last_tracking = tracking.id
-        self.runs[iteration] = (tracking.id, child.id)
+        self.runs[iteration] = (tracking.id, uuid.UUID(got.json()["id"]))
 
     def _set(self, iteration: int, type_: str, message: str) -> None:
-        tracking, child = self.runs[iteration]
-        self.client.set_flow_run_state(child, leftovers.state(type_, message), force=True)
-        self.client.set_task_run_state(tracking, leftovers.state(type_, message), force=True)
+        """The iteration's flow run in `type_`; the server gives its tracking task run the same
+        state (`UpdateSubflowParentTask`), so that takes no call of its own."""
+        self.client.set_flow_run_state(self.runs[iteration][1], leftovers.state(type_, message), force=True)
+        self.calls["state"] += 1
+
+    def _logs(self, lines: list[tuple[uuid.UUID, str]]) -> None:
+        now = dt.datetime.now(dt.UTC)
+        self.client.create_logs([LogCreate(name="flexmarl-iteration", level=logging.INFO, message=line,
+                                           timestamp=now, flow_run_id=child) for child, line in lines])
+        self.calls["logs"] += 1
 
     def _record(self, rec: iteration_record.IterationRecord | None) -> tuple[list[str], str | None]:
         """The iteration's log lines and artifact (none for a row that cannot be shown: the
@@ -281,17 +332,14 @@ class IterationFlowRuns(RunHook):
             return [], None
 
     def _end(self, iteration: int, lines: list[str], markdown: str | None) -> None:
-        """The iteration's record (logs, then its artifact), then Completed: a reader who sees
-        the run Completed finds its record there."""
+        """The iteration's artifact, then Completed (its log lines went before, `_end_all`): a
+        reader who sees the run Completed finds its record there."""
         child = self.runs[iteration][1]
-        if lines and PREFECT_LOGGING_TO_API_ENABLED.value():
-            now = dt.datetime.now(dt.UTC)
-            self.client.create_logs([LogCreate(name="flexmarl-iteration", level=logging.INFO, message=line,
-                                               timestamp=now, flow_run_id=child) for line in lines])
         waits = [x for x in lines[1:] if x.startswith("waited on")]  # the edges Prefect cannot draw
         if markdown is not None:
             self.client.create_artifact(ArtifactCreate(
                 type="markdown", data=markdown, flow_run_id=child,
                 description="; ".join([f"{self._name(iteration)}: ops, times, rewards, decisions", *waits])))
+            self.calls["artifact"] += 1
         message = "; ".join(lines[:1] + waits) or "iteration final"
         self._set(iteration, "COMPLETED", message)
