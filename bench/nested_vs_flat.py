@@ -14,6 +14,10 @@ and of the Dask worker processes (`workers_cpu_s`, sampled until they exit). Sum
 medians over repeats (`step_s_p25`: each run's quietest quarter of iterations), and `gap`, nested over flat `s_per_iteration` minus 1. `--server-nice N [M ...]`:
 each layout runs with the bench's server (every thread of it) reniced to each N in turn
 (flexmarl starts it at 10); the summary then has a layout per value (`nested@19`).
+`--compare-set OVERRIDE` (repeatable): each layout also runs with that config override (e.g.
+`cluster.worker_env.OMP_WAIT_POLICY=PASSIVE`), in the same alternating order; its runs and
+summary are named `flat[OVERRIDE]`, and `stage_cpu_per_it_s` is the stages' CPU per iteration.
+`--layouts flat` runs one layout only (no `gap` then).
 """
 
 from __future__ import annotations
@@ -89,8 +93,8 @@ class CpuSampler(threading.Thread):
         return workers, {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v > 0.005}
 
 
-def layout(nested: bool, nice: int | None) -> str:
-    return ("nested" if nested else "flat") + ("" if nice is None else f"@{nice}")
+def layout(nested: bool, nice: int | None, variant: str | None = None) -> str:
+    return ("nested" if nested else "flat") + ("" if nice is None else f"@{nice}") + (f"[{variant}]" if variant else "")
 
 
 def renice(home: Path, nice: int) -> None:
@@ -136,6 +140,9 @@ def main() -> int:
     ap.add_argument("--background", type=int, default=0, help="processes spinning beside each run")
     ap.add_argument("--server-nice", type=int, nargs="*", default=None, help="renice the bench's Prefect server")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides (both layouts)")
+    ap.add_argument("--compare-set", action="append", default=[],
+                    help="an override each layout also runs with, alternating with the default (repeatable)")
+    ap.add_argument("--layouts", nargs="+", choices=("nested", "flat"), default=["nested", "flat"])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "runs" / "bench-nested-vs-flat"))
     args = ap.parse_args()
     out = Path(args.out).resolve()
@@ -155,19 +162,25 @@ def main() -> int:
                      out / "warmup", WARMUP_ITERATIONS)
         res: dict = {"bench": "nested_vs_flat", "iterations": args.iterations, "repeats": args.repeats,
                      "seed": args.seed, "background": args.background,
-                     "server_nice": args.server_nice, "overrides": base, **provenance(),
+                     "server_nice": args.server_nice, "overrides": base, "compare_sets": args.compare_set,
+                     "layouts": args.layouts, **provenance(),
                      "load_before": Path("/proc/loadavg").read_text().split()[:3], "runs": [],
                      "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
                      "start_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         nices = args.server_nice or [None]
-        combos = [(nested, nice) for nested in (True, False) for nice in nices]
+        variants: list[str | None] = [None, *args.compare_set]
+        combos = [(nested, nice, v) for nested in (True, False) if layout(nested, None) in args.layouts
+                  for nice in nices for v in variants]
         for k in range(args.repeats):
-            for nested, nice in (combos if k % 2 == 0 else combos[::-1]):
+            for nested, nice, v in (combos if k % 2 == 0 else combos[::-1]):
                 if nice is not None:
                     renice(home, nice)
-                tag = f"r{k}-{'nested' if nested else 'flat'}" + ("" if nice is None else f"-nice{nice}")
-                r = one_run(train, api, home, CONFIG, ckpt, base, out / tag, args.iterations, nested, args.background)
-                r["repeat"], r["server_nice"], r["layout"] = k, nice, layout(nested, nice)
+                tag = (f"r{k}-{'nested' if nested else 'flat'}" + ("" if nice is None else f"-nice{nice}")
+                       + ("" if v is None else f"-v{variants.index(v)}"))
+                r = one_run(train, api, home, CONFIG, ckpt, [*base, *([v] if v else [])], out / tag,
+                            args.iterations, nested, args.background)
+                r["repeat"], r["server_nice"], r["layout"], r["variant"] = k, nice, layout(nested, nice, v), v
+                r["stage_cpu_per_it_s"] = None if r["stage_cpu_s"] is None else r["stage_cpu_s"] / args.iterations
                 res["runs"].append(r)
                 print(f"{tag}: {r['s_per_iteration']:.3f} s/it (wall {r['wall_s']:.1f} s), flow CPU "
                       f"{r['flow_cpu_s']:.1f} s, server {r['server_cpu_s']}, workers {r['workers_cpu_s']:.1f}, "
@@ -176,11 +189,18 @@ def main() -> int:
         res["summary"] = s = {
             name: {key: med(r[key] for r in res["runs"] if r["layout"] == name)
                    for key in ("s_per_iteration", "wall_s", "step_s_median", "flow_cpu_s", "server_cpu_s",
-                               "workers_cpu_s", "stage_cpu_s", "step_s_p25")}
+                               "workers_cpu_s", "stage_cpu_s", "stage_cpu_per_it_s", "step_s_p25")}
             for name in dict.fromkeys(r["layout"] for r in res["runs"])}
         for nice in nices:
-            nested, flat = s[layout(True, nice)], s[layout(False, nice)]
-            s["gap" + ("" if nice is None else f"@{nice}")] = nested["s_per_iteration"] / flat["s_per_iteration"] - 1
+            for v in variants:
+                if layout(True, nice, v) in s and layout(False, nice, v) in s:
+                    nested, flat = s[layout(True, nice, v)], s[layout(False, nice, v)]
+                    s["gap" + ("" if nice is None else f"@{nice}") + (f"[{v}]" if v else "")] = (
+                        nested["s_per_iteration"] / flat["s_per_iteration"] - 1)
+        for name in list(s):  # each override against the default of its layout
+            base_name = name.split("[", 1)[0]
+            if "[" in name and not name.startswith("gap") and base_name in s:
+                s[name]["ratio_to_default"] = s[name]["s_per_iteration"] / s[base_name]["s_per_iteration"]
         res["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
         res["load"] = {"mean": round(statistics.fmean(r["load"]["mean"] for r in res["runs"]), 2)}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
