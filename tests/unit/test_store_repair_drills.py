@@ -7,7 +7,7 @@ else. With `train.keep_every: 1` the repair rewinds the ops that wrote it and th
 the same rows again; the run's weights, rows and metrics are the undamaged run's, and the
 figures the resume reports stay plausible (no zero-length window, no absurd rate). The runs go
 through the real stages on the in-process ThreadExecutor (`tests/_runs.py` `train_on_threads`);
-`tests/stack/test_store_repair.py` drives the CLI and flow on the real stack."""
+`tests/slow/test_store_repair.py` drives the CLI and flow on the real stack."""
 
 from __future__ import annotations
 
