@@ -86,18 +86,13 @@ def provenance(repo: Path) -> Iterator[dict[str, Any]]:
 @contextmanager
 def local_cluster() -> Iterator[Any]:
     """A Dask client on a local cluster of two workers tagged for rollout and training, closed after."""
-    from flexmarl_core.cluster import start_cluster
+    from flexmarl_core.cluster import cluster_for
     from flexmarl_core.config import ClusterConfig
 
-    cluster, client = start_cluster(ClusterConfig.model_validate({"workers": [
-        {"name": "w0", "resources": {"rollout": 1, "train": 1}},
-        {"name": "w1", "resources": {"rollout": 1, "train": 1}}]}), dashboard=False)
-    try:
+    with cluster_for(ClusterConfig.model_validate({"workers": [
+            {"name": "w0", "resources": {"rollout": 1, "train": 1}},
+            {"name": "w1", "resources": {"rollout": 1, "train": 1}}]}), dashboard=False) as client:
         yield client
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
 
 
 def train_run(config: str, overrides: list[str], client: Any) -> tuple[Any, Path, Any, float]:

@@ -295,9 +295,10 @@ def worker_cpu_s(client: Client) -> float:
 
 
 @contextmanager
-def cluster_for(cfg: ClusterConfig, env: dict[str, str] | None = None) -> Iterator[Client]:
+def cluster_for(cfg: ClusterConfig, env: dict[str, str] | None = None, *,
+                dashboard: bool = True) -> Iterator[Client]:
     """Start (and afterwards stop) a local cluster, or connect to `cfg.address`."""
-    cluster, client = start_cluster(cfg, env=env)
+    cluster, client = start_cluster(cfg, dashboard=dashboard, env=env)
     try:
         yield client
     finally:
