@@ -40,7 +40,8 @@ behind a fixed few-shot prompt of about 300 tokens (train-split problems with th
 How it is measured: for every (workload, seed, background) one TRL run and one flexmarl run,
 the order of the two alternating from one pair to the next. **flexmarl** runs the Prefect flow
 `flexmarl train` runs (`flows/train.py` `train`) with the config's cluster (a local Dask
-cluster of one worker, rollout and train, 2 torch threads) and its default co-design settings;
+cluster laid out from the machine, `cluster.workers: auto`: one worker of 2 torch threads on
+2 cores) and its default co-design settings;
 the Prefect API is a server of the bench's own with a new database (`--api fresh`, warmed by
 an unmeasured 3-iteration run, as `bench/overhead.py` does), or the one `flexmarl train` would
 use (`--api ambient`). **TRL** (`bench/_trl_grpo.py`) runs in a process of its own, with the
@@ -48,6 +49,13 @@ python of a venv this bench makes once under `--venv` (default `.cache/peer-trl-
 `trl==TRL_VERSION` with this venv's exact torch and transformers; elsewhere the CPU torch wheel
 may need `--pip-arg=--extra-index-url=https://download.pytorch.org/whl/cpu`). TRL 1.16 also
 resolves beside flexmarl's pins, but would add datasets and pandas to every flexmarl install.
+TRL's torch threads are the cores flexmarl's layout uses (workers x torch threads).
+
+`--overlap` adds a third side to every pair, `overlap`: flexmarl with `OVERLAP` (bounded
+staleness 1 and `decoupled_ppo`), so the agent's next rollout runs beside its training; the
+auto layout then gives it two workers of one thread on 2 cores. The three sides take turns
+going first. Per pair `ratio_overlap` (its tokens/s over TRL's) and `overlap_gain` (over the
+on-policy flexmarl side's); the summary has their means and `acc_after_overlap`.
 
 Per side: `tokens_per_s` (completion tokens, stop token included, over the training loop's
 span: flexmarl's run summary, the iterations' windows from the first op to the last; TRL's
@@ -109,6 +117,9 @@ LONG_PROMPT_TOKENS = 300
 #: seed of the few-shot examples' draw: one fixed prompt for every seed
 SHOTS_SEED = 999
 WARMUP_ITERATIONS = 3
+#: the `overlap` side: flexmarl with its next rollout beside its training (bounded staleness 1,
+#: the off-policy loss that corrects it); `cluster.workers: auto` lays the machine out for it
+OVERLAP = ["codesign.max_staleness=1", "team.agents.0.algorithm.policy_loss=decoupled_ppo"]
 
 
 def trl_python(venv: Path, pip_args: list[str]) -> Path:
@@ -254,7 +265,9 @@ def run_trl(py: Path, config: Path, overrides: list[str], cfg: object, sft_state
 
     folder.mkdir(parents=True, exist_ok=True)
     model_dir, data = trl_inputs(cfg, sft_state, iterations, folder)
-    threads = str(cfg.cluster.torch_threads)  # type: ignore[attr-defined]
+    # the whole machine as flexmarl's on-policy layout uses it (one worker of every core on a
+    # machine like this one): TRL is one process
+    threads = str(cfg.cluster.torch_threads * len(cfg.cluster.workers))  # type: ignore[attr-defined]
     spec = {"repo": str(REPO), "config": str(config), "overrides": overrides, "model": str(model_dir),
             "data": str(data), "iterations": iterations, "threads": threads, "seed": cfg.seed,  # type: ignore[attr-defined]
             "out": str(folder)}
@@ -373,7 +386,13 @@ def summarise(pairs: list[dict]) -> dict:
                         for k in ("tokens_per_s", "wall_s", "span_s", "acc_after")},
                      "ratio": mean(p["ratio"] for p in ps), "wall_ratio": mean(p["wall_ratio"] for p in ps),
                      "diff_acc": mean(p["flexmarl"]["acc_after"] - p["trl"]["acc_after"] for p in ps),
-                     "load_mean": mean(p[s]["load"]["mean"] for p in ps for s in ("trl", "flexmarl"))}
+                     "load_mean": mean(p[s]["load"]["mean"] for p in ps for s in ("trl", "flexmarl")),
+                     **({"ratio_overlap": mean(p["ratio_overlap"] for p in ps),
+                         "overlap_gain": mean(p["overlap_gain"] for p in ps),
+                         **{f"{k}_overlap": mean(p["overlap"][k] for p in ps)
+                            for k in ("tokens_per_s", "wall_s", "span_s", "acc_after")},
+                         "diff_acc_overlap": mean(p["overlap"]["acc_after"] - p["trl"]["acc_after"] for p in ps)}
+                        if all("overlap" in p for p in ps) else {})}
                 for bg, ps in by_bg.items()} for w, by_bg in out.items()}
 
 
@@ -391,6 +410,8 @@ def main() -> int:
     ap.add_argument("--background-nice", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], help="extra config overrides (flexmarl and TRL alike)")
     ap.add_argument("--api", default="fresh", choices=["fresh", "ambient"])
+    ap.add_argument("--overlap", action="store_true",
+                    help="a third side: flexmarl with generation beside training (OVERLAP), on its auto layout")
     ap.add_argument("--venv", default=str(REPO / ".cache" / "peer-trl-venv"), help="the TRL venv (made if missing)")
     ap.add_argument("--pip-arg", action="append", default=[], help="extra pip argument for the TRL venv")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench-peer-trl"), metavar="DIR")
@@ -420,6 +441,7 @@ def main() -> int:
         res: dict = {"bench": "peer_trl", "quick": args.quick, "iterations": iterations, "seeds": seeds,
                      "heldout": heldout, "sft_seed": args.sft_seed, "background": args.background,
                      "background_nice": args.background_nice, "api": args.api, "overrides": args.set,
+                     "overlap_overrides": OVERLAP if args.overlap else None,
                      **provenance(), "workloads": {}, "pairs": []}
         t_bench = time.time()
         starts: dict[str, tuple[Path, Path, dict]] = {}
@@ -450,7 +472,10 @@ def main() -> int:
                     torch.set_num_threads(cfg.cluster.torch_threads)
                     pair: dict = {"workload": wname, "seed": seed, "background": bg,
                                   "acc_sft": heldout_accuracy(cfg, sft_state)}
-                    order = ["trl", "flexmarl"] if k % 2 == 0 else ["flexmarl", "trl"]
+                    sides = ["trl", "flexmarl", *(["overlap"] if args.overlap else [])]
+                    # each side first in turn from one pair to the next
+                    order = (sides[k % len(sides):] + sides[:k % len(sides)]) if args.overlap else (
+                        sides if k % 2 == 0 else sides[::-1])
                     pair["order"], k = order, k + 1
                     tag = f"{wname}-s{seed}-bg{bg}"
                     for side in order:
@@ -462,9 +487,10 @@ def main() -> int:
                                 figures, state = run_trl(py, config, base, cfg, sft_state, iterations,
                                                          out / f"{tag}-trl")
                             else:
-                                run_dir = out / f"{tag}-flexmarl"
+                                run_dir = out / f"{tag}-{side}"
                                 figures, state = run_flexmarl(train, api, config, [
-                                    *base, f"run_dir={run_dir}", f"train.iterations={iterations}",
+                                    *base, *(OVERLAP if side == "overlap" else []),
+                                    f"run_dir={run_dir}", f"train.iterations={iterations}",
                                     f"train.init_from={ckpt}", "train.evaluate=false",
                                     f"train.checkpoint_every={iterations}"], run_dir, iterations)
                             figures["load"] = sampler.stop()
@@ -478,6 +504,9 @@ def main() -> int:
                               f"{figures['acc_after']:.3f}, load {figures['load']['mean']}", flush=True)
                     pair["ratio"] = pair["flexmarl"]["tokens_per_s"] / pair["trl"]["tokens_per_s"]
                     pair["wall_ratio"] = pair["trl"]["wall_s"] / pair["flexmarl"]["wall_s"]
+                    if args.overlap:
+                        pair["ratio_overlap"] = pair["overlap"]["tokens_per_s"] / pair["trl"]["tokens_per_s"]
+                        pair["overlap_gain"] = pair["overlap"]["tokens_per_s"] / pair["flexmarl"]["tokens_per_s"]
                     res["pairs"].append(pair)
                     res["summary"], res["bench_wall_s"] = summarise(res["pairs"]), time.time() - t_bench
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -495,6 +524,9 @@ def main() -> int:
             print(f"{w}, background {bg}: flexmarl/TRL tokens/s {s['ratio']:.2f}x, wall {s['wall_ratio']:.2f}x, "
                   f"held-out {s['acc_sft']:.3f} -> TRL {s['acc_after_trl']:.3f}, flexmarl {s['acc_after_flexmarl']:.3f} "
                   f"(diff {s['diff_acc']:+.3f}), load {s['load_mean']:.1f}")
+            if "ratio_overlap" in s:
+                print(f"{w}, background {bg}: overlap/TRL tokens/s {s['ratio_overlap']:.2f}x, overlap/flexmarl "
+                      f"{s['overlap_gain']:.2f}x, held-out {s['acc_after_overlap']:.3f} (diff {s['diff_acc_overlap']:+.3f})")
     return 0
 
 

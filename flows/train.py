@@ -14,7 +14,7 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
 from flexmarl.servers import ui_hint
-from flexmarl_core.config import load_config
+from flexmarl_core.config import layout, load_config
 from flexmarl_core.driver import run
 from flexmarl_core.driver.console import RunConsole
 from flexmarl_core.driver.lease import RunLease
@@ -41,6 +41,8 @@ def train(config: str, overrides: list[str] | None = None, progress: bool = True
     if PREFECT_UI_URL.value():
         shown.say(f"Prefect UI for this run: {PREFECT_UI_URL.value()}/runs/flow-run/{me}{ui_hint(api)}")
     cfg = load_config(config, overrides or [])
+    if where := layout.line(cfg.cluster):
+        shown.say(where)
     secrets.install()  # `${secret:..}` values resolve from this flow run's API where used
     loc = cfg.run_location()  # a local folder or a URI: what the workers are told
     resume = resume or (flow_run.run_count > 1 and loc.exists(run.CONFIG_NAME))

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from flexmarl_core.config import layout
 from flexmarl_core.config.agent import AgentConfig, CriticConfig, _Strict
 from flexmarl_core.config.checks import check_name, check_template
 from flexmarl_core.config.codesign import CodesignConfig
@@ -279,10 +280,17 @@ class ClusterConfig(_Strict):
             WorkerConfig(name="w0", resources={"rollout": 1, "train": 1}),
             WorkerConfig(name="w1", resources={"rollout": 1, "train": 1}),
         ],
-        description="Local worker processes and their resource tags.",
+        description="Local worker processes and their resource tags, or `auto`: chosen from the "
+        "machine's cores and the team when the config loads (config/layout.py; `cluster.layout` "
+        "says what and why).",
     )
 
-    torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each worker.")
+    torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each worker, or `auto`: the "
+                               "cores over the workers' threads.")
+    layout: str | None = Field(
+        None, description="Set when `workers` or `torch_threads` is auto: the layout chosen and why "
+        "(printed at the start of a run, kept in the run folder's config so a resume keeps it).",
+    )
     security: Literal["auto", "none"] | TLSFilesConfig = Field(
         "auto",
         description="TLS on every Dask connection (cluster/security.py). auto: a local cluster gets "
@@ -491,6 +499,11 @@ class ExperimentConfig(_Strict):
     store: StoreConfig = Field(default_factory=StoreConfig, description="MEG Store.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
     critic: CriticConfig = Field(default_factory=CriticConfig, description="Value model (agents with gae).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_layout(cls, data: Any) -> Any:
+        return layout.resolve(data)
 
     @model_validator(mode="after")
     def _mixing_needs_lora(self) -> ExperimentConfig:

@@ -45,6 +45,8 @@ def test_terminal_shows_before_and_after_and_no_internal_info(first_run):
     assert res.returncode == 0, out[-3000:]
     assert "Prefect UI for this run:" in out
     assert "warm start: SFT made" in out
+    # where it runs, in one line: tiny.yaml places its workers by hand
+    assert re.search(r"^layout: 2 workers x 1 torch thread on \d+ cores? \(set in cluster.workers", out, re.M), out
     assert re.search(r"held-out team accuracy: \d\.\d{3} before RL -> \d\.\d{3} after \([+-]\d\.\d{3}\)", out), out
     assert "held-out set: 8 generated held-out expressions" in out
     assert "final reward per agent: planner" in out

@@ -1,0 +1,141 @@
+"""The local cluster's layout chosen from the machine: `cluster.workers: auto` and
+`cluster.torch_threads: auto` (what `configs/default.yaml` uses).
+
+How many worker processes, and how many torch threads each, follows from how many of the team's
+ops can run at once (its *width*) and the machine's cores:
+
+- each agent's ops run one after another (rollout -> reward -> train -> step -> sync), so a team
+  of n agents keeps at most n busy at once (dependency parallelism and the async pipeline
+  overlap different agents), and `codesign.serial` keeps one;
+- with `codesign.max_staleness` >= 1 an agent's next rollout runs beside its training, so each
+  agent keeps two busy: generation and training overlap;
+- workers = min(width, cores), threads = cores // workers: a core per op that can run, the rest
+  as threads inside each op (torch's intra-op threads), never more threads than cores.
+
+Agents take the workers' `rollout:<agent>` tags round-robin in team order, so agents next to
+each other in the graph (which overlap under dependency parallelism) start on different
+workers; with more workers than agents each agent gets several. Every worker holds a training
+slot. The result, and why, is `cluster.layout`, printed at the start of the run.
+
+Resolved when the config loads (before field validation, so every reader sees plain values) and
+saved resolved in the run folder, so a resume keeps the layout it started with.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+GIB = 1024**3
+#: a worker's memory limit when the machine has room for it (WorkerConfig's default)
+WORKER_MEMORY = 6 * GIB
+#: the share of the machine's memory the workers' limits may add up to
+MEMORY_SHARE = 0.8
+
+
+def machine_cores() -> int:
+    """Cores this process may run on (its CPU affinity: a container's or taskset's share)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def machine_memory() -> int:
+    """Physical memory in bytes."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return 4 * WORKER_MEMORY
+
+
+def width(agents: int, *, serial: bool, max_staleness: int) -> int:
+    """How many of the team's ops can run at once."""
+    per_agent = 2 if max_staleness >= 1 else 1
+    return per_agent if serial else per_agent * max(1, agents)
+
+
+def _why(agents: int, serial: bool, max_staleness: int) -> str:
+    who = "one agent" if agents == 1 else f"{agents} agents"
+    if serial:
+        who = f"{who} one at a time (codesign.serial)"
+    if max_staleness >= 1:
+        each = "" if agents == 1 or serial else " each"
+        return f"{who}{each} rolling out beside its training (max_staleness {max_staleness})"
+    return f"{who}, on-policy" if agents == 1 or serial else f"{who} at once"
+
+
+def choose(agents: list[str], *, serial: bool, max_staleness: int, cores: int, memory: int,
+           threads: int | None = None) -> tuple[list[dict[str, Any]], int, str]:
+    """Workers (as config mappings), torch threads per worker and the reason, for `agents` on a
+    machine of `cores` and `memory` bytes; `threads` fixed by the config, or None to choose."""
+    w = width(len(agents), serial=serial, max_staleness=max_staleness)
+    n = max(1, min(w, cores if threads is None else cores // threads))
+    t = threads if threads is not None else max(1, cores // n)
+    limit = min(WORKER_MEMORY, int(MEMORY_SHARE * memory / n))
+    workers = []
+    for j in range(n):
+        mine = [a for i, a in enumerate(agents) if i % n == j] or [agents[j % len(agents)]]
+        workers.append({"name": f"w{j}", "resources": {**{f"rollout:{a}": 1 for a in mine}, "train": 1},
+                        "memory_limit": f"{limit / GIB:.2f}GiB"})
+    return workers, t, _why(len(agents), serial, max_staleness)
+
+
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def _agent_names(team: Any) -> list[str]:
+    return [str(_get(a, "name")) for a in (_get(team, "agents") or [])]
+
+
+def resolve(data: Any, *, cores: int | None = None, memory: int | None = None) -> Any:
+    """The raw config mapping with `cluster.workers: auto` / `cluster.torch_threads: auto`
+    replaced by the chosen values and `cluster.layout` saying what they are and why; anything
+    else is returned as it came (field validation then says what is wrong with it)."""
+    if not isinstance(data, dict) or not isinstance(data.get("cluster"), dict):
+        return data
+    cluster = data["cluster"]
+    auto_w, auto_t = cluster.get("workers") == "auto", cluster.get("torch_threads") == "auto"
+    if not (auto_w or auto_t):
+        return data
+    names = _agent_names(data.get("team"))
+    if not names:
+        return data  # no team: field validation says so
+    cores = machine_cores() if cores is None else cores
+    codesign = data.get("codesign") or {}
+    serial = bool(_get(codesign, "serial", False))
+    staleness = _get(codesign, "max_staleness", 0)
+    staleness = staleness if isinstance(staleness, int) else 0
+    cluster = dict(cluster)
+    if auto_w:
+        given = None if auto_t or not isinstance(cluster.get("torch_threads", 1), int) else cluster.get("torch_threads", 1)
+        workers, threads, why = choose(names, serial=serial, max_staleness=staleness, cores=cores,
+                                       memory=machine_memory() if memory is None else memory, threads=given)
+        cluster["workers"], cluster["torch_threads"] = workers, threads
+        how = "auto" if auto_t else "auto workers"
+    else:
+        given = cluster.get("workers")
+        slots = sum(int(_get(w, "nthreads", 1) or 1) for w in given) if isinstance(given, list) and given else 2
+        threads, why = max(1, cores // slots), f"{slots} worker thread{'s' if slots > 1 else ''} in cluster.workers"
+        cluster["torch_threads"] = threads
+        how = "auto torch threads"
+    n = len(cluster["workers"])
+    cluster["layout"] = (f"{n} worker{'s' if n > 1 else ''} x {threads} torch thread{'s' if threads > 1 else ''} "
+                         f"on {cores} core{'s' if cores > 1 else ''} ({how}: {why})")
+    return {**data, "cluster": cluster}
+
+
+def line(cluster: Any, cores: int | None = None) -> str | None:
+    """The run's first line about where it runs: the local cluster's layout and why (None for a
+    cluster at an address, whose layout is its own)."""
+    if cluster.address is not None:
+        return None
+    if cluster.layout:
+        return f"layout: {cluster.layout}"
+    cores = machine_cores() if cores is None else cores
+    n, t = len(cluster.workers), cluster.torch_threads
+    return (f"layout: {n} worker{'s' if n > 1 else ''} x {t} torch thread{'s' if t > 1 else ''} on {cores} "
+            f"core{'s' if cores > 1 else ''} (set in cluster.workers and cluster.torch_threads)")

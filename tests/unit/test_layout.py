@@ -1,0 +1,107 @@
+"""`cluster.workers: auto` / `cluster.torch_threads: auto` (config/layout.py): the layout follows
+the team's width and the machine's cores, every agent has an inference instance, and the
+resolved layout is what the run folder keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flexmarl_core.config import ConfigError, ExperimentConfig, load_config
+from flexmarl_core.config.layout import GIB, choose, line, resolve, width
+
+REPO = Path(__file__).resolve().parents[2]
+TEAM = ["planner", "solver", "verifier"]
+
+
+def rollout_tags(workers: list[dict]) -> list[list[str]]:
+    return [sorted(k.removeprefix("rollout:") for k in w["resources"] if k.startswith("rollout:")) for w in workers]
+
+
+@pytest.mark.parametrize(("agents", "serial", "k", "want"), [
+    (1, False, 0, 1), (1, False, 1, 2), (3, False, 0, 3), (3, False, 2, 6), (3, True, 0, 1), (3, True, 1, 2)])
+def test_width_is_the_ops_that_can_run_at_once(agents, serial, k, want):
+    assert width(agents, serial=serial, max_staleness=k) == want
+
+
+@pytest.mark.parametrize(("agents", "k", "cores", "n", "threads"), [
+    (["solver"], 0, 2, 1, 2),     # one op at a time: every core inside it
+    (["solver"], 0, 16, 1, 16),
+    (["solver"], 1, 2, 2, 1),     # rollout beside training: a core each
+    (["solver"], 1, 1, 1, 1),     # no room to overlap on one core
+    (TEAM, 0, 2, 2, 1),
+    (TEAM, 0, 8, 3, 2),
+    (TEAM, 1, 8, 6, 1),
+    (TEAM, 0, 1, 1, 1),
+])
+def test_workers_times_threads_never_exceed_the_cores_and_use_them(agents, k, cores, n, threads):
+    workers, t, _ = choose(agents, serial=False, max_staleness=k, cores=cores, memory=64 * GIB)
+    assert (len(workers), t) == (n, threads)
+    assert len(workers) * t <= cores and cores - len(workers) * t < len(workers)  # no core left a whole worker could use
+    assert all(w["resources"]["train"] == 1 for w in workers)
+    # every agent rolls out somewhere, and every worker serves someone
+    assert set().union(*map(set, rollout_tags(workers))) == set(agents) and all(rollout_tags(workers))
+
+
+def test_agents_take_workers_round_robin_in_team_order():
+    workers, _, _ = choose(TEAM, serial=False, max_staleness=0, cores=2, memory=64 * GIB)
+    # neighbours in the graph (which overlap under dependency parallelism) on different workers
+    assert rollout_tags(workers) == [["planner", "verifier"], ["solver"]]
+    workers, _, _ = choose(["solver"], serial=False, max_staleness=1, cores=2, memory=64 * GIB)
+    assert rollout_tags(workers) == [["solver"], ["solver"]]
+
+
+def test_memory_limits_share_the_machine():
+    workers, _, _ = choose(TEAM, serial=False, max_staleness=0, cores=8, memory=8 * GIB)
+    assert [w["memory_limit"] for w in workers] == ["2.13GiB"] * 3  # 0.8 x 8 GiB / 3
+    workers, _, _ = choose(TEAM, serial=False, max_staleness=0, cores=8, memory=256 * GIB)
+    assert {w["memory_limit"] for w in workers} == {"6.00GiB"}
+
+
+def test_fixed_threads_or_fixed_workers_choose_the_other():
+    workers, t, _ = choose(TEAM, serial=False, max_staleness=0, cores=8, memory=64 * GIB, threads=4)
+    assert (len(workers), t) == (2, 4)
+    data = {"team": {"agents": [{"name": "a"}]}, "cluster": {
+        "workers": [{"name": "x", "nthreads": 2}, {"name": "y"}], "torch_threads": "auto"}}
+    out = resolve(data, cores=12)
+    assert out["cluster"]["torch_threads"] == 4 and out["cluster"]["workers"] == data["cluster"]["workers"]
+    assert "auto torch threads" in out["cluster"]["layout"]
+
+
+def test_a_config_with_auto_loads_resolved_and_its_saved_copy_keeps_the_layout(tmp_path):
+    cfg = load_config(str(REPO / "configs" / "default.yaml"))
+    cores = len(cfg.cluster.workers) * cfg.cluster.torch_threads
+    assert cfg.cluster.layout and cfg.cluster.layout.startswith(f"{len(cfg.cluster.workers)} worker")
+    assert "3 agents at once" in cfg.cluster.layout
+    assert cores >= 1 and all(isinstance(w.resources, dict) for w in cfg.cluster.workers)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    again = ExperimentConfig.model_validate(yaml.safe_load(saved.read_text()))
+    assert again.cluster == cfg.cluster  # a resume elsewhere keeps the layout it started with
+
+
+def test_staleness_turns_on_overlap_in_the_layout():
+    cfg = load_config(str(REPO / "configs" / "overhead.yaml"), [
+        "codesign.max_staleness=1", "team.agents.solver.algorithm.policy_loss=decoupled_ppo"])
+    assert "rolling out beside its training (max_staleness 1)" in cfg.cluster.layout
+    on_policy = load_config(str(REPO / "configs" / "overhead.yaml"))
+    assert "one agent, on-policy" in on_policy.cluster.layout
+    # more workers with overlap, unless the machine has a single core
+    assert len(cfg.cluster.workers) == min(2, len(on_policy.cluster.workers) * on_policy.cluster.torch_threads)
+
+
+def test_a_bad_value_names_the_field():
+    with pytest.raises(ConfigError, match="cluster.workers"):
+        load_config(str(REPO / "configs" / "overhead.yaml"), ["cluster.workers=many"])
+
+
+def test_the_runs_first_line_says_the_layout_and_why():
+    cfg = load_config(str(REPO / "configs" / "overhead.yaml"))
+    assert line(cfg.cluster) == f"layout: {cfg.cluster.layout}"
+    hand = load_config(str(REPO / "configs" / "tiny.yaml"))
+    assert line(hand.cluster, cores=2) == ("layout: 2 workers x 1 torch thread on 2 cores "
+                                           "(set in cluster.workers and cluster.torch_threads)")
+    remote = load_config(str(REPO / "configs" / "tiny.yaml"), ["cluster.address=tls://10.0.0.1:8786"])
+    assert line(remote.cluster) is None
