@@ -442,6 +442,9 @@ def main() -> int:
                      "heldout": heldout, "sft_seed": args.sft_seed, "background": args.background,
                      "background_nice": args.background_nice, "api": args.api, "overrides": args.set,
                      "overlap_overrides": OVERLAP if args.overlap else None,
+                     "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+                     "start_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     "load_before": Path("/proc/loadavg").read_text().split()[:3],
                      **provenance(), "workloads": {}, "pairs": []}
         t_bench = time.time()
         starts: dict[str, tuple[Path, Path, dict]] = {}
@@ -509,6 +512,8 @@ def main() -> int:
                         pair["overlap_gain"] = pair["overlap"]["tokens_per_s"] / pair["flexmarl"]["tokens_per_s"]
                     res["pairs"].append(pair)
                     res["summary"], res["bench_wall_s"] = summarise(res["pairs"]), time.time() - t_bench
+                    res["load"] = {"mean": round(statistics.fmean(
+                        p[s]["load"]["mean"] for p in res["pairs"] for s in p["order"]), 2)}
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                     Path(args.json).write_text(json.dumps(res, indent=2))  # after every pair: a cut run keeps them
     print(f"\n{'workload':>8s} {'bg':>3s} {'seed':>4s} {'first':>8s} | {'TRL tok/s':>9s} {'wall':>6s} {'acc':>6s} | "

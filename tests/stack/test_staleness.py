@@ -161,7 +161,7 @@ PARTIAL = ["cluster.prefect_lean=true", "train.iterations=2", "train.evaluate=fa
            "team.agents.planner.sampling={temperature: 1.0, max_new_tokens: 40, stop: []}",
            # The planner's rollouts on a worker of their own: a held one blocks no other op.
            "cluster.workers=[{name: w0, resources: {'rollout:planner': 1}}, "
-           "{name: w1, resources: {rollout: 1, train: 1}}, {name: w2, resources: {rollout: 1, train: 1}}]",
+           "{name: w1, resources: {rollout: 1, train: 1}}]",
            *OFF_POLICY]
 DECODE, SYNC0 = "rollout[planner] it=1 mb=0 decode", "sync[planner] it=0"
 
