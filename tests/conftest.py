@@ -38,6 +38,10 @@ Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # Prefect m
 # network at startup and logs `Failed to send telemetry` where there is none. Set before any
 # import of prefect; the harness server and the Dask workers inherit them.
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# `cluster.workers: auto` lays configs out as on a 2-core machine (configs/default.yaml: w0 and
+# w1, as the golden run and the shared test cluster have them), whatever machine runs the tests;
+# tests/unit/test_layout.py checks the layout for other core counts.
+os.environ.setdefault("FLEXMARL_CORES", "2")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 #: The caller's own glibc trim setting, read before any Dask nanny could export its own.
 CALLER_MALLOC_TRIM = os.environ.get("MALLOC_TRIM_THRESHOLD_")

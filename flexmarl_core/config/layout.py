@@ -33,8 +33,18 @@ WORKER_MEMORY = 6 * GIB
 MEMORY_SHARE = 0.8
 
 
+#: cores the auto layout may use, where set (a share of a machine others use too)
+CORES_ENV = "FLEXMARL_CORES"
+
+
 def machine_cores() -> int:
-    """Cores this process may run on (its CPU affinity: a container's or taskset's share)."""
+    """Cores the layout may use: `FLEXMARL_CORES` where set, else those this process may run on
+    (its CPU affinity: a container's or taskset's share)."""
+    if os.environ.get(CORES_ENV):
+        try:
+            return max(1, int(os.environ[CORES_ENV]))
+        except ValueError:
+            raise ValueError(f"{CORES_ENV}={os.environ[CORES_ENV]!r}: a whole number of cores") from None
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from flexmarl_core.config import ConfigError, ExperimentConfig, load_config
-from flexmarl_core.config.layout import GIB, choose, line, resolve, width
+from flexmarl_core.config.layout import GIB, choose, line, machine_cores, resolve, width
 
 REPO = Path(__file__).resolve().parents[2]
 TEAM = ["planner", "solver", "verifier"]
@@ -105,3 +105,14 @@ def test_the_runs_first_line_says_the_layout_and_why():
                                            "(set in cluster.workers and cluster.torch_threads)")
     remote = load_config(str(REPO / "configs" / "tiny.yaml"), ["cluster.address=tls://10.0.0.1:8786"])
     assert line(remote.cluster) is None
+
+
+def test_flexmarl_cores_sets_the_cores_the_layout_uses(monkeypatch):
+    monkeypatch.setenv("FLEXMARL_CORES", "8")
+    assert machine_cores() == 8
+    cfg = load_config(str(REPO / "configs" / "default.yaml"))
+    assert (len(cfg.cluster.workers), cfg.cluster.torch_threads) == (3, 2)
+    assert cfg.cluster.layout.startswith("3 workers x 2 torch threads on 8 cores")
+    monkeypatch.setenv("FLEXMARL_CORES", "two")
+    with pytest.raises(ValueError, match="FLEXMARL_CORES='two'"):
+        machine_cores()
