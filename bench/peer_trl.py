@@ -477,8 +477,7 @@ def main() -> int:
                                   "acc_sft": heldout_accuracy(cfg, sft_state)}
                     sides = ["trl", "flexmarl", *(["overlap"] if args.overlap else [])]
                     # each side first in turn from one pair to the next
-                    order = (sides[k % len(sides):] + sides[:k % len(sides)]) if args.overlap else (
-                        sides if k % 2 == 0 else sides[::-1])
+                    order = sides[k % len(sides):] + sides[:k % len(sides)]
                     pair["order"], k = order, k + 1
                     tag = f"{wname}-s{seed}-bg{bg}"
                     for side in order:

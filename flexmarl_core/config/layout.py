@@ -121,7 +121,8 @@ def resolve(data: Any, *, cores: int | None = None, memory: int | None = None) -
     staleness = staleness if isinstance(staleness, int) else 0
     cluster = dict(cluster)
     if auto_w:
-        given = None if auto_t or not isinstance(cluster.get("torch_threads", 1), int) else cluster.get("torch_threads", 1)
+        fixed = cluster.get("torch_threads", 1)
+        given = fixed if isinstance(fixed, int) else None  # "auto": chosen with the workers
         workers, threads, why = choose(names, serial=serial, max_staleness=staleness, cores=cores,
                                        memory=machine_memory() if memory is None else memory, threads=given)
         cluster["workers"], cluster["torch_threads"] = workers, threads
@@ -132,10 +133,13 @@ def resolve(data: Any, *, cores: int | None = None, memory: int | None = None) -
         threads, why = max(1, cores // slots), f"{slots} worker thread{'s' if slots > 1 else ''} in cluster.workers"
         cluster["torch_threads"] = threads
         how = "auto torch threads"
-    n = len(cluster["workers"])
-    cluster["layout"] = (f"{n} worker{'s' if n > 1 else ''} x {threads} torch thread{'s' if threads > 1 else ''} "
-                         f"on {cores} core{'s' if cores > 1 else ''} ({how}: {why})")
+    cluster["layout"] = f"{_shape(len(cluster['workers']), threads, cores)} ({how}: {why})"
     return {**data, "cluster": cluster}
+
+
+def _shape(workers: int, threads: int, cores: int) -> str:
+    return (f"{workers} worker{'s' if workers > 1 else ''} x {threads} torch thread{'s' if threads > 1 else ''} "
+            f"on {cores} core{'s' if cores > 1 else ''}")
 
 
 def line(cluster: Any, cores: int | None = None) -> str | None:
@@ -146,6 +150,5 @@ def line(cluster: Any, cores: int | None = None) -> str | None:
     if cluster.layout:
         return f"layout: {cluster.layout}"
     cores = machine_cores() if cores is None else cores
-    n, t = len(cluster.workers), cluster.torch_threads
-    return (f"layout: {n} worker{'s' if n > 1 else ''} x {t} torch thread{'s' if t > 1 else ''} on {cores} "
-            f"core{'s' if cores > 1 else ''} (set in cluster.workers and cluster.torch_threads)")
+    return (f"layout: {_shape(len(cluster.workers), cluster.torch_threads, cores)} "
+            "(set in cluster.workers and cluster.torch_threads)")

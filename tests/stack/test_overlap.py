@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from flexmarl_core.config import load_config
-from flexmarl_core.config.layout import machine_cores
 
 REPO = Path(__file__).resolve().parents[2]
 OVERHEAD = str(REPO / "configs" / "overhead.yaml")
@@ -33,7 +32,6 @@ def teacher_forced(model: torch.nn.Module, row: dict, temperature: float) -> lis
     return lp.gather(1, torch.tensor(r)[:, None])[:, 0].tolist()
 
 
-@pytest.mark.skipif(machine_cores() < 2, reason="one core: the auto layout has no room to overlap")
 def test_next_rollout_runs_while_training_is_held_and_its_logprobs_are_its_versions(prefect_api, tmp_path):
     from safetensors.torch import load_file
 
