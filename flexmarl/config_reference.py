@@ -73,6 +73,8 @@ def _type(tp: Any, anchors: dict[type[BaseModel], str]) -> str:
         return f"[{tp.__name__}](#{anchors[tp]})"
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is typing.Annotated:  # a constrained type: the constraint is in the description
+        return _type(args[0], anchors)
     if origin is Literal:
         return " \\| ".join(json.dumps(a) for a in args)
     if origin in (typing.Union, types.UnionType):

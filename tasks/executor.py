@@ -155,8 +155,10 @@ def open_executor(cfg: ExperimentConfig, flow_run_id: uuid.UUID | str, flow_run_
         if cheap:
             lean.refresh_worker_settings(client)
         watch = ApiWatch(api)
+        per = cfg.cluster.iterations_per_flow_run
         iterations = IterationFlowRuns(api_client, flow_run_id, flow_run_count, run_name=cfg.name,
-                                       iterations=cfg.train.iterations, api=watch) if cfg.cluster.prefect_nested else None
+                                       iterations=cfg.train.iterations, api=watch,
+                                       per_flow_run=None if per == "auto" else per) if cfg.cluster.prefect_nested else None
         ex = PrefectDaskExecutor(client, loc.uri, flow_run_id, flow_run_count, log=log,
                                  pending_after_s=cfg.cluster.pending_after_s, flush_s=cfg.cluster.task_run_flush_s,
                                  iterations=iterations)

@@ -2,11 +2,11 @@
 
 Each iteration's flow run (`tasks/iteration_runs.py`) logs the iteration's line (as the
 terminal prints it), one line per control-plane decision made while it ran (instance moves,
-training slots, resubmits, ...) and the ops of other iterations it waited for, and carries a
+training slots, resubmits, ...) and the ops of other flow runs it waited for, and carries a
 markdown artifact: its figures, its ops with their workers and times, its decisions.
 
-Prefect draws an edge only between task runs of one flow run, so the wait of an iteration's
-first rollouts for the previous iteration's syncs is recorded (their task inputs) but not
+Prefect draws an edge only between task runs of one flow run, so the wait of a flow run's
+first rollouts for the previous flow run's syncs is recorded (their task inputs) but not
 drawn; the record names those ops and the flow run that holds them. Everything here is
 formatting, done on the iteration runs' own thread, never on the orchestrator's.
 """
@@ -64,16 +64,18 @@ def describe(d: Decision) -> str:
 @dataclass
 class IterationRecord:
     """What one iteration's flow run shows (module docstring). `waited`: each of its ops that
-    waited for ops of other iterations, with their names."""
+    waited for ops of other flow runs, with their names; `where`: the name of the flow run that
+    holds each iteration they belong to."""
 
     iteration: int
     row: dict[str, Any]
     ops: list[OpRecord] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     waited: dict[str, list[str]] = field(default_factory=dict)
+    where: dict[int, str] = field(default_factory=dict)
 
     def waited_on(self) -> list[str]:
-        """The ops of other iterations this one's ops waited for, each once, in order."""
+        """The ops of other flow runs this iteration's ops waited for, each once, in order."""
         return sorted({d for ds in self.waited.values() for d in ds}, key=lambda n: (_it(n), n))
 
 
@@ -84,15 +86,15 @@ def _it(name: str) -> int:
 
 def waits_line(rec: IterationRecord, run_name: str) -> str | None:
     """Where the iteration's undrawn edges lead, e.g. `waited on sync[solver] it=2 (in flow
-    run arith-tiny it 2)`; None when it waited on no other iteration."""
+    run arith-tiny it 2)`; None when it waited on no op of another flow run."""
     ops = rec.waited_on()
     if not ops:
         return None
     by_it: dict[int, list[str]] = {}
     for n in ops:
         by_it.setdefault(_it(n), []).append(n)
-    parts = [f"{', '.join(ns)} (in flow run {run_name} it {it})" for it, ns in by_it.items()]
-    return "waited on ops of other iterations, drawn there: " + "; ".join(parts)
+    parts = [f"{', '.join(ns)} (in flow run {rec.where.get(it, f'{run_name} it {it}')})" for it, ns in by_it.items()]
+    return "waited on ops of other flow runs, drawn there: " + "; ".join(parts)
 
 
 def log_lines(rec: IterationRecord, run_name: str, iterations: int) -> list[str]:
@@ -128,7 +130,7 @@ def markdown(rec: IterationRecord, run_name: str, iterations: int) -> str:
         t0 = ops[0].result.t_start
         when = dt.datetime.fromtimestamp(t0, dt.UTC).isoformat(timespec="seconds")
         out += [f"## ops ({len(ops)} run by this attempt; start in s after {when})", "",
-                "| op | worker | start | seconds | waited on (other iterations) |", "|---|---|---|---|---|"]
+                "| op | worker | start | seconds | waited on (other flow runs) |", "|---|---|---|---|---|"]
         out += [f"| {r.op.name} | {r.result.worker} | {r.result.t_start - t0:.2f} | {r.result.seconds:.2f} | "
                 f"{', '.join(rec.waited.get(r.op.name, []))} |" for r in ops]
         out.append("")

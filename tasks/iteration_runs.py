@@ -1,32 +1,40 @@
-"""Each training iteration as a flow run nested under the training run's.
+"""The training run's iterations as flow runs nested under its own.
 
 The Prefect server draws a flow run's graph only up to 10,000 task runs, and a run of the
 default team has ~35 ops per iteration, so one flat flow run stops drawing at iteration ~290.
-Here the training run's flow run holds one task run per iteration, and that task run is the
-parent of the iteration's own flow run (`flexmarl-iteration`), which holds the iteration's op
-task runs (`tasks/task_runs.py`): every graph stays the size of one iteration's MEG, and the
-parent lists the iterations (each with the previous one as its upstream input), as a subflow
-call would draw them. Both are named after the run, `arith-tiny it 3` (a flow-run retry's
-"arith-tiny it 3 (flow run 2)"), and tagged with the run's name.
+Here the training run's flow run holds one task run per nested flow run, and that task run is
+the parent of a flow run of its own (`flexmarl-iteration`), which holds the op task runs of its
+iterations (`tasks/task_runs.py`): every graph stays small, and the parent lists them (each
+with the previous one as its upstream input), as a subflow call would draw them. Both are named
+after the run, `arith-tiny it 3`, or `arith-tiny it 3-40` for one that holds several
+iterations (a flow-run retry's "arith-tiny it 3 (flow run 2)"), and tagged with the run's name.
 
-An iteration's flow run is asked for when its first op is submitted and set Completed when the
-iteration is final (its metrics row emitted), with its own record: its line and decisions in
-its logs, its ops and figures in an artifact, and the ops of other iterations it waited for
-(`tasks/iteration_record.py`). One still open when the training flow stops ends in the state
-that matches the flow's (Completed, Failed, Crashed or Cancelled, `tasks/leftovers.py`) with
-the flow's error as the reason.
+How many iterations a nested flow run holds (`cluster.iterations_per_flow_run`): a number, or
+`auto`, one each until the run's pace is known, then as many as the run makes in `BLOCK_S`
+seconds (at most `MAX_BLOCK`), so that each costs the API a few calls per 5 s of the run however
+short its iterations: on a run of 0.2 s iterations, a flow run per iteration cost the local
+server ~50 ms of CPU each, a quarter of the run's wall time on two cores
+(docs/results/overhead.md). Ops of one flow run draw their edges across its iterations.
+
+A flow run is asked for when the first op of its first iteration is submitted and set
+Completed when its last iteration is final (its metrics row emitted), with its record: each
+iteration's line and decisions in its logs, their ops and figures in an artifact, and the ops
+of other flow runs they waited for (`tasks/iteration_record.py`). One still open when the
+training flow stops gets the record of its final iterations and ends in the state that matches
+the flow's (Completed, Failed, Crashed or Cancelled, `tasks/leftovers.py`) with the flow's
+error as the reason.
 
 The API calls run on a thread of their own, flow-run creations first: the orchestrator never
 waits for the API, and an API server that is away delays only the reports (the op task runs of
 an iteration whose flow run does not exist yet wait in the reporter, `flow_run_id` answering
 None until it does). Each call costs the local server 8-25 ms of CPU, which on a machine the
-workers fill comes out of the stages (docs/results/overhead.md), so they are few: at most five
-per iteration. The flow's id is asked for once, not with every flow run; the tracking task run
-takes each state of its flow run from the server itself (Prefect's `UpdateSubflowParentTask`
-rule), never by a call of its own; and iterations that end within `end_lag_s` of each other
-are recorded together, their log lines in one call (`calls` counts the calls by kind). Each
-call is tried once per `RETRY_S` for as long as the run goes; once it ends, the run's one
-budget for a silent API applies (`tasks/api_watch.py`), however many calls are queued.
+workers fill comes out of the stages, so they are few: at most five per nested flow run. The
+flow's id is asked for once, not with every flow run; the tracking task run takes each state of
+its flow run from the server itself (Prefect's `UpdateSubflowParentTask` rule), never by a call
+of its own; and flow runs that end within `end_lag_s` of each other are recorded together,
+their log lines in one call (`calls` counts the calls by kind). Each call is tried once per
+`RETRY_S` for as long as the run goes; once it ends, the run's one budget for a silent API
+applies (`tasks/api_watch.py`), however many calls are queued.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import logging
+import math
 import threading
 import time
 import uuid
@@ -63,8 +72,9 @@ __all__ = ["ITERATION_FLOW", "TRACKING_KEY", "IterationFlowRuns"]
 log = logging.getLogger(__name__)
 
 
-def _iteration(iteration: int) -> None:
-    """One training iteration's ops (made by the training flow, never called)."""
+def _iteration(iteration: int, last: int | None = None) -> None:
+    """One or more training iterations' ops, `iteration` to `last` (made by the training flow,
+    never called)."""
 
 
 #: the flow the iterations' flow runs belong to (registered by name on first use)
@@ -74,18 +84,37 @@ _TRACKING = Task(_iteration, name="flexmarl-iteration")
 TRACKING_KEY = _TRACKING.task_key
 #: seconds between two tries of an API call that failed
 RETRY_S = 2.0
-#: an iteration's record waits this long for the ends of the next ones, sent together
+#: a flow run's record waits this long for the ends of the next ones, sent together
 END_LAG_S = 1.0
+#: `auto`: a nested flow run holds the iterations the run makes in this many seconds
+BLOCK_S = 5.0
+#: `auto`: at most this many iterations in one nested flow run (its graph stays small)
+MAX_BLOCK = 100
+#: `auto`: the pace is known once this many iterations have ended (the mean gap of the last ones)
+PACE_ENDS = 3
+
+
+def block_size(end_times: Sequence[float], target_s: float = BLOCK_S, cap: int = MAX_BLOCK) -> int:
+    """How many iterations the next nested flow run holds under `auto`: one until `PACE_ENDS`
+    iterations have ended, then as many as end in `target_s` at the pace of the last ends
+    (`end_times`, monotonic seconds, in order)."""
+    if len(end_times) < PACE_ENDS:
+        return 1
+    last = list(end_times)[-(PACE_ENDS + 2):]
+    pace = (last[-1] - last[0]) / (len(last) - 1)
+    return cap if pace <= 0 else max(1, min(cap, math.ceil(target_s / pace)))
 
 
 class IterationFlowRuns(RunHook):
-    """The flow runs of a training flow run's iterations (see the module docstring); as a run
-    hook, it gathers each iteration's ops and decisions, and completes the iteration's flow
-    run once its metrics row is final."""
+    """The nested flow runs of a training flow run's iterations (see the module docstring); as
+    a run hook, it gathers each iteration's ops and decisions, and completes a flow run once the
+    metrics rows of its iterations are final. `per_flow_run`: iterations per nested flow run
+    (None: `auto`)."""
 
     def __init__(self, client: SyncPrefectClient, parent_flow_run_id: uuid.UUID | str,
                  flow_run_count: int = 1, run_name: str = "", iterations: int = 0,
-                 api: ApiWatch | None = None, end_lag_s: float = END_LAG_S) -> None:
+                 api: ApiWatch | None = None, end_lag_s: float = END_LAG_S,
+                 per_flow_run: int | None = 1, clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.parent = uuid.UUID(str(parent_flow_run_id))
         self.flow_run_count = flow_run_count
@@ -94,23 +123,34 @@ class IterationFlowRuns(RunHook):
         self.iterations = iterations
         self.api = api if api is not None else ApiWatch(None)
         self.end_lag_s = end_lag_s
+        self.per_flow_run = per_flow_run
+        self._clock = clock
         #: API calls made, by kind (`open`, `logs`, `artifact`, `state`)
         self.calls: collections.Counter[str] = collections.Counter()
         self._flow_id: uuid.UUID | None = None
-        #: iteration -> (its task run in the parent, its own flow run), once made
+        # A nested flow run is keyed by its first iteration (a "block"): the iterations it holds
+        # and, once made, its task run in the parent and its own id.
+        self._block: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+        self._newest: int | None = None
+        self._end_times: collections.deque[float] = collections.deque(maxlen=PACE_ENDS + 2)
+        #: block -> (its task run in the parent, its own flow run), once made
         self.runs: dict[int, tuple[uuid.UUID, uuid.UUID]] = {}
         self._asked: set[int] = set()
-        #: iterations whose runs the API thread set Completed (it adds, `forget` removes)
+        #: blocks whose runs the API thread set Completed (it adds, `forget` removes)
         self._ended: set[int] = set()
-        # Gathered on the orchestrator's thread (appends only), handed over at the iteration's end.
+        # Gathered on the orchestrator's thread (appends only), handed over at the block's end.
         self._ops: dict[int, list[OpRecord]] = {}
         self._waited: dict[int, dict[str, list[str]]] = {}
+        self._where: dict[int, dict[int, str]] = {}
         self._decided: dict[int, list[Decision]] = {}
         self._seen = 0
         #: rows final, whose iteration's last op has yet to reach this hook (`iteration_done`)
         self._rows: dict[int, dict[str, Any]] = {}
         #: iterations whose record is made: what comes for them later (a rerun op) is not kept
         self._recorded: set[int] = set()
+        #: block -> the records of its iterations that are final, until all of them are
+        self._final: dict[int, dict[int, iteration_record.IterationRecord | None]] = {}
         # Work for the API thread: flow-run creations go before everything else.
         self._opens: collections.deque[tuple[str, int, Any]] = collections.deque()
         self._rest: collections.deque[tuple[str, int, Any]] = collections.deque()
@@ -124,18 +164,43 @@ class IterationFlowRuns(RunHook):
         self._thread = threading.Thread(target=self._work, name="flexmarl-iteration-runs", daemon=True)
         self._thread.start()
 
-    def _name(self, iteration: int) -> str:
-        run = f"{self.run_name} it {iteration}" if self.run_name else f"iteration {iteration}"
+    def _name(self, block: int) -> str:
+        last = self._last.get(block, block)
+        its = f"{block}" if last == block else f"{block}-{last}"
+        run = f"{self.run_name} it {its}" if self.run_name else f"iteration {its}"
         return run + ("" if self.flow_run_count <= 1 else f" (flow run {self.flow_run_count})")
 
     # -- the flow's thread ---------------------------------------------------------------------
+    def block(self, iteration: int) -> int:
+        """The first iteration of the nested flow run that holds `iteration`: the newest one's
+        if it spans it, else a new one from `iteration` on (sized by `per_flow_run`, or the pace
+        under `auto`); an iteration older than the newest flow run that none holds (a resumed
+        attempt's) gets one of its own."""
+        got = self._block.get(iteration)
+        if got is not None:
+            return got
+        newest = self._newest
+        if newest is not None and newest <= iteration <= self._last[newest]:
+            got = newest
+        else:
+            got = iteration
+            size = 1
+            if newest is None or iteration > self._last[newest]:
+                size = self.per_flow_run or block_size(self._end_times)
+                self._newest = iteration
+            last = iteration + size - 1
+            self._last[iteration] = max(iteration, min(last, self.iterations - 1) if self.iterations else last)
+        self._block[iteration] = got
+        return got
+
     def flow_run_id(self, iteration: int) -> uuid.UUID | None:
         """The flow run that holds `iteration`'s ops, or None while it is being made (asked
         for on the first call)."""
-        got = self.runs.get(iteration)
+        block = self.block(iteration)
+        got = self.runs.get(block)
         if got is not None:
             return got[1]
-        self._ask(iteration)
+        self._ask(block)
         return None
 
     def _put(self, item: tuple[str, int, Any]) -> None:
@@ -143,17 +208,21 @@ class IterationFlowRuns(RunHook):
             (self._opens if item[0] == "open" else self._rest).append(item)
             self._wake.notify()
 
-    def _ask(self, iteration: int) -> None:
-        if iteration not in self._asked:
-            self._asked.add(iteration)
-            self._put(("open", iteration, None))
+    def _ask(self, block: int) -> None:
+        if block not in self._asked:
+            self._asked.add(block)
+            self._put(("open", block, None))
 
     def submitted(self, op: Op, deps: Sequence[Op]) -> None:
-        """`op` was submitted after `deps`: those of other iterations are edges Prefect cannot
-        draw (they lead into another flow run), so the iteration's record names them."""
-        other = [d.name for d in deps if d.iteration != op.iteration]
+        """`op` was submitted after `deps`: those in other flow runs are edges Prefect cannot
+        draw, so the iteration's record names them and where they are."""
+        mine = self.block(op.iteration)
+        other = [d for d in deps if self._block.get(d.iteration, d.iteration) != mine]
         if other:
-            self._waited.setdefault(op.iteration, {})[op.name] = other
+            self._waited.setdefault(op.iteration, {})[op.name] = [d.name for d in other]
+            where = self._where.setdefault(op.iteration, {})
+            for d in other:
+                where[d.iteration] = self._name(self._block.get(d.iteration, d.iteration))
 
     def op_done(self, record: OpRecord, *, decisions: list[Decision] | None = None, **kwargs: Any) -> None:
         if record.op.iteration not in self._recorded:
@@ -179,34 +248,45 @@ class IterationFlowRuns(RunHook):
         self._rows.clear()
 
     def finished(self, iteration: int, row: dict[str, Any] | None = None) -> None:
-        """`iteration` is final: its flow run and its task run in the parent become Completed,
-        with its record (`row`: its metrics row). One whose ops all ran in an earlier attempt,
-        which stopped before its row was final (a resume), gets a flow run of this attempt
-        too, holding no op: the earlier attempt's was ended with it, and every iteration ends
-        with a Completed one."""
-        self._ask(iteration)
+        """`iteration` is final: its record (`row`: its metrics row) joins its flow run's, which
+        ends Completed (its task run in the parent too) once every iteration of it is final. An
+        iteration whose ops all ran in an earlier attempt, which stopped before its row was final
+        (a resume), is in a flow run of this attempt too, holding no op of it: the earlier
+        attempt's was ended with it, and every iteration ends in a Completed one."""
+        block = self.block(iteration)
+        self._ask(block)
         self._recorded.add(iteration)
+        self._end_times.append(self._clock())
         record = None if row is None else iteration_record.IterationRecord(
             iteration, row, self._ops.pop(iteration, []), self._decided.pop(iteration, []),
-            self._waited.pop(iteration, {}))
-        self._put(("end", iteration, record))
+            self._waited.pop(iteration, {}), self._where.pop(iteration, {}))
+        final = self._final.setdefault(block, {})
+        final[iteration] = record
+        if len(final) > self._last[block] - block:
+            self._put(("end", block, (self._final.pop(block), True)))
 
     def forget(self, below: int) -> None:
-        """Drop the iterations before `below` whose runs are Completed (every op of them is
-        reported); the others stay until `close`."""
-        for it in [i for i in list(self._ended) if i < below]:  # list(): one step under the GIL
-            self._ended.discard(it)
-            self.runs.pop(it, None)
-            self._asked.discard(it)
+        """Drop the flow runs of iterations before `below` that are Completed (every op of
+        them is reported); the others stay until `close`."""
+        for b in [b for b in list(self._ended) if self._last.get(b, b) < below]:  # list(): one step under the GIL
+            self._ended.discard(b)
+            self.runs.pop(b, None)
+            self._asked.discard(b)
+            for it in range(b, self._last.get(b, b) + 1):
+                self._block.pop(it, None)
+            self._last.pop(b, None)
         self._recorded -= {i for i in self._recorded if i < below}
 
     def close(self, error: BaseException | None, timeout_s: float = 60.0) -> bool:
-        """The training flow stops: iterations still open end in the state that matches its
-        own, with `error` as the reason. Waits for the API calls still queued: while the API
-        answers, for at most `timeout_s`; while it does not, within the run's budget for a
-        silent API (`ApiWatch.deadline`), past which the API is given up on. True: every call
-        was made."""
+        """The training flow stops: the flow runs still open get the records of their final
+        iterations and end in the state that matches its own, with `error` as the reason. Waits
+        for the API calls still queued: while the API answers, for at most `timeout_s`; while it
+        does not, within the run's budget for a silent API (`ApiWatch.deadline`), past which the
+        API is given up on. True: every call was made."""
         self._finish_rows()
+        for block, final in sorted(self._final.items()):
+            self._put(("end", block, (final, False)))
+        self._final.clear()
         self._put(("close", -1, error))
         since = time.monotonic()
         while True:
@@ -247,31 +327,33 @@ class IterationFlowRuns(RunHook):
                     ends, until = [], None
                 if item is None:
                     continue
-                what, iteration, arg = item
+                what, block, arg = item
                 if what == "open":
-                    self._call(lambda it=iteration: self._open(it))
+                    self._call(lambda b=block: self._open(b))
                 elif what == "end":
-                    ends.append((iteration, arg))
+                    ends.append((block, arg))
                     until = until if until is not None else time.monotonic() + self.end_lag_s
                 else:
                     type_ = leftovers.ending(arg)
                     message = leftovers.reason(type_, arg)
-                    for it in sorted(set(self.runs) - self._ended):
-                        self._call(lambda it=it, t=type_, m=message: self._set(it, t, m))
+                    for b in sorted(set(self.runs) - self._ended):
+                        self._call(lambda b=b, t=type_, m=message: self._set(b, t, m))
                     return
 
     def _end_all(self, ends: list[tuple[int, Any]]) -> None:
-        """Record and complete the iterations in `ends`: their log lines in one call, then each
-        one's artifact and Completed state."""
-        todo = [(it, self._record(rec)) for it, rec in ends if it in self.runs and it not in self._ended]
+        """Record the flow runs in `ends` and complete those whose iterations are all final:
+        their log lines in one call, then each one's artifact and Completed state."""
+        todo = [(b, complete, self._record(b, final)) for b, (final, complete) in ends
+                if b in self.runs and b not in self._ended]
         if not todo:
             return
-        logs = [(self.runs[it][1], line) for it, (lines, _) in todo for line in lines]
+        logs = [(self.runs[b][1], line) for b, _, (lines, _) in todo for line in lines]
         if logs and PREFECT_LOGGING_TO_API_ENABLED.value():
             self._call(lambda: self._logs(logs))
-        for it, shown in todo:
-            self._call(lambda it=it, shown=shown: self._end(it, *shown))
-            self._ended.add(it)  # after the call: `forget` may drop it now
+        for b, complete, shown in todo:
+            self._call(lambda b=b, c=complete, shown=shown: self._end(b, *shown, complete=c))
+            if complete:
+                self._ended.add(b)  # after the call: `forget` may drop it now
 
     def _call(self, fn: Callable[[], None]) -> None:
         warned = False
@@ -287,30 +369,31 @@ class IterationFlowRuns(RunHook):
                     warned = True
                 self._closing.wait(RETRY_S)
 
-    def _open(self, iteration: int) -> None:
-        name = self._name(iteration)
+    def _open(self, block: int) -> None:
+        name = self._name(block)
         tags = [self.run_name] if self.run_name else []
         inputs = {"previous": [TaskRunResult(id=self._last_tracking)]} if self._last_tracking else {}
         tracking = self.client.create_task_run(_TRACKING, self.parent, dynamic_key=name, name=name,
                                                extra_tags=tags, state=Running(), task_inputs=inputs)
         if self._flow_id is None:
             self._flow_id = self.client.create_flow(ITERATION_FLOW)
-        # As `create_flow_run` makes it, less its upsert of the flow (a call per iteration).
+        last = self._last.get(block, block)
+        # As `create_flow_run` makes it, less its upsert of the flow (a call per flow run).
         child = FlowRunCreate(
             flow_id=self._flow_id, flow_version=ITERATION_FLOW.version, name=name,
-            parameters={"iteration": iteration}, context={}, tags=tags, parent_task_run_id=tracking.id,
-            state=to_state_create(Running()),
+            parameters={"iteration": block, **({"last": last} if last != block else {})},
+            context={}, tags=tags, parent_task_run_id=tracking.id, state=to_state_create(Running()),
             empirical_policy=FlowRunPolicy(retries=ITERATION_FLOW.retries,
                                            retry_delay=int(ITERATION_FLOW.retry_delay_seconds or 0)))
         got = self.client.request("POST", "/flow_runs/", json=child.model_dump(mode="json", exclude_unset=True))
         self.calls["open"] += 1
         self._last_tracking = tracking.id
-        self.runs[iteration] = (tracking.id, uuid.UUID(got.json()["id"]))
+        self.runs[block] = (tracking.id, uuid.UUID(got.json()["id"]))
 
-    def _set(self, iteration: int, type_: str, message: str) -> None:
-        """The iteration's flow run in `type_`; the server gives its tracking task run the same
-        state (`UpdateSubflowParentTask`), so that takes no call of its own."""
-        self.client.set_flow_run_state(self.runs[iteration][1], leftovers.state(type_, message), force=True)
+    def _set(self, block: int, type_: str, message: str) -> None:
+        """The flow run in `type_`; the server gives its tracking task run the same state
+        (`UpdateSubflowParentTask`), so that takes no call of its own."""
+        self.client.set_flow_run_state(self.runs[block][1], leftovers.state(type_, message), force=True)
         self.calls["state"] += 1
 
     def _logs(self, lines: list[tuple[uuid.UUID, str]]) -> None:
@@ -319,27 +402,32 @@ class IterationFlowRuns(RunHook):
                                            timestamp=now, flow_run_id=child) for child, line in lines])
         self.calls["logs"] += 1
 
-    def _record(self, rec: iteration_record.IterationRecord | None) -> tuple[list[str], str | None]:
-        """The iteration's log lines and artifact (none for a row that cannot be shown: the
-        iteration still ends)."""
-        if rec is None:
-            return [], None
-        try:
-            return (iteration_record.log_lines(rec, self.run_name, self.iterations),
-                    iteration_record.markdown(rec, self.run_name, self.iterations))
-        except Exception as exc:  # a row without the usual figures: no record, never a stuck thread
-            log.warning("no record for iteration %d's flow run: %s: %s", rec.iteration, type(exc).__name__, exc)
-            return [], None
+    def _record(self, block: int, final: dict[int, iteration_record.IterationRecord | None]
+                ) -> tuple[list[str], str | None]:
+        """The flow run's log lines and artifact, its iterations in order (none for a row that
+        cannot be shown: the flow run still ends)."""
+        lines: list[str] = []
+        parts: list[str] = []
+        for it, rec in sorted(final.items()):
+            if rec is None:
+                continue
+            try:
+                lines += iteration_record.log_lines(rec, self.run_name, self.iterations)
+                parts.append(iteration_record.markdown(rec, self.run_name, self.iterations))
+            except Exception as exc:  # a row without the usual figures: no record, never a stuck thread
+                log.warning("no record for iteration %d's flow run: %s: %s", it, type(exc).__name__, exc)
+        return lines, ("\n".join(parts) if parts else None)
 
-    def _end(self, iteration: int, lines: list[str], markdown: str | None) -> None:
-        """The iteration's artifact, then Completed (its log lines went before, `_end_all`): a
-        reader who sees the run Completed finds its record there."""
-        child = self.runs[iteration][1]
-        waits = [x for x in lines[1:] if x.startswith("waited on")]  # the edges Prefect cannot draw
+    def _end(self, block: int, lines: list[str], markdown: str | None, *, complete: bool = True) -> None:
+        """The flow run's artifact, then Completed where all its iterations are final (its log
+        lines went before, `_end_all`): a reader who sees it Completed finds its record there."""
+        child = self.runs[block][1]
+        waits = [x for x in lines if x.startswith("waited on")]  # the edges Prefect cannot draw
         if markdown is not None:
             self.client.create_artifact(ArtifactCreate(
                 type="markdown", data=markdown, flow_run_id=child,
-                description="; ".join([f"{self._name(iteration)}: ops, times, rewards, decisions", *waits])))
+                description="; ".join([f"{self._name(block)}: ops, times, rewards, decisions", *waits])))
             self.calls["artifact"] += 1
-        message = "; ".join(lines[:1] + waits) or "iteration final"
-        self._set(iteration, "COMPLETED", message)
+        if complete:
+            final = [x for x in lines if x.startswith("iteration ")][-1:]
+            self._set(block, "COMPLETED", "; ".join(final + waits) or "iterations final")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -355,6 +355,13 @@ class ClusterConfig(_Strict):
         "under the training run's, holding that iteration's op task runs: the Prefect UI draws a "
         "graph of at most 10,000 task runs, so a flat run stops drawing past a few hundred "
         "iterations (tasks/iteration_runs.py). false: every op in the training run's flow run.",
+    )
+    iterations_per_flow_run: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="How many iterations one nested flow run holds (with `prefect_nested`). auto: "
+        "one each until the run's pace is known, then as many as the run makes in 5 s (at most "
+        "100), so a run of short iterations costs the Prefect server a few calls per 5 s instead "
+        "of per iteration (tasks/iteration_runs.py).",
     )
     prefect_lean: bool | Literal["auto"] = Field(
         "auto",

@@ -61,3 +61,59 @@ def test_ends_close_together_are_recorded_in_one_call_and_none_is_lost_at_the_en
             f"iteration {it + 1}/{n}  E2E 0.25 s  acc 0.500  util 0.90"], logs[kid.id]
         (art,) = arts[kid.id]
         assert art.type == "markdown" and f"# calls it {it}" in art.data
+
+
+def test_a_flow_run_holds_several_iterations_by_count_or_by_the_runs_pace(prefect_api):
+    """`per_flow_run=3`: seven iterations in three flow runs, each recorded and completed once
+    all of its iterations are final. `auto` (per_flow_run None), iterations ending 0.1 s apart on
+    a fed clock: one flow run each until three have ended, then the rest of the run in one (5 s
+    of it would be 50 iterations)."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    from tasks.iteration_runs import IterationFlowRuns
+
+    n = 7
+
+    @flow
+    def iterations() -> dict:
+        calls = {}
+        with get_client(sync_client=True) as client:
+            for name, per in (("three", 3), ("auto", None)):
+                ticks = iter([0.1 * i for i in range(n)])
+                its = IterationFlowRuns(client, flow_run.get_id(), run_name=name, iterations=n, end_lag_s=0.0,
+                                        per_flow_run=per, clock=lambda ticks=ticks: next(ticks))
+                ids = []
+                for it in range(n):
+                    its.flow_run_id(it)  # its first op is submitted
+                    its.finished(it, _row(it))
+                    ids.append(its.block(it))
+                assert its.close(None)
+                calls[name] = (dict(its.calls), ids)
+        return calls
+
+    state = iterations(return_state=True)
+    calls = state.result()
+    assert calls["three"][1] == [0, 0, 0, 3, 3, 3, 6]
+    assert calls["auto"][1] == [0, 1, 2, 3, 3, 3, 3]
+    for name, opened in (("three", 3), ("auto", 4)):
+        got = calls[name][0]
+        assert got["open"] == got["artifact"] == got["state"] == opened and got["logs"] <= opened, (name, got)
+    own, kids, _ = children_of(state.state_details.flow_run_id, 7)
+    names = {"three it 0-2": [0, 1, 2], "three it 3-5": [3, 4, 5], "three it 6": [6],
+             "auto it 0": [0], "auto it 1": [1], "auto it 2": [2], "auto it 3-6": [3, 4, 5, 6]}
+    assert sorted(k.name for k in kids.values()) == sorted(names)
+    tracking = {r.name: r for r in own}
+    logs, arts = asyncio.run(records(list(kids)))
+    for kid in kids.values():
+        its = names[kid.name]
+        # Completed once its last iteration is, with that iteration's line; its tracking task run too.
+        assert kid.state.is_completed() and kid.state.message.startswith(f"iteration {its[-1] + 1}/{n}"), kid.state
+        assert tracking[kid.name].state.is_completed() and tracking[kid.name].state.state_details.child_flow_run_id == kid.id
+        assert kid.parameters == ({"iteration": its[0], "last": its[-1]} if len(its) > 1 else {"iteration": its[0]})
+        run = kid.name.split()[0]
+        assert [m for m in logs[kid.id] if m.startswith("iteration ")] == [
+            f"iteration {it + 1}/{n}  E2E 0.25 s  acc 0.500  util 0.90" for it in its], logs[kid.id]
+        (art,) = arts[kid.id]
+        assert all(f"# {run} it {it}\n" in art.data for it in its) and f"# {run} it {its[-1] + 1}\n" not in art.data

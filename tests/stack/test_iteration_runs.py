@@ -222,3 +222,33 @@ def test_what_an_attempt_left_open_is_ended_by_the_next_command_as_the_attempt_r
         assert c.read_flow_run(unreported).state.is_completed()
     assert all(a["closed"] for a in json.loads(loc.read_text(leftovers.RECORD))["attempts"])
     assert leftovers.close_for_command(loc) == 0
+
+
+def test_a_flow_run_of_two_iterations_holds_their_ops_and_draws_the_edges_between_them(
+        prefect_api, dask_cluster, tmp_path):
+    """`cluster.iterations_per_flow_run=2` on the real flow: both iterations in one nested flow
+    run, whose graph draws the edge from iteration 0's sync to iteration 1's ops that waited for
+    it (no `waited on` line then), with both iterations' lines and one artifact."""
+    from flexmarl_core.config import load_config
+    from flexmarl_core.orchestrator.plan import Plan
+    from tests._runs import COMMON, TINY, flow
+
+    overrides = [f"run_dir={tmp_path / 'run'}", f"cluster.address={dask_cluster}", *COMMON,
+                 "cluster.iterations_per_flow_run=2"]
+    state = flow(overrides)
+    assert state.is_completed(), state
+    cfg = load_config(TINY, overrides)
+    own, kids, ops = children_of(state.state_details.flow_run_id, 1)
+    (kid,) = kids.values()
+    assert kid.name == f"{cfg.name} it 0-{ITERATIONS - 1}" and kid.state.is_completed(), (kid.name, kid.state)
+    assert kid.parameters == {"iteration": 0, "last": ITERATIONS - 1}
+    runs = {r.name: r for r in ops[kid.id]}
+    assert len(runs) == len(Plan.build(cfg).deps) and all(r.state.is_completed() for r in runs.values())
+    sync = runs["sync[solver] it=0"].id
+    assert [n for n, r in runs.items() if " it=1" in n and sync in [x.id for xs in r.task_inputs.values() for x in xs]]
+    logs, arts = asyncio.run(records([kid.id]))
+    assert [m.split("  ")[0] for m in logs[kid.id] if m.startswith("iteration ")] == [
+        f"iteration {i + 1}/{ITERATIONS}" for i in range(ITERATIONS)], logs[kid.id]
+    assert not [m for m in logs[kid.id] if m.startswith("waited on")] and "waited on" not in kid.state.message
+    (art,) = arts[kid.id]
+    assert all(n in art.data for n in runs), art.data

@@ -38,7 +38,10 @@ def test_an_iterations_record_has_its_line_decisions_ops_and_the_waits_prefect_c
     assert lines[0].startswith("iteration 3/5  E2E 1.50 s  acc 0.250")
     assert lines[1] == "train_slot: solver's training of iteration 2 on w1 (its state swapped in from w0)"
     assert lines[2].startswith("move_instance: worker w0 now serves solver instead of planner")
-    assert lines[3] == "waited on ops of other iterations, drawn there: sync[planner] it=1 (in flow run team it 1)"
+    assert lines[3] == "waited on ops of other flow runs, drawn there: sync[planner] it=1 (in flow run team it 1)"
+    # Where its flow run holds several iterations, the record names that flow run.
+    rec.where = {1: "team it 0-1"}
+    assert log_lines(rec, "team", 5)[3].endswith("sync[planner] it=1 (in flow run team it 0-1)")
     md = markdown(rec, "team", 5)
     rows = [x for x in md.splitlines() if x.startswith(("| rollout[", "| reward it="))]
     assert rows == [f"| {first.name} | w0 | 0.00 | 0.80 | sync[planner] it=1 |", f"| {later.name} | w0 | 1.00 | 0.50 |  |"]
@@ -112,3 +115,16 @@ def test_two_launches_at_once_one_takes_the_folder_the_other_gets_the_second_lau
         assert RunLease.adopt(loc, "flow-1") is held and read_lease(loc).flow_run == "flow-1"
         held.release()
         assert RunLease.adopt(loc, "flow-2") is None and read_lease(loc) is None
+
+
+def test_auto_flow_runs_hold_one_iteration_until_the_pace_is_known_then_five_seconds_of_it():
+    from tasks.iteration_runs import BLOCK_S, MAX_BLOCK, PACE_ENDS, block_size
+
+    assert [block_size([0.1 * i for i in range(n)]) for n in range(PACE_ENDS)] == [1] * PACE_ENDS
+    assert block_size([0.0, 0.1, 0.2]) == round(BLOCK_S / 0.1)
+    # The pace is the mean gap of the last ends: a burst of ends does not make it zero.
+    assert block_size([10.0, 10.0, 10.0, 11.0, 12.0]) == 10  # 0.5 s apart on average
+    assert block_size([0.0, 4.0, 8.0, 12.0]) == 2
+    assert block_size([0.0, 60.0, 120.0]) == 1  # long iterations: one each
+    assert block_size([5.0, 5.0, 5.0]) == MAX_BLOCK
+    assert block_size([0.0, 0.001, 0.002]) == MAX_BLOCK
