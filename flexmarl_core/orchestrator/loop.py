@@ -141,6 +141,12 @@ class Orchestrator:
         while self._left:
             self._submit_ready()
             if self.policies.look_ahead is not None:
+                # The iterations a running op's children can reach are admitted now, not once
+                # it ends: the next iteration's first ops then chain on this one's last (its
+                # syncs) and start as they end, without a round trip through this loop.
+                if st.running:
+                    self._reach(max(r.op.iteration for r in st.running.values()) + self.plan.reach,
+                                advance=False)
                 for op, route, pending in self.policies.look_ahead.ahead(st, self._live_workers):
                     self._submit(op, route, pending)
             if not st.running:

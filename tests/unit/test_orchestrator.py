@@ -554,6 +554,24 @@ def test_a_fixed_route_chain_runs_fused_one_task_per_iteration():
             assert all(len(s) == 1 for s in subs) and len(subs) == len(plan.deps)
 
 
+def test_the_next_iterations_fused_run_is_chained_on_this_ones():
+    """Fused, each iteration is one run; with look-ahead the next one is submitted while this
+    one's run still goes (chained on it, so the cluster starts it as the sync ends), and each
+    starts only after the sync it waits for."""
+    cfg = one_agent_cfg(iterations=4, fuse=True)
+    exs: list = []
+    # Each op is held at its start until its children are submitted: the sync until the next
+    # iteration's run is, however slow this loop is to get there.
+    res, log = run_one_agent(cfg, executor=exs, until_chained=True)
+    submitted = {r.op: r.submitted for r in res.records}
+    ends = {o: t1 for o, _, t1 in log}
+    starts = {o: t0 for o, t0, _ in log}
+    assert [len(s) for s in exs[0].submissions] == [5] * cfg.train.iterations
+    for it in range(1, cfg.train.iterations):
+        sync, rollout = Op(it - 1, "sync", "solver"), Op(it, "rollout", "solver", mb=0)
+        assert submitted[rollout] < ends[sync] <= starts[rollout], it
+
+
 @pytest.mark.parametrize("look_ahead", [True, False])
 @pytest.mark.parametrize("kind", ["train", "step", "sync"])
 def test_a_fused_run_that_loses_its_worker_midway_keeps_what_ran(kind, look_ahead):
