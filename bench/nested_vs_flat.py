@@ -11,7 +11,8 @@ left to go idle before each run. Per run: `wall_s` (the flow call), `run_wall_s`
 in that time of the flow process (`flow_cpu_s`, the in-process Dask scheduler included), of its
 threads by name (`threads_cpu_s`), of the Prefect server (`server_cpu_s`, children included)
 and of the Dask worker processes (`workers_cpu_s`, sampled until they exit). Summary per layout:
-medians over repeats (`step_s_p25`: each run's quietest quarter of iterations), and `gap`, nested over flat `s_per_iteration` minus 1. `--server-nice N [M ...]`:
+medians over repeats (`step_s_p25`: each run's quietest quarter of iterations; `handoff_s`: the
+mean time from an iteration's last op's end to the next one's first op's start), and `gap`, nested over flat `s_per_iteration` minus 1. `--server-nice N [M ...]`:
 each layout runs with the bench's server (every thread of it) reniced to each N in turn
 (flexmarl starts it at 10); the summary then has a layout per value (`nested@19`).
 `--compare-set OVERRIDE` (repeatable): each layout also runs with that config override (e.g.
@@ -107,6 +108,25 @@ def renice(home: Path, nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, t.id, nice)
 
 
+def handoff_s(run_dir: Path) -> float | None:
+    """Mean seconds from one iteration's last op's end to the next one's first op's start (the
+    run's op log): the hand-off between iterations that look-ahead chains away."""
+    path = run_dir / "metrics" / "ops.jsonl"
+    if not path.is_file():
+        return None
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            o = json.loads(line)
+            it = o["iteration"]
+            first[it] = min(first.get(it, o["t_start"]), o["t_start"])
+            last[it] = max(last.get(it, o["t_end"]), o["t_end"])
+    its = sorted(first)
+    gaps = [max(0.0, first[b] - last[a]) for a, b in zip(its, its[1:], strict=False)]
+    return statistics.fmean(gaps) if gaps else None
+
+
 def one_run(train: object, api: str, home: Path, config: Path, ckpt: Path, base: list[str], run_dir: Path,
             iterations: int, nested: bool, bg: int) -> dict:
     waited = settle(home)
@@ -126,6 +146,7 @@ def one_run(train: object, api: str, home: Path, config: Path, ckpt: Path, base:
     steps = sorted(figures.pop("step_s"))
     # the quietest quarter of the iterations: the figure least moved by other load on the machine
     figures["step_s_p25"] = steps[len(steps) // 4]
+    figures["handoff_s"] = handoff_s(run_dir)
     return {**figures, "nested": nested, "settle_s": waited, "s_per_iteration": figures["run_wall_s"] / iterations,
             "flow_cpu_s": c1 - c0, "server_cpu_s": None if srv0 is None or srv1 is None else srv1 - srv0,
             "workers_cpu_s": workers, "threads_cpu_s": threads}
@@ -190,6 +211,8 @@ def main() -> int:
             name: {key: med(r[key] for r in res["runs"] if r["layout"] == name)
                    for key in ("s_per_iteration", "wall_s", "step_s_median", "flow_cpu_s", "server_cpu_s",
                                "workers_cpu_s", "stage_cpu_s", "stage_cpu_per_it_s", "step_s_p25")}
+            | {"handoff_s": med([r["handoff_s"] for r in res["runs"] if r["layout"] == name
+                                   and r["handoff_s"] is not None] or [float("nan")])}
             for name in dict.fromkeys(r["layout"] for r in res["runs"])}
         for nice in nices:
             for v in variants:
