@@ -10,19 +10,20 @@ after the run, `arith-tiny it 3`, or `arith-tiny it 3-40` for one that holds sev
 iterations (a flow-run retry's "arith-tiny it 3 (flow run 2)"), and tagged with the run's name.
 
 How many iterations a nested flow run holds (`cluster.iterations_per_flow_run`): a number, or
-`auto`, one each until the run's pace is known, then as many as the run makes in `BLOCK_S`
-seconds (at most `MAX_BLOCK`), so that each costs the API a few calls per 5 s of the run however
-short its iterations: on a run of 0.2 s iterations, a flow run per iteration cost the local
-server ~50 ms of CPU each, a quarter of the run's wall time on two cores
-(docs/results/overhead.md). Ops of one flow run draw their edges across its iterations.
+`auto`, one each until the run's pace is known, then as many as the attempt makes in `BLOCK_S`
+seconds at its pace so far (at most `MAX_BLOCK`), so that each costs the API a few calls per
+5 s of the run however short its iterations: on a run of 0.1-0.2 s iterations, a flow run per
+iteration cost the local server ~50 ms of CPU each, a quarter of the run's wall time on two
+cores (docs/results/overhead.md). Ops of one flow run draw their edges across its iterations.
 
 A flow run is asked for when the first op of its first iteration is submitted and set
-Completed when its last iteration is final (its metrics row emitted), with its record: each
-iteration's line and decisions in its logs, their ops and figures in an artifact, and the ops
-of other flow runs they waited for (`tasks/iteration_record.py`). One still open when the
-training flow stops gets the record of its final iterations and ends in the state that matches
-the flow's (Completed, Failed, Crashed or Cancelled, `tasks/leftovers.py`) with the flow's
-error as the reason.
+Completed when its last iteration is final (its metrics row emitted), or, where the run went
+past iterations it spans (a resumed attempt's skipped ones), when those it holds are. It
+carries its record: each iteration's line and decisions in its logs, their ops and figures in
+an artifact, and the ops of other flow runs they waited for (`tasks/iteration_record.py`). One
+still open when the training flow stops gets the record of its final iterations and ends in
+the state that matches the flow's (Completed, Failed, Crashed or Cancelled,
+`tasks/leftovers.py`) with the flow's error as the reason.
 
 The API calls run on a thread of their own, flow-run creations first: the orchestrator never
 waits for the API, and an API server that is away delays only the reports (the op task runs of
@@ -90,19 +91,19 @@ END_LAG_S = 1.0
 BLOCK_S = 5.0
 #: `auto`: at most this many iterations in one nested flow run (its graph stays small)
 MAX_BLOCK = 100
-#: `auto`: the pace is known once this many iterations have ended (the mean gap of the last ones)
+#: `auto`: the pace is known once this many iterations of the attempt have ended
 PACE_ENDS = 3
 
 
-def block_size(end_times: Sequence[float], target_s: float = BLOCK_S, cap: int = MAX_BLOCK) -> int:
+def block_size(ends: int, span_s: float, target_s: float = BLOCK_S, cap: int = MAX_BLOCK) -> int:
     """How many iterations the next nested flow run holds under `auto`: one until `PACE_ENDS`
-    iterations have ended, then as many as end in `target_s` at the pace of the last ends
-    (`end_times`, monotonic seconds, in order)."""
-    if len(end_times) < PACE_ENDS:
+    iterations have ended, then as many as end in `target_s` at the attempt's pace so far:
+    `ends` iterations in `span_s`, from its first op's submission to the last end. Taken over
+    the whole attempt, not the last few ends: rows that become final together (held behind an
+    older op) would make a pace of zero."""
+    if ends < PACE_ENDS or span_s <= 0:
         return 1
-    last = list(end_times)[-(PACE_ENDS + 2):]
-    pace = (last[-1] - last[0]) / (len(last) - 1)
-    return cap if pace <= 0 else max(1, min(cap, math.ceil(target_s / pace)))
+    return max(1, min(cap, math.ceil(target_s * ends / span_s)))
 
 
 class IterationFlowRuns(RunHook):
@@ -133,7 +134,13 @@ class IterationFlowRuns(RunHook):
         self._block: dict[int, int] = {}
         self._last: dict[int, int] = {}
         self._newest: int | None = None
-        self._end_times: collections.deque[float] = collections.deque(maxlen=PACE_ENDS + 2)
+        #: block -> the iterations in it so far; blocks the run has gone past (a later one began)
+        self._members: dict[int, set[int]] = {}
+        self._passed: set[int] = set()
+        # The attempt's pace: its first op's submission, its iterations ended since, the last end.
+        self._t0: float | None = None
+        self._ends = 0
+        self._t_end = 0.0
         #: block -> (its task run in the parent, its own flow run), once made
         self.runs: dict[int, tuple[uuid.UUID, uuid.UUID]] = {}
         self._asked: set[int] = set()
@@ -174,24 +181,46 @@ class IterationFlowRuns(RunHook):
     def block(self, iteration: int) -> int:
         """The first iteration of the nested flow run that holds `iteration`: the newest one's
         if it spans it, else a new one from `iteration` on (sized by `per_flow_run`, or the pace
-        under `auto`); an iteration older than the newest flow run that none holds (a resumed
-        attempt's) gets one of its own."""
+        under `auto`), past which the run has then gone; an iteration older than the newest
+        flow run that none holds (a resumed attempt's) gets one of its own."""
         got = self._block.get(iteration)
         if got is not None:
             return got
+        if self._t0 is None:
+            self._t0 = self._clock()
         newest = self._newest
-        if newest is not None and newest <= iteration <= self._last[newest]:
+        if newest is not None and newest <= iteration <= self._last.get(newest, newest):
             got = newest
         else:
             got = iteration
             size = 1
-            if newest is None or iteration > self._last[newest]:
-                size = self.per_flow_run or block_size(self._end_times)
+            if newest is None or iteration > self._last.get(newest, newest):
+                size = self.per_flow_run or block_size(self._ends, self._t_end - self._t0)
                 self._newest = iteration
             last = iteration + size - 1
             self._last[iteration] = max(iteration, min(last, self.iterations - 1) if self.iterations else last)
+            if newest is not None and got == self._newest:
+                self._pass(newest)
         self._block[iteration] = got
+        self._members.setdefault(got, set()).add(iteration)
         return got
+
+    def _pass(self, block: int) -> None:
+        """The run has gone past `block`: it takes no more iterations (those of its span that
+        never came, a resumed attempt's skipped ones, are not waited for)."""
+        self._passed.add(block)
+        self._end_if_final(block)
+
+    def _end_if_final(self, block: int) -> None:
+        """Hand `block` over for its record and Completed state once every iteration in it is
+        final and it takes no more (its span full, or passed)."""
+        final = self._final.get(block)
+        members = self._members.get(block, set())
+        if final is None or len(final) < len(members):
+            return
+        if len(members) > self._last.get(block, block) - block or block in self._passed:
+            self._passed.discard(block)
+            self._put(("end", block, (self._final.pop(block), True)))
 
     def flow_run_id(self, iteration: int) -> uuid.UUID | None:
         """The flow run that holds `iteration`'s ops, or None while it is being made (asked
@@ -253,26 +282,28 @@ class IterationFlowRuns(RunHook):
         iteration whose ops all ran in an earlier attempt, which stopped before its row was final
         (a resume), is in a flow run of this attempt too, holding no op of it: the earlier
         attempt's was ended with it, and every iteration ends in a Completed one."""
+        ran = iteration in self._block  # an op of it came in this attempt: it counts for the pace
         block = self.block(iteration)
         self._ask(block)
         self._recorded.add(iteration)
-        self._end_times.append(self._clock())
+        if ran:
+            self._ends += 1
+            self._t_end = self._clock()
         record = None if row is None else iteration_record.IterationRecord(
             iteration, row, self._ops.pop(iteration, []), self._decided.pop(iteration, []),
             self._waited.pop(iteration, {}), self._where.pop(iteration, {}))
-        final = self._final.setdefault(block, {})
-        final[iteration] = record
-        if len(final) > self._last[block] - block:
-            self._put(("end", block, (self._final.pop(block), True)))
+        self._final.setdefault(block, {})[iteration] = record
+        self._end_if_final(block)
 
     def forget(self, below: int) -> None:
         """Drop the flow runs of iterations before `below` that are Completed (every op of
         them is reported); the others stay until `close`."""
-        for b in [b for b in list(self._ended) if self._last.get(b, b) < below]:  # list(): one step under the GIL
+        for b in [b for b in list(self._ended) if self._last.get(b, b) < below and b != self._newest]:  # list(): one step under the GIL
             self._ended.discard(b)
+            self._passed.discard(b)
             self.runs.pop(b, None)
             self._asked.discard(b)
-            for it in range(b, self._last.get(b, b) + 1):
+            for it in self._members.pop(b, ()):
                 self._block.pop(it, None)
             self._last.pop(b, None)
         self._recorded -= {i for i in self._recorded if i < below}

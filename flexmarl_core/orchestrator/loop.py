@@ -141,12 +141,13 @@ class Orchestrator:
         while self._left:
             self._submit_ready()
             if self.policies.look_ahead is not None:
-                # The iterations a running op's children can reach are admitted now, not once
-                # it ends: the next iteration's first ops then chain on this one's last (its
-                # syncs) and start as they end, without a round trip through this loop.
-                if st.running:
-                    self._reach(max(r.op.iteration for r in st.running.values()) + self.plan.reach,
-                                advance=False)
+                # The iteration after the newest running op's is admitted now, not once an op
+                # of it ends: its first ops then chain on this one's last (its syncs) and start
+                # as they end, without a round trip through this loop. One on, not `reach`:
+                # the admitted window stays what recording admits (`_record`).
+                running = [r.op.iteration for r in st.running.values() if not r.pending]
+                if running:
+                    self._reach(max(running) + 1, advance=False)
                 for op, route, pending in self.policies.look_ahead.ahead(st, self._live_workers):
                     self._submit(op, route, pending)
             if not st.running:

@@ -120,11 +120,11 @@ def test_two_launches_at_once_one_takes_the_folder_the_other_gets_the_second_lau
 def test_auto_flow_runs_hold_one_iteration_until_the_pace_is_known_then_five_seconds_of_it():
     from tasks.iteration_runs import BLOCK_S, MAX_BLOCK, PACE_ENDS, block_size
 
-    assert [block_size([0.1 * i for i in range(n)]) for n in range(PACE_ENDS)] == [1] * PACE_ENDS
-    assert block_size([0.0, 0.1, 0.2]) == round(BLOCK_S / 0.1)
-    # The pace is the mean gap of the last ends: a burst of ends does not make it zero.
-    assert block_size([10.0, 10.0, 10.0, 11.0, 12.0]) == 10  # 0.5 s apart on average
-    assert block_size([0.0, 4.0, 8.0, 12.0]) == 2
-    assert block_size([0.0, 60.0, 120.0]) == 1  # long iterations: one each
-    assert block_size([5.0, 5.0, 5.0]) == MAX_BLOCK
-    assert block_size([0.0, 0.001, 0.002]) == MAX_BLOCK
+    assert [block_size(n, 0.1 * n) for n in range(PACE_ENDS)] == [1] * PACE_ENDS
+    assert block_size(3, 0.3) == round(BLOCK_S / 0.1)
+    assert block_size(4, 16.0) == 2
+    assert block_size(3, 180.0) == 1  # long iterations: one each
+    assert block_size(3, 0.003) == MAX_BLOCK
+    # The pace is the attempt's own (ends over the time since its first op): rows that become
+    # final together, held behind an older op, do not make it zero.
+    assert block_size(3, 0.0) == 1
