@@ -111,12 +111,12 @@ def renice(home: Path, nice: int) -> None:
 def handoff_s(run_dir: Path) -> float | None:
     """Mean seconds from one iteration's last op's end to the next one's first op's start (the
     run's op log): the hand-off between iterations that look-ahead chains away."""
-    path = run_dir / "metrics" / "ops.jsonl"
-    if not path.is_file():
-        return None
+    from flexmarl_core.driver.metrics import log_lines
+    from flexmarl_core.runfiles.location import as_location
+
     first: dict[int, float] = {}
     last: dict[int, float] = {}
-    for line in path.read_text().splitlines():
+    for line in log_lines(as_location(run_dir), "ops.jsonl"):
         if line.strip():
             o = json.loads(line)
             it = o["iteration"]
@@ -212,7 +212,7 @@ def main() -> int:
                    for key in ("s_per_iteration", "wall_s", "step_s_median", "flow_cpu_s", "server_cpu_s",
                                "workers_cpu_s", "stage_cpu_s", "stage_cpu_per_it_s", "step_s_p25")}
             | {"handoff_s": med([r["handoff_s"] for r in res["runs"] if r["layout"] == name
-                                   and r["handoff_s"] is not None] or [float("nan")])}
+                                   and r["handoff_s"] is not None] or [None])}
             for name in dict.fromkeys(r["layout"] for r in res["runs"])}
         for nice in nices:
             for v in variants:

@@ -145,9 +145,9 @@ class Orchestrator:
                 # of it ends: its first ops then chain on this one's last (its syncs) and start
                 # as they end, without a round trip through this loop. One on, not `reach`:
                 # the admitted window stays what recording admits (`_record`).
-                running = [r.op.iteration for r in st.running.values() if not r.pending]
-                if running:
-                    self._reach(max(running) + 1, advance=False)
+                newest = max((r.op.iteration for r in st.running.values() if not r.pending), default=None)
+                if newest is not None:
+                    self._reach(newest + 1, advance=False)
                 for op, route, pending in self.policies.look_ahead.ahead(st, self._live_workers):
                     self._submit(op, route, pending)
             if not st.running:
