@@ -73,6 +73,12 @@ class TokenBatch:
     position_ids: torch.Tensor | None = None
     #: token cells of `input_ids` that hold no sample's token
     padded_tokens: int = 0
+    #: shared prompts (`collate(share_prefix=True)`): (N, 1, T, T) bool, query q may attend to
+    #: key k; what confines each response to its prompt and itself. None: attention from
+    #: `position_ids` or the causal mask alone
+    attend: torch.Tensor | None = None
+    #: tokens of the samples that were not computed because their prompt was shared
+    shared_tokens: int = 0
 
 
 #: (logprobs (B, R) with grad, batch) -> (loss, metrics). The loss is a SUM over the units the
@@ -105,6 +111,8 @@ class TrainerOptions:
     pad_id: int | None = None
     #: several samples per row of a micro-batch, each attending only to itself (`collate`)
     packing: bool = False
+    #: samples with one prompt (a GRPO group) encode it once (`collate(share_prefix=True)`)
+    share_prefix: bool = False
 
 
 @dataclass(slots=True)

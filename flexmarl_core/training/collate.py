@@ -50,14 +50,18 @@ def pack_rows(lengths: Sequence[int]) -> list[list[int]]:
     return rows
 
 
-def collate(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = False) -> TokenBatch:
+def collate(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = False,
+            share_prefix: bool = False) -> TokenBatch:
     """Right-pad a micro-batch into a `TokenBatch` (CPU tensors); `pack`: several samples per
     row (`pack_rows`), each sample's positions restarting at 0 so that the model's attention
-    stays within it (transformers reads packed rows from `position_ids`)."""
+    stays within it (transformers reads packed rows from `position_ids`); `share_prefix`:
+    samples with one prompt (a GRPO group) share one copy of it (`collate_shared`)."""
     if not micro_batch:
         raise ValueError("empty micro-batch")
     for i, s in enumerate(micro_batch):
         _check(i, s)
+    if share_prefix and shared_groups(micro_batch):
+        return collate_shared(micro_batch, pad_id, pack=pack)
     bsz = len(micro_batch)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in micro_batch]
     t_max = max(lengths)
@@ -85,12 +89,6 @@ def collate(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = False) -> 
         response_ids[b, :r] = torch.tensor(s.response_ids, dtype=torch.long)
         mask[b, :r] = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r, dtype=torch.float32)
         old[b, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
-    advantages = torch.tensor([float(s.advantage) for s in micro_batch], dtype=torch.float32)
-    if any(s.token_advantages is not None for s in micro_batch):  # GAE per token: (B, R)
-        advantages = advantages[:, None].repeat(1, r_max)
-        for b, s in enumerate(micro_batch):
-            if s.token_advantages is not None:
-                advantages[b, : len(s.token_advantages)] = torch.tensor(s.token_advantages, dtype=torch.float32)
     return TokenBatch(
         input_ids=input_ids,
         attention_mask=attn,
@@ -98,11 +96,127 @@ def collate(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = False) -> 
         response_ids=response_ids,
         mask=mask,
         old_logprobs=old,
-        advantages=advantages,
+        advantages=_advantages(micro_batch, r_max),
         rows=torch.tensor([where[b][0] for b in range(bsz)], dtype=torch.long) if pack else None,
         position_ids=positions,
         padded_tokens=n_rows * t_max - sum(lengths),
     )
+
+
+def shared_groups(micro_batch: MicroBatch) -> bool:
+    """True when two samples have one prompt of two or more tokens (what sharing saves)."""
+    seen: set[tuple[int, ...]] = set()
+    for s in micro_batch:
+        key = tuple(s.prompt_ids)
+        if key in seen and len(key) > 1:
+            return True
+        seen.add(key)
+    return False
+
+
+def _units(micro_batch: MicroBatch) -> list[tuple[list[int], list[int], list[int], dict[int, int]]]:
+    """The batch as units of tokens, each (ids, positions, segment per token, {sample: index
+    of the position that predicts its first response token}). A group of samples with one
+    prompt P is one unit: P[:-1] once (segment 0, seen by all), then per sample its own copy
+    of P's last token followed by its response (a segment of its own, positions going on
+    from len(P) - 1). The copy makes the position before each response that response's own,
+    so every sample is scored as in a row of its own. Any other sample is a unit alone."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for b, s in enumerate(micro_batch):
+        by_prompt.setdefault(tuple(s.prompt_ids), []).append(b)
+    units = []
+    for prompt, members in by_prompt.items():
+        p = len(prompt)
+        if len(members) > 1 and p > 1:
+            ids, pos, seg, first = list(prompt[:-1]), list(range(p - 1)), [0] * (p - 1), {}
+            for k, b in enumerate(members, start=1):
+                resp = micro_batch[b].response_ids
+                first[b] = len(ids)
+                ids += [prompt[-1], *resp]
+                pos += range(p - 1, p + len(resp))
+                seg += [k] * (1 + len(resp))
+            units.append((ids, pos, seg, first))
+        else:
+            for b in members:
+                resp = micro_batch[b].response_ids
+                units.append(([*prompt, *resp], list(range(p + len(resp))), [1] * (p + len(resp)), {b: p - 1}))
+    return units
+
+
+def collate_shared(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = False) -> TokenBatch:
+    """`collate` where samples with one prompt share it (Prefix Grouper's layout): the prompt
+    is encoded once per group and each response attends to it and to itself only, through an
+    explicit (N, 1, T, T) mask (`TokenBatch.attend`). A group of G samples with prompt P and
+    responses r_i costs P - 1 + sum(1 + r_i) token cells instead of sum(P + r_i); log-probs,
+    loss and gradients are the padded path's (tests/unit/test_shared_prefix.py). `pack`:
+    units go several to a row as in `pack_rows`."""
+    bsz = len(micro_batch)
+    units = _units(micro_batch)
+    lengths = [len(u[0]) for u in units]
+    layout = pack_rows(lengths) if pack else [[u] for u in range(len(units))]
+    n_rows, t_max = len(layout), max(sum(lengths[u] for u in row) for row in layout)
+    r_max = max(len(s.response_ids) for s in micro_batch)
+    input_ids = torch.full((n_rows, t_max), pad_id, dtype=torch.long)
+    positions = torch.zeros((n_rows, t_max), dtype=torch.long)
+    unit_of = torch.full((n_rows, t_max), -1, dtype=torch.long)  # -1: padding
+    seg_of = torch.zeros((n_rows, t_max), dtype=torch.long)
+    rows = torch.zeros(bsz, dtype=torch.long)
+    target_index = torch.zeros((bsz, r_max), dtype=torch.long)
+    for row, members in enumerate(layout):
+        at = 0
+        for u in members:
+            ids, pos, seg, first = units[u]
+            n = len(ids)
+            input_ids[row, at: at + n] = torch.tensor(ids, dtype=torch.long)
+            positions[row, at: at + n] = torch.tensor(pos, dtype=torch.long)
+            unit_of[row, at: at + n] = u
+            seg_of[row, at: at + n] = torch.tensor(seg, dtype=torch.long)
+            for b, f in first.items():
+                rows[b] = row
+                r = len(micro_batch[b].response_ids)
+                target_index[b, :r] = torch.arange(at + f, at + f + r)
+            at += n
+    # Query q sees key k when k is not after q, both are in one unit, and k is the unit's
+    # shared prompt or in q's own segment. Padding sees itself alone: a query that sees nothing
+    # would put NaN into the softmax and from there into the gradients.
+    causal = torch.ones((t_max, t_max), dtype=torch.bool).tril_()
+    same_unit = (unit_of[:, :, None] == unit_of[:, None, :]) & (unit_of[:, :, None] >= 0)
+    visible = (seg_of[:, None, :] == 0) | (seg_of[:, :, None] == seg_of[:, None, :])
+    attend = (same_unit & visible & causal) | torch.eye(t_max, dtype=torch.bool)
+    response_ids = torch.zeros((bsz, r_max), dtype=torch.long)
+    mask = torch.zeros((bsz, r_max), dtype=torch.float32)
+    old = torch.zeros((bsz, r_max), dtype=torch.float32)
+    for b, s in enumerate(micro_batch):
+        r = len(s.response_ids)
+        response_ids[b, :r] = torch.tensor(s.response_ids, dtype=torch.long)
+        mask[b, :r] = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r, dtype=torch.float32)
+        old[b, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
+    cells = sum(lengths)
+    return TokenBatch(
+        input_ids=input_ids,
+        attention_mask=(unit_of >= 0).long(),
+        target_index=target_index,
+        response_ids=response_ids,
+        mask=mask,
+        old_logprobs=old,
+        advantages=_advantages(micro_batch, r_max),
+        rows=rows,
+        position_ids=positions,
+        padded_tokens=n_rows * t_max - cells,
+        attend=attend[:, None],
+        shared_tokens=sum(len(s.prompt_ids) + len(s.response_ids) for s in micro_batch) - cells,
+    )
+
+
+def _advantages(micro_batch: MicroBatch, r_max: int) -> torch.Tensor:
+    """(B,) sequence advantages, or (B, R) when any sample has token advantages (GAE)."""
+    advantages = torch.tensor([float(s.advantage) for s in micro_batch], dtype=torch.float32)
+    if any(s.token_advantages is not None for s in micro_batch):
+        advantages = advantages[:, None].repeat(1, r_max)
+        for b, s in enumerate(micro_batch):
+            if s.token_advantages is not None:
+                advantages[b, : len(s.token_advantages)] = torch.tensor(s.token_advantages, dtype=torch.float32)
+    return advantages
 
 
 def global_loss_scale(micro_batches: Sequence[MicroBatch], loss_weight_fn: LossWeightFn) -> float:

@@ -49,7 +49,8 @@ from transformers import PreTrainedModel
 from flexmarl_core.runfiles.location import default_cache_dir
 from flexmarl_core.training.api import MicroBatch, TrainerOptions
 from flexmarl_core.training.collate import collate
-from flexmarl_core.training.torch_trainer import PolicyGradientSteps, response_logprobs
+from flexmarl_core.training.scoring import response_logprobs
+from flexmarl_core.training.torch_trainer import PolicyGradientSteps
 
 STATE_FORMAT = "deepspeed-1"
 _TAG = "state"
@@ -256,7 +257,7 @@ class DeepSpeedTrainer(PolicyGradientSteps):
         return float(grad_norm) if grad_norm is not None else float("nan")
 
     def logprobs(self, micro_batch: MicroBatch) -> list[list[float]]:
-        batch = collate(micro_batch, self.pad_id, pack=self.packing)
+        batch = collate(micro_batch, self.pad_id, pack=self.packing, share_prefix=self.share_prefix)
         with torch.no_grad():
             lp = self._logprobs(self.engine.module, batch).cpu()
         return [lp[b, : len(s.response_ids)].tolist() for b, s in enumerate(micro_batch)]

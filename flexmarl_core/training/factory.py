@@ -25,7 +25,8 @@ def options_for(agent: AgentConfig, *, loss_fn: LossFn | None = None,
     return TrainerOptions(loss_fn=loss_fn or make_loss_fn(algo), loss_weight_fn=loss_weight_fn or token_weight,
                           lr=algo.lr, lr_warmup_steps=algo.lr_warmup_steps, weight_decay=algo.weight_decay,
                           max_grad_norm=algo.max_grad_norm, bf16=algo.bf16,
-                          temperature=agent.sampling.temperature, packing=agent.backend.packing)
+                          temperature=agent.sampling.temperature, packing=agent.backend.packing,
+                          share_prefix=agent.backend.share_prefix)
 
 
 def make_trainer(

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from flexmarl_core.models.logprobs import token_logprobs
 from flexmarl_core.training.api import (
     LossFn,
     LossWeightFn,
@@ -32,6 +31,11 @@ from flexmarl_core.training.api import (
 )
 from flexmarl_core.training.collate import collate
 from flexmarl_core.training.memory import chunk_rows, default_chunk_tokens
+from flexmarl_core.training.scoring import (
+    EXPLICIT_MASK_ATTENTION,
+    attention_impl,
+    response_logprobs,
+)
 
 #: 2: flat buffers (one tensor each for weights, grads, Adam moments); 1 still loads.
 STATE_FORMAT = 2
@@ -46,54 +50,6 @@ def clone_tree(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return type(obj)(clone_tree(v) for v in obj)
     return obj
-
-
-def response_logprobs(
-    model: torch.nn.Module,
-    batch: TokenBatch,
-    *,
-    device: torch.device,
-    temperature: float,
-    bf16: bool,
-    keep_ok: bool,
-) -> torch.Tensor:
-    """(B, R) fp32 logprobs of the response tokens of `batch` under `model` (grad flows if
-    enabled); shared by every trainer so they score tokens identically.
-
-    `keep_ok`: the model's forward takes `logits_to_keep` (lm_head then runs only over the
-    response span)."""
-    dev = device
-    input_ids = batch.input_ids.to(dev)
-    # No attention mask: with RIGHT padding a causal mask already hides every pad from every
-    # real token (pads come after it), and attention keeps its fast is_causal path. Logits at
-    # pad positions are garbage but never gathered into a real (mask = 1) entry.
-    # Logits are needed only on [lo, hi): from the earliest first-response-token predictor to
-    # the last predictor. Every row has >= 1 response token, so column 0 of target_index
-    # holds each row's first target position.
-    lo = int(batch.target_index[:, 0].min())
-    hi = int(batch.target_index.max()) + 1
-    # No KV cache: nothing decodes after this forward, and transformers reads packed rows from
-    # `position_ids` only when there is no cache.
-    kwargs: dict[str, Any] = {"use_cache": False}
-    if batch.position_ids is not None:  # packed rows: positions restart per sample, and so does attention
-        kwargs["position_ids"] = batch.position_ids.to(dev)
-    if keep_ok:  # lm_head runs only over the span
-        kwargs["logits_to_keep"] = torch.arange(lo, hi, device=dev)
-    with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16):
-        logits = model(input_ids=input_ids, **kwargs).logits  # (B, T' = hi - lo, V)
-    if not keep_ok:
-        logits = logits[:, lo:hi]
-    # Score every position in the span against the next input token, then pick the response
-    # positions: gathering (B, R, V) logit rows instead would cost a V-wide scatter in backward.
-    next_tokens = input_ids[:, lo + 1 : hi + 1]  # (B, T')
-    # Lean: one full-vocabulary tensor is kept for backward (the fp32, temperature-scaled
-    # logits that logsumexp saves), not also the raw logits and a scaled copy.
-    per_pos = token_logprobs(logits, next_tokens, temperature, inplace=True)  # (B, T')
-    del logits
-    index = (batch.target_index.to(dev) - lo).clamp_(min=0)  # padding entries were 0
-    if batch.rows is not None:  # packed: each sample's row (rows hold several samples)
-        per_pos = per_pos.index_select(0, batch.rows.to(dev))
-    return per_pos.gather(1, index)  # (B, R)
 
 
 class PolicyGradientSteps(ABC):
@@ -121,6 +77,9 @@ class PolicyGradientSteps(ABC):
     lr_warmup_steps: int
     #: several samples per row (`collate(pack=True)`), from the options
     packing: bool = False
+    #: a group's prompt encoded once (`collate(share_prefix=True)`), from the options where the
+    #: model's attention takes an explicit mask
+    share_prefix: bool = False
 
     def _set_options(self, model: PreTrainedModel, opts: TrainerOptions,
                      ref_model: PreTrainedModel | None) -> None:
@@ -129,6 +88,7 @@ class PolicyGradientSteps(ABC):
         self.max_grad_norm, self.bf16, self.temperature = opts.max_grad_norm, opts.bf16, opts.temperature
         self.lr, self.lr_warmup_steps = opts.lr, opts.lr_warmup_steps
         self.packing = opts.packing
+        self.share_prefix = opts.share_prefix and attention_impl(model) in EXPLICIT_MASK_ATTENTION
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
@@ -176,7 +136,7 @@ class PolicyGradientSteps(ABC):
         return out
 
     def _accumulate_chunk(self, micro_batch: MicroBatch, loss_scale: float) -> dict[str, float]:
-        batch = collate(micro_batch, self.pad_id, pack=self.packing)
+        batch = collate(micro_batch, self.pad_id, pack=self.packing, share_prefix=self.share_prefix)
         if self.ref_model is not None:
             with torch.no_grad():
                 batch.ref_logprobs = self._logprobs(self.ref_model, batch)
@@ -191,6 +151,7 @@ class PolicyGradientSteps(ABC):
         # counts, not loss terms: summed over the step as they are (padding share = padded / cells)
         out["tokens_padded"] = float(batch.padded_tokens)
         out["tokens_cells"] = float(batch.input_ids.numel())
+        out["tokens_shared"] = float(batch.shared_tokens)
         return out
 
     def lr_at(self, version: int) -> float:
@@ -391,7 +352,7 @@ class TorchTrainer(PolicyGradientSteps):
         return [(n, tuple(p.shape)) for n, p in zip(self._names, self._params, strict=True)]
 
     def logprobs(self, micro_batch: MicroBatch) -> list[list[float]]:
-        batch = collate(micro_batch, self.pad_id, pack=self.packing)
+        batch = collate(micro_batch, self.pad_id, pack=self.packing, share_prefix=self.share_prefix)
         with torch.no_grad():
             lp = self._logprobs(self.model, batch).cpu()
         return [lp[b, : len(s.response_ids)].tolist() for b, s in enumerate(micro_batch)]
