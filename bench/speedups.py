@@ -1,21 +1,25 @@
-"""What packing the training batch and prefilling each group's prompt once save, side by side.
+"""What packing the training batch, encoding a group's prompt once in training and prefilling it
+once in rollout save, side by side.
 
-Two measurements on `tiny-1m` (one thread), each switched on and off in alternating order in the
+Three measurements on `tiny-1m` (one thread), each switched on and off in alternating order in the
 same process, best of `--repeats`:
 
     packing   one forward+backward of a 64-sample micro-batch (`backend.packing`), padded
               against packed, for three length mixes: the arithmetic team's (prompts of 20-40
               tokens, answers of 2-8), a varied one (prompts 20-200, answers 4-60: multi-turn and
               tool samples), a long few-shot prompt (280-320, answers 4-16);
+    share     one forward+backward of a GRPO batch (8 inputs x G = 8) with each sample's prompt in
+              its own row against each group's prompt encoded once (`backend.share_prefix`),
+              for prompts of about 10, 100 and 300 tokens;
     prefill   one decode of 8 inputs x G = 8 rows of 8 new tokens (`HFInferenceEngine.share_prefill`),
               each row prefilled against each distinct prompt once, for prompts of 30 and 300 tokens.
 
-Both switches leave what is computed unchanged (tests/unit/test_packing.py,
-tests/unit/test_inference.py); only the time moves.
+The switches leave what is computed unchanged (tests/unit/test_packing.py,
+tests/unit/test_shared_prefix.py, tests/unit/test_inference.py); only the time moves.
 
     python bench/speedups.py --json runs/bench/speedups.json [--quick] [--repeats 5]
 
-`--quick`: 2 repeats. JSON: `packing` and `prefill`, rows with the off and on seconds, their ratio
+`--quick`: 2 repeats. JSON: `packing`, `share` and `prefill`, rows with the off and on seconds, their ratio
 (`speedup`) and, for packing, the padding share of the batch's token cells before and after.
 """
 
@@ -77,6 +81,56 @@ def packing(repeats: int) -> list[dict]:
     return rows
 
 
+def grouped(inputs: int, g: int, plo: int, phi: int, rlo: int, rhi: int, seed: int = 0) -> list:
+    """`inputs` groups of `g` samples that share their input's prompt: a GRPO batch."""
+    from flexmarl_core.training import Sample
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(inputs):
+        prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(plo, phi))]
+        for _ in range(g):
+            r = rng.randint(rlo, rhi)
+            out.append(Sample(prompt_ids=prompt, response_ids=[rng.randrange(3, 1000) for _ in range(r)],
+                              logprobs=[-7.0] * r, advantage=rng.uniform(-1, 1)))
+    return out
+
+
+#: GRPO batches of 8 inputs x G = 8: the peer bench's two workloads and a middle one
+GROUPED = {"short (peer)": (8, 11, 2, 4), "few-shot 100": (90, 110, 4, 16), "long (peer)": (290, 310, 2, 4)}
+
+
+def share(repeats: int) -> list[dict]:
+    """One forward+backward of a GRPO batch, each sample's prompt in its own row (packing on, as
+    by default) against each group's prompt encoded once (`backend.share_prefix`)."""
+    from flexmarl_core.training import global_loss_scale
+    from tests._models_util import tiny_model, trainer
+
+    rows = []
+    for name, shape in GROUPED.items():
+        batch = grouped(8, 8, *shape)
+        base = tiny_model(0)
+        trainers = {on: trainer(copy.deepcopy(base), packing=True, share_prefix=on, chunk_tokens=10**9)
+                    for on in (False, True)}
+        scale = global_loss_scale([batch], trainers[False].loss_weight)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        cells: dict[bool, float] = {}
+        for rep in range(repeats + 1):  # the first round warms up
+            for on in ((False, True) if rep % 2 == 0 else (True, False)):
+                t0 = time.perf_counter()
+                out = trainers[on].accumulate(batch, scale)
+                if rep:
+                    times[on].append(time.perf_counter() - t0)
+                cells[on] = out["tokens_cells"]
+        off, on = min(times[False]), min(times[True])
+        rows.append({"batch": name, "prompt_tokens": shape[:2], "answer_tokens": shape[2:], "inputs": 8,
+                     "group_size": 8, "per_sample_s": off, "shared_s": on, "speedup": off / on,
+                     "cells_per_sample": cells[False], "cells_shared": cells[True]})
+        print(f"share    {name:13s} each sample's prompt {off * 1e3:7.0f} ms ({cells[False]:6.0f} cells)  "
+              f"once per group {on * 1e3:7.0f} ms ({cells[True]:6.0f} cells)  x{off / on:.2f}", flush=True)
+    return rows
+
+
 def prefill(repeats: int) -> list[dict]:
     from flexmarl_core.config import SamplingConfig
     from flexmarl_core.inference import HFInferenceEngine
@@ -126,7 +180,7 @@ def main() -> None:
               "start_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
               "load_before": load_before, "repeats": repeats,
               "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "packing": packing(repeats), "prefill": prefill(repeats)}
+              "packing": packing(repeats), "share": share(repeats), "prefill": prefill(repeats)}
     result.update(wall_s=time.time() - t0, load=load.stop())
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
