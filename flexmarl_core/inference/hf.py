@@ -42,8 +42,14 @@ def encode_prompts(
 ) -> list[list[int]]:
     """Prompt strings (no special tokens added) or token ids -> token ids; empty is an error."""
     out = []
+    known: dict[str, list[int]] = {}  # a GRPO group's G rows share one prompt: encode it once
     for i, p in enumerate(prompts):
-        ids = tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [int(t) for t in p]
+        if isinstance(p, str):
+            if p not in known:
+                known[p] = tokenizer.encode(p, add_special_tokens=False)
+            ids = list(known[p])
+        else:
+            ids = [int(t) for t in p]
         if not ids:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
         out.append(ids)
@@ -108,6 +114,9 @@ class HFInferenceEngine:
         self.share_prefill = True
         #: seconds spent prefilling and decoding, for a rollout's prefill share (`DecodeClock`)
         self.clock = DecodeClock()
+        #: the text of each recent tail of tokens a stop string was looked for in: the same few
+        #: tails come back every step, and decoding them is most of a small model's stop check
+        self._tail_text: dict[tuple[int, ...], str] = {}
 
     @property
     def version(self) -> int:
@@ -328,14 +337,23 @@ class HFInferenceEngine:
                 wins += [w] * len(live)
         if not rows:
             return
-        ends = lengths[rows].tolist()
-        tails = [tokens[r, max(0, e - w) : e].tolist() for r, e, w in zip(rows, ends, wins, strict=True)]
-        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=False)
-        for r, text, st in zip(rows, texts, stops, strict=True):
-            if any(x in text for x in st):
+        ends, toks = lengths.tolist(), tokens.tolist()
+        tails = [tuple(toks[r][max(0, ends[r] - w) : ends[r]]) for r, w in zip(rows, wins, strict=True)]
+        known = self._tail_text
+        new = list(dict.fromkeys(t for t in tails if t not in known))
+        if new:
+            if len(known) + len(new) > TAIL_CACHE:
+                known.clear()
+            known.update(zip(new, self.tokenizer.batch_decode([list(t) for t in new], skip_special_tokens=False),
+                             strict=True))
+        for r, tail, st in zip(rows, tails, stops, strict=True):
+            if any(x in known[tail] for x in st):
                 done[r] = True
                 stop_hit[r] = True
 
+
+#: tails of tokens whose text an engine keeps for its stop checks (then it starts over)
+TAIL_CACHE = 65_536
 
 #: a request of one decode: its rows [lo, hi) in the batch, its sampling and seed
 Span = tuple[int, int, SamplingConfig, int]
