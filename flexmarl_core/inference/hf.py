@@ -15,6 +15,7 @@ Steps of `generate`:
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from itertools import groupby
 from typing import Any
@@ -265,11 +266,12 @@ class HFInferenceEngine:
                     logits = logits[copies]
             live = list(range(len(spans)))  # the requests in the model's batch, in row order
             rows = torch.arange(bsz, device=dev)  # the batch's rows as indices into all rows
+            row_list = list(range(bsz))  # the same, ascending
             for step in range(max_new):
                 # 3. sample, score, append; check EOS, lengths and stop strings
                 if constraints is not None:  # a schema's rows draw and score among the tokens it allows
                     constraints.apply(logits, rows, tokens, lengths, done)
-                nxt, scores = sample_rows(logits, live, spans, gens, temps)  # (b,), (b,)
+                nxt, scores = sample_rows(logits, row_list, live, spans, gens, temps)  # (b,), (b,)
                 running = ~done[rows]
                 tokens[rows, step] = torch.where(running, nxt, self.pad_id)
                 logps[rows, step] = scores
@@ -282,10 +284,11 @@ class HFInferenceEngine:
                                       [windows[j] for j in live])
                 if bool(done.all()) or step == max_new - 1:
                     break
-                # 4. requests whose rows all ended leave the batch: they would only pad it
-                evicted = evict_ended(live, spans, done.tolist())
+                # 4. rows that ended leave the batch: they would only pad it
+                evicted = evict_ended(row_list, live, spans, done.tolist())
                 if evicted is not None:
                     keep, live = evicted
+                    row_list = [row_list[p] for p in keep]
                     idx = torch.tensor(keep, dtype=torch.long, device=dev)
                     fkw = select_row_kwargs(fkw, keep, len(rows))
                     rows, attn, pos, nxt = rows[idx], attn[idx], pos[idx], nxt[idx]
@@ -393,43 +396,45 @@ def left_pad(prompt_ids: Sequence[Sequence[int]], pad_id: int,
     return input_ids, attn, (attn.cumsum(-1) - 1).clamp_(min=0)
 
 
-def sample_rows(logits: torch.Tensor, live: Sequence[int], spans: Sequence[Span],
+def sample_rows(logits: torch.Tensor, rows: Sequence[int], live: Sequence[int], spans: Sequence[Span],
                 gens: Sequence[torch.Generator], temps: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(b, V) logits of the live requests' rows, in row order -> (b,) tokens and (b,) their
-    logprobs: each request over its own rows, with its own generator, temperature and top-p
-    (a run of neighbours with one temperature and top-p draws and scores as one batch), so a
-    request's tokens are the ones it would draw alone."""
+    """(b, V) logits of the batch's rows (`rows`: their indices among all rows, ascending; the
+    live requests' rows that have not ended) -> (b,) tokens and (b,) their logprobs: each request
+    over its own rows, with its own generator, temperature and top-p (a run of neighbours with
+    one temperature and top-p draws and scores as one batch). A request draws a uniform for
+    each of its rows, ended or not, and its live rows take theirs: so a request's tokens are
+    the ones it would draw alone, whichever of its rows have ended."""
     picks, scores, at = [], [], 0
     for run in _runs(live, spans):
         s = spans[run[0]][2]
-        n = sum(spans[j][1] - spans[j][0] for j in run)
+        parts = [(j, bisect_left(rows, spans[j][0]), bisect_left(rows, spans[j][1])) for j in run]
+        n = sum(hi - lo for _, lo, hi in parts)
         lg = logits[at : at + n]
         if s.temperature == 0:
             picks.append(lg.argmax(dim=-1))
         else:
-            u = torch.cat([torch.rand((spans[j][1] - spans[j][0], 1), generator=gens[j], device=logits.device)
-                           for j in run])
-            picks.append(draw(lg, s, u))
+            us = []
+            for j, lo, hi in parts:
+                u = torch.rand((spans[j][1] - spans[j][0], 1), generator=gens[j], device=logits.device)
+                if hi - lo < len(u):  # some of its rows ended: the others keep their own draws
+                    u = u[torch.tensor([r - spans[j][0] for r in rows[lo:hi]], dtype=torch.long, device=u.device)]
+                us.append(u)
+            picks.append(draw(lg, s, torch.cat(us)))
         scores.append(token_logprobs(lg, picks[-1], temps[run[0]]))
         at += n
     return torch.cat(picks), torch.cat(scores)
 
 
-def evict_ended(live: Sequence[int], spans: Sequence[Span],
+def evict_ended(rows: Sequence[int], live: Sequence[int], spans: Sequence[Span],
                 ended: Sequence[bool]) -> tuple[list[int], list[int]] | None:
-    """None while every live request has a row still decoding; else (the batch positions to
-    keep, the requests still live). `ended` is per row of the whole decode."""
-    if not any(all(ended[spans[j][0] : spans[j][1]]) for j in live):
+    """None while every row of the batch (`rows`, indices among all rows) is still decoding;
+    else (the batch positions to keep, the requests with a row still decoding). `ended` is per
+    row of the whole decode."""
+    keep = [p for p, r in enumerate(rows) if not ended[r]]
+    if len(keep) == len(rows):
         return None
-    keep: list[int] = []
-    still: list[int] = []
-    at = 0
-    for j in live:
-        n = spans[j][1] - spans[j][0]
-        if not all(ended[spans[j][0] : spans[j][1]]):
-            keep += range(at, at + n)
-            still.append(j)
-        at += n
+    kept = [rows[p] for p in keep]
+    still = [j for j in live if bisect_left(kept, spans[j][1]) > bisect_left(kept, spans[j][0])]
     return keep, still
 
 

@@ -219,25 +219,45 @@ def test_sample_rows_draws_each_request_as_it_would_alone():
     def gens():
         return [torch.Generator().manual_seed(s[3]) for s in spans]
 
-    both_t, both_s = sample_rows(logits, [0, 1], spans, gens(), [1.0, 1.0])
-    alone = [sample_rows(logits[lo:hi], [0], [(0, hi - lo, s, seed)], [g], [1.0])
+    both_t, both_s = sample_rows(logits, range(5), [0, 1], spans, gens(), [1.0, 1.0])
+    alone = [sample_rows(logits[lo:hi], range(hi - lo), [0], [(0, hi - lo, s, seed)], [g], [1.0])
              for (lo, hi, s, seed), g in zip(spans, gens(), strict=True)]
     assert torch.equal(both_t, torch.cat([a[0] for a in alone]))
     assert torch.equal(both_s, torch.cat([a[1] for a in alone]))
     assert torch.equal(both_t[:2], logits[:2].argmax(-1))
 
 
-def test_evict_ended_keeps_the_requests_with_a_row_still_decoding():
-    """Eviction: a request leaves the batch only once all its rows ended; the kept batch
-    positions are those of the requests still live, in order."""
+def test_a_row_draws_what_it_would_whichever_rows_beside_it_ended():
+    """Rows that ended leave the batch: each row still decoding takes the uniform it would have
+    taken with every row of its request there, so its token does not depend on which others
+    ended (a row's token is row-wise in its logits and its uniform)."""
+    from flexmarl_core.inference.hf import sample_rows
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    hot = SamplingConfig(temperature=1.0, max_new_tokens=4)
+    spans = [(0, 3, hot, 5), (3, 6, hot, 6)]
+
+    def gens():
+        return [torch.Generator().manual_seed(s[3]) for s in spans]
+
+    full_t, full_s = sample_rows(logits, range(6), [0, 1], spans, gens(), [1.0, 1.0])
+    left = [0, 2, 5]  # rows 1, 3 and 4 ended
+    part_t, part_s = sample_rows(logits[left], left, [0, 1], spans, gens(), [1.0, 1.0])
+    assert torch.equal(part_t, full_t[left]) and torch.equal(part_s, full_s[left])
+
+
+def test_evict_ended_keeps_the_rows_still_decoding():
+    """Eviction: rows that ended leave the batch, and a request with them once all its rows
+    ended; the kept batch positions are those of the rows still decoding, in order."""
     from flexmarl_core.inference.hf import evict_ended
 
     s = SamplingConfig()
     spans = [(0, 2, s, 0), (2, 3, s, 0), (3, 5, s, 0)]
-    assert evict_ended([0, 1, 2], spans, [True, False, False, True, False]) is None
-    assert evict_ended([0, 1, 2], spans, [True, True, False, True, False]) == ([2, 3, 4], [1, 2])
-    # after that eviction, positions count the live requests' rows only
-    assert evict_ended([1, 2], spans, [True, True, True, True, False]) == ([1, 2], [2])
+    assert evict_ended(range(5), [0, 1, 2], spans, [False] * 5) is None
+    assert evict_ended(range(5), [0, 1, 2], spans, [True, False, False, True, False]) == ([1, 2, 4], [0, 1, 2])
+    assert evict_ended(range(5), [0, 1, 2], spans, [True, True, False, True, False]) == ([2, 4], [1, 2])
+    # after that eviction, positions count the rows still in the batch only
+    assert evict_ended([2, 4], [1, 2], spans, [True, True, True, True, False]) == ([1], [2])
 
 
 def test_select_row_kwargs_keeps_the_kept_rows_adapters():
