@@ -43,7 +43,8 @@ def metric_agents(per_it: list[dict[str, Any]], metric: str = "reward") -> list[
 
 #: per-op counts and seconds that an iteration sums (stages/train.py, stages/rollout.py, driver/telemetry.py)
 COUNTED = ("/program/policy_failed_calls", "/train/skipped_samples", "/train/skipped_tokens",
-           "/train/tokens_padded", "/train/tokens_cells", "/train/tokens_shared", "/rollout/decode_slots",
+           "/train/tokens_padded", "/train/tokens_cells", "/train/tokens_shared",
+           "/train/tokens_sample", "/rollout/decode_slots",
            "/rollout/wasted_decode_slots", "/rollout/decodes", "/rollout/mixed_rows", "/rollout/resumed_rows",
            "/rollout/resumed_tokens", "/train/fwd_bwd_s", "/rollout/prefill_s", "/rollout/generate_s")
 

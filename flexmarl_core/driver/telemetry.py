@@ -23,10 +23,11 @@ __all__ = ["AGENT_FIGURES", "PIPELINE_FIGURES", "Pipeline", "op_seconds", "queue
 
 #: shares an iteration derives from per-op counts it sums: (share, part, whole), per agent
 SHARES = (("train/padding_share", "train/tokens_padded", "train/tokens_cells"),
+          ("train/shared_share", "train/tokens_shared", "train/tokens_sample"),
           ("rollout/prefill_share", "rollout/prefill_s", "rollout/generate_s"))
 #: per-agent figures of the summary's block, in the order its lines give them
 AGENT_FIGURES = ("train/fwd_bwd_s", "train/step_s", "sync/weight_sync_s", "train/rollout_wait_s",
-                 "train/padding_share", "rollout/prefill_share", "staleness")
+                 "train/padding_share", "train/shared_share", "rollout/prefill_share", "staleness")
 #: the iteration's own figures of the block
 PIPELINE_FIGURES = ("pipeline/rollout_wait_s", "pipeline/queue_depth", "pipeline/queue_bound")
 
@@ -165,7 +166,8 @@ def step_lines(block: dict[str, float]) -> list[str]:
     lines = ["where a step goes (medians over iterations):"]
     fmt = {"train/fwd_bwd_s": "fwd+bwd {:.3f} s", "train/step_s": "step {:.3f} s",
            "sync/weight_sync_s": "weight sync {:.3f} s", "train/rollout_wait_s": "waited {:.2f} s for rollouts",
-           "train/padding_share": "padding {:.0%}", "rollout/prefill_share": "prefill {:.0%} of decoding",
+           "train/padding_share": "padding {:.0%}",
+           "train/shared_share": "{:.0%} of tokens shared", "rollout/prefill_share": "prefill {:.0%} of decoding",
            "staleness": "staleness {:.2f}"}
     agents = dict.fromkeys(k.split("/")[1] for k in block if k.startswith("agent/"))
     for a in agents:

@@ -168,7 +168,7 @@ def _result(ctx: WorkerView, op: Op, version: int, rows: Rows,
     # The trainer's figures are token sums times the loss scale: report per-token means of
     # this micro-batch (an iteration's figure is their token-weighted mean, driver/metrics.py).
     per_token = 1.0 / (loss_scale(ctx, agent) * max(tokens, 1))
-    counts = {k: stats[k] for k in ("tokens_padded", "tokens_cells", "tokens_shared", "fwd_bwd_s") if k in stats}  # not loss terms
+    counts = {k: stats[k] for k in ("tokens_padded", "tokens_cells", "tokens_shared", "tokens_sample", "fwd_bwd_s") if k in stats}  # not loss terms
     metrics = {agent_key(agent, f"train/{k}"): float(v) * per_token for k, v in stats.items() if k not in counts}
     metrics.update({agent_key(agent, f"train/{k}"): float(v) for k, v in counts.items()})
     if ctx.cfg.agent(agent).algorithm.skip_zero_advantage:

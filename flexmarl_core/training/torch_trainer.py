@@ -152,6 +152,7 @@ class PolicyGradientSteps(ABC):
         out["tokens_padded"] = float(batch.padded_tokens)
         out["tokens_cells"] = float(batch.input_ids.numel())
         out["tokens_shared"] = float(batch.shared_tokens)
+        out["tokens_sample"] = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in micro_batch))
         return out
 
     def lr_at(self, version: int) -> float:

@@ -171,7 +171,7 @@ def test_each_iteration_says_where_its_steps_went(runs, mode):
             assert r[f"agent/{a}/train/step_s"] == pytest.approx(sum(o["t_end"] - o["t_start"] for o in mine["step"]))
             assert r[f"agent/{a}/sync/weight_sync_s"] > 0 and len(mine["sync"]) == 1
             assert r[f"agent/{a}/train/rollout_wait_s"] >= 0
-            for share in ("train/padding_share", "rollout/prefill_share"):
+            for share in ("train/padding_share", "train/shared_share", "rollout/prefill_share"):
                 assert 0 <= r[f"agent/{a}/{share}"] <= 1, (a, share)
             assert r[f"agent/{a}/rollout/prefill_share"] > 0  # the HF engine prefills every prompt
         assert r["pipeline/rollout_wait_s"] == pytest.approx(sum(r[f"agent/{a}/train/rollout_wait_s"] for a in agents))

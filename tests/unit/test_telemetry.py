@@ -53,8 +53,10 @@ def two_iterations() -> list[OpRecord]:
 def test_shares_divide_per_agent_counts_and_skip_an_empty_whole():
     sums = {"agent/a/train/tokens_padded": 3.0, "agent/a/train/tokens_cells": 12.0,
             "agent/a/rollout/prefill_s": 0.5, "agent/a/rollout/generate_s": 2.0,
+            "agent/a/train/tokens_shared": 6.0, "agent/a/train/tokens_sample": 24.0,
             "agent/b/train/tokens_padded": 0.0, "agent/b/train/tokens_cells": 0.0}
-    assert shares(sums) == {"agent/a/train/padding_share": 0.25, "agent/a/rollout/prefill_share": 0.25}
+    assert shares(sums) == {"agent/a/train/padding_share": 0.25, "agent/a/rollout/prefill_share": 0.25,
+                            "agent/a/train/shared_share": 0.25}
 
 
 def test_op_seconds_are_the_step_and_sync_ops_own():

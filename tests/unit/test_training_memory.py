@@ -57,9 +57,13 @@ def test_chunked_gradient_equals_unchunked(temperature, ckpt):
         torch.testing.assert_close(_grads(chunked)[name], g, rtol=0, atol=atol, msg=name)
     assert m_whole.keys() == m_chunk.keys()
     for k, v in m_whole.items():
-        if k not in ("tokens_padded", "tokens_cells"):  # counts of the layout, which chunking changes
+        if k not in ("tokens_padded", "tokens_cells", "tokens_shared"):  # counts of the layout, which chunking changes
             assert m_chunk[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
-    assert m_chunk["tokens_cells"] - m_chunk["tokens_padded"] == m_whole["tokens_cells"] - m_whole["tokens_padded"]
+
+    def computed(m: dict) -> float:  # the samples' tokens, each computed or shared once
+        return m["tokens_cells"] - m["tokens_padded"] + m["tokens_shared"]
+
+    assert computed(m_chunk) == computed(m_whole) == m_whole["tokens_sample"]
     assert whole.step().grad_norm == pytest.approx(chunked.step().grad_norm, rel=1e-5)
 
 
