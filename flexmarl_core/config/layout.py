@@ -24,6 +24,7 @@ saved resolved in the run folder, so a resume keeps the layout it started with.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 GIB = 1024**3
@@ -37,18 +38,69 @@ MEMORY_SHARE = 0.8
 CORES_ENV = "FLEXMARL_CORES"
 
 
+#: how long the auto layout watches the machine for other work before it chooses
+BUSY_SAMPLE_S = 0.3
+
+
 def machine_cores() -> int:
     """Cores the layout may use: `FLEXMARL_CORES` where set, else those this process may run on
-    (its CPU affinity: a container's or taskset's share)."""
+    (its CPU affinity: a container's or taskset's share) less those other work keeps busy."""
+    return free_cores()[0]
+
+
+def free_cores() -> tuple[int, str]:
+    """(cores the layout may use, what it left out and why, or ""). Without `FLEXMARL_CORES`,
+    cores that processes at this process's priority or above keep busy are left out, at least
+    one kept: an OpenMP thread that shares its core with such a process waits at every barrier
+    for it, so two threads beside a busy core run slower than one."""
     if os.environ.get(CORES_ENV):
         try:
-            return max(1, int(os.environ[CORES_ENV]))
+            return max(1, int(os.environ[CORES_ENV])), ""
         except ValueError:
             raise ValueError(f"{CORES_ENV}={os.environ[CORES_ENV]!r}: a whole number of cores") from None
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        mine = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        return max(1, os.cpu_count() or 1), ""
+    busy = min(round(busy_elsewhere()), mine - 1)
+    if busy <= 0:
+        return max(1, mine), ""
+    return mine - busy, f"; {busy} of {mine} cores busy with other work at this priority"
+
+
+def busy_elsewhere(sample_s: float = BUSY_SAMPLE_S) -> float:
+    """Cores that other processes at this process's priority or above (nice no higher than its
+    own: what the scheduler shares a core with evenly, or gives it first) kept busy over
+    `sample_s`; 0 where /proc does not say (not Linux)."""
+    first, t0 = _cpu_ticks(), time.monotonic()
+    if not first:
+        return 0.0
+    time.sleep(sample_s)
+    last, t1 = _cpu_ticks(), time.monotonic()
+    used = sum(v - first[p] for p, v in last.items() if p in first and v >= first[p])
+    return used / os.sysconf("SC_CLK_TCK") / max(t1 - t0, 1e-3)
+
+
+def _cpu_ticks() -> dict[int, int]:
+    """CPU ticks (user + system) so far of every other process at this one's nice or below."""
+    own, nice = os.getpid(), os.getpriority(os.PRIO_PROCESS, 0)
+    out: dict[int, int] = {}
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        if pid == own:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        fields = raw[raw.rindex(b")") + 2 :].split()  # after the command name, which may hold spaces
+        if int(fields[16]) <= nice:  # fields 19 (nice), 14 and 15 (utime, stime) of proc(5)
+            out[pid] = int(fields[11]) + int(fields[12])
+    return out
 
 
 def machine_memory() -> int:
@@ -114,7 +166,7 @@ def resolve(data: Any, *, cores: int | None = None, memory: int | None = None) -
     names = _agent_names(data.get("team"))
     if not names:
         return data  # no team: field validation says so
-    cores = machine_cores() if cores is None else cores
+    cores, busy = free_cores() if cores is None else (cores, "")
     codesign = data.get("codesign") or {}
     serial = bool(_get(codesign, "serial", False))
     staleness = _get(codesign, "max_staleness", 0)
@@ -133,7 +185,7 @@ def resolve(data: Any, *, cores: int | None = None, memory: int | None = None) -
         threads, why = max(1, cores // slots), f"{slots} worker thread{'s' if slots > 1 else ''} in cluster.workers"
         cluster["torch_threads"] = threads
         how = "auto torch threads"
-    cluster["layout"] = f"{_shape(len(cluster['workers']), threads, cores)} ({how}: {why})"
+    cluster["layout"] = f"{_shape(len(cluster['workers']), threads, cores)} ({how}: {why}{busy})"
     return {**data, "cluster": cluster}
 
 

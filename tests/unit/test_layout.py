@@ -4,6 +4,9 @@ resolved layout is what the run folder keeps."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,3 +119,44 @@ def test_flexmarl_cores_sets_the_cores_the_layout_uses(monkeypatch):
     monkeypatch.setenv("FLEXMARL_CORES", "two")
     with pytest.raises(ValueError, match="FLEXMARL_CORES='two'"):
         machine_cores()
+
+
+def test_a_core_kept_busy_at_this_priority_is_left_out(monkeypatch):
+    """Without FLEXMARL_CORES the auto layout leaves out the cores other work at this priority
+    keeps busy (at least one core stays), and says so in the layout line."""
+    from flexmarl_core.config import layout
+
+    monkeypatch.delenv("FLEXMARL_CORES", raising=False)
+    mine = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(layout, "busy_elsewhere", lambda: 1.0)
+    assert layout.free_cores() == (max(1, mine - 1), f"; 1 of {mine} cores busy with other work at this priority"
+                                   if mine > 1 else "")
+    monkeypatch.setattr(layout, "busy_elsewhere", lambda: 64.0)
+    assert layout.free_cores()[0] == 1
+    if mine > 1:
+        cfg = load_config(str(REPO / "configs" / "overhead.yaml"))
+        assert cfg.cluster.torch_threads == 1 and "busy with other work" in cfg.cluster.layout
+    monkeypatch.setattr(layout, "busy_elsewhere", lambda: 0.3)  # a process that comes and goes
+    assert layout.free_cores() == (mine, "")
+
+
+def test_busy_cores_are_counted_from_processes_at_this_priority_or_above():
+    """The sample counts a process spinning at this process's nice and leaves out one at a
+    higher nice (it yields its core to this run)."""
+    from flexmarl_core.config.layout import _cpu_ticks
+
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    spin = [sys.executable, "-c", "while True: pass"]
+    same = subprocess.Popen(spin)
+    # niced before it runs (Popen returns once the child has exec'd)
+    lower = subprocess.Popen(spin, preexec_fn=lambda: os.nice(1)) if nice < 19 else None
+    try:
+        ticks = _cpu_ticks()
+        assert same.pid in ticks
+        if lower is not None:
+            assert lower.pid not in ticks
+    finally:
+        for p in (same, lower):
+            if p is not None:
+                p.kill()
+                p.wait()
