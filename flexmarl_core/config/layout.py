@@ -50,9 +50,9 @@ def machine_cores() -> int:
 
 def free_cores() -> tuple[int, str]:
     """(cores the layout may use, what it left out and why, or ""). Without `FLEXMARL_CORES`,
-    cores that processes at this process's priority or above keep busy are left out, at least
-    one kept: an OpenMP thread that shares its core with such a process waits at every barrier
-    for it, so two threads beside a busy core run slower than one."""
+    cores that processes this run would share them with keep busy are left out, at least one
+    kept: an OpenMP thread that shares its core with such a process waits at every barrier for
+    it, so two threads beside a busy core run slower than one."""
     if os.environ.get(CORES_ENV):
         try:
             return max(1, int(os.environ[CORES_ENV])), ""
@@ -65,25 +65,50 @@ def free_cores() -> tuple[int, str]:
     busy = min(round(busy_elsewhere()), mine - 1)
     if busy <= 0:
         return max(1, mine), ""
-    return mine - busy, f"; {busy} of {mine} cores busy with other work at this priority"
+    return mine - busy, f"; {busy} of {mine} cores busy with other work"
 
 
 def busy_elsewhere(sample_s: float = BUSY_SAMPLE_S) -> float:
-    """Cores that other processes at this process's priority or above (nice no higher than its
-    own: what the scheduler shares a core with evenly, or gives it first) kept busy over
-    `sample_s`; 0 where /proc does not say (not Linux)."""
+    """Cores that other processes this run would share them with kept busy over `sample_s`: those
+    at this process's priority or above (nice no higher than its own), and with autogroup
+    scheduling on, every process of another autogroup (a terminal session's, whatever its
+    nice: the scheduler shares the cores evenly between groups first). 0 where /proc does not
+    say (not Linux)."""
     first, t0 = _cpu_ticks(), time.monotonic()
     if not first:
         return 0.0
     time.sleep(sample_s)
     last, t1 = _cpu_ticks(), time.monotonic()
-    used = sum(v - first[p] for p, v in last.items() if p in first and v >= first[p])
-    return used / os.sysconf("SC_CLK_TCK") / max(t1 - t0, 1e-3)
+    used = {p: v - first[p] for p, v in last.items() if p in first and v > first[p]}
+    return sum(t for p, t in used.items() if _shares_with_me(p)) / os.sysconf("SC_CLK_TCK") / max(t1 - t0, 1e-3)
+
+
+def _autogroup(pid: int | str) -> str | None:
+    """The process's autogroup (None: autogroup scheduling off, or /proc does not say)."""
+    try:
+        with open(f"/proc/{pid}/autogroup") as f:
+            return f.read().split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _shares_with_me(pid: int) -> bool:
+    """Whether `pid`'s work takes cores this process would get: the same or a better nice, or
+    another autogroup (where autogroup scheduling is on)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return False
+    if int(raw[raw.rindex(b")") + 2 :].split()[16]) <= os.getpriority(os.PRIO_PROCESS, 0):  # proc(5) field 19
+        return True
+    mine = _autogroup("self")
+    return mine is not None and _autogroup(pid) not in (None, mine)
 
 
 def _cpu_ticks() -> dict[int, int]:
-    """CPU ticks (user + system) so far of every other process at this one's nice or below."""
-    own, nice = os.getpid(), os.getpriority(os.PRIO_PROCESS, 0)
+    """CPU ticks (user + system) so far of every other process."""
+    own = os.getpid()
     out: dict[int, int] = {}
     try:
         pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
@@ -98,8 +123,7 @@ def _cpu_ticks() -> dict[int, int]:
         except OSError:  # ended meanwhile, or not ours to read
             continue
         fields = raw[raw.rindex(b")") + 2 :].split()  # after the command name, which may hold spaces
-        if int(fields[16]) <= nice:  # fields 19 (nice), 14 and 15 (utime, stime) of proc(5)
-            out[pid] = int(fields[11]) + int(fields[12])
+        out[pid] = int(fields[11]) + int(fields[12])  # fields 14 and 15 (utime, stime) of proc(5)
     return out
 
 

@@ -129,7 +129,7 @@ def test_a_core_kept_busy_at_this_priority_is_left_out(monkeypatch):
     monkeypatch.delenv("FLEXMARL_CORES", raising=False)
     mine = len(os.sched_getaffinity(0))
     monkeypatch.setattr(layout, "busy_elsewhere", lambda: 1.0)
-    assert layout.free_cores() == (max(1, mine - 1), f"; 1 of {mine} cores busy with other work at this priority"
+    assert layout.free_cores() == (max(1, mine - 1), f"; 1 of {mine} cores busy with other work"
                                    if mine > 1 else "")
     monkeypatch.setattr(layout, "busy_elsewhere", lambda: 64.0)
     assert layout.free_cores()[0] == 1
@@ -140,23 +140,26 @@ def test_a_core_kept_busy_at_this_priority_is_left_out(monkeypatch):
     assert layout.free_cores() == (mine, "")
 
 
-def test_busy_cores_are_counted_from_processes_at_this_priority_or_above():
-    """The sample counts a process spinning at this process's nice and leaves out one at a
-    higher nice (it yields its core to this run)."""
-    from flexmarl_core.config.layout import _cpu_ticks
+def test_busy_cores_are_counted_from_processes_this_run_shares_cores_with():
+    """A process at this process's nice counts; one at a higher nice in this session does not
+    (it yields its core); one at a higher nice in a session of its own counts where autogroup
+    scheduling is on (groups share the cores evenly first)."""
+    from flexmarl_core.config.layout import _autogroup, _shares_with_me
 
-    nice = os.getpriority(os.PRIO_PROCESS, 0)
     spin = [sys.executable, "-c", "while True: pass"]
     same = subprocess.Popen(spin)
-    # niced before it runs (Popen returns once the child has exec'd)
-    lower = subprocess.Popen(spin, preexec_fn=lambda: os.nice(1)) if nice < 19 else None
+    procs = [same]
     try:
-        ticks = _cpu_ticks()
-        assert same.pid in ticks
-        if lower is not None:
-            assert lower.pid not in ticks
+        assert _shares_with_me(same.pid)
+        if os.getpriority(os.PRIO_PROCESS, 0) < 19:
+            # niced before it runs (Popen returns once the child has exec'd)
+            lower = subprocess.Popen(spin, preexec_fn=lambda: os.nice(1))
+            apart = subprocess.Popen(spin, preexec_fn=lambda: os.nice(1), start_new_session=True)
+            procs += [lower, apart]
+            assert not _shares_with_me(lower.pid)
+            grouped = _autogroup("self") is not None and _autogroup(apart.pid) != _autogroup("self")
+            assert _shares_with_me(apart.pid) == grouped
     finally:
-        for p in (same, lower):
-            if p is not None:
-                p.kill()
-                p.wait()
+        for p in procs:
+            p.kill()
+            p.wait()
