@@ -49,7 +49,9 @@ python of a venv this bench makes once under `--venv` (default `.cache/peer-trl-
 `trl==TRL_VERSION` with this venv's exact torch and transformers; elsewhere the CPU torch wheel
 may need `--pip-arg=--extra-index-url=https://download.pytorch.org/whl/cpu`). TRL 1.16 also
 resolves beside flexmarl's pins, but would add datasets and pandas to every flexmarl install.
-TRL's torch threads are the cores flexmarl's layout uses (workers x torch threads).
+TRL's torch threads are the cores flexmarl's layout uses on a quiet machine (workers x torch
+threads), or `--trl-threads N`. Beside a busy core flexmarl's auto layout takes one thread
+fewer (`flexmarl_core/config/layout.py`); `--trl-threads 1` gives TRL the same.
 
 `--overlap` adds a third side to every pair, `overlap`: flexmarl with `OVERLAP` (bounded
 staleness 1 and `decoupled_ppo`), so the agent's next rollout runs beside its training; the
@@ -258,8 +260,9 @@ def trl_inputs(cfg: object, sft_state: dict, iterations: int, folder: Path) -> t
 
 
 def run_trl(py: Path, config: Path, overrides: list[str], cfg: object, sft_state: dict,
-            iterations: int, folder: Path) -> tuple[dict, dict]:
-    """TRL's run in its own process: its figures and its final weights."""
+            iterations: int, folder: Path, threads_given: int | None = None) -> tuple[dict, dict]:
+    """TRL's run in its own process: its figures and its final weights. `threads_given`: its
+    torch threads (default: the cores flexmarl's layout uses on a quiet machine)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -267,7 +270,7 @@ def run_trl(py: Path, config: Path, overrides: list[str], cfg: object, sft_state
     model_dir, data = trl_inputs(cfg, sft_state, iterations, folder)
     # the whole machine as flexmarl's on-policy layout uses it (one worker of every core on a
     # machine like this one): TRL is one process
-    threads = str(cfg.cluster.torch_threads * len(cfg.cluster.workers))  # type: ignore[attr-defined]
+    threads = str(threads_given or cfg.cluster.torch_threads * len(cfg.cluster.workers))  # type: ignore[attr-defined]
     spec = {"repo": str(REPO), "config": str(config), "overrides": overrides, "model": str(model_dir),
             "data": str(data), "iterations": iterations, "threads": threads, "seed": cfg.seed,  # type: ignore[attr-defined]
             "out": str(folder)}
@@ -408,6 +411,8 @@ def main() -> int:
     ap.add_argument("--background", type=int, nargs="*", default=[0], metavar="N",
                     help="spinning processes beside each side; several values: every pair under each")
     ap.add_argument("--background-nice", type=int, default=0)
+    ap.add_argument("--trl-threads", type=int, default=None,
+                    help="TRL's torch threads (default: the cores flexmarl's layout uses on a quiet machine)")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides (flexmarl and TRL alike)")
     ap.add_argument("--api", default="fresh", choices=["fresh", "ambient"])
     ap.add_argument("--overlap", action="store_true",
@@ -487,7 +492,7 @@ def main() -> int:
                             srv0, (busy0, total0) = server_cpu_s(home), cpu_busy()
                             if side == "trl":
                                 figures, state = run_trl(py, config, base, cfg, sft_state, iterations,
-                                                         out / f"{tag}-trl")
+                                                         out / f"{tag}-trl", args.trl_threads)
                             else:
                                 run_dir = out / f"{tag}-{side}"
                                 figures, state = run_flexmarl(train, api, config, [
