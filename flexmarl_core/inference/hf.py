@@ -340,8 +340,12 @@ class HFInferenceEngine:
                 wins += [w] * len(live)
         if not rows:
             return
-        ends, toks = lengths.tolist(), tokens.tolist()
-        tails = [tuple(toks[r][max(0, ends[r] - w) : ends[r]]) for r, w in zip(rows, wins, strict=True)]
+        idx = torch.tensor(rows, dtype=torch.long, device=tokens.device)
+        ends = lengths[idx].tolist()
+        # only the columns the windows cover leave the tensor (not a long decode's whole history)
+        lo, hi = max(0, min(e - w for e, w in zip(ends, wins, strict=True))), max(ends)
+        cols = tokens[idx, lo:hi].tolist()
+        tails = [tuple(c[max(0, e - w) - lo : e - lo]) for c, e, w in zip(cols, ends, wins, strict=True)]
         known = self._tail_text
         new = list(dict.fromkeys(t for t in tails if t not in known))
         if new:
