@@ -69,11 +69,8 @@ def free_cores() -> tuple[int, str]:
 
 
 def busy_elsewhere(sample_s: float = BUSY_SAMPLE_S) -> float:
-    """Cores that other processes this run would share them with kept busy over `sample_s`: those
-    at this process's priority or above (nice no higher than its own), and with autogroup
-    scheduling on, every process of another autogroup (a terminal session's, whatever its
-    nice: the scheduler shares the cores evenly between groups first). 0 where /proc does not
-    say (not Linux)."""
+    """Cores that other processes this run would share them with kept busy over `sample_s`
+    (`_shares_with_me`); 0 where /proc does not say (not Linux)."""
     first, t0 = _cpu_ticks(), time.monotonic()
     if not first:
         return 0.0
@@ -83,27 +80,36 @@ def busy_elsewhere(sample_s: float = BUSY_SAMPLE_S) -> float:
     return sum(t for p, t in used.items() if _shares_with_me(p)) / os.sysconf("SC_CLK_TCK") / max(t1 - t0, 1e-3)
 
 
-def _autogroup(pid: int | str) -> str | None:
-    """The process's autogroup (None: autogroup scheduling off, or /proc does not say)."""
+def _autogroup(pid: int | str) -> tuple[str, int] | None:
+    """The process's autogroup and that group's nice (None: autogroup scheduling off, or /proc
+    does not say)."""
     try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            if f.read().strip() != "1":
+                return None
         with open(f"/proc/{pid}/autogroup") as f:
-            return f.read().split()[0]
-    except (OSError, IndexError):
+            name, _, nice = f.read().split()  # "/autogroup-12 nice 0"
+        return name, int(nice)
+    except (OSError, ValueError):
         return None
 
 
 def _shares_with_me(pid: int) -> bool:
-    """Whether `pid`'s work takes cores this process would get: the same or a better nice, or
-    another autogroup (where autogroup scheduling is on)."""
+    """Whether `pid`'s work takes cores this process would get. With autogroup scheduling on,
+    the kernel shares the cores between sessions (autogroups) by each group's nice first: a
+    process of another session counts when its group's nice is no higher than this one's,
+    whatever its own (a terminal's test suite at nice 19 does; the Prefect server flexmarl
+    starts, whose session runs at nice 10, does not). Within one session, or without
+    autogroups, a process counts at this process's nice or better."""
+    mine, theirs = _autogroup("self"), _autogroup(pid)
+    if mine is not None and theirs is not None and theirs[0] != mine[0]:
+        return theirs[1] <= mine[1]
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
     except OSError:
         return False
-    if int(raw[raw.rindex(b")") + 2 :].split()[16]) <= os.getpriority(os.PRIO_PROCESS, 0):  # proc(5) field 19
-        return True
-    mine = _autogroup("self")
-    return mine is not None and _autogroup(pid) not in (None, mine)
+    return int(raw[raw.rindex(b")") + 2 :].split()[16]) <= os.getpriority(os.PRIO_PROCESS, 0)  # proc(5) field 19
 
 
 def _cpu_ticks() -> dict[int, int]:

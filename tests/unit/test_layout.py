@@ -142,8 +142,10 @@ def test_a_core_kept_busy_at_this_priority_is_left_out(monkeypatch):
 
 def test_busy_cores_are_counted_from_processes_this_run_shares_cores_with():
     """A process at this process's nice counts; one at a higher nice in this session does not
-    (it yields its core); one at a higher nice in a session of its own counts where autogroup
-    scheduling is on (groups share the cores evenly first)."""
+    (it yields its core). Where autogroup scheduling is on, a process in a session of its own
+    counts by its session's nice: at nice 0, whatever its own nice; a session niced to 10 (as
+    the Prefect server flexmarl starts) does not."""
+    from flexmarl.prefect_api import _nice_session
     from flexmarl_core.config.layout import _autogroup, _shares_with_me
 
     spin = [sys.executable, "-c", "while True: pass"]
@@ -151,14 +153,20 @@ def test_busy_cores_are_counted_from_processes_this_run_shares_cores_with():
     procs = [same]
     try:
         assert _shares_with_me(same.pid)
+        mine = _autogroup("self")
         if os.getpriority(os.PRIO_PROCESS, 0) < 19:
             # niced before it runs (Popen returns once the child has exec'd)
             lower = subprocess.Popen(spin, preexec_fn=lambda: os.nice(1))
-            apart = subprocess.Popen(spin, preexec_fn=lambda: os.nice(1), start_new_session=True)
-            procs += [lower, apart]
+            procs.append(lower)
             assert not _shares_with_me(lower.pid)
-            grouped = _autogroup("self") is not None and _autogroup(apart.pid) != _autogroup("self")
-            assert _shares_with_me(apart.pid) == grouped
+        if mine is not None and mine[1] < 10:
+            apart = subprocess.Popen(spin, preexec_fn=lambda: os.nice(1), start_new_session=True)
+            quiet = subprocess.Popen(spin, preexec_fn=lambda: _nice_session(10), start_new_session=True)
+            procs += [apart, quiet]
+            assert _autogroup(apart.pid)[0] != mine[0]
+            assert _shares_with_me(apart.pid) == (_autogroup(apart.pid)[1] <= mine[1])
+            if _autogroup(quiet.pid)[1] == 10:  # an unprivileged write may be refused (at most one per 0.1 s)
+                assert not _shares_with_me(quiet.pid)
     finally:
         for p in procs:
             p.kill()
