@@ -7,7 +7,7 @@ import torch
 
 from flexmarl_core.config import AgentConfig, SamplingConfig
 from flexmarl_core.inference import HFInferenceEngine, InferenceBackend, make_inference_engine
-from flexmarl_core.inference.hf import sample_next
+from flexmarl_core.inference.sampling import sample_next
 from flexmarl_core.training import Sample
 from tests._models_util import tiny_model, tokenizer, trainer
 
@@ -209,7 +209,7 @@ def test_the_clock_counts_each_decode_and_the_prefill_within_it():
 def test_sample_rows_draws_each_request_as_it_would_alone():
     """Sampling: two requests in one call (one greedy, one at temperature 1) get the tokens and
     logprobs each gets alone; a request's draws come from its own generator only."""
-    from flexmarl_core.inference.hf import sample_rows
+    from flexmarl_core.inference.sampling import sample_rows
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 50, generator=gen)
@@ -231,7 +231,7 @@ def test_a_row_draws_what_it_would_whichever_rows_beside_it_ended():
     """Rows that ended leave the batch: each row still decoding takes the uniform it would have
     taken with every row of its request there, so its token does not depend on which others
     ended (a row's token is row-wise in its logits and its uniform)."""
-    from flexmarl_core.inference.hf import sample_rows
+    from flexmarl_core.inference.sampling import sample_rows
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
     hot = SamplingConfig(temperature=1.0, max_new_tokens=4)
@@ -249,7 +249,7 @@ def test_a_row_draws_what_it_would_whichever_rows_beside_it_ended():
 def test_evict_ended_keeps_the_rows_still_decoding():
     """Eviction: rows that ended leave the batch, and a request with them once all its rows
     ended; the kept batch positions are those of the rows still decoding, in order."""
-    from flexmarl_core.inference.hf import evict_ended
+    from flexmarl_core.inference.sampling import evict_ended
 
     s = SamplingConfig()
     spans = [(0, 2, s, 0), (2, 3, s, 0), (3, 5, s, 0)]
@@ -262,7 +262,7 @@ def test_evict_ended_keeps_the_rows_still_decoding():
 
 def test_select_row_kwargs_keeps_the_kept_rows_adapters():
     """Adapter groups: a per-row forward argument follows its rows out of the batch; others stay."""
-    from flexmarl_core.inference.hf import select_row_kwargs
+    from flexmarl_core.inference.sampling import select_row_kwargs
 
     fkw = {"adapter_names": ["a", "a", "b", "c"], "flag": True, "other": [1, 2]}
     assert select_row_kwargs(fkw, [1, 3], 4) == {"adapter_names": ["a", "c"], "flag": True, "other": [1, 2]}
