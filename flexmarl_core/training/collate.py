@@ -60,8 +60,10 @@ def collate(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = False,
         raise ValueError("empty micro-batch")
     for i, s in enumerate(micro_batch):
         _check(i, s)
-    if share_prefix and shared_groups(micro_batch):
-        return collate_shared(micro_batch, pad_id, pack=pack)
+    if share_prefix:
+        units = _units(micro_batch)
+        if len(units) < len(micro_batch):  # a unit holds a group: some prompt is shared
+            return collate_shared(micro_batch, units, pad_id, pack=pack)
     bsz = len(micro_batch)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in micro_batch]
     t_max = max(lengths)
@@ -75,9 +77,6 @@ def collate(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = False,
     attn = torch.zeros((n_rows, t_max), dtype=torch.long)
     positions = torch.arange(t_max).repeat(n_rows, 1) if pack else None
     target_index = torch.zeros((bsz, r_max), dtype=torch.long)
-    response_ids = torch.zeros((bsz, r_max), dtype=torch.long)
-    mask = torch.zeros((bsz, r_max), dtype=torch.float32)
-    old = torch.zeros((bsz, r_max), dtype=torch.float32)
     for b, s in enumerate(micro_batch):
         p, r = len(s.prompt_ids), len(s.response_ids)
         row, at = where[b]
@@ -86,9 +85,7 @@ def collate(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = False,
         if positions is not None:
             positions[row, at: at + p + r] = torch.arange(p + r)
         target_index[b, :r] = torch.arange(at + p - 1, at + p - 1 + r)
-        response_ids[b, :r] = torch.tensor(s.response_ids, dtype=torch.long)
-        mask[b, :r] = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r, dtype=torch.float32)
-        old[b, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
+    response_ids, mask, old, advantages = _per_sample(micro_batch, r_max)
     return TokenBatch(
         input_ids=input_ids,
         attention_mask=attn,
@@ -96,27 +93,20 @@ def collate(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = False,
         response_ids=response_ids,
         mask=mask,
         old_logprobs=old,
-        advantages=_advantages(micro_batch, r_max),
+        advantages=advantages,
         rows=torch.tensor([where[b][0] for b in range(bsz)], dtype=torch.long) if pack else None,
         position_ids=positions,
         padded_tokens=n_rows * t_max - sum(lengths),
     )
 
 
-def shared_groups(micro_batch: MicroBatch) -> bool:
-    """True when two samples have one prompt of two or more tokens (what sharing saves)."""
-    seen: set[tuple[int, ...]] = set()
-    for s in micro_batch:
-        key = tuple(s.prompt_ids)
-        if key in seen and len(key) > 1:
-            return True
-        seen.add(key)
-    return False
+#: a unit of a collated batch: (token ids, positions, segment per token, {sample: the index of
+#: the position that predicts its first response token})
+Unit = tuple[list[int], list[int], list[int], dict[int, int]]
 
 
-def _units(micro_batch: MicroBatch) -> list[tuple[list[int], list[int], list[int], dict[int, int]]]:
-    """The batch as units of tokens, each (ids, positions, segment per token, {sample: index
-    of the position that predicts its first response token}). A group of samples with one
+def _units(micro_batch: MicroBatch) -> list[Unit]:
+    """The batch as `Unit`s of tokens, in the order of each prompt's first sample. A group of samples with one
     prompt P is one unit: P[:-1] once (segment 0, seen by all), then per sample its own copy
     of P's last token followed by its response (a segment of its own, positions going on
     from len(P) - 1). The copy makes the position before each response that response's own,
@@ -143,15 +133,15 @@ def _units(micro_batch: MicroBatch) -> list[tuple[list[int], list[int], list[int
     return units
 
 
-def collate_shared(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = False) -> TokenBatch:
+def collate_shared(micro_batch: MicroBatch, units: list[Unit], pad_id: int = 0, *,
+                   pack: bool = False) -> TokenBatch:
     """`collate` where samples with one prompt share it (Prefix Grouper's layout): the prompt
     is encoded once per group and each response attends to it and to itself only, through an
     explicit (N, 1, T, T) mask (`TokenBatch.attend`). A group of G samples with prompt P and
     responses r_i costs P - 1 + sum(1 + r_i) token cells instead of sum(P + r_i); log-probs,
-    loss and gradients are the padded path's (tests/unit/test_shared_prefix.py). `pack`:
-    units go several to a row as in `pack_rows`."""
+    loss and gradients are the padded path's (tests/unit/test_shared_prefix.py). `units`: the
+    batch's (`_units`); `pack`: units go several to a row as in `pack_rows`."""
     bsz = len(micro_batch)
-    units = _units(micro_batch)
     lengths = [len(u[0]) for u in units]
     layout = pack_rows(lengths) if pack else [[u] for u in range(len(units))]
     n_rows, t_max = len(layout), max(sum(lengths[u] for u in row) for row in layout)
@@ -183,14 +173,7 @@ def collate_shared(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = Fal
     same_unit = (unit_of[:, :, None] == unit_of[:, None, :]) & (unit_of[:, :, None] >= 0)
     visible = (seg_of[:, None, :] == 0) | (seg_of[:, :, None] == seg_of[:, None, :])
     attend = (same_unit & visible & causal) | torch.eye(t_max, dtype=torch.bool)
-    response_ids = torch.zeros((bsz, r_max), dtype=torch.long)
-    mask = torch.zeros((bsz, r_max), dtype=torch.float32)
-    old = torch.zeros((bsz, r_max), dtype=torch.float32)
-    for b, s in enumerate(micro_batch):
-        r = len(s.response_ids)
-        response_ids[b, :r] = torch.tensor(s.response_ids, dtype=torch.long)
-        mask[b, :r] = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r, dtype=torch.float32)
-        old[b, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
+    response_ids, mask, old, advantages = _per_sample(micro_batch, r_max)
     cells = sum(lengths)
     return TokenBatch(
         input_ids=input_ids,
@@ -199,7 +182,7 @@ def collate_shared(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = Fal
         response_ids=response_ids,
         mask=mask,
         old_logprobs=old,
-        advantages=_advantages(micro_batch, r_max),
+        advantages=advantages,
         rows=rows,
         position_ids=positions,
         padded_tokens=n_rows * t_max - cells,
@@ -208,15 +191,27 @@ def collate_shared(micro_batch: MicroBatch, pad_id: int = 0, *, pack: bool = Fal
     )
 
 
-def _advantages(micro_batch: MicroBatch, r_max: int) -> torch.Tensor:
-    """(B,) sequence advantages, or (B, R) when any sample has token advantages (GAE)."""
+def _per_sample(micro_batch: MicroBatch,
+                r_max: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every layout keeps per sample, whatever row it sits in: (B, R) response ids, loss
+    mask and behaviour log-probs, right padded, and the advantages: (B,) per sequence, or (B, R)
+    when any sample has token advantages (GAE)."""
+    bsz = len(micro_batch)
+    response_ids = torch.zeros((bsz, r_max), dtype=torch.long)
+    mask = torch.zeros((bsz, r_max), dtype=torch.float32)
+    old = torch.zeros((bsz, r_max), dtype=torch.float32)
+    for b, s in enumerate(micro_batch):
+        r = len(s.response_ids)
+        response_ids[b, :r] = torch.tensor(s.response_ids, dtype=torch.long)
+        mask[b, :r] = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r, dtype=torch.float32)
+        old[b, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
     advantages = torch.tensor([float(s.advantage) for s in micro_batch], dtype=torch.float32)
     if any(s.token_advantages is not None for s in micro_batch):
         advantages = advantages[:, None].repeat(1, r_max)
         for b, s in enumerate(micro_batch):
             if s.token_advantages is not None:
                 advantages[b, : len(s.token_advantages)] = torch.tensor(s.token_advantages, dtype=torch.float32)
-    return advantages
+    return response_ids, mask, old, advantages
 
 
 def global_loss_scale(micro_batches: Sequence[MicroBatch], loss_weight_fn: LossWeightFn) -> float:

@@ -152,7 +152,8 @@ class PolicyGradientSteps(ABC):
         out["tokens_padded"] = float(batch.padded_tokens)
         out["tokens_cells"] = float(batch.input_ids.numel())
         out["tokens_shared"] = float(batch.shared_tokens)
-        out["tokens_sample"] = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in micro_batch))
+        # every sample's tokens, computed or shared: what the layout holds, less padding, plus what it shared
+        out["tokens_sample"] = out["tokens_cells"] - out["tokens_padded"] + out["tokens_shared"]
         return out
 
     def lr_at(self, version: int) -> float:
