@@ -43,41 +43,45 @@ BUSY_SAMPLE_S = 0.3
 
 
 def machine_cores() -> int:
-    """Cores the layout may use: `FLEXMARL_CORES` where set, else those this process may run on
-    (its CPU affinity: a container's or taskset's share) less those other work keeps busy."""
-    return free_cores()[0]
-
-
-def free_cores() -> tuple[int, str]:
-    """(cores the layout may use, what it left out and why, or ""). Without `FLEXMARL_CORES`,
-    cores that processes this run would share them with keep busy are left out, at least one
-    kept: an OpenMP thread that shares its core with such a process waits at every barrier for
-    it, so two threads beside a busy core run slower than one."""
+    """Cores this run may use: `FLEXMARL_CORES` where set, else those this process may run on
+    (its CPU affinity: a container's or taskset's share)."""
     if os.environ.get(CORES_ENV):
         try:
-            return max(1, int(os.environ[CORES_ENV])), ""
+            return max(1, int(os.environ[CORES_ENV]))
         except ValueError:
             raise ValueError(f"{CORES_ENV}={os.environ[CORES_ENV]!r}: a whole number of cores") from None
     try:
-        mine = len(os.sched_getaffinity(0))
+        return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1), ""
+        return max(1, os.cpu_count() or 1)
+
+
+def free_cores() -> tuple[int, str]:
+    """(cores the auto layout may use, what it left out and why, or ""): `machine_cores`, less
+    (without `FLEXMARL_CORES`) the cores that processes this run would share them with keep
+    busy, at least one kept. An OpenMP thread that shares its core with such a process waits
+    at every barrier for it, so two threads beside a busy core run slower than one."""
+    mine = machine_cores()
+    if os.environ.get(CORES_ENV) or mine == 1:
+        return mine, ""
     busy = min(round(busy_elsewhere()), mine - 1)
     if busy <= 0:
-        return max(1, mine), ""
+        return mine, ""
     return mine - busy, f"; {busy} of {mine} cores busy with other work"
 
 
 def busy_elsewhere(sample_s: float = BUSY_SAMPLE_S) -> float:
-    """Cores that other processes this run would share them with kept busy over `sample_s`
-    (`_shares_with_me`); 0 where /proc does not say (not Linux)."""
+    """Cores that other processes this run would share them with (`_shares_with_me`) kept busy
+    over `sample_s`; 0 where /proc does not say (not Linux)."""
     first, t0 = _cpu_ticks(), time.monotonic()
     if not first:
         return 0.0
     time.sleep(sample_s)
     last, t1 = _cpu_ticks(), time.monotonic()
-    used = {p: v - first[p] for p, v in last.items() if p in first and v > first[p]}
-    return sum(t for p, t in used.items() if _shares_with_me(p)) / os.sysconf("SC_CLK_TCK") / max(t1 - t0, 1e-3)
+    me = (_autogroup("self"), os.getpriority(os.PRIO_PROCESS, 0))
+    used = sum(ticks - first[pid][0] for pid, (ticks, nice) in last.items()
+               if pid in first and ticks > first[pid][0] and _shares_with_me(pid, nice, *me))
+    return used / os.sysconf("SC_CLK_TCK") / max(t1 - t0, 1e-3)
 
 
 def _autogroup(pid: int | str) -> tuple[str, int] | None:
@@ -94,28 +98,23 @@ def _autogroup(pid: int | str) -> tuple[str, int] | None:
         return None
 
 
-def _shares_with_me(pid: int) -> bool:
-    """Whether `pid`'s work takes cores this process would get. With autogroup scheduling on,
-    the kernel shares the cores between sessions (autogroups) by each group's nice first: a
-    process of another session counts when its group's nice is no higher than this one's,
-    whatever its own (a terminal's test suite at nice 19 does; the Prefect server flexmarl
-    starts, whose session runs at nice 10, does not). Within one session, or without
-    autogroups, a process counts at this process's nice or better."""
-    mine, theirs = _autogroup("self"), _autogroup(pid)
-    if mine is not None and theirs is not None and theirs[0] != mine[0]:
-        return theirs[1] <= mine[1]
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return False
-    return int(raw[raw.rindex(b")") + 2 :].split()[16]) <= os.getpriority(os.PRIO_PROCESS, 0)  # proc(5) field 19
+def _shares_with_me(pid: int, nice: int, my_group: tuple[str, int] | None, my_nice: int) -> bool:
+    """Whether `pid` (at `nice`) takes cores this process (in `my_group`, at `my_nice`) would
+    get. With autogroup scheduling on, the kernel shares the cores between sessions
+    (autogroups) by each group's nice first: a process of another session counts when its
+    group's nice is no higher than this one's, whatever its own (a terminal's test suite at
+    nice 19 does; the Prefect server flexmarl starts, whose session runs at nice 10, does not).
+    Within one session, or without autogroups, a process counts at this one's nice or better."""
+    theirs = _autogroup(pid) if my_group is not None else None
+    if my_group is not None and theirs is not None and theirs[0] != my_group[0]:
+        return theirs[1] <= my_group[1]
+    return nice <= my_nice
 
 
-def _cpu_ticks() -> dict[int, int]:
-    """CPU ticks (user + system) so far of every other process."""
+def _cpu_ticks() -> dict[int, tuple[int, int]]:
+    """(CPU ticks so far, user + system; nice) of every other process."""
     own = os.getpid()
-    out: dict[int, int] = {}
+    out: dict[int, tuple[int, int]] = {}
     try:
         pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
     except OSError:
@@ -129,7 +128,7 @@ def _cpu_ticks() -> dict[int, int]:
         except OSError:  # ended meanwhile, or not ours to read
             continue
         fields = raw[raw.rindex(b")") + 2 :].split()  # after the command name, which may hold spaces
-        out[pid] = int(fields[11]) + int(fields[12])  # fields 14 and 15 (utime, stime) of proc(5)
+        out[pid] = int(fields[11]) + int(fields[12]), int(fields[16])  # proc(5) fields 14, 15 and 19
     return out
 
 

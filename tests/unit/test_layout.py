@@ -146,27 +146,30 @@ def test_busy_cores_are_counted_from_processes_this_run_shares_cores_with():
     counts by its session's nice: at nice 0, whatever its own nice; a session niced to 10 (as
     the Prefect server flexmarl starts) does not."""
     from flexmarl.prefect_api import _nice_session
-    from flexmarl_core.config.layout import _autogroup, _shares_with_me
+    from flexmarl_core.config.layout import _autogroup, _cpu_ticks, _shares_with_me
+
+    def _shares_with_me_(pid: int) -> bool:  # as `busy_elsewhere` asks it
+        return _shares_with_me(pid, _cpu_ticks()[pid][1], _autogroup("self"), os.getpriority(os.PRIO_PROCESS, 0))
 
     spin = [sys.executable, "-c", "while True: pass"]
     same = subprocess.Popen(spin)
     procs = [same]
     try:
-        assert _shares_with_me(same.pid)
+        assert _shares_with_me_(same.pid)
         mine = _autogroup("self")
         if os.getpriority(os.PRIO_PROCESS, 0) < 19:
             # niced before it runs (Popen returns once the child has exec'd)
             lower = subprocess.Popen(spin, preexec_fn=lambda: os.nice(1))
             procs.append(lower)
-            assert not _shares_with_me(lower.pid)
+            assert not _shares_with_me_(lower.pid)
         if mine is not None and mine[1] < 10:
             apart = subprocess.Popen(spin, preexec_fn=lambda: os.nice(1), start_new_session=True)
             quiet = subprocess.Popen(spin, preexec_fn=lambda: _nice_session(10), start_new_session=True)
             procs += [apart, quiet]
             assert _autogroup(apart.pid)[0] != mine[0]
-            assert _shares_with_me(apart.pid) == (_autogroup(apart.pid)[1] <= mine[1])
+            assert _shares_with_me_(apart.pid) == (_autogroup(apart.pid)[1] <= mine[1])
             if _autogroup(quiet.pid)[1] == 10:  # an unprivileged write may be refused (at most one per 0.1 s)
-                assert not _shares_with_me(quiet.pid)
+                assert not _shares_with_me_(quiet.pid)
     finally:
         for p in procs:
             p.kill()
