@@ -32,7 +32,9 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,6 +55,20 @@ def samples(n: int, plo: int, phi: int, rlo: int, rhi: int, seed: int = 0) -> li
     return out
 
 
+def off_on(run: Callable[[bool], Any], repeats: int) -> tuple[float, float, dict[bool, Any]]:
+    """`run(False)` against `run(True)` in alternating order, a warm-up round first: (the best
+    seconds off, the best on, each side's last result)."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    out: dict[bool, Any] = {}
+    for rep in range(repeats + 1):
+        for on in ((False, True) if rep % 2 == 0 else (True, False)):
+            t0 = time.perf_counter()
+            out[on] = run(on)
+            if rep:
+                times[on].append(time.perf_counter() - t0)
+    return min(times[False]), min(times[True]), out
+
+
 def packing(repeats: int) -> list[dict]:
     from flexmarl_core.training import global_loss_scale
     from tests._models_util import tiny_model, trainer
@@ -63,16 +79,8 @@ def packing(repeats: int) -> list[dict]:
         base = tiny_model(0)
         trainers = {on: trainer(copy.deepcopy(base), packing=on, chunk_tokens=10**9) for on in (False, True)}
         scale = global_loss_scale([batch], trainers[False].loss_weight)
-        times: dict[bool, list[float]] = {False: [], True: []}
-        pad: dict[bool, float] = {}
-        for rep in range(repeats + 1):  # the first round warms up
-            for on in ((False, True) if rep % 2 == 0 else (True, False)):
-                t0 = time.perf_counter()
-                out = trainers[on].accumulate(batch, scale)
-                if rep:
-                    times[on].append(time.perf_counter() - t0)
-                pad[on] = out["tokens_padded"] / out["tokens_cells"]
-        off, on = min(times[False]), min(times[True])
+        off, on, out = off_on(lambda on, t=trainers, b=batch, sc=scale: t[on].accumulate(b, sc), repeats)
+        pad = {k: o["tokens_padded"] / o["tokens_cells"] for k, o in out.items()}
         rows.append({"mix": name, "prompt_tokens": shape[:2], "answer_tokens": shape[2:], "samples": 64,
                      "padded_s": off, "packed_s": on, "speedup": off / on,
                      "padding_share_padded": pad[False], "padding_share_packed": pad[True]})
@@ -113,16 +121,8 @@ def share(repeats: int) -> list[dict]:
         trainers = {on: trainer(copy.deepcopy(base), packing=True, share_prefix=on, chunk_tokens=10**9)
                     for on in (False, True)}
         scale = global_loss_scale([batch], trainers[False].loss_weight)
-        times: dict[bool, list[float]] = {False: [], True: []}
-        cells: dict[bool, float] = {}
-        for rep in range(repeats + 1):  # the first round warms up
-            for on in ((False, True) if rep % 2 == 0 else (True, False)):
-                t0 = time.perf_counter()
-                out = trainers[on].accumulate(batch, scale)
-                if rep:
-                    times[on].append(time.perf_counter() - t0)
-                cells[on] = out["tokens_cells"]
-        off, on = min(times[False]), min(times[True])
+        off, on, out = off_on(lambda on, t=trainers, b=batch, sc=scale: t[on].accumulate(b, sc), repeats)
+        cells = {k: o["tokens_cells"] for k, o in out.items()}
         rows.append({"batch": name, "prompt_tokens": shape[:2], "answer_tokens": shape[2:], "inputs": 8,
                      "group_size": 8, "per_sample_s": off, "shared_s": on, "speedup": off / on,
                      "cells_per_sample": cells[False], "cells_shared": cells[True]})
@@ -142,15 +142,12 @@ def prefill(repeats: int) -> list[dict]:
     for plen in (30, 300):
         prompts = [[(7 * i + 13 * k) % 900 + 50 for k in range(plen)] for i in range(8)]
         groups = [([p] * 8, sp, i) for i, p in enumerate(prompts)]
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for rep in range(repeats + 1):
-            for on in ((False, True) if rep % 2 == 0 else (True, False)):
-                eng.share_prefill = on
-                t0 = time.perf_counter()
-                eng.generate_groups(groups)
-                if rep:
-                    times[on].append(time.perf_counter() - t0)
-        off, on = min(times[False]), min(times[True])
+
+        def decode(on: bool, groups: list = groups) -> None:
+            eng.share_prefill = on
+            eng.generate_groups(groups)
+
+        off, on, _ = off_on(decode, repeats)
         rows.append({"prompt_tokens": plen, "inputs": 8, "group_size": 8, "new_tokens": 8,
                      "per_row_s": off, "shared_s": on, "speedup": off / on})
         print(f"prefill  prompt {plen:3d} tokens, 8 inputs x G=8: each row {off * 1e3:6.0f} ms, once per group "
