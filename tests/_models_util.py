@@ -14,7 +14,7 @@ import torch
 from flexmarl_core.algorithms import make_loss_fn, token_weight
 from flexmarl_core.config import AlgorithmConfig, ModelConfig
 from flexmarl_core.models import build_model, get_tokenizer
-from flexmarl_core.training import Sample, TorchTrainer, TrainerOptions
+from flexmarl_core.training import Sample, TorchTrainer, TrainerOptions, global_loss_scale
 
 # Tiny models on a shared, noisy 2-core box: one thread avoids OpenMP contention (measured 2-4x
 # faster for the 1M model under load). Tests are the caller; library code never sets this.
@@ -224,3 +224,26 @@ def publish(cache: Path, repo: str, commit: str, *, seed: int = 0, config: dict 
     (root / "refs").mkdir(parents=True, exist_ok=True)
     (root / "refs" / "main").write_text(commit)
     return snap
+
+
+def assert_trains_alike(ref: TorchTrainer, other: TorchTrainer, samples: list[Sample]) -> tuple[dict, dict]:
+    """`other`, a trainer of another batch layout, scores and trains `samples` as `ref` does:
+    the same log-probs, loss and gradients within bounds from fp32. Returns both `accumulate`
+    outputs for the layout's own checks."""
+    import pytest  # here: benches import this module's models without the test runner
+
+    # fp32 log-probs of about -7.5 (the untrained model over 1,024 tokens), computed in rows of
+    # another shape: within 8 ulps at magnitude 8 (a sample that saw another's tokens is off by ~0.1)
+    for a, b in zip(ref.logprobs(samples), other.logprobs(samples), strict=True):
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=0, atol=8 * torch.finfo(torch.float32).eps * 8)
+    scale = global_loss_scale([samples], ref.loss_weight)
+    out_ref, out_other = ref.accumulate(samples, scale), other.accumulate(samples, scale)
+    assert out_other["loss"] == pytest.approx(out_ref["loss"], rel=1e-5, abs=1e-7)
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    eps = torch.finfo(torch.float32).eps
+    for (name, p), q in zip(ref.model.named_parameters(), other.model.parameters(), strict=True):
+        # the same terms summed in another order (see test_training's accumulation test)
+        atol = tokens * eps * float(p.grad.abs().max())
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=atol, msg=name)
+    return out_ref, out_other
+

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from flexmarl_core.config import AlgorithmConfig
-from flexmarl_core.training import collate, global_loss_scale
+from flexmarl_core.training import collate
 from flexmarl_core.training.collate import pack_rows
-from tests._models_util import random_samples, tiny_model, trainer
+from tests._models_util import assert_trains_alike, random_samples, tiny_model, trainer
 
 
 def test_rows_hold_whole_samples_within_the_longest():
@@ -44,18 +44,5 @@ def test_packed_and_padded_give_the_same_logprobs_loss_and_gradients(algo):
     kw = {"ref_model": copy.deepcopy(ref)} if ref is not None else {}
     padded = trainer(copy.deepcopy(base), algo=algo, **kw)
     packed = trainer(copy.deepcopy(base), algo=algo, packing=True, **kw)
-    lp_padded, lp_packed = padded.logprobs(samples), packed.logprobs(samples)
-    # fp32 log-probs of about -7.5 (the untrained model over 1,024 tokens), computed in rows of
-    # another shape: within 8 ulps at magnitude 8 (a sample attending to another is off by ~0.1)
-    for a, b in zip(lp_padded, lp_packed, strict=True):
-        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=0, atol=8 * torch.finfo(torch.float32).eps * 8)
-    scale = global_loss_scale([samples], padded.loss_weight)
-    out_padded, out_packed = padded.accumulate(samples, scale), packed.accumulate(samples, scale)
-    assert out_packed["loss"] == pytest.approx(out_padded["loss"], rel=1e-5, abs=1e-7)
+    out_padded, out_packed = assert_trains_alike(padded, packed, samples)
     assert out_packed["tokens_cells"] < out_padded["tokens_cells"]
-    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    eps = torch.finfo(torch.float32).eps
-    for (name, p), q in zip(padded.model.named_parameters(), packed.model.parameters(), strict=True):
-        # the same terms summed in another order (see test_training's accumulation test)
-        atol = tokens * eps * float(p.grad.abs().max())
-        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=atol, msg=name)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from flexmarl_core.config import AlgorithmConfig
-from flexmarl_core.training import Sample, collate, global_loss_scale
+from flexmarl_core.training import Sample, collate
 from flexmarl_core.training.scoring import attention_mask_for
-from tests._models_util import tiny_model, trainer
+from tests._models_util import assert_trains_alike, tiny_model, trainer
 
 
 def grouped_samples(groups: int, g: int, singles: int, seed: int = 0) -> list[Sample]:
@@ -78,25 +78,12 @@ def test_shared_and_padded_give_the_same_logprobs_loss_and_gradients(algo, pack,
     padded = trainer(copy.deepcopy(base), algo=algo, **kw)
     shared = trainer(copy.deepcopy(base), algo=algo, share_prefix=True, packing=pack, **kw)
     assert shared.share_prefix and not padded.share_prefix
-    lp_padded, lp_shared = padded.logprobs(samples), shared.logprobs(samples)
-    # fp32 log-probs of about -7.5 (the untrained model over 1,024 tokens), attention summed
-    # over another number of masked keys: within 8 ulps at magnitude 8 (a response that saw a
-    # sibling's tokens would be off by ~0.1)
-    for a, b in zip(lp_padded, lp_shared, strict=True):
-        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=0, atol=8 * torch.finfo(torch.float32).eps * 8)
-    scale = global_loss_scale([samples], padded.loss_weight)
-    out_padded, out_shared = padded.accumulate(samples, scale), shared.accumulate(samples, scale)
-    assert out_shared["loss"] == pytest.approx(out_padded["loss"], rel=1e-5, abs=1e-7)
+    # attention over another number of masked keys; a shared prompt token's gradient is the
+    # sum over its group's responses in one place instead of G
+    out_padded, out_shared = assert_trains_alike(padded, shared, samples)
     assert out_shared["tokens_shared"] > 0 and out_padded["tokens_shared"] == 0
     assert out_shared["tokens_cells"] - out_shared["tokens_padded"] + out_shared["tokens_shared"] == \
         out_padded["tokens_cells"] - out_padded["tokens_padded"]  # every sample token, computed or shared
-    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    eps = torch.finfo(torch.float32).eps
-    for (name, p), q in zip(padded.model.named_parameters(), shared.model.parameters(), strict=True):
-        # the same terms summed in another order (a shared prompt token's gradient is the sum
-        # over its group's responses in one place instead of G)
-        atol = tokens * eps * float(p.grad.abs().max())
-        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=atol, msg=name)
 
 
 def test_an_attention_that_takes_no_mask_keeps_the_padded_layout():
