@@ -40,6 +40,10 @@ CORES_ENV = "FLEXMARL_CORES"
 
 #: how long the auto layout watches the machine for other work before it chooses
 BUSY_SAMPLE_S = 0.3
+#: a sample this recent is reused: a command that loads its config twice (the CLI checks it,
+#: then the flow loads it) waits once and gets one layout
+BUSY_REUSE_S = 10.0
+_busy_sample: tuple[float, float] | None = None  # (monotonic time, busy cores)
 
 
 def machine_cores() -> int:
@@ -64,7 +68,10 @@ def free_cores() -> tuple[int, str]:
     mine = machine_cores()
     if os.environ.get(CORES_ENV) or mine == 1:
         return mine, ""
-    busy = min(round(busy_elsewhere()), mine - 1)
+    global _busy_sample
+    if _busy_sample is None or time.monotonic() - _busy_sample[0] > BUSY_REUSE_S:
+        _busy_sample = (time.monotonic(), busy_elsewhere())
+    busy = min(round(_busy_sample[1]), mine - 1)
     if busy <= 0:
         return mine, ""
     return mine - busy, f"; {busy} of {mine} cores busy with other work"

@@ -127,6 +127,7 @@ def test_a_core_kept_busy_at_this_priority_is_left_out(monkeypatch):
     from flexmarl_core.config import layout
 
     monkeypatch.delenv("FLEXMARL_CORES", raising=False)
+    monkeypatch.setattr(layout, "BUSY_REUSE_S", -1.0)  # a new sample on every call
     mine = len(os.sched_getaffinity(0))
     monkeypatch.setattr(layout, "busy_elsewhere", lambda: 1.0)
     assert layout.free_cores() == (max(1, mine - 1), f"; 1 of {mine} cores busy with other work"
@@ -138,6 +139,17 @@ def test_a_core_kept_busy_at_this_priority_is_left_out(monkeypatch):
         assert cfg.cluster.torch_threads == 1 and "busy with other work" in cfg.cluster.layout
     monkeypatch.setattr(layout, "busy_elsewhere", lambda: 0.3)  # a process that comes and goes
     assert layout.free_cores() == (mine, "")
+
+
+def test_a_command_that_loads_its_config_twice_samples_the_machine_once(monkeypatch):
+    from flexmarl_core.config import layout
+
+    monkeypatch.delenv("FLEXMARL_CORES", raising=False)
+    monkeypatch.setattr(layout, "_busy_sample", None)
+    samples = []
+    monkeypatch.setattr(layout, "busy_elsewhere", lambda: samples.append(1) or 0.0)
+    assert layout.free_cores() == layout.free_cores()
+    assert len(samples) == (1 if len(os.sched_getaffinity(0)) > 1 else 0)  # one core: nothing to sample
 
 
 def test_busy_cores_are_counted_from_processes_this_run_shares_cores_with():
