@@ -35,22 +35,22 @@ def reward(ctx: WorkerContext, op: Op) -> StageResult:
             final[(r["input_id"], r["traj"])][agent] = r["response_text"]
     rewards: dict[tuple[str, int], dict[str, float]] = {}
     correct = []
-    problems: dict[str, Problem] = {}
     failed: dict[tuple[str, int], str] = {}
-    hung: set[str] = set()  # inputs whose reward ran past its deadline: their other trajectories fail too
     wl = ctx.workload
-    for (input_id, traj), outputs in final.items():
-        inp = inputs[input_id]
-        problem = problems.setdefault(input_id, Problem(input_id=input_id, text=inp["text"],
-                                                        answer=inp["answer"], meta=inp["meta"]))
-        if input_id in hung:
-            failed[(input_id, traj)] = "its input's reward ran past its deadline"
-            continue
-        ok, got = ctx.reward_deadline.call(
-            lambda p=problem, o=outputs: (wl.reward(p, o), float(wl.is_correct(p, o))), input_id)
+    keys = list(final)
+    problems = {i: Problem(input_id=i, text=inputs[i]["text"], answer=inputs[i]["answer"], meta=inputs[i]["meta"])
+                for i in dict.fromkeys(i for i, _ in keys)}
+    # Once one trajectory of an input runs past the deadline, its input's others are not scored
+    # and fail with it.
+    got_all = ctx.reward_deadline.call_many([
+        (lambda p=problems[i], o=final[(i, t)]: (wl.reward(p, o), float(wl.is_correct(p, o))), i) for i, t in keys])
+    hung: set[str] = set()
+    for (input_id, traj), (ok, got) in zip(keys, got_all, strict=True):
         if not ok or got is None:
+            failed[(input_id, traj)] = (
+                "its input's reward ran past its deadline" if input_id in hung
+                else f"the reward ran past its deadline of {ctx.reward_deadline.seconds:g} s")
             hung.add(input_id)
-            failed[(input_id, traj)] = f"the reward ran past its deadline of {ctx.reward_deadline.seconds:g} s"
             continue
         rewards[(input_id, traj)], acc = got
         correct.append(acc)

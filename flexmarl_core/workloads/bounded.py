@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -34,21 +34,52 @@ class RewardHungError(RuntimeError):
 
 
 class _Runner:
-    """One daemon thread that runs calls in turn; abandoned (and replaced) when a call hangs."""
+    """One daemon thread that runs batches of calls in turn; abandoned (and replaced) when a
+    call hangs."""
 
     def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], threading.Event]] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="flexmarl-workload-call", daemon=True).start()
 
     def _loop(self) -> None:
         while True:
-            fn, box, done = self.jobs.get()
-            try:
-                box["value"] = fn()
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                box["error"] = exc
-            finally:
-                done.set()
+            self.jobs.get().run()
+
+
+class _Batch:
+    """Calls the runner makes one after another; `at` says which one runs and since when, so
+    the caller can tell a call that hangs from a batch that is merely long."""
+
+    def __init__(self, fns: Sequence[Callable[[], Any]]) -> None:
+        self.fns = fns
+        self.values: list[Any] = []
+        self.error: BaseException | None = None
+        self.at: tuple[int, float] = (0, time.monotonic())  # (call running, its start)
+        self.done = threading.Event()
+        #: set by the caller once a call ran late: a call that returns after all makes no more
+        self.abandoned = False
+
+    def run(self) -> None:
+        try:
+            for i, fn in enumerate(self.fns):
+                if self.abandoned:
+                    break
+                self.at = (i, time.monotonic())
+                self.values.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def wait(self, seconds: float) -> int | None:
+        """None once every call returned (or one raised); else the index of a call that has
+        run `seconds` without returning."""
+        while not self.done.wait(max(self.at[1] + seconds - time.monotonic(), 0.0)):
+            i, since = self.at
+            if time.monotonic() - since >= seconds and not self.done.is_set():
+                self.abandoned = True
+                return i
+        return None
 
 
 class Files(Protocol):
@@ -115,24 +146,47 @@ class Deadline:
 
     def call(self, fn: Callable[[], T], input_id: str) -> tuple[bool, T | None]:
         """(True, fn()) if it returned in time (its error re-raised here), else (False, None)."""
-        with self._lock:  # one call at a time: a thread of this process's ops may share it
-            if self._runner is None:
-                self._runner = _Runner()
-            box: dict[str, Any] = {}
-            done = threading.Event()
-            self._runner.jobs.put((fn, box, done))
-            if not done.wait(self.seconds):
-                self._runner = None  # left to its hung call; the next call gets a fresh thread
+        return self.call_many([(fn, input_id)])[0]
+
+    def call_many(self, calls: Sequence[tuple[Callable[[], T], str]]) -> list[tuple[bool, T | None]]:
+        """`call` of each `(fn, input_id)` in turn, each bounded by `seconds` from its own start,
+        handed to the runner thread together: one handoff for the lot, not one per call (a
+        thread handoff costs ~0.1 ms, as much as a cheap reward). Once an input's call runs
+        past the deadline, that input's later calls are not made: (False, None) for each. The
+        first error a call raises is re-raised here."""
+        out: list[tuple[bool, T | None]] = [(False, None)] * len(calls)
+        hung: set[str] = set()
+        todo = list(range(len(calls)))
+        with self._lock:  # one batch at a time: a thread of this process's ops may share it
+            while todo:
+                todo = [j for j in todo if calls[j][1] not in hung]
+                if not todo:
+                    break
+                if self._runner is None:
+                    self._runner = _Runner()
+                batch = _Batch([calls[j][0] for j in todo])
+                self._runner.jobs.put(batch)
+                late = batch.wait(self.seconds)
+                values = batch.values if late is None else batch.values[:late]
+                for j, value in zip(todo, values, strict=False):
+                    out[j] = (True, value)
+                if values or (late is None and batch.error is not None):
+                    # a call returned in time (or raised in time): the run's count starts again
+                    self.in_a_row = 0
+                    if self.streak is not None:
+                        self.streak.in_time()
+                if late is None:
+                    if batch.error is not None:
+                        raise batch.error
+                    break
+                self._runner = None  # left to its hung call; the rest get a fresh thread
+                input_id = calls[todo[late]][1]
+                hung.add(input_id)
                 self.in_a_row = self.streak.timed_out(input_id) if self.streak else self.in_a_row + 1
                 if self.in_a_row >= self.limit:
                     raise RewardHungError(
                         f"{self.what}: {self.in_a_row} inputs in a row ran past its deadline of "
                         f"{self.seconds:g} s (the last: input_id {input_id!r}); it hangs or is too slow: "
                         "fix it, or raise cluster.deadlines.per_kind_s.reward")
-                return False, None
-            self.in_a_row = 0
-            if self.streak is not None:
-                self.streak.in_time()
-        if "error" in box:
-            raise box["error"]
-        return True, box["value"]
+                todo = todo[late + 1:]
+        return out

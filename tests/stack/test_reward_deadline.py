@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -95,3 +96,39 @@ def test_the_count_in_a_row_is_the_runs_across_its_processes(tmp_path):
     c.call(hang, "j1"), d.call(hang, "j2")
     with pytest.raises(RewardHungError, match="3 inputs in a row.*'j3'"):
         c.call(hang, "j3")  # c's own: 2
+
+
+def test_a_batch_of_calls_is_one_handoff_and_a_hang_fails_only_its_input():
+    """`call_many` hands every call to one runner thread at once; a call past the deadline
+    fails its input, whose later calls are not made, and the calls after it still run (on a
+    fresh thread, the hung one left behind)."""
+    release = threading.Event()
+    made: list[tuple[str, int]] = []
+    threads: list[int] = []
+
+    def fn(input_id: str, k: int, hang: bool = False):
+        def call():
+            made.append((input_id, k))
+            threads.append(threading.get_ident())
+            if hang:
+                release.wait(30)
+            return f"{input_id}/{k}"
+        return call
+
+    try:
+        d = Deadline("r", 5.0, 2)
+        calls = [(fn(i, k), i) for i in ("a", "b") for k in range(3)]
+        assert d.call_many(calls) == [(True, f"{i}/{k}") for i in ("a", "b") for k in range(3)]
+        assert len(set(threads)) == 1 and threads[0] != threading.get_ident()  # one handoff, off this thread
+
+        made.clear(), threads.clear()
+        slow = Deadline("r", 0.2, 2)
+        calls = [(fn("a", 0), "a"), (fn("b", 0), "b"), (fn("b", 1, hang=True), "b"), (fn("b", 2), "b"),
+                 (fn("c", 0), "c")]
+        assert slow.call_many(calls) == [(True, "a/0"), (True, "b/0"), (False, None), (False, None), (True, "c/0")]
+        assert made == [("a", 0), ("b", 0), ("b", 1), ("c", 0)]  # b's third call never made
+        assert threads[-1] != threads[0] and slow.in_a_row == 0  # c ran on a fresh thread, in time
+        with pytest.raises(ZeroDivisionError):
+            slow.call_many([(fn("d", 0), "d"), (lambda: 1 / 0, "e")])
+    finally:
+        release.set()
