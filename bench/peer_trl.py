@@ -25,8 +25,8 @@ What is the same on both sides:
   generation (`num_iterations=1`), lr 1e-4 constant, AdamW (0.9, 0.999), no weight decay, grad
   clip 1.0, at most 8 new tokens, temperature 0.5, top-p 1, no top-k, fp32, no KL term, PPO
   clip 0.2, advantages (r - group mean) / group std, the Dr. GRPO loss normaliser
-  (samples x max new tokens: TRL's `loss_type="dr_grpo"`), 2 torch threads
-  (`cluster.torch_threads`; OMP/MKL threads and `torch.set_num_threads` in the TRL process).
+  (samples x max new tokens: TRL's `loss_type="dr_grpo"`), the machine's cores: flexmarl's
+  auto layout, TRL's torch threads (OMP/MKL threads and `torch.set_num_threads` in its process).
 - **Evaluation.** One evaluator for every model: flexmarl's greedy held-out evaluation
   (`driver/evaluate.py` `evaluate_team` on the HF engine, `--heldout` problems of the run's
   seed), run by this process on the SFT start, on flexmarl's final weights and on TRL's, so
@@ -40,8 +40,9 @@ behind a fixed few-shot prompt of about 300 tokens (train-split problems with th
 How it is measured: for every (workload, seed, background) one TRL run and one flexmarl run,
 the order of the two alternating from one pair to the next. **flexmarl** runs the Prefect flow
 `flexmarl train` runs (`flows/train.py` `train`) with the config's cluster (a local Dask
-cluster laid out from the machine, `cluster.workers: auto`: one worker of 2 torch threads on
-2 cores) and its default co-design settings;
+cluster laid out from the machine, `cluster.workers: auto`: on 2 cores one worker of one torch
+thread, the other core left to the flow, scheduler and Prefect server, as it does for models
+whose ops take tens of milliseconds) and its default co-design settings;
 the Prefect API is a server of the bench's own with a new database (`--api fresh`, warmed by
 an unmeasured 3-iteration run, as `bench/overhead.py` does), or the one `flexmarl train` would
 use (`--api ambient`). **TRL** (`bench/_trl_grpo.py`) runs in a process of its own, with the
@@ -49,9 +50,9 @@ python of a venv this bench makes once under `--venv` (default `.cache/peer-trl-
 `trl==TRL_VERSION` with this venv's exact torch and transformers; elsewhere the CPU torch wheel
 may need `--pip-arg=--extra-index-url=https://download.pytorch.org/whl/cpu`). TRL 1.16 also
 resolves beside flexmarl's pins, but would add datasets and pandas to every flexmarl install.
-TRL's torch threads are the cores flexmarl's layout uses on a quiet machine (workers x torch
-threads), or `--trl-threads N`. Beside a busy core flexmarl's auto layout takes one thread
-fewer (`flexmarl_core/config/layout.py`); `--trl-threads 1` gives TRL the same.
+TRL's torch threads are the machine's cores (`machine_cores`: all that flexmarl's layout
+lays out), or `--trl-threads N`. Beside a busy core flexmarl's auto layout leaves that core
+out (`flexmarl_core/config/layout.py`); `--trl-threads 1` gives TRL the same.
 
 `--overlap` adds a third side to every pair, `overlap`: flexmarl with `OVERLAP` (bounded
 staleness 1 and `decoupled_ppo`), so the agent's next rollout runs beside its training; the
@@ -262,15 +263,17 @@ def trl_inputs(cfg: object, sft_state: dict, iterations: int, folder: Path) -> t
 def run_trl(py: Path, config: Path, overrides: list[str], cfg: object, sft_state: dict,
             iterations: int, folder: Path, threads_given: int | None = None) -> tuple[dict, dict]:
     """TRL's run in its own process: its figures and its final weights. `threads_given`: its
-    torch threads (default: the cores flexmarl's layout uses on a quiet machine)."""
+    torch threads (default: the machine's cores, all that flexmarl's layout lays out)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     model_dir, data = trl_inputs(cfg, sft_state, iterations, folder)
-    # the whole machine as flexmarl's on-policy layout uses it (one worker of every core on a
-    # machine like this one): TRL is one process
-    threads = str(threads_given or cfg.cluster.torch_threads * len(cfg.cluster.workers))  # type: ignore[attr-defined]
+    from flexmarl_core.config.layout import machine_cores
+
+    # the whole machine, as flexmarl's layout has it (its workers' threads and the core it
+    # leaves to its control plane): TRL is one process
+    threads = str(threads_given or machine_cores())
     spec = {"repo": str(REPO), "config": str(config), "overrides": overrides, "model": str(model_dir),
             "data": str(data), "iterations": iterations, "threads": threads, "seed": cfg.seed,  # type: ignore[attr-defined]
             "out": str(folder)}
@@ -412,7 +415,7 @@ def main() -> int:
                     help="spinning processes beside each side; several values: every pair under each")
     ap.add_argument("--background-nice", type=int, default=0)
     ap.add_argument("--trl-threads", type=int, default=None,
-                    help="TRL's torch threads (default: the cores flexmarl's layout uses on a quiet machine)")
+                    help="TRL's torch threads (default: the machine's cores)")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides (flexmarl and TRL alike)")
     ap.add_argument("--api", default="fresh", choices=["fresh", "ambient"])
     ap.add_argument("--overlap", action="store_true",
