@@ -34,6 +34,7 @@ import os
 import time
 from typing import Any
 
+from flexmarl_core.config.agent import ModelConfig
 from flexmarl_core.config.checks import SHORT_OP_PRESETS
 
 GIB = 1024**3
@@ -211,7 +212,7 @@ def _short_ops(team: Any) -> bool:
         model = _get(a, "model") or {}
         if not isinstance(model, dict) or model.get("path") or model.get("hub_id"):
             return False
-        presets.append(model.get("base") or model.get("preset", "tiny-1m"))
+        presets.append(model.get("base") or model.get("preset", ModelConfig.model_fields["preset"].default))
     return bool(presets) and all(p in SHORT_OP_PRESETS for p in presets)
 
 
