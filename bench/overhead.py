@@ -3,19 +3,19 @@
     python bench/overhead.py --json runs/bench/overhead.json [--quick] [--repeats 3]
         [--baseline cluster.look_ahead=false --baseline cluster.pending_after_s=0] [--api ambient]
 
-Runs `configs/overhead.yaml` (one agent, a 1.1M-parameter model, 8 prompts x G 8 completions of
-at most 8 tokens per step, on the auto layout: one worker of one torch thread on 2 cores; 5 ops
-per step) through the training flow `flexmarl train` runs (Prefect flow, Dask worker, MEG
-Store), and, as the reference, the same stage functions called in this process in a plain loop,
-same seed; both must reach the same final weights. Keys: `flexmarl_s` and `reference_s` (the
-ops' wall time: first op submitted to last op done; setup excluded in both), `ratio` (reference
-/ flexmarl), `ops`, `bookkeeping_cpu_ms_per_op` (flow process incl. the in-process Dask
-scheduler, and worker, outside the stages), `dispatch_ms_p50` / `dispatch_ms_p99` (an op's last
-dependency's end to its start, in the worker's clock), `prefect_overhead_frac` (bookkeeping
-share of CPU). `--quick`: 60 steps instead of 500. `--repeats N` runs the reference and flexmarl
-alternately N times (order reversed every other repeat) and reports medians, with the load
-average around each run: on a shared machine wall times drift with the load, so compare runs of
-one invocation. `--baseline KEY=VALUE` adds a flexmarl run with those overrides to every repeat
+Runs `configs/overhead.yaml` (one agent, a 1.1M-parameter model, 8 prompts x G 8 completions
+of at most 8 tokens per step, one worker with 2 torch threads; 5 ops per step) through the
+training flow `flexmarl train` runs (Prefect flow, Dask worker, MEG Store), and, as the
+reference, the same stage functions called in this process in a plain loop, same seed; both
+must reach the same final weights. Keys: `flexmarl_s` and `reference_s` (the ops' wall time:
+first op submitted to last op done; setup excluded in both), `ratio` (reference / flexmarl),
+`ops`, `bookkeeping_cpu_ms_per_op` (flow process incl. the in-process Dask scheduler, and
+worker, outside the stages), `dispatch_ms_p50` / `dispatch_ms_p99` (an op's last dependency's
+end to its start, in the worker's clock), `prefect_overhead_frac` (bookkeeping share of CPU).
+`--quick`: 60 steps instead of 500. `--repeats N` runs the reference and flexmarl alternately
+N times (order reversed every other repeat) and reports medians, with the load average around
+each run: on a shared machine wall times drift with the load, so compare runs of one
+invocation. `--baseline KEY=VALUE` adds a flexmarl run with those overrides to every repeat
 (under `baseline`), e.g. the orchestrator without look-ahead, for a side-by-side figure.
 
 The Prefect API: by default a local server of the bench's own, with a new database (stopped at

@@ -40,9 +40,8 @@ behind a fixed few-shot prompt of about 300 tokens (train-split problems with th
 How it is measured: for every (workload, seed, background) one TRL run and one flexmarl run,
 the order of the two alternating from one pair to the next. **flexmarl** runs the Prefect flow
 `flexmarl train` runs (`flows/train.py` `train`) with the config's cluster (a local Dask
-cluster laid out from the machine, `cluster.workers: auto`: on 2 cores one worker of one torch
-thread, the other core left to the flow, scheduler and Prefect server, as it does for models
-whose ops take tens of milliseconds) and its default co-design settings;
+cluster laid out from the machine, `cluster.workers: auto`: one worker of 2 torch threads on
+2 cores) and its default co-design settings;
 the Prefect API is a server of the bench's own with a new database (`--api fresh`, warmed by
 an unmeasured 3-iteration run, as `bench/overhead.py` does), or the one `flexmarl train` would
 use (`--api ambient`). **TRL** (`bench/_trl_grpo.py`) runs in a process of its own, with the
@@ -50,8 +49,8 @@ python of a venv this bench makes once under `--venv` (default `.cache/peer-trl-
 `trl==TRL_VERSION` with this venv's exact torch and transformers; elsewhere the CPU torch wheel
 may need `--pip-arg=--extra-index-url=https://download.pytorch.org/whl/cpu`). TRL 1.16 also
 resolves beside flexmarl's pins, but would add datasets and pandas to every flexmarl install.
-TRL's torch threads are the machine's cores (`machine_cores`: all that flexmarl's layout
-lays out), or `--trl-threads N`. Beside a busy core flexmarl's auto layout leaves that core
+TRL's torch threads are the machine's cores (`machine_cores`: what flexmarl's layout lays out
+on a quiet machine), or `--trl-threads N`. Beside a busy core flexmarl's auto layout leaves that core
 out (`flexmarl_core/config/layout.py`); `--trl-threads 1` gives TRL the same.
 
 `--overlap` adds a third side to every pair, `overlap`: flexmarl with `OVERLAP` (bounded
@@ -271,8 +270,7 @@ def run_trl(py: Path, config: Path, overrides: list[str], cfg: object, sft_state
     model_dir, data = trl_inputs(cfg, sft_state, iterations, folder)
     from flexmarl_core.config.layout import machine_cores
 
-    # the whole machine, as flexmarl's layout has it (its workers' threads and the core it
-    # leaves to its control plane): TRL is one process
+    # the whole machine, as flexmarl's layout has it on a quiet machine: TRL is one process
     threads = str(threads_given or machine_cores())
     spec = {"repo": str(REPO), "config": str(config), "overrides": overrides, "model": str(model_dir),
             "data": str(data), "iterations": iterations, "threads": threads, "seed": cfg.seed,  # type: ignore[attr-defined]

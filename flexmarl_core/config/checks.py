@@ -35,9 +35,6 @@ def check_template(v: str, allowed: tuple[str, ...]) -> str:
 #: the built-in tiny presets (`flexmarl_core.models.factory.PRESETS` has their shapes); named here
 #: so a typo fails at config load without importing torch
 PRESET_NAMES = ("tiny-1m", "tiny-10m", "tiny-50m", "small-0.5b")
-#: presets whose ops take tens of milliseconds on one CPU core: a team of them only keeps the
-#: flow, scheduler and Prefect server busy enough to need a core of their own (`config/layout.py`)
-SHORT_OP_PRESETS = ("tiny-1m",)
 
 
 #: optional backend -> (importable module, how to install it). Checked at config load with

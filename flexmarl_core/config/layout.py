@@ -10,14 +10,7 @@ ops can run at once (its *width*) and the machine's cores:
 - with `codesign.max_staleness` >= 1 an agent's next rollout runs beside its training, so each
   agent keeps two busy: generation and training overlap;
 - workers = min(width, cores), threads = cores // workers: a core per op that can run, the rest
-  as threads inside each op (torch's intra-op threads), never more threads than cores;
-- except that a team whose every model is one whose ops take tens of milliseconds
-  (`SHORT_OP_PRESETS`) leaves one core to the control plane where the workers would otherwise
-  take it as extra threads: at that pace the flow process, the Dask scheduler and the Prefect
-  server spend ~50 ms of CPU per iteration of ~100 ms, and a torch thread that shares its core
-  with them waits at every barrier. Measured on 2 cores (one agent on-policy, tiny-1m, 300
-  steps, two rounds): 101 and 113 ms per iteration on one thread against 121 and 139 on two,
-  the rollout alone 32-35 ms against 48-55.
+  as threads inside each op (torch's intra-op threads), never more threads than cores.
 
 Agents take the workers' `rollout:<agent>` tags round-robin in team order, so agents next to
 each other in the graph (which overlap under dependency parallelism) start on different
@@ -33,9 +26,6 @@ from __future__ import annotations
 import os
 import time
 from typing import Any
-
-from flexmarl_core.config.agent import ModelConfig
-from flexmarl_core.config.checks import SHORT_OP_PRESETS
 
 GIB = 1024**3
 #: a worker's memory limit when the machine has room for it (WorkerConfig's default)
@@ -174,24 +164,19 @@ def _why(agents: int, serial: bool, max_staleness: int) -> str:
 
 
 def choose(agents: list[str], *, serial: bool, max_staleness: int, cores: int, memory: int,
-           threads: int | None = None, short_ops: bool = False) -> tuple[list[dict[str, Any]], int, str]:
+           threads: int | None = None) -> tuple[list[dict[str, Any]], int, str]:
     """Workers (as config mappings), torch threads per worker and the reason, for `agents` on a
-    machine of `cores` and `memory` bytes; `threads` fixed by the config, or None to choose;
-    `short_ops`: the team's ops take tens of milliseconds (one core kept from the threads)."""
+    machine of `cores` and `memory` bytes; `threads` fixed by the config, or None to choose."""
     w = width(len(agents), serial=serial, max_staleness=max_staleness)
     n = max(1, min(w, cores if threads is None else cores // threads))
     t = threads if threads is not None else max(1, cores // n)
-    kept = ""
-    if threads is None and short_ops and n * t == cores and t > 1:
-        t = max(1, (cores - 1) // n)
-        kept = "; one core left to the flow, scheduler and Prefect server: the models' ops are short"
     limit = min(WORKER_MEMORY, int(MEMORY_SHARE * memory / n))
     workers = []
     for j in range(n):
         mine = [a for i, a in enumerate(agents) if i % n == j] or [agents[j % len(agents)]]
         workers.append({"name": f"w{j}", "resources": {**{f"rollout:{a}": 1 for a in mine}, "train": 1},
                         "memory_limit": f"{limit / GIB:.2f}GiB"})
-    return workers, t, _why(len(agents), serial, max_staleness) + kept
+    return workers, t, _why(len(agents), serial, max_staleness)
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -202,18 +187,6 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
 
 def _agent_names(team: Any) -> list[str]:
     return [str(_get(a, "name")) for a in (_get(team, "agents") or [])]
-
-
-def _short_ops(team: Any) -> bool:
-    """Every agent's model is a preset of `SHORT_OP_PRESETS` (the default preset where unset)."""
-    agents = _get(team, "agents") or []
-    presets = []
-    for a in agents:
-        model = _get(a, "model") or {}
-        if not isinstance(model, dict) or model.get("path") or model.get("hub_id"):
-            return False
-        presets.append(model.get("base") or model.get("preset", ModelConfig.model_fields["preset"].default))
-    return bool(presets) and all(p in SHORT_OP_PRESETS for p in presets)
 
 
 def resolve(data: Any, *, cores: int | None = None, memory: int | None = None) -> Any:
@@ -239,8 +212,7 @@ def resolve(data: Any, *, cores: int | None = None, memory: int | None = None) -
         fixed = cluster.get("torch_threads", 1)
         given = fixed if isinstance(fixed, int) else None  # "auto": chosen with the workers
         workers, threads, why = choose(names, serial=serial, max_staleness=staleness, cores=cores,
-                                       memory=machine_memory() if memory is None else memory, threads=given,
-                                       short_ops=_short_ops(data.get("team")))
+                                       memory=machine_memory() if memory is None else memory, threads=given)
         cluster["workers"], cluster["torch_threads"] = workers, threads
         how = "auto" if auto_t else "auto workers"
     else:
