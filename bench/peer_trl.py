@@ -49,9 +49,9 @@ python of a venv this bench makes once under `--venv` (default `.cache/peer-trl-
 `trl==TRL_VERSION` with this venv's exact torch and transformers; elsewhere the CPU torch wheel
 may need `--pip-arg=--extra-index-url=https://download.pytorch.org/whl/cpu`). TRL 1.16 also
 resolves beside flexmarl's pins, but would add datasets and pandas to every flexmarl install.
-TRL's torch threads are the machine's cores (`machine_cores`: what flexmarl's layout lays out
-on a quiet machine), or `--trl-threads N`. Beside a busy core flexmarl's auto layout leaves that core
-out (`flexmarl_core/config/layout.py`); `--trl-threads 1` gives TRL the same.
+TRL's torch threads are the machine's cores (`machine_cores`: what flexmarl's layout lays
+out on a quiet machine), or `--trl-threads N`. Beside a busy core flexmarl's auto layout leaves
+that core out (`flexmarl_core/config/layout.py`); `--trl-threads 1` gives TRL the same.
 
 `--overlap` adds a third side to every pair, `overlap`: flexmarl with `OVERLAP` (bounded
 staleness 1 and `decoupled_ppo`), so the agent's next rollout runs beside its training; the
@@ -262,7 +262,7 @@ def trl_inputs(cfg: object, sft_state: dict, iterations: int, folder: Path) -> t
 def run_trl(py: Path, config: Path, overrides: list[str], cfg: object, sft_state: dict,
             iterations: int, folder: Path, threads_given: int | None = None) -> tuple[dict, dict]:
     """TRL's run in its own process: its figures and its final weights. `threads_given`: its
-    torch threads (default: the machine's cores, all that flexmarl's layout lays out)."""
+    torch threads (default: the machine's cores, what flexmarl's layout lays out)."""
     import torch
     from transformers import AutoModelForCausalLM
 

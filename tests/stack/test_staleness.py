@@ -233,7 +233,9 @@ def test_resume_with_a_partial_rollout_in_flight(prefect_api, tmp_path):
     (folder / f"hold@{DECODE}").write_text("600")  # held until the kill
     proc = cli("train", TINY, *[x for o in overrides for x in ("--set", o)], "--no-progress")
     try:
-        with Holds(run_dir, [SYNC0], lambda _: DECODE in held_ops(run_dir)) as hold_sync:
+        # The hold's own limit is the test's wait: in a suite beside a busy core on a slower
+        # 2-core machine the run once took past the default 300 s to reach both holds.
+        with Holds(run_dir, [SYNC0], lambda _: DECODE in held_ops(run_dir), limit_s=600) as hold_sync:
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline and proc.poll() is None:
                 if published.exists() and DECODE in held_ops(run_dir):
