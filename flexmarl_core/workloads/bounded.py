@@ -158,10 +158,7 @@ class Deadline:
         hung: set[str] = set()
         todo = list(range(len(calls)))
         with self._lock:  # one batch at a time: a thread of this process's ops may share it
-            while todo:
-                todo = [j for j in todo if calls[j][1] not in hung]
-                if not todo:
-                    break
+            while todo := [j for j in todo if calls[j][1] not in hung]:
                 if self._runner is None:
                     self._runner = _Runner()
                 batch = _Batch([calls[j][0] for j in todo])
