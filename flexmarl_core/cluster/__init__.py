@@ -7,39 +7,65 @@
   `tasks/` is this one plus the task runs it reports to Prefect (`executor.py`).
 - Worker plugins give the core's workers what only Dask can: weight pushes, the program host,
   shipped code (`plugins.py`).
+
+Each name loads its module on first use: `flexmarl cluster certs` needs `security.py`, and a
+launch starts its cluster (`workers.py`) while its own imports run, without the executor's
+torch and transformers (seconds).
 """
 
-from flexmarl_core.cluster.executor import DaskExecutor
-from flexmarl_core.cluster.plugins import (
-    SKIP_DIRS,
-    DaskDispatcher,
-    DaskProgramHost,
-    DaskPrograms,
-    DaskWeightPushes,
-    push_key,
-    upload_code,
-    zip_code,
-)
-from flexmarl_core.cluster.workers import (
-    CONNECT_TIMEOUT_S,
-    LOST_WORKER_ERRORS,
-    MEMORY_RESTART_TOPIC,
-    NO_WORKERS_TIMEOUT,
-    RUNTIME_MODULES,
-    LogFiles,
-    check_address,
-    check_worker_tags,
-    cluster_for,
-    log_to_files,
-    lost_worker,
-    memory_restarts,
-    set_worker_resources,
-    start_cluster,
-    warm_up,
-    worker_cpu_s,
-    worker_names,
-    worker_resources,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flexmarl_core.cluster.executor import DaskExecutor
+    from flexmarl_core.cluster.plugins import (
+        SKIP_DIRS,
+        DaskDispatcher,
+        DaskProgramHost,
+        DaskPrograms,
+        DaskWeightPushes,
+        push_key,
+        upload_code,
+        zip_code,
+    )
+    from flexmarl_core.cluster.workers import (
+        CONNECT_TIMEOUT_S,
+        LOST_WORKER_ERRORS,
+        MEMORY_RESTART_TOPIC,
+        NO_WORKERS_TIMEOUT,
+        RUNTIME_MODULES,
+        LogFiles,
+        check_address,
+        check_worker_tags,
+        cluster_for,
+        log_to_files,
+        lost_worker,
+        memory_restarts,
+        set_worker_resources,
+        start_cluster,
+        warm_up,
+        worker_cpu_s,
+        worker_names,
+        worker_resources,
+    )
+
+#: the module each name lives in
+_HOME = {
+    "DaskExecutor": "executor",
+    **dict.fromkeys(("SKIP_DIRS", "DaskDispatcher", "DaskProgramHost", "DaskPrograms", "DaskWeightPushes",
+                     "push_key", "upload_code", "zip_code"), "plugins"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME.get(name, 'workers')}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CONNECT_TIMEOUT_S",

@@ -27,6 +27,7 @@ from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
 from flexmarl_core.config.secrets import resolve_map
 from flexmarl_core.control.tags import ROLLOUT_TAG, TRAIN_TAG, is_rollout_tag, rollout_tag
 from flexmarl_core.ops import MEMORY_ENV, MemoryRestart
+from flexmarl_core.runtime.startup import freeze_imports
 
 # A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
 # task run (Dask's default; seen with distributed 2026.8). The orchestrator
@@ -217,6 +218,7 @@ def _import_runtime() -> None:
             importlib.import_module(mod)
         except ImportError:  # a warm-up, not a requirement: the stage that needs it will say
             pass
+    freeze_imports()  # after the imports, so the worker's ops and exit skip them
 
 
 def warm_up(client: Client) -> None:

@@ -159,8 +159,10 @@ def test_partial_rollouts_need_staleness_and_refuse_a_shared_decode():
 PARTIAL = ["cluster.prefect_lean=true", "train.iterations=2", "train.evaluate=false",
            "codesign.max_staleness=1", "codesign.partial_rollouts=true", "codesign.load_balancing=false",
            "team.agents.planner.sampling={temperature: 1.0, max_new_tokens: 40, stop: []}",
-           # The planner's rollouts on a worker of their own: a held one blocks no other op.
-           "cluster.workers=[{name: w0, resources: {'rollout:planner': 1}}, "
+           # The planner's rollouts on a worker of their own, one at a time (its one tag); its
+           # second thread runs what may go anywhere (a reward): a rollout held mid-decode until
+           # the sync publishes never holds up a reward that the sync's training waits for.
+           "cluster.workers=[{name: w0, nthreads: 2, resources: {'rollout:planner': 1}}, "
            "{name: w1, resources: {rollout: 1, train: 1}}]",
            *OFF_POLICY]
 DECODE, SYNC0 = "rollout[planner] it=1 mb=0 decode", "sync[planner] it=0"

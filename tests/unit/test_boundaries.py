@@ -70,3 +70,28 @@ def test_config_and_cli_load_without_torch_or_prefect():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'prefect', 'dask', 'transformers'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_cluster_and_the_engine_contracts_load_without_torch():
+    """`flexmarl cluster certs` (the certificates module) and a launch's cluster start (the
+    workers module) need no torch or transformers in the driver, nor do code that only names
+    the engines' contracts: the packages load their heavy modules on first use of a name."""
+    code = ("import sys; import flexmarl_core.cluster.security, flexmarl_core.cluster.workers, "
+            "flexmarl_core.inference.api; from flexmarl_core.inference import Generation; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]"
+    # ... and a name of the heavy modules still loads from the package
+    code = "from flexmarl_core import cluster, inference; print(cluster.DaskExecutor.__name__, inference.make_inference_engine.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.split() == ["DaskExecutor", "make_inference_engine"]
+
+
+def test_a_workers_warm_up_puts_its_imports_out_of_the_collectors_reach():
+    """After `warm_up`'s imports a worker's full collections (and its exit) skip what torch and
+    transformers made at import: they are frozen, and what comes later is not."""
+    code = ("import gc; from flexmarl_core.cluster.workers import _import_runtime; _import_runtime(); "
+            "frozen = gc.get_freeze_count(); later = [[] for _ in range(10)]; "
+            "print(frozen > 100_000, gc.get_freeze_count() == frozen, gc.is_tracked(later[0]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.split() == ["True", "True", "True"]
