@@ -94,15 +94,44 @@ def cmd_train(args: argparse.Namespace) -> int:
     # 2+4+...+128 s, so an API server away for up to ~4 minutes is ridden out (at the run's end,
     # one budget of about a minute covers every report instead: tasks/api_watch.py).
     os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", str(API_RETRIES))
-    from flexmarl.prefect_api import drop_unsent, ensure_api, ui_url
-    from flexmarl_core.driver.console import console
-    from flexmarl_core.driver.failures import stopped_line
-
     if args.resume:
         _resume_config(args)
     elif args.config is None:
         raise ConfigError("train: give a CONFIG file, or --resume RUN to continue a run")
     cfg = _config(args)  # validate before starting anything
+    from flexmarl_core.cluster.workers import close_ahead, start_ahead
+
+    _cluster_checks(cfg)
+    # The local cluster starts now, its workers importing torch on the other core while this
+    # process imports its own and runs the checks below; a launch they refuse stops it again.
+    start_ahead(cfg.cluster)
+    try:
+        return _train(args, cfg)
+    finally:
+        close_ahead()
+
+
+def _cluster_checks(cfg) -> None:  # noqa: ANN001 - an ExperimentConfig
+    """What the config asks of the cluster: tags every op kind can be placed by, a device
+    this machine has for a local cluster, a scheduler address that answers."""
+    from flexmarl_core.cluster.workers import check_address, check_worker_tags
+
+    check_worker_tags(cfg)
+    if cfg.cluster.device != "cpu" and cfg.cluster.address is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"cluster.device {cfg.cluster.device!r}: torch sees no CUDA device on this "
+                              "machine (the local cluster's workers run here); use cpu")
+    if cfg.cluster.address:
+        check_address(cfg.cluster.address)
+
+
+def _train(args: argparse.Namespace, cfg) -> int:  # noqa: ANN001 - an ExperimentConfig
+    from flexmarl.prefect_api import drop_unsent, ensure_api, ui_url
+    from flexmarl_core.driver.console import console
+    from flexmarl_core.driver.failures import stopped_line
+
     try:
         _preflight(cfg, resume=bool(args.resume), overwrite=args.overwrite, check_store=not args.skip_check)
     except ConfigError as exc:  # one line that names the config file too
@@ -242,9 +271,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def _preflight(cfg, *, resume: bool, overwrite: bool = False, check_store: bool = True) -> None:  # noqa: ANN001
     """Check what the config points at, now: a broken dataset row or reward callable, a missing
-    warm-start checkpoint, an unreachable `cluster.address`, a run folder another run holds or
-    a resume that cannot work fails here, as a one-line error, before a Prefect server, a
-    cluster or a half-made run folder exists."""
+    warm-start checkpoint, a run folder another run holds or a resume that cannot work fails
+    here, as a one-line error, before a Prefect server or a half-made run folder exists (the
+    cluster started ahead is stopped again; `_cluster_checks` ran before it started)."""
     from flexmarl_core.workloads import WorkloadError, make_workload
 
     try:
@@ -259,17 +288,6 @@ def _preflight(cfg, *, resume: bool, overwrite: bool = False, check_store: bool 
                 f"train.init_from {cfg.train.init_from!r}: no <agent>/model.safetensors for "
                 f"{missing} (resolved: {root.absolute()}); point it at the output of `flexmarl sft`"
             )
-    from flexmarl_core.cluster import check_address, check_worker_tags
-
-    check_worker_tags(cfg)
-    if cfg.cluster.device != "cpu" and cfg.cluster.address is None:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(f"cluster.device {cfg.cluster.device!r}: torch sees no CUDA device on this "
-                              "machine (the local cluster's workers run here); use cpu")
-    if cfg.cluster.address:
-        check_address(cfg.cluster.address)
     from flexmarl_core.driver.lease import RunExistsError, RunLockedError, check_claim
     from flexmarl_core.driver.repair import DamagedStoreError, check_before_resume
     from flexmarl_core.driver.run import (

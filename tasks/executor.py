@@ -148,12 +148,11 @@ def open_executor(cfg: ExperimentConfig, flow_run_id: uuid.UUID | str, flow_run_
         cfg.cluster.prefect_lean == "auto" and cfg.cluster.address is None))
     log.info("run folder %s, store %s%s", shown(loc.uri), shown(cfg.resolved_store_uri()),
              "" if loc.local else f", local scratch {shown(scratch)}")
-    with cluster.cluster_for(cfg.cluster, env=lean.worker_env(api) if cheap else {}) as client, \
-            get_client(sync_client=True) as api_client:
+    with cluster.cluster_for(cfg.cluster) as client, get_client(sync_client=True) as api_client:
         if cfg.cluster.upload:  # before any task or plugin: the workers unpickle them with this code
             log.info("shipped to the workers: %s", cluster.upload_code(client, cfg.cluster.upload))
-        if cheap:
-            lean.refresh_worker_settings(client)
+        if reach := lean.api_env(api, cheap=cheap, local=cfg.cluster.address is None):
+            lean.refresh_worker_settings(client, reach)
         watch = ApiWatch(api)
         per = cfg.cluster.iterations_per_flow_run
         iterations = IterationFlowRuns(api_client, flow_run_id, flow_run_count, run_name=cfg.name,

@@ -9,10 +9,10 @@ gets lean settings (measured: ~0.43 CPU-s per worker-side task run stock, ~0.08 
   plain-http API (~50 ms here). For an http API we point `PREFECT_API_SSL_CERT_FILE` at a
   one-certificate file (never for https, where it would break verification of the real
   server).
-- Those variables reach a worker through the nanny's `env`, which is applied after the spawned
-  process has imported Prefect (re-importing `__main__` does) and built its settings from the
-  parent's environment. A worker plugin rebuilds Prefect's global settings in every worker,
-  restarted ones included, so the variables take effect.
+- Those variables reach a worker through a worker plugin, in every worker, restarted ones
+  included: it sets them and rebuilds Prefect's global settings, which the spawned process
+  built from the parent's environment when it imported Prefect (re-importing `__main__` does).
+  Not through the nanny's `env`: the cluster may start before the launch reaches its API.
 - `server_env` batches the local server's task-run recorder and event persister: the task-run
   events the flow sends (several per op) are written in batches.
 """
@@ -50,6 +50,19 @@ def worker_env(api_url: str) -> dict[str, str]:
     return env
 
 
+def api_env(api_url: str | None, *, cheap: bool, local: bool) -> dict[str, str]:
+    """What the run's workers need of this process's Prefect settings, given to them by a plugin
+    (`refresh_worker_settings`): a local cluster starts before the launch has reached its API
+    (`flexmarl_core.cluster.workers.start_ahead`), so the API's URL and auth string, set in this
+    process's environment since, did not reach them as an inherited environment; and the lean
+    settings (`worker_env`) where they report cheaply. Workers of a scheduler address get only
+    the lean settings, as before: this process's auth string is not sent to other machines."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("PREFECT_")} if local else {}
+    if cheap and api_url:
+        env.update(worker_env(api_url))
+    return env
+
+
 def server_env() -> dict[str, str]:
     """Settings for a local `prefect server start`: batch the task-run recorder and event
     persister (task runs show up to ~1 s later), quieter logs, and CSRF tokens demanded of
@@ -66,13 +79,20 @@ def server_env() -> dict[str, str]:
 
 
 class FreshPrefectSettings(WorkerPlugin):
-    """Rebuild Prefect's global settings from the worker's environment when a worker starts."""
+    """Set `env` in a worker (every worker, restarted ones included) and rebuild Prefect's
+    global settings from it."""
 
     name = "flexmarl-fresh-prefect-settings"
 
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
     def setup(self, worker: Any) -> None:
+        os.environ.update(self.env)
         _pctx.refresh_global_settings_context()
 
 
-def refresh_worker_settings(client: Client) -> None:
-    client.register_plugin(FreshPrefectSettings())
+def refresh_worker_settings(client: Client, env: dict[str, str]) -> None:
+    """The workers report to Prefect with `env` (`worker_env`) from now on: set by a plugin
+    rather than at spawn, so a cluster can start before the launch has reached its API."""
+    client.register_plugin(FreshPrefectSettings(env))

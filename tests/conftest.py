@@ -71,6 +71,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(getattr(pytest.mark, tier))
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Collecting imported torch, transformers and Prefect into the suite's own process: its
+    full collections skip what they made from here on, as a flexmarl process's do
+    (`flexmarl_core/runtime/startup.py`)."""
+    from flexmarl_core.runtime.startup import freeze_imports
+
+    freeze_imports()
+
+
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[str]:
     from prefect.settings import PREFECT_API_URL
@@ -120,17 +129,15 @@ def cluster_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def dask_cluster(prefect_api: str, cluster_certs: Path) -> Iterator[str]:
     """tls:// address of a local cluster of two tagged worker processes, shared by the session;
-    its workers report to the session's Prefect API cheaply (tasks/lean.py)."""
+    its workers report to the session's Prefect API cheaply once a run has set them up for it
+    (tasks/lean.py), as a run's own cluster does."""
     from flexmarl_core.cluster import start_cluster
     from flexmarl_core.config import ClusterConfig
-    from tasks.lean import worker_env
 
     security = {"ca_file": str(cluster_certs / "ca.pem"), "cert_file": str(cluster_certs / "worker.pem"),
                 "key_file": str(cluster_certs / "worker-key.pem")}
     cluster, client = start_cluster(
-        ClusterConfig.model_validate({"workers": TEST_WORKERS, "security": security}), dashboard=False,
-        env=worker_env(prefect_api),
-    )
+        ClusterConfig.model_validate({"workers": TEST_WORKERS, "security": security}), dashboard=False)
     try:
         yield cluster.scheduler_address
     finally:

@@ -13,6 +13,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import dask
 import distributed
 from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
 from distributed.comm.addressing import parse_address, parse_host_port
+from distributed.utils import get_mp_context
 
 from flexmarl_core.cluster.security import cluster_security
 from flexmarl_core.config import ClusterConfig, ConfigError, ExperimentConfig
@@ -162,11 +164,13 @@ def start_cluster(
     if cfg.address:
         check_address(cfg.address)  # fail in seconds, by name, not after Dask's 30 s
         return None, Client(cfg.address, security=cluster_security(cfg))
+    _fork_workers_from_one_import()
     sec = cluster_security(cfg)
     tls = {"security": sec, "protocol": "tls"} if sec is not None else {}
-    # Worker processes inherit the environment; pin BLAS/torch threads before they start so two
-    # workers on two cores do not oversubscribe.
-    env = {"OMP_NUM_THREADS": str(cfg.torch_threads), "MKL_NUM_THREADS": str(cfg.torch_threads),
+    # A worker forked from the forkserver has the environment the server started with: this
+    # process's environment of now goes along, as a spawned worker would have inherited it. Then
+    # BLAS/torch threads are pinned so two workers on two cores do not oversubscribe.
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.torch_threads), "MKL_NUM_THREADS": str(cfg.torch_threads),
            "FLEXMARL_TORCH_THREADS": str(cfg.torch_threads),
            "DASK_LOGGING__DISTRIBUTED": "warning",
            # `${env:..}`/`${secret:..}` references resolved now, into the nannies' env only
@@ -210,6 +214,15 @@ RUNTIME_MODULES = (
     "flexmarl_core.inference", "flexmarl_core.training", "flexmarl_core.algorithms",
     "flexmarl_core.workloads", "transformers.models.qwen2.modeling_qwen2",
 )
+
+
+def _fork_workers_from_one_import() -> None:
+    """Worker processes fork from one server process that has imported `RUNTIME_MODULES` once
+    (Python's forkserver) instead of each starting a fresh interpreter that imports them (seconds
+    of torch and transformers per worker, per start and per restart). The server starts with
+    this process's first worker and serves every later one."""
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+    get_mp_context().set_forkserver_preload(["distributed", *RUNTIME_MODULES])
 
 
 def _import_runtime() -> None:
@@ -296,11 +309,46 @@ def worker_cpu_s(client: Client) -> float:
     return float(sum(client.run(time.process_time).values()))
 
 
+#: local clusters started ahead of their run (`start_ahead`), by their config
+_AHEAD: dict[str, Future[tuple[SpecCluster | None, Client]]] = {}
+
+
+def start_ahead(cfg: ClusterConfig) -> None:
+    """Start `cfg`'s local cluster in a thread now: its workers' imports (`warm_up`, seconds of
+    torch and transformers) then run on the other core while the launch does its own imports
+    and checks, instead of after them. `cluster_for` with the same config takes it over;
+    `close_ahead` stops one that no run took. Not for a scheduler address, nor where the
+    cluster's settings name a `${secret:..}` (resolved from the Prefect API, which the launch
+    has not reached yet)."""
+    key = cfg.model_dump_json()
+    if cfg.address is not None or "${secret:" in key or key in _AHEAD:
+        return
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexmarl-cluster-ahead")
+    _AHEAD[key] = pool.submit(start_cluster, cfg)
+    pool.shutdown(wait=False)
+
+
+def close_ahead() -> None:
+    """Stop the clusters started ahead that no run took over (a launch refused by a later
+    check), once they are up: nothing of them is left running."""
+    while _AHEAD:
+        _, started = _AHEAD.popitem()
+        try:
+            cluster, client = started.result()
+        except Exception:  # it never started, so nothing runs; the launch said why it stopped
+            continue
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
 @contextmanager
 def cluster_for(cfg: ClusterConfig, env: dict[str, str] | None = None, *,
                 dashboard: bool = True) -> Iterator[Client]:
-    """Start (and afterwards stop) a local cluster, or connect to `cfg.address`."""
-    cluster, client = start_cluster(cfg, dashboard=dashboard, env=env)
+    """Start (and afterwards stop) a local cluster, or connect to `cfg.address`; a cluster
+    started ahead for `cfg` (`start_ahead`) is taken over instead of starting another."""
+    ahead = _AHEAD.pop(cfg.model_dump_json(), None) if env is None and dashboard else None
+    cluster, client = ahead.result() if ahead is not None else start_cluster(cfg, dashboard=dashboard, env=env)
     try:
         yield client
     finally:

@@ -257,9 +257,10 @@ def _worker_prefect_settings() -> tuple[str | None, str | None]:
 
 
 def test_lean_workers_report_with_their_own_settings(runs, prefect_api, dask_cluster):
-    """Lean mode sends task runs no settings, so workers must use their own: the nanny applies
-    their env after Prefect has read the parent's, and the executor's worker plugin rebuilds
-    them. Without it every task run paid a full CA-bundle SSL context (~0.1 CPU-s here)."""
+    """Lean mode sends task runs no settings, so workers must use their own: the executor's
+    worker plugin sets their env (the shared cluster started without it) and rebuilds Prefect's
+    settings, which the worker built when it imported Prefect. Without it every task run paid a
+    full CA-bundle SSL context (~0.1 CPU-s here)."""
     import distributed
 
     from tasks.lean import worker_env
