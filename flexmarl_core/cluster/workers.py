@@ -7,6 +7,7 @@ which of their errors mean a worker was lost.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -247,18 +248,25 @@ def worker_resources(client: Client) -> dict[str, dict[str, float]]:
     return {addr: dict(w.get("resources", {})) for addr, w in info.items()}
 
 
+def _quiet_terminal() -> None:
+    """Dask's stream handlers (the terminal) in this process keep only CRITICAL (WARNING and up
+    with FLEXMARL_DEBUG set)."""
+    terminal = logging.WARNING if os.environ.get("FLEXMARL_DEBUG") else logging.CRITICAL
+    for h in logging.getLogger("distributed").handlers:
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            h.setLevel(terminal)
+
+
 def _log_to_file(path: Path) -> logging.Handler:
     """Dask's INFO and up go to `path`; its stream handlers (the terminal) keep only CRITICAL
     (WARNING and up with FLEXMARL_DEBUG set): a lost worker is one line of flexmarl's own
     (`driver/console.py`), not Dask's errors."""
     lg = logging.getLogger("distributed")
-    terminal = logging.WARNING if os.environ.get("FLEXMARL_DEBUG") else logging.CRITICAL
     for h in list(lg.handlers):
         if getattr(h, "flexmarl_log_file", False):
             lg.removeHandler(h)
             h.close()
-        elif isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-            h.setLevel(terminal)
+    _quiet_terminal()
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = logging.FileHandler(path)
     fh.flexmarl_log_file = True  # type: ignore[attr-defined]
@@ -337,6 +345,11 @@ def close_ahead() -> None:
             cluster, client = started.result()
         except Exception:  # it never started, so nothing runs; the launch said why it stopped
             continue
+        # The launch's one line is its last: the workers' and nannies' complaints while the
+        # cluster stops (a heartbeat cut short) stay off the terminal.
+        with contextlib.suppress(Exception):
+            client.run(_quiet_terminal)
+        _quiet_terminal()
         client.close()
         if cluster is not None:
             cluster.close()
