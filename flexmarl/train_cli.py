@@ -68,7 +68,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _config(args)  # validate before starting anything
     from flexmarl_core.cluster.workers import close_ahead, start_ahead
 
-    _cluster_checks(cfg)
+    try:
+        _cluster_checks(cfg)
+    except ConfigError as exc:
+        raise _naming_the_config(exc, args) from None
     # The local cluster starts now, its workers importing torch on the other core while this
     # process imports its own and runs the checks below; a launch they refuse stops it again.
     start_ahead(cfg.cluster)
@@ -76,6 +79,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _train(args, cfg)
     finally:
         close_ahead()
+
+
+def _naming_the_config(exc: Exception, args: argparse.Namespace) -> ConfigError:
+    """A check's refusal as one line that names the config file too."""
+    said = str(exc)
+    return ConfigError(said if args.config in said else f"{args.config}: {said}")
 
 
 def _cluster_checks(cfg) -> None:  # noqa: ANN001 - an ExperimentConfig
@@ -101,9 +110,8 @@ def _train(args: argparse.Namespace, cfg) -> int:  # noqa: ANN001 - an Experimen
 
     try:
         _preflight(cfg, resume=bool(args.resume), overwrite=args.overwrite, check_store=not args.skip_check)
-    except ConfigError as exc:  # one line that names the config file too
-        said = str(exc)
-        raise ConfigError(said if args.config in said else f"{args.config}: {said}") from None
+    except ConfigError as exc:
+        raise _naming_the_config(exc, args) from None
     skipped = _skipped_check(cfg) if args.resume and args.skip_check else None  # said with the summary
     api, started = ensure_api(cfg.cluster.prefect_api_url)
     if started:
@@ -173,8 +181,7 @@ def _take_run_folder(cfg, args: argparse.Namespace):  # noqa: ANN001, ANN202 - a
     try:
         lease = RunLease.acquire(cfg.run_location(), resume=bool(args.resume), overwrite=args.overwrite)
     except (RunLockedError, RunExistsError, RunFolderError) as exc:
-        said = str(exc)
-        raise ConfigError(said if args.config in said else f"{args.config}: {said}") from None
+        raise _naming_the_config(exc, args) from None
     atexit.register(lease.release)
     return lease
 
