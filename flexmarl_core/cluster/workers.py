@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import multiprocessing
 import os
 import socket
 import time
@@ -222,6 +223,8 @@ def _fork_workers_from_one_import() -> None:
     (Python's forkserver) instead of each starting a fresh interpreter that imports them (seconds
     of torch and transformers per worker, per start and per restart). The server starts with
     this process's first worker and serves every later one."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():  # Windows: spawn, as Dask's default
+        return
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
     get_mp_context().set_forkserver_preload(["distributed", *RUNTIME_MODULES])
 

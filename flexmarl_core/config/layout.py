@@ -86,8 +86,11 @@ def busy_elsewhere(sample_s: float = BUSY_SAMPLE_S) -> float:
     time.sleep(sample_s)
     last, t1 = _cpu_ticks(), time.monotonic()
     me = (_autogroup("self"), os.getpriority(os.PRIO_PROCESS, 0))
-    used = sum(ticks - first[pid][0] for pid, (ticks, nice) in last.items()
-               if pid in first and ticks > first[pid][0] and _shares_with_me(pid, nice, *me))
+    # The run's own processes are not other work: its cluster starts while the config loads
+    # again in the flow, and its workers' imports would count against the run's own layout.
+    ours = descendants(os.getpid(), last)
+    used = sum(ticks - first[pid][0] for pid, (ticks, nice, _) in last.items()
+               if pid in first and pid not in ours and ticks > first[pid][0] and _shares_with_me(pid, nice, *me))
     return used / os.sysconf("SC_CLK_TCK") / max(t1 - t0, 1e-3)
 
 
@@ -118,10 +121,20 @@ def _shares_with_me(pid: int, nice: int, my_group: tuple[str, int] | None, my_ni
     return nice <= my_nice
 
 
-def _cpu_ticks() -> dict[int, tuple[int, int]]:
-    """(CPU ticks so far, user + system; nice) of every other process."""
+def descendants(pid: int, procs: dict[int, tuple[int, int, int]]) -> set[int]:
+    """The processes of `procs` (`_cpu_ticks`) that `pid` started, and theirs, and so on."""
+    found: set[int] = set()
+    parents = {pid}
+    while parents:
+        parents = {p for p, (_, _, ppid) in procs.items() if ppid in parents and p not in found}
+        found |= parents
+    return found
+
+
+def _cpu_ticks() -> dict[int, tuple[int, int, int]]:
+    """(CPU ticks so far, user + system; nice; parent pid) of every other process."""
     own = os.getpid()
-    out: dict[int, tuple[int, int]] = {}
+    out: dict[int, tuple[int, int, int]] = {}
     try:
         pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
     except OSError:
@@ -135,7 +148,7 @@ def _cpu_ticks() -> dict[int, tuple[int, int]]:
         except OSError:  # ended meanwhile, or not ours to read
             continue
         fields = raw[raw.rindex(b")") + 2 :].split()  # after the command name, which may hold spaces
-        out[pid] = int(fields[11]) + int(fields[12]), int(fields[16])  # proc(5) fields 14, 15 and 19
+        out[pid] = int(fields[11]) + int(fields[12]), int(fields[16]), int(fields[1])  # proc(5) 14, 15, 19, 4
     return out
 
 

@@ -186,3 +186,22 @@ def test_busy_cores_are_counted_from_processes_this_run_shares_cores_with():
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_the_runs_own_processes_are_not_busy_elsewhere():
+    """A launch's cluster starts while the config loads again in the flow: its workers (children
+    of the forkserver, a child of the launch) are this run's own processes, not other work."""
+    from flexmarl_core.config.layout import _cpu_ticks, descendants
+
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print(p.pid, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(child.stdout.readline())
+        ours = descendants(os.getpid(), _cpu_ticks())
+        assert {child.pid, grandchild} <= ours
+        assert 1 not in ours and os.getppid() not in ours
+    finally:
+        os.kill(grandchild, 9)
+        child.kill()
+        child.wait()
