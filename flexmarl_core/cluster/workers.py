@@ -364,6 +364,8 @@ def cluster_for(cfg: ClusterConfig, env: dict[str, str] | None = None, *,
     """Start (and afterwards stop) a local cluster, or connect to `cfg.address`; a cluster
     started ahead for `cfg` (`start_ahead`) is taken over instead of starting another."""
     ahead = _AHEAD.pop(cfg.model_dump_json(), None) if env is None and dashboard else None
+    if ahead is None:  # one started for other settings (the layout a later look at the cores gave)
+        close_ahead()
     cluster, client = ahead.result() if ahead is not None else start_cluster(cfg, dashboard=dashboard, env=env)
     try:
         yield client

@@ -5,6 +5,7 @@ imported torch and transformers once (`flexmarl_core/cluster/workers.py`)."""
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 
@@ -45,7 +46,9 @@ def test_a_cluster_no_run_took_is_stopped_with_nothing_left_running():
     workers.start_ahead(ONE)
     workers.close_ahead()
     assert not workers._AHEAD
-    psutil.wait_procs([psutil.Process(p) for p in _forked_workers() - before if psutil.pid_exists(p)], timeout=30)
+    deadline = time.monotonic() + 60
+    while _forked_workers() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not (_forked_workers() - before)
 
 
@@ -53,3 +56,19 @@ def test_not_ahead_for_a_scheduler_address_or_a_secret_in_the_cluster_settings()
     workers.start_ahead(ClusterConfig(address="tls://127.0.0.1:1"))
     workers.start_ahead(ClusterConfig.model_validate({"worker_env": {"TOKEN": "${secret:hub-token}"}}))
     assert not workers._AHEAD
+
+
+def test_a_cluster_started_for_other_settings_is_stopped_before_the_runs_own_starts():
+    """The flow loads the config again; should its layout differ (the cores looked at anew), the
+    cluster started ahead is not the run's: it stops before the run's starts, not at the end."""
+    before = _forked_workers()
+    workers.start_ahead(ONE)
+    other = ONE.model_copy(update={"torch_threads": 2})
+    with workers.cluster_for(other) as client:
+        assert not workers._AHEAD
+        assert client.run(os.getenv, "FLEXMARL_TORCH_THREADS") and set(
+            client.run(os.getenv, "FLEXMARL_TORCH_THREADS").values()) == {"2"}
+        deadline = time.monotonic() + 60  # the stopped one's exit is reaped by the forkserver
+        while len(_forked_workers() - before) > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(_forked_workers() - before) == 1  # the run's one worker, not the other's
