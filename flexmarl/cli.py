@@ -329,9 +329,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, WorkloadError) as exc:  # bad input: the message names it, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    finally:  # the exit's collections skip what the command made: 1-2 s after torch's imports
-        gc.freeze()
+
+
+def entry() -> NoReturn:
+    """The `flexmarl` command: `main`, then an exit whose collections skip what the command
+    made (1-2 s after torch's imports). Not in `main`, which tests call in their own process."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -160,19 +160,26 @@ def start_cluster(
                      "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
                      # A worker's startup banner is logged while it imports distributed, before
                      # the nanny's `env` applies: only the pre-spawn environment quiets it.
-                     "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "warning"})
+                     "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "warning",
+                     # Dask sets these to 1 in this process's own environment before a worker
+                     # starts, and leaves them: a cluster started ahead does that before the
+                     # driver imports torch, whose threads (a warm start's SFT runs here) it would
+                     # cut to one. The workers get theirs from the nanny's `env` below instead.
+                     **{f"distributed.nanny.pre-spawn-environ.{k}": None
+                        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}})
     # Scheduler/nanny INFO lines (connections, retirements) drown the run's own output.
     logging.getLogger("distributed").setLevel(logging.WARNING)
     if cfg.address:
         check_address(cfg.address)  # fail in seconds, by name, not after Dask's 30 s
         return None, Client(cfg.address, security=cluster_security(cfg))
-    _fork_workers_from_one_import()
+    _fork_workers_from_one_import(cfg)
     sec = cluster_security(cfg)
     tls = {"security": sec, "protocol": "tls"} if sec is not None else {}
     # A worker forked from the forkserver has the environment the server started with: this
     # process's environment of now goes along, as a spawned worker would have inherited it. Then
     # BLAS/torch threads are pinned so two workers on two cores do not oversubscribe.
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.torch_threads), "MKL_NUM_THREADS": str(cfg.torch_threads),
+           "OPENBLAS_NUM_THREADS": str(cfg.torch_threads),
            "FLEXMARL_TORCH_THREADS": str(cfg.torch_threads),
            "DASK_LOGGING__DISTRIBUTED": "warning",
            # `${env:..}`/`${secret:..}` references resolved now, into the nannies' env only
@@ -203,9 +210,13 @@ def start_cluster(
                     "host": "127.0.0.1", **tls},
     }
     cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40, security=sec)
-    client = Client(cluster)
-    client.wait_for_workers(len(workers), timeout=120)
-    warm_up(client)
+    try:
+        client = Client(cluster)
+        client.wait_for_workers(len(workers), timeout=120)
+        warm_up(client)
+    except BaseException:  # a cluster that did not come up whole is stopped, not left running
+        cluster.close()
+        raise
     return cluster, client
 
 
@@ -218,15 +229,18 @@ RUNTIME_MODULES = (
 )
 
 
-def _fork_workers_from_one_import() -> None:
+def _fork_workers_from_one_import(cfg: ClusterConfig) -> None:
     """Worker processes fork from one server process that has imported `RUNTIME_MODULES` once
     (Python's forkserver) instead of each starting a fresh interpreter that imports them (seconds
     of torch and transformers per worker, per start and per restart). The server starts with
-    this process's first worker and serves every later one."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():  # Windows: spawn, as Dask's default
-        return
-    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-    get_mp_context().set_forkserver_preload(["distributed", *RUNTIME_MODULES])
+    this process's first worker and serves every later one. Not where `cluster.worker_env` sets
+    anything: libraries read some variables once, as they load (libgomp's `GOMP_SPINCOUNT`,
+    glibc's `MALLOC_*`), and in a forked worker they loaded in the server, before the nanny's
+    `env` applies; such workers start fresh (spawn), as Dask's default, and so on Windows."""
+    fork = not cfg.worker_env and "forkserver" in multiprocessing.get_all_start_methods()
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver" if fork else "spawn"})
+    if fork:
+        get_mp_context().set_forkserver_preload(["distributed", *RUNTIME_MODULES])
 
 
 def _import_runtime() -> None:
