@@ -15,8 +15,9 @@ torch and transformers (seconds).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from flexmarl_core.runtime.startup import lazy_names
 
 if TYPE_CHECKING:
     from flexmarl_core.cluster.executor import DaskExecutor
@@ -51,22 +52,6 @@ if TYPE_CHECKING:
         worker_resources,
     )
 
-#: the module each name lives in
-_HOME = {
-    "DaskExecutor": "executor",
-    **dict.fromkeys(("SKIP_DIRS", "DaskDispatcher", "DaskProgramHost", "DaskPrograms", "DaskWeightPushes",
-                     "push_key", "upload_code", "zip_code"), "plugins"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in __all__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOME.get(name, 'workers')}"), name)
-    globals()[name] = value
-    return value
-
-
 __all__ = [
     "CONNECT_TIMEOUT_S",
     "DaskDispatcher",
@@ -96,3 +81,9 @@ __all__ = [
     "worker_resources",
     "zip_code",
 ]
+
+#: the module each name lives in, where not the cluster's own `workers`
+_HOME = {"DaskExecutor": "executor",
+         **dict.fromkeys(("SKIP_DIRS", "DaskDispatcher", "DaskProgramHost", "DaskPrograms", "DaskWeightPushes",
+                          "push_key", "upload_code", "zip_code"), "plugins")}
+__getattr__ = lazy_names(__name__, {name: _HOME.get(name, "workers") for name in __all__})

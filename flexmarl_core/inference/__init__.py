@@ -7,25 +7,16 @@ and transformers.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from flexmarl_core.inference.api import FinishReason, Generation, InferenceBackend
+from flexmarl_core.runtime.startup import lazy_names
 
 if TYPE_CHECKING:
     from flexmarl_core.inference.factory import make_inference_engine
     from flexmarl_core.inference.hf import HFInferenceEngine
 
-_HOME = {"make_inference_engine": "factory", "HFInferenceEngine": "hf"}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_names(__name__, {"make_inference_engine": "factory", "HFInferenceEngine": "hf"})
 
 __all__ = [
     "FinishReason",
