@@ -62,10 +62,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from flexmarl_core.driver.sft import run_sft
+    from flexmarl_core.driver.sft import ResumeStateError, run_sft
 
     cfg = _config(args)
-    out = run_sft(cfg, out_dir=args.out, keep_checks=args.keep_checks, resume_from=args.resume_from)
+    try:
+        out = run_sft(cfg, out_dir=args.out, keep_checks=args.keep_checks, resume_from=args.resume_from)
+    except ResumeStateError as exc:  # a --resume-from folder that is not a saved team: named
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"SFT checkpoints in {out['out_dir']}: held-out accuracy {out['accuracy']:.3f} "
           f"after {out['steps']} steps")
     return 0

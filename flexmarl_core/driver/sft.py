@@ -212,10 +212,13 @@ def _saved_meta(src: Path) -> tuple[int, float, dict[str, Any] | None]:
     folder fails at once."""
     meta_path = src / "sft.json"
     if not meta_path.exists():
-        raise FileNotFoundError(f"sft resume: {meta_path} not found (not a folder `flexmarl sft` saved)")
-    meta = json.loads(meta_path.read_text())
-    if not isinstance(meta.get("steps"), int):
-        raise ValueError(f"sft resume: {meta_path} has no integer field 'steps'")
+        raise ResumeStateError(f"sft resume: {meta_path} not found (not a folder `flexmarl sft` saved)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ResumeStateError(f"sft resume: {meta_path} is not JSON: {e}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("steps"), int):
+        raise ResumeStateError(f"sft resume: {meta_path} has no integer field 'steps'")
     digest = meta.get("state_sha256")
     if digest is None:
         return meta["steps"], float(meta.get("accuracy", 0.0)), None
