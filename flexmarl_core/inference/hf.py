@@ -317,7 +317,9 @@ class HFInferenceEngine:
         new = list(dict.fromkeys(t for t in tails if t not in known))
         if new:
             if len(known) + len(new) > TAIL_CACHE:
+                # start over, with every tail this check reads (those it knew included)
                 known.clear()
+                new = list(dict.fromkeys(tails))
             known.update(zip(new, self.tokenizer.batch_decode([list(t) for t in new], skip_special_tokens=False),
                              strict=True))
         for r, tail, st in zip(rows, tails, stops, strict=True):

@@ -75,6 +75,25 @@ def test_stop_strings_truncate_text_and_keep_completing_token():
     assert stop in dec(g.response_ids) and stop not in dec(g.response_ids[:-1])
 
 
+def test_stop_checks_that_outgrow_their_tail_cache_start_over_and_stop_alike(monkeypatch):
+    """The engine keeps the text of the token tails its stop checks decoded, and starts over
+    past `TAIL_CACHE` of them. A check that knew some of its tails and met new ones past the
+    limit lost the known ones (a KeyError, after 65,536 tails in a long run). Greedy calls make
+    it certain: the second call's check meets the first call's tails (known) and new ones."""
+    import flexmarl_core.inference.hf as hf
+
+    for n in (1, 6):
+        sp = SamplingConfig(temperature=0.0, max_new_tokens=n, stop=["e", "\n"])
+        want = [engine().generate(PROMPTS[:k], sp, seed=0) for k in (2, 4)]
+        monkeypatch.setattr(hf, "TAIL_CACHE", 3)
+        eng = engine()
+        got = [eng.generate(PROMPTS[:k], sp, seed=0) for k in (2, 4)]
+        monkeypatch.setattr(hf, "TAIL_CACHE", 65_536)
+        assert len(eng._tail_text) <= len(PROMPTS)  # started over: this check's tails only
+        for g, w in zip(got, want, strict=True):
+            assert [(x.response_ids, x.finish_reason) for x in g] == [(x.response_ids, x.finish_reason) for x in w]
+
+
 def test_many_one_row_requests_in_one_decode_sample_what_each_samples_alone():
     """A program endpoint's batch: many single-row requests, each with its own seed, most sharing
     temperature and top-p (drawn as one batch), some greedy, some with stop strings. Each gets
