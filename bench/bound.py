@@ -41,8 +41,8 @@ def main() -> int:
                 print(f"  replay on CPU seconds, micro-batches {name:13s}: E2E {r['e2e_s']:.1f} s, "
                       f"util {r['utilization']:.3f}")
         print(f"{rd}: E2E {a['e2e_s']:.1f} s; floor {a['floor_s']:.1f} s (work {a['work_floor_s']:.1f}, "
-              f"chain {a['chain_floor_s']:.1f}), list schedule {a['list_s']:.1f} s; "
-              f"floor / E2E {a['floor_frac']:.2f}")
+              f"chain {a['chain_floor_s']:.1f}), list schedule {a['list_s']:.1f} s, best of a search "
+              f"{a['best_list_s']:.1f} s; floor / E2E {a['floor_frac']:.2f}")
         for w, c in a["idle_causes"].items():
             print(f"  {w} idle: " + ", ".join(f"{k} {v:.1f}s" for k, v in list(c.items())[:5]))
     return 0

@@ -16,7 +16,10 @@ graph the switches allow, so a floor for every mode's schedule):
   placement, swaps and dispatch, never the work or the dependencies);
 * `list_s`: a greedy schedule of the same ops on W workers (critical-path priority, the
   dependencies and trainer rule kept), an achievable E2E for a scheduler that knew every
-  duration in advance, so the truth lies between `floor_s` and `list_s`.
+  duration in advance, so the truth lies between `floor_s` and `list_s`;
+* `best_list_s`: the shortest of a few hundred such schedules with perturbed priorities, an
+  agent's train ops allowed at once (gradient helpers): how close a search with perfect
+  knowledge of the durations gets to the floor, so how much of `floor_s` is reachable at all.
 
 The floor is per run, so the ratio `floor_s / e2e` of a run does not depend on how loaded the
 machine was during some other run (the old `speedup_bound` divided the sync run's wall time by
@@ -116,9 +119,7 @@ def chain_floor(deps: dict[Op, list[Op]], d: dict[Op, float]) -> float:
     return max(finish.values(), default=0.0)
 
 
-def list_schedule(deps: dict[Op, list[Op]], d: dict[Op, float], workers: int) -> float:
-    """Makespan of a greedy schedule on `workers` workers: a free worker takes the ready op with
-    the longest remaining chain (bottom level); an agent's trainer ops wait for its last one."""
+def _levels(deps: dict[Op, list[Op]], d: dict[Op, float]) -> tuple[dict[Op, float], dict[Op, list[Op]]]:
     children: dict[Op, list[Op]] = defaultdict(list)
     for op, ps in deps.items():
         for p in ps:
@@ -126,8 +127,20 @@ def list_schedule(deps: dict[Op, list[Op]], d: dict[Op, float], workers: int) ->
     level: dict[Op, float] = {}
     for op in reversed(_topo(deps)):
         level[op] = d.get(op, 0.0) + max((level[c] for c in children[op]), default=0.0)
+    return level, children
+
+
+def list_schedule(deps: dict[Op, list[Op]], d: dict[Op, float], workers: int,
+                  priority: dict[Op, float] | None = None, trainer_serial: bool = True) -> float:
+    """Makespan of a greedy schedule on `workers` workers: a free worker takes the ready op with
+    the highest `priority` (default: the longest remaining chain, its bottom level); with
+    `trainer_serial`, an agent's trainer ops wait for its last one (without: train ops of one
+    agent may run at once, as gradient helpers let them; its step still waits for them all)."""
+    level, children = _levels(deps, d)
+    prio = level if priority is None else priority
+    serial = on_trainer if trainer_serial else (lambda kind: on_trainer(kind) and not traits(kind).trains)
     waiting = {op: len(ps) for op, ps in deps.items()}
-    ready = [(-level[op], op) for op, n in waiting.items() if n == 0]
+    ready = [(-prio[op], op) for op, n in waiting.items() if n == 0]
     heapq.heapify(ready)
     free_at = [0.0] * workers
     running: list[tuple[float, Op]] = []  # (end, op)
@@ -137,13 +150,13 @@ def list_schedule(deps: dict[Op, list[Op]], d: dict[Op, float], workers: int) ->
         held = []
         while ready and any(f <= now for f in free_at):
             neg, op = heapq.heappop(ready)
-            if on_trainer(op.kind) and trainer_free[op.agent] > now:
+            if serial(op.kind) and trainer_free[op.agent] > now:
                 held.append((neg, op))
                 continue
             w = min(range(workers), key=lambda i: free_at[i])
             t_end = now + d.get(op, 0.0)
             free_at[w] = t_end
-            if on_trainer(op.kind):
+            if serial(op.kind):
                 trainer_free[op.agent] = t_end
             heapq.heappush(running, (t_end, op))
         for item in held:
@@ -156,8 +169,27 @@ def list_schedule(deps: dict[Op, list[Op]], d: dict[Op, float], workers: int) ->
         for c in children[op]:
             waiting[c] -= 1
             if waiting[c] == 0:
-                heapq.heappush(ready, (-level[c], c))
+                heapq.heappush(ready, (-prio[c], c))
     return end
+
+
+def best_list_schedule(deps: dict[Op, list[Op]], d: dict[Op, float], workers: int, tries: int = 300,
+                       trainer_serial: bool = False, seed: int = 0) -> float:
+    """The shortest makespan found over `tries` greedy schedules whose priorities are the bottom
+    levels perturbed at random (up to +-50%), the unperturbed one included: an achievable E2E
+    for a scheduler that knew every duration in advance and searched for its order, so the
+    best schedule lies between the floor and this. Without `trainer_serial` (the default), an
+    agent's train ops may run at once, as the co-design's gradient helpers let them."""
+    import random
+
+    rng = random.Random(seed)
+    level, _ = _levels(deps, d)
+    best = list_schedule(deps, d, workers, level, trainer_serial)
+    for i in range(tries):
+        eps = 0.5 * (i + 1) / tries
+        prio = {op: lv * (1.0 + rng.uniform(-eps, eps)) for op, lv in level.items()}
+        best = min(best, list_schedule(deps, d, workers, prio, trainer_serial))
+    return best
 
 
 def replay(run_dir: Path, overrides: list[str], dispatch_s: float = 0.02, clock: str = "wall",
@@ -252,5 +284,6 @@ def analyse(run_dir: Path, workers: int = 2, durations_from: Path | None = None)
     chain = chain_floor(deps, d)
     floor = max(work, chain)
     return {"e2e_s": e2e, "work_floor_s": work, "chain_floor_s": chain, "floor_s": floor,
-            "list_s": list_schedule(deps, d, workers), "floor_frac": floor / e2e,
+            "list_s": list_schedule(deps, d, workers), "best_list_s": best_list_schedule(deps, d, workers),
+            "floor_frac": floor / e2e,
             "idle_causes": idle_causes(rows)}

@@ -38,6 +38,19 @@ def test_list_schedule_is_at_least_every_floor_and_packs_this_graph():
     assert bound.list_schedule(deps, d, 2) == 5.5
 
 
+def test_a_search_of_perturbed_priorities_finds_the_order_the_greedy_one_misses():
+    deps, d = _graph()
+    # The order above that meets the floor (t0 before b at 1) is one perturbation away.
+    assert bound.best_list_schedule(deps, d, 2, trainer_serial=True) == 4.5
+    # Without the trainer rule (gradient helpers) the train ops may overlap: never above the
+    # greedy schedule, never below the work floor.
+    best = bound.best_list_schedule(deps, d, 2)
+    assert sum(d.values()) / 2 - 1e-9 <= best <= bound.list_schedule(deps, d, 2, trainer_serial=False)
+    # An explicit priority is obeyed: b's chain first is the greedy order, and gives 5.5.
+    level = {op: 0.0 for op in deps} | {Op(0, "rollout", "p", mb=0): 3.0, Op(0, "rollout", "s", mb=0): 2.0}
+    assert bound.list_schedule(deps, d, 2, priority=level) == 5.5
+
+
 def test_idle_causes_split_by_what_the_other_worker_ran():
     rows = [{"kind": "rollout", "agent": "s", "worker": "w0", "t_start": 0.0, "t_end": 4.0},
             {"kind": "train", "agent": "s", "worker": "w1", "t_start": 0.0, "t_end": 1.0},
