@@ -228,7 +228,7 @@ def bounds(out_dir: Path, repeats: int, iterations: int, workers: int = 2) -> di
     cd = [bound.analyse(out_dir / f"codesign-{rep}", workers) for rep in range(repeats)]
     sy = [bound.analyse(out_dir / f"codesign-{rep}", workers, durations_from=out_dir / f"sync-{rep}")
           for rep in range(repeats)]
-    sync_e2e = [bound.analyse(out_dir / f"sync-{rep}", workers)["e2e_s"] for rep in range(repeats)]
+    sync_e2e = [bound.analyse(out_dir / f"sync-{rep}", workers, search=False)["e2e_s"] for rep in range(repeats)]
     med = statistics.median
     # Both modes on each run's ops at their CPU seconds (`bound.cpu_replay`): on a loaded
     # machine two busy workers take CPU from each other and a one-worker phase does not, so
@@ -261,7 +261,7 @@ def bounds(out_dir: Path, repeats: int, iterations: int, workers: int = 2) -> di
         "stage_time_ratio_sync_over_codesign": med(
             s["work_floor_s"] / a["work_floor_s"] for s, a in zip(sy, cd, strict=True)),
         "idle_causes": {"codesign": cd[0]["idle_causes"],
-                        "sync": bound.analyse(out_dir / "sync-0", workers)["idle_causes"]},
+                        "sync": bound.analyse(out_dir / "sync-0", workers, search=False)["idle_causes"]},
     }
 
 

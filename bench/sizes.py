@@ -146,8 +146,8 @@ def main() -> int:
                 for heavy in ("weights", "trainers", "bases", "store"):
                     shutil.rmtree(run_dir / heavy, ignore_errors=True)
             cd, sy = Path(args.out) / f"{preset}-codesign", Path(args.out) / f"{preset}-sync"
-            floor = bound.analyse(cd, 1, durations_from=sy)["floor_s"]
-            sync_e2e = bound.analyse(sy, 1)["e2e_s"]
+            floor = bound.analyse(cd, 1, durations_from=sy, search=False)["floor_s"]
+            sync_e2e = bound.analyse(sy, 1, search=False)["e2e_s"]
             row["speedup"] = row["sync"]["e2e_s_per_iteration"] / row["codesign"]["e2e_s_per_iteration"]
             row["speedup_bound"] = sync_e2e / floor
             if preset == "small-0.5b":

@@ -268,9 +268,10 @@ def idle_causes(rows: list[dict]) -> dict[str, dict[str, float]]:
     return {w: dict(sorted(c.items(), key=lambda kv: -kv[1])) for w, c in sorted(out.items())}
 
 
-def analyse(run_dir: Path, workers: int = 2, durations_from: Path | None = None) -> dict:
+def analyse(run_dir: Path, workers: int = 2, durations_from: Path | None = None, search: bool = True) -> dict:
     """Floors and a list schedule for `run_dir`'s graph (co-design switches) with the op
-    durations of `durations_from` (default: the run itself), and the run's own E2E."""
+    durations of `durations_from` (default: the run itself), and the run's own E2E; with
+    `search`, the best of a search of schedules too (`best_list_s`, seconds of CPU)."""
     rows = op_log(run_dir)
     d = durations(op_log(durations_from) if durations_from else rows)
     deps = codesign_deps(run_dir)
@@ -284,6 +285,6 @@ def analyse(run_dir: Path, workers: int = 2, durations_from: Path | None = None)
     chain = chain_floor(deps, d)
     floor = max(work, chain)
     return {"e2e_s": e2e, "work_floor_s": work, "chain_floor_s": chain, "floor_s": floor,
-            "list_s": list_schedule(deps, d, workers), "best_list_s": best_list_schedule(deps, d, workers),
+            "list_s": list_schedule(deps, d, workers), "best_list_s": best_list_schedule(deps, d, workers) if search else None,
             "floor_frac": floor / e2e,
             "idle_causes": idle_causes(rows)}
