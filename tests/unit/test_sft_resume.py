@@ -102,3 +102,38 @@ def test_a_damaged_or_missing_state_file_fails_naming_it(uninterrupted: Path, tm
     with pytest.raises(ResumeStateError, match="not found") as e:
         _sft(tmp_path / "x", 4, bad)
     assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (None, "not found"), ("{not json", "cannot be read as JSON"), ("[1, 2]", "no integer field 'steps'"),
+    ('{"steps": "two"}', "no integer field 'steps'"), ("folder", "cannot be read as JSON")])
+def test_a_folder_that_is_not_a_saved_team_fails_naming_its_sft_json(tmp_path: Path, content, says) -> None:
+    """Read before any model is built: each way an `sft.json` can be wrong is one error that
+    names the file (the CLI prints it as one line, exit 2)."""
+    meta = tmp_path / "team" / "sft.json"
+    meta.parent.mkdir()
+    if content == "folder":
+        meta.mkdir()
+    elif content is not None:
+        meta.write_text(content)
+    with pytest.raises(ResumeStateError, match=says) as e:
+        _sft(tmp_path / "x", 4, meta.parent)
+    assert str(meta) in str(e.value)
+
+
+def test_sft_beside_busy_cores_trains_on_the_free_ones_and_gives_torch_its_count_back(tmp_path, monkeypatch):
+    """`run_sft` in this process takes the cores the auto layout would (`FLEXMARL_CORES` here:
+    a share of the machine), not torch's thread per core, which beside a busy core wait for it at
+    every OpenMP barrier (an SFT of this team ran 15x slower on two threads there)."""
+    monkeypatch.setenv("FLEXMARL_CORES", "1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cfg = load_config(REPO / "configs" / "tiny.yaml", [*TINY_SFT, "train.sft_max_steps=2"])
+        seen: list[tuple[str, int]] = []
+        run_sft(cfg, tmp_path / "sft", log=lambda line: seen.append((line, torch.get_num_threads())))
+        assert seen[0][0].startswith("sft: 1 torch thread"), seen
+        assert all(n == 1 for line, n in seen[1:] if line.startswith("sft step")), seen
+        assert torch.get_num_threads() == 2  # put back afterwards
+    finally:
+        torch.set_num_threads(before)
