@@ -46,22 +46,11 @@ def _steps(preset: str, steps: int, start, out) -> None:  # noqa: ANN001 (multip
     out.put(time.perf_counter() - t)
 
 
-def _context() -> mp.context.BaseContext:
-    """Never a fork of this process, which holds Dask and Prefect threads: Python's forkserver,
-    preloaded as the cluster's workers' is (the same list, so whichever starts the one server
-    first serves both), where the platform has it, so each probe process does not spend seconds
-    importing torch; else a fresh interpreter."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    from flexmarl_core.cluster.workers import RUNTIME_MODULES
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["distributed", *RUNTIME_MODULES])
-    return ctx
-
-
 def _timed(k: int, preset: str, steps: int) -> list[float]:
-    ctx = _context()
+    # A fresh interpreter per probe process, never a fork of this one (it holds Dask and
+    # Prefect threads), nor the workers' forkserver: the first to start that one sets the
+    # environment every later worker forks from (Dask's pre-spawn settings among it).
+    ctx = mp.get_context("spawn")
     start, out = ctx.Barrier(k), ctx.Queue()
     procs = [ctx.Process(target=_steps, args=(preset, steps, start, out)) for _ in range(k)]
     for p in procs:
