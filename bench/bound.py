@@ -5,7 +5,9 @@ floors, a list schedule and replays under other policies (`flexmarl_core.analysi
     python bench/bound.py RUN_DIR ... --no-replays --json OUT
 
 `--json` writes each run folder's figures (`e2e_s`, `floor_s`, `work_floor_s`, `chain_floor_s`,
-`list_s`, `best_list_s`, `floor_frac`, `best_frac`: the best schedule found over E2E) under its
+`list_s`, `best_list_s`, `best_list_serial_s` (the search with an agent's train ops one at a
+time), `floor_frac`, `best_frac`: the best schedule found over E2E; without `--no-replays`,
+`cpu_replay_late_binding.{false,true}` and `replay.<policy>.e2e_s`) under its
 path, and `by_sync` for a `sync-N` folder beside a `codesign-N` one: the floor and the best
 schedule of the sync run's ops on the co-design's graph, and `speedup_bound` /
 `speedup_reachable` (the sync E2E over each).
@@ -36,6 +38,9 @@ def main() -> int:
         a = bound.analyse(rd, args.workers)
         figures[str(rd)] = fig = {k: v for k, v in a.items() if k != "idle_causes"}
         fig["best_frac"] = a["best_list_s"] / a["e2e_s"]
+        # the same search with an agent's train ops one at a time (no gradient helpers)
+        fig["best_list_serial_s"] = bound.best_list_schedule(
+            bound.codesign_deps(rd), bound.durations(bound.op_log(rd)), args.workers, trainer_serial=True)
         sync = rd.with_name(rd.name.replace("codesign-", "sync-"))
         if rd.name.startswith("codesign-") and sync.is_dir():
             s = bound.analyse(rd, args.workers, durations_from=sync)
@@ -44,6 +49,8 @@ def main() -> int:
                               "speedup_bound": e2e / s["floor_s"], "speedup_reachable": e2e / s["best_list_s"]}
         for lb in () if args.no_replays else ("false", "true"):
             c = bound.cpu_replay(rd, args.workers, (f"codesign.late_binding={lb}",))
+            fig.setdefault("cpu_replay_late_binding", {})[lb] = {
+                k: v for k, v in c.items() if k != "idle_causes_codesign"}
             print(f"  on CPU seconds, late binding {lb:5s}: co-design {c['e2e_s_codesign']:.1f} s (util "
                   f"{c['util_codesign']:.2f}), sync {c['e2e_s_sync']:.1f} s (util {c['util_sync']:.2f}), speedup "
                   f"{c['speedup']:.2f}x of a bound {c['speedup_bound']:.2f}x; co-design at "
@@ -52,6 +59,7 @@ def main() -> int:
                 ("its config", []), ("late binding", ["codesign.late_binding=true"]),
                 ("early binding", ["codesign.late_binding=false"])):
             r = bound.replay(rd, ov)
+            fig.setdefault("replay", {})[name] = {"e2e_s": r["e2e_s"], "utilization": r["utilization"]}
             print(f"  replay {name:14s}: E2E {r['e2e_s']:.1f} s, util {r['utilization']:.2f}; idle "
                   + "; ".join(f"{w}: " + ", ".join(f"{k} {v:.0f}s" for k, v in list(c.items())[:3])
                               for w, c in r["idle_causes"].items()))

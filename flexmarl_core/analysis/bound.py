@@ -8,18 +8,20 @@ time workers, under the co-design's dependencies (`Plan` with every switch on: t
 graph the switches allow, so a floor for every mode's schedule):
 
 * `work_floor_s` = sum(d) / W: no idle time at all;
-* `chain_floor_s`: the longest chain of dependencies, where an agent's trainer ops of one
-  iteration also run one at a time (its state is in one process): the earliest its step can
-  start is the single-machine makespan of its train ops with their release times (earliest
-  release first is optimal for that);
+* `chain_floor_s`: the longest chain of dependencies. An agent's train ops of one iteration
+  may overlap on this graph (gradient helpers compute a micro-batch's gradient on another
+  worker), so only its step waits for the last of them; `chain_floor(..., trainer_serial=True)`
+  is the chain where they run one at a time in its trainer's process (the single-machine
+  makespan of its train ops with their release times, earliest release first);
 * `floor_s` = max of the two: no schedule of these ops on W workers ends sooner (it relaxes
   placement, swaps and dispatch, never the work or the dependencies);
 * `list_s`: a greedy schedule of the same ops on W workers (critical-path priority, the
-  dependencies and trainer rule kept), an achievable E2E for a scheduler that knew every
-  duration in advance, so the truth lies between `floor_s` and `list_s`;
-* `best_list_s`: the shortest of a few hundred such schedules with perturbed priorities, an
-  agent's train ops allowed at once (gradient helpers): how close a search with perfect
-  knowledge of the durations gets to the floor, so how much of `floor_s` is reachable at all.
+  dependencies kept, an agent's trainer ops one at a time), an achievable E2E for a scheduler
+  that knew every duration in advance, so the truth lies between `floor_s` and `list_s`;
+* `best_list_s`: the shortest of a few hundred greedy schedules with perturbed priorities,
+  with the floor's own relaxations (any op on any worker, free dispatch, train ops overlapping
+  at their measured cost): whether the floor is within reach of an order at all, for a
+  scheduler that knew every duration in advance and placed ops freely.
 
 The floor is per run, so the ratio `floor_s / e2e` of a run does not depend on how loaded the
 machine was during some other run (the old `speedup_bound` divided the sync run's wall time by
@@ -102,13 +104,15 @@ def _topo(deps: dict[Op, list[Op]]) -> list[Op]:
     return order
 
 
-def chain_floor(deps: dict[Op, list[Op]], d: dict[Op, float]) -> float:
-    """Longest dependency chain, an agent's train ops of an iteration one at a time."""
+def chain_floor(deps: dict[Op, list[Op]], d: dict[Op, float], trainer_serial: bool = True) -> float:
+    """Longest dependency chain; with `trainer_serial`, an agent's train ops of an iteration
+    one at a time (without: they may overlap, as gradient helpers let them, and its step
+    waits for the last)."""
     finish: dict[Op, float] = {}
     release: dict[Op, float] = {}
     for op in _topo(deps):
         ready = max((finish[p] for p in deps.get(op, [])), default=0.0)
-        if traits(op.kind).steps:
+        if trainer_serial and traits(op.kind).steps:
             # 1 | r_j | Cmax: process the train ops in release order.
             t = 0.0
             for tr in sorted(deps[op], key=lambda o: release[o]):
@@ -131,12 +135,13 @@ def _levels(deps: dict[Op, list[Op]], d: dict[Op, float]) -> tuple[dict[Op, floa
 
 
 def list_schedule(deps: dict[Op, list[Op]], d: dict[Op, float], workers: int,
-                  priority: dict[Op, float] | None = None, trainer_serial: bool = True) -> float:
+                  priority: dict[Op, float] | None = None, trainer_serial: bool = True,
+                  _graph: tuple[dict[Op, float], dict[Op, list[Op]]] | None = None) -> float:
     """Makespan of a greedy schedule on `workers` workers: a free worker takes the ready op with
     the highest `priority` (default: the longest remaining chain, its bottom level); with
     `trainer_serial`, an agent's trainer ops wait for its last one (without: train ops of one
     agent may run at once, as gradient helpers let them; its step still waits for them all)."""
-    level, children = _levels(deps, d)
+    level, children = _graph or _levels(deps, d)
     prio = level if priority is None else priority
     serial = on_trainer if trainer_serial else (lambda kind: on_trainer(kind) and not traits(kind).trains)
     waiting = {op: len(ps) for op, ps in deps.items()}
@@ -177,18 +182,21 @@ def best_list_schedule(deps: dict[Op, list[Op]], d: dict[Op, float], workers: in
                        trainer_serial: bool = False, seed: int = 0) -> float:
     """The shortest makespan found over `tries` greedy schedules whose priorities are the bottom
     levels perturbed at random (up to +-50%), the unperturbed one included: an achievable E2E
-    for a scheduler that knew every duration in advance and searched for its order, so the
-    best schedule lies between the floor and this. Without `trainer_serial` (the default), an
-    agent's train ops may run at once, as the co-design's gradient helpers let them."""
+    for a scheduler that knew every duration in advance and searched for its order, with the
+    floor's relaxations (any op on any worker, no dispatch or placement cost; without
+    `trainer_serial`, an agent's train ops overlap at their measured cost, as gradient helpers
+    let them). So the best schedule of these ops lies between `chain_floor` / the work floor
+    (with the same `trainer_serial`) and this."""
     import random
 
     rng = random.Random(seed)
-    level, _ = _levels(deps, d)
-    best = list_schedule(deps, d, workers, level, trainer_serial)
+    graph = _levels(deps, d)
+    level = graph[0]
+    best = list_schedule(deps, d, workers, level, trainer_serial, graph)
     for i in range(tries):
         eps = 0.5 * (i + 1) / tries
         prio = {op: lv * (1.0 + rng.uniform(-eps, eps)) for op, lv in level.items()}
-        best = min(best, list_schedule(deps, d, workers, prio, trainer_serial))
+        best = min(best, list_schedule(deps, d, workers, prio, trainer_serial, graph))
     return best
 
 
@@ -241,7 +249,7 @@ def cpu_replay(run_dir: Path, workers: int = 2, overrides: tuple[str, ...] = ())
     sy = replay(run_dir, switch_overrides(off=SWITCHES), clock="cpu")
     d = durations(op_log(run_dir), "cpu")
     deps = codesign_deps(run_dir)
-    floor = max(sum(d.values()) / workers, chain_floor(deps, d))
+    floor = max(sum(d.values()) / workers, chain_floor(deps, d, trainer_serial=False))
     return {"e2e_s_codesign": cd["e2e_s"], "e2e_s_sync": sy["e2e_s"], "speedup": sy["e2e_s"] / cd["e2e_s"],
             "util_codesign": cd["utilization"], "util_sync": sy["utilization"], "floor_s": floor,
             "floor_frac_codesign": floor / cd["e2e_s"], "speedup_bound": sy["e2e_s"] / floor,
@@ -271,7 +279,7 @@ def idle_causes(rows: list[dict]) -> dict[str, dict[str, float]]:
 def analyse(run_dir: Path, workers: int = 2, durations_from: Path | None = None, search: bool = True) -> dict:
     """Floors and a list schedule for `run_dir`'s graph (co-design switches) with the op
     durations of `durations_from` (default: the run itself), and the run's own E2E; with
-    `search`, the best of a search of schedules too (`best_list_s`, seconds of CPU)."""
+    `search`, the best schedule a search finds too (`best_list_s`; the search takes seconds)."""
     rows = op_log(run_dir)
     d = durations(op_log(durations_from) if durations_from else rows)
     deps = codesign_deps(run_dir)
@@ -282,7 +290,7 @@ def analyse(run_dir: Path, workers: int = 2, durations_from: Path | None = None,
     its = [json.loads(line) for line in (Path(run_dir) / "metrics" / "iterations.jsonl").read_text().splitlines()]
     e2e = sum(m["e2e_s"] for m in its)
     work = sum(d.values()) / workers
-    chain = chain_floor(deps, d)
+    chain = chain_floor(deps, d, trainer_serial=False)
     floor = max(work, chain)
     return {"e2e_s": e2e, "work_floor_s": work, "chain_floor_s": chain, "floor_s": floor,
             "list_s": list_schedule(deps, d, workers), "best_list_s": best_list_schedule(deps, d, workers) if search else None,

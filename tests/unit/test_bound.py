@@ -42,13 +42,29 @@ def test_a_search_of_perturbed_priorities_finds_the_order_the_greedy_one_misses(
     deps, d = _graph()
     # The order above that meets the floor (t0 before b at 1) is one perturbation away.
     assert bound.best_list_schedule(deps, d, 2, trainer_serial=True) == 4.5
-    # Without the trainer rule (gradient helpers) the train ops may overlap: never above the
-    # greedy schedule, never below the work floor.
-    best = bound.best_list_schedule(deps, d, 2)
-    assert sum(d.values()) / 2 - 1e-9 <= best <= bound.list_schedule(deps, d, 2, trainer_serial=False)
-    # An explicit priority is obeyed: b's chain first is the greedy order, and gives 5.5.
-    level = {op: 0.0 for op in deps} | {Op(0, "rollout", "p", mb=0): 3.0, Op(0, "rollout", "s", mb=0): 2.0}
-    assert bound.list_schedule(deps, d, 2, priority=level) == 5.5
+    # An explicit priority is obeyed: t0 above b at 1 is that order.
+    a, b, c = Op(0, "rollout", "p", mb=0), Op(0, "rollout", "s", mb=0), Op(0, "rollout", "p", mb=1)
+    t0, t1, st = Op(0, "train", "s", mb=0), Op(0, "train", "s", mb=1), Op(0, "step", "s")
+    prio = {a: 5.0, c: 4.0, t0: 3.0, b: 2.0, t1: 1.0, st: 0.0}
+    assert bound.list_schedule(deps, d, 2, priority=prio) == 4.5
+    # Without the trainer rule (gradient helpers) t0 and t1 may overlap: the chain floor drops
+    # to a, a train op, the step (3.0) and the work floor (4.25) binds; worked by hand, the
+    # best order still ends at 4.5 (c | a, t0, t1, step beside b: ops do not split), and the
+    # search finds it.
+    assert bound.chain_floor(deps, d, trainer_serial=False) == 3.0
+    assert bound.best_list_schedule(deps, d, 2) == 4.5
+
+
+def test_without_the_trainer_rule_the_floor_and_the_search_agree_where_the_chain_binds():
+    # a -> two train ops of 2 s -> step: one trainer process takes 5 s to the step, two
+    # workers with a helper 3 s. The search never ends below the floor of its own rule.
+    a, st = Op(0, "rollout", "p", mb=0), Op(0, "step", "s")
+    t0, t1 = Op(0, "train", "s", mb=0), Op(0, "train", "s", mb=1)
+    deps, d = {a: [], t0: [a], t1: [a], st: [t0, t1]}, {a: 1.0, t0: 2.0, t1: 2.0, st: 0.5}
+    for serial, want in ((True, 5.5), (False, 3.5)):
+        floor = max(sum(d.values()) / 2, bound.chain_floor(deps, d, trainer_serial=serial))
+        assert floor == want
+        assert bound.best_list_schedule(deps, d, 2, trainer_serial=serial) == want
 
 
 def test_idle_causes_split_by_what_the_other_worker_ran():

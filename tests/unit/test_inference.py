@@ -75,23 +75,26 @@ def test_stop_strings_truncate_text_and_keep_completing_token():
     assert stop in dec(g.response_ids) and stop not in dec(g.response_ids[:-1])
 
 
-def test_stop_checks_that_outgrow_their_tail_cache_start_over_and_stop_alike(monkeypatch):
-    """The engine keeps the text of the token tails its stop checks decoded, and starts over
-    past `TAIL_CACHE` of them. A check that knew some of its tails and met new ones past the
-    limit lost the known ones (a KeyError, after 65,536 tails in a long run). Greedy calls make
-    it certain: the second call's check meets the first call's tails (known) and new ones."""
+def test_a_stop_check_that_outgrows_the_tail_cache_starts_over_with_every_tail_it_reads(monkeypatch):
+    """The engine keeps the decoded text of the token tails its stop checks read, and starts
+    over past `TAIL_CACHE` of them. A check that knew one of its tails and met new ones past
+    the limit used to keep only the new ones and fail on the known one (a KeyError, after
+    65,536 tails of a long run). Here: one known tail, two new, a limit of 2."""
     import flexmarl_core.inference.hf as hf
 
-    for n in (1, 6):
-        sp = SamplingConfig(temperature=0.0, max_new_tokens=n, stop=["e", "\n"])
-        want = [engine().generate(PROMPTS[:k], sp, seed=0) for k in (2, 4)]
-        monkeypatch.setattr(hf, "TAIL_CACHE", 3)
-        eng = engine()
-        got = [eng.generate(PROMPTS[:k], sp, seed=0) for k in (2, 4)]
-        monkeypatch.setattr(hf, "TAIL_CACHE", 65_536)
-        assert len(eng._tail_text) <= len(PROMPTS)  # started over: this check's tails only
-        for g, w in zip(got, want, strict=True):
-            assert [(x.response_ids, x.finish_reason) for x in g] == [(x.response_ids, x.finish_reason) for x in w]
+    eng, dec = engine(), tokenizer().decode
+    known, fresh, other = (5, 6), (40, 41), (70, 71)
+    texts = {t: dec(list(t)) for t in (known, fresh, other)}
+    stop = texts[fresh]
+    assert stop not in texts[known] and stop not in texts[other]  # only the middle row stops
+    monkeypatch.setattr(hf, "TAIL_CACHE", 2)
+    eng._tail_text = {known: texts[known]}
+    tokens = torch.tensor([known, fresh, other])
+    done, hit = torch.zeros(3, dtype=torch.bool), [False] * 3
+    eng._check_stops(tokens, torch.tensor([2, 2, 2]), done, hit,
+                     [(0, 3, SamplingConfig(max_new_tokens=4, stop=[stop]), 0)], [2])
+    assert done.tolist() == [False, True, False] and hit == [False, True, False]
+    assert eng._tail_text == texts  # started over, with every tail this check read
 
 
 def test_many_one_row_requests_in_one_decode_sample_what_each_samples_alone():
