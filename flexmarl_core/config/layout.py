@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 GIB = 1024**3
@@ -75,6 +77,30 @@ def free_cores() -> tuple[int, str]:
     if busy <= 0:
         return mine, ""
     return mine - busy, f"; {busy} of {mine} cores busy with other work"
+
+
+@contextmanager
+def torch_threads_on_free_cores(say: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Torch work in this process outside the cluster (SFT in `flexmarl sft` or a run's warm
+    start) on the cores the auto layout would use
+    (`free_cores`) where torch's thread per core is more: beside a busy core an OpenMP thread
+    waits at every barrier for the one that shares it (30 SFT steps of the tiny team took 363 s
+    on two threads beside a spinning core, 24 s on one). `say` gets the reason; torch's count
+    is put back afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    cores, why = free_cores()
+    if cores >= before:
+        yield
+        return
+    if say is not None:
+        say(f"{cores} torch thread{'s' if cores > 1 else ''}{why}")
+    torch.set_num_threads(cores)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def busy_elsewhere(sample_s: float = BUSY_SAMPLE_S) -> float:

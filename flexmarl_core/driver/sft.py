@@ -18,8 +18,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 
 from flexmarl_core.algorithms import token_weight
 from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.config.layout import free_cores
+from flexmarl_core.config.layout import torch_threads_on_free_cores
 from flexmarl_core.driver.evaluate import evaluate_team
 from flexmarl_core.inference import make_inference_engine
 from flexmarl_core.inference.tools import split_demonstration, tool_of
@@ -95,28 +94,8 @@ def run_sft(
     for bit as the uninterrupted one would. A folder saved before that file existed resumes
     with a fresh optimizer and the sampler reseeded, and says so; a damaged or mismatched one
     raises `ResumeStateError` naming it."""
-    with _threads_beside_other_work(log):
+    with torch_threads_on_free_cores(lambda why: log(f"sft: {why}")):
         return _run_sft(cfg, out_dir, log=log, keep_checks=keep_checks, resume_from=resume_from)
-
-
-@contextmanager
-def _threads_beside_other_work(log: Callable[[str], None]) -> Iterator[None]:
-    """SFT runs in this process (the CLI's, or the driver's for a warm start) on torch's
-    default of a thread per core. Beside a core that other work keeps busy, an OpenMP thread
-    waits at every barrier for the one that shares it (30 steps of the tiny team took 363 s on
-    two threads beside a spinning core, 24 s on one): use the cores the auto layout would
-    (`free_cores`), then put torch's count back."""
-    before = torch.get_num_threads()
-    cores, why = free_cores()
-    if cores >= before:
-        yield
-        return
-    log(f"sft: {cores} torch thread{'s' if cores > 1 else ''}{why}")
-    torch.set_num_threads(cores)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _run_sft(
