@@ -82,11 +82,10 @@ def free_cores() -> tuple[int, str]:
 @contextmanager
 def torch_threads_on_free_cores(say: Callable[[str], None] | None = None) -> Iterator[None]:
     """Torch work in this process outside the cluster (SFT in `flexmarl sft` or a run's warm
-    start) on the cores the auto layout would use
-    (`free_cores`) where torch's thread per core is more: beside a busy core an OpenMP thread
-    waits at every barrier for the one that shares it (30 SFT steps of the tiny team took 363 s
-    on two threads beside a spinning core, 24 s on one). `say` gets the reason; torch's count
-    is put back afterwards."""
+    start) on the cores the auto layout would use (`free_cores`) where torch's thread per core
+    is more: beside a busy core an OpenMP thread waits at every barrier for the one that shares
+    it (30 SFT steps of the tiny team took 363 s on two threads beside a spinning core, 24 s on
+    one). `say` gets the reason; torch's count is put back afterwards."""
     import torch
 
     before = torch.get_num_threads()
