@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import random
 from collections import defaultdict
 from pathlib import Path
 
@@ -187,8 +188,6 @@ def best_list_schedule(deps: dict[Op, list[Op]], d: dict[Op, float], workers: in
     `trainer_serial`, an agent's train ops overlap at their measured cost, as gradient helpers
     let them). So the best schedule of these ops lies between `chain_floor` / the work floor
     (with the same `trainer_serial`) and this."""
-    import random
-
     rng = random.Random(seed)
     graph = _levels(deps, d)
     level = graph[0]
