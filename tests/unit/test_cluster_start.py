@@ -36,7 +36,7 @@ def test_a_cluster_started_ahead_is_the_one_the_run_takes_and_its_workers_fork_f
     workers.start_ahead(PLAIN)
     started = next(iter(workers._AHEAD.values()))
     with workers.cluster_for(PLAIN) as client:
-        assert not workers._AHEAD  # taken over, not started again
+        assert workers._AHEAD == {}  # taken over, not started again
         assert client is started.result()[1]
         (ppid, parent, torch_loaded, mark), = client.run(_origin).values()
     assert ppid != os.getpid() and "multiprocessing.forkserver" in " ".join(parent), parent
@@ -47,19 +47,19 @@ def test_a_cluster_started_ahead_is_the_one_the_run_takes_and_its_workers_fork_f
 def test_a_cluster_no_run_took_is_stopped_with_nothing_left_running():
     before = _forked_workers()
     workers.start_ahead(PLAIN)
-    assert workers._AHEAD
+    assert list(workers._AHEAD) == [PLAIN.model_dump_json()]
     workers.close_ahead()
-    assert not workers._AHEAD
+    assert workers._AHEAD == {}
     deadline = time.monotonic() + 60
     while _forked_workers() - before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not (_forked_workers() - before)
+    assert _forked_workers() - before == set()
 
 
 def test_not_ahead_for_a_scheduler_address_or_a_secret_in_the_cluster_settings():
     workers.start_ahead(ClusterConfig(address="tls://127.0.0.1:1"))
     workers.start_ahead(ClusterConfig.model_validate({"worker_env": {"TOKEN": "${secret:hub-token}"}}))
-    assert not workers._AHEAD
+    assert workers._AHEAD == {}
 
 
 def test_a_cluster_started_for_other_settings_is_stopped_before_the_runs_own_starts():
@@ -69,7 +69,7 @@ def test_a_cluster_started_for_other_settings_is_stopped_before_the_runs_own_sta
     workers.start_ahead(PLAIN)
     other = PLAIN.model_copy(update={"torch_threads": 2})
     with workers.cluster_for(other) as client:
-        assert not workers._AHEAD
+        assert workers._AHEAD == {}
         assert list(client.run(os.getenv, "FLEXMARL_TORCH_THREADS").values()) == ["2"]  # the run's settings
         deadline = time.monotonic() + 60  # the stopped one's exit is reaped by the forkserver
         while len(_forked_workers() - before) > 1 and time.monotonic() < deadline:
