@@ -38,9 +38,6 @@ def main() -> int:
         a = bound.analyse(rd, args.workers)
         figures[str(rd)] = fig = {k: v for k, v in a.items() if k != "idle_causes"}
         fig["best_frac"] = a["best_list_s"] / a["e2e_s"]
-        # the same search with an agent's train ops one at a time (no gradient helpers)
-        fig["best_list_serial_s"] = bound.best_list_schedule(
-            bound.codesign_deps(rd), bound.durations(bound.op_log(rd)), args.workers, trainer_serial=True)
         sync = rd.with_name(rd.name.replace("codesign-", "sync-"))
         if rd.name.startswith("codesign-") and sync.is_dir():
             s = bound.analyse(rd, args.workers, durations_from=sync)

@@ -278,7 +278,8 @@ def idle_causes(rows: list[dict]) -> dict[str, dict[str, float]]:
 def analyse(run_dir: Path, workers: int = 2, durations_from: Path | None = None, search: bool = True) -> dict:
     """Floors and a list schedule for `run_dir`'s graph (co-design switches) with the op
     durations of `durations_from` (default: the run itself), and the run's own E2E; with
-    `search`, the best schedule a search finds too (`best_list_s`; the search takes seconds)."""
+    `search`, the best schedule a search finds too (`best_list_s`, and `best_list_serial_s` with
+    an agent's train ops one at a time; the searches take seconds)."""
     rows = op_log(run_dir)
     d = durations(op_log(durations_from) if durations_from else rows)
     deps = codesign_deps(run_dir)
@@ -292,6 +293,8 @@ def analyse(run_dir: Path, workers: int = 2, durations_from: Path | None = None,
     chain = chain_floor(deps, d, trainer_serial=False)
     floor = max(work, chain)
     return {"e2e_s": e2e, "work_floor_s": work, "chain_floor_s": chain, "floor_s": floor,
-            "list_s": list_schedule(deps, d, workers), "best_list_s": best_list_schedule(deps, d, workers) if search else None,
+            "list_s": list_schedule(deps, d, workers),
+            "best_list_s": best_list_schedule(deps, d, workers) if search else None,
+            "best_list_serial_s": best_list_schedule(deps, d, workers, trainer_serial=True) if search else None,
             "floor_frac": floor / e2e,
             "idle_causes": idle_causes(rows)}

@@ -138,6 +138,10 @@ def check_worker_tags(cfg: ExperimentConfig) -> None:
             )
 
 
+#: the variables the math libraries take their thread counts from
+BLAS_THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
 def start_cluster(
     cfg: ClusterConfig, *, dashboard: bool = True, env: dict[str, str] | None = None
 ) -> tuple[SpecCluster | None, Client]:
@@ -166,7 +170,7 @@ def start_cluster(
                      # driver imports torch, whose threads (a warm start's SFT runs here) it would
                      # cut to one. The workers get theirs from the nanny's `env` below instead.
                      **{f"distributed.nanny.pre-spawn-environ.{k}": None
-                        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}})
+                        for k in BLAS_THREADS}})
     # Scheduler/nanny INFO lines (connections, retirements) drown the run's own output.
     logging.getLogger("distributed").setLevel(logging.WARNING)
     if cfg.address:
@@ -178,8 +182,7 @@ def start_cluster(
     # A worker forked from the forkserver has the environment the server started with: this
     # process's environment of now goes along, as a spawned worker would have inherited it. Then
     # BLAS/torch threads are pinned so two workers on two cores do not oversubscribe.
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.torch_threads), "MKL_NUM_THREADS": str(cfg.torch_threads),
-           "OPENBLAS_NUM_THREADS": str(cfg.torch_threads),
+    env = {**os.environ, **dict.fromkeys(BLAS_THREADS, str(cfg.torch_threads)),
            "FLEXMARL_TORCH_THREADS": str(cfg.torch_threads),
            "DASK_LOGGING__DISTRIBUTED": "warning",
            # `${env:..}`/`${secret:..}` references resolved now, into the nannies' env only

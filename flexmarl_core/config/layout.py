@@ -89,7 +89,7 @@ def torch_threads_on_free_cores(say: Callable[[str], None] | None = None) -> Ite
     import torch
 
     before = torch.get_num_threads()
-    cores, why = free_cores()
+    cores, why = free_cores() if before > 1 else (1, "")  # one thread: nothing to look at
     if cores >= before:
         yield
         return
