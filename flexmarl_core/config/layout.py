@@ -62,13 +62,15 @@ def machine_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def free_cores() -> tuple[int, str]:
+def free_cores(*, look_when_set: bool = False) -> tuple[int, str]:
     """(cores the auto layout may use, what it left out and why, or ""): `machine_cores`, less
     (without `FLEXMARL_CORES`) the cores that processes this run would share them with keep
     busy, at least one kept. An OpenMP thread that shares its core with such a process waits
-    at every barrier for it, so two threads beside a busy core run slower than one."""
+    at every barrier for it, so two threads beside a busy core run slower than one.
+    `look_when_set`: `FLEXMARL_CORES` is a cap, and the busy cores still come off it (threads
+    in this process; a layout it sets stays fixed)."""
     mine = machine_cores()
-    if os.environ.get(CORES_ENV) or mine == 1:
+    if (os.environ.get(CORES_ENV) and not look_when_set) or mine == 1:
         return mine, ""
     global _busy_sample
     if _busy_sample is None or time.monotonic() - _busy_sample[0] > BUSY_REUSE_S:
@@ -85,11 +87,13 @@ def torch_threads_on_free_cores(say: Callable[[str], None] | None = None) -> Ite
     start) on the cores the auto layout would use (`free_cores`) where torch's thread per core
     is more: beside a busy core an OpenMP thread waits at every barrier for the one that shares
     it (30 SFT steps of the tiny team took 363 s on two threads beside a spinning core, 24 s on
-    one). `say` gets the reason; torch's count is put back afterwards."""
+    one). `FLEXMARL_CORES` caps the count here and the busy cores still come off it (it fixes
+    a layout, not where threads may wait). `say` gets the reason; torch's count is put back
+    afterwards."""
     import torch
 
     before = torch.get_num_threads()
-    cores, why = free_cores() if before > 1 else (1, "")  # one thread: nothing to look at
+    cores, why = free_cores(look_when_set=True) if before > 1 else (1, "")  # one thread: nothing to look at
     if cores >= before:
         yield
         return

@@ -141,6 +141,34 @@ def test_a_core_kept_busy_at_this_priority_is_left_out(monkeypatch):
     assert layout.free_cores() == (mine, "")
 
 
+def test_threads_in_this_process_leave_out_busy_cores_even_where_flexmarl_cores_is_set(monkeypatch):
+    """`FLEXMARL_CORES` fixes a layout (the tests set it), but torch threads in this process
+    (SFT) still leave out a busy core: the first run's SFT beside a spinning core took 13-15 s a
+    step on two threads under FLEXMARL_CORES=2, 0.5 s on one."""
+    import torch
+
+    from flexmarl_core.config import layout
+
+    monkeypatch.setenv("FLEXMARL_CORES", "2")
+    monkeypatch.setattr(layout, "BUSY_REUSE_S", -1.0)
+    monkeypatch.setattr(layout, "busy_elsewhere", lambda: 1.0)
+    assert layout.free_cores() == (2, "")  # the layout stays fixed
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        said: list[str] = []
+        with layout.torch_threads_on_free_cores(said.append):
+            inside = torch.get_num_threads()
+        assert (inside, said) == (1, ["1 torch thread; 1 of 2 cores busy with other work"])
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(layout, "busy_elsewhere", lambda: 0.0)  # quiet: torch keeps its two
+        with layout.torch_threads_on_free_cores(said.append):
+            assert torch.get_num_threads() == 2
+        assert len(said) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_command_that_loads_its_config_twice_samples_the_machine_once(monkeypatch):
     from flexmarl_core.config import layout
 
