@@ -14,6 +14,7 @@ from distributed.client import CancelledError
 
 from flexmarl_core.cluster.plugins import DaskPrograms, DaskWeightPushes
 from flexmarl_core.cluster.workers import (
+    WorkerLeftError,
     lost_worker,
     memory_restarts,
     set_worker_resources,
@@ -72,6 +73,8 @@ class SchedulerLostError(OrchestratorError):
 
 #: how long a hung op's worker may take to restart before the run goes on without waiting
 RESTART_TIMEOUT_S = 60.0
+#: how often a wait looks for workers that left while ops are pinned to them
+LEFT_POLL_S = 0.5
 
 
 class DaskExecutor:
@@ -86,6 +89,8 @@ class DaskExecutor:
         self.retry_delay_s = retry_delay_s
         self._tags: tuple[float, dict[str, dict[str, float]]] | None = None
         self._drop_groups = True  # `forget`: until the scheduler refuses it
+        self._pinned: dict[str, str] = {}  # key -> the worker its route names
+        self._left: dict[str, WorkerLeftError] = {}  # key -> why it was given back
         client.register_plugin(DaskWeightPushes())  # before any op: syncs push, rollouts take
         client.register_plugin(DaskPrograms())  # program ops secede and decode on instances
 
@@ -97,7 +102,7 @@ class DaskExecutor:
         Ops queued on one worker run oldest iteration first (Dask's `priority`): with
         `max_staleness` or the async pipeline, rollouts of the next iteration are ready early,
         and one that jumped ahead would hold back the training the current iteration waits on."""
-        return self.client.submit(
+        return self._pin(route, self.client.submit(
             run_stage_after if after else run_stage_retrying,
             self.run_dir, op, traits(op.kind).retries, self.retry_delay_s, *after,
             gradient_only=route.gradient_only,
@@ -106,13 +111,13 @@ class DaskExecutor:
             workers=[route.worker] if route.worker else None,
             priority=-op.iteration,  # a worker runs an older iteration's queued op first
             pure=False,
-        )
+        ))
 
     def submit_fused(self, ops: Sequence[Op], route: Route, deps: Sequence[Sequence[Op]] = (),
                      after: Sequence[distributed.Future] = ()) -> distributed.Future:
         """One Dask task running `ops` in order where `route` says (`stages.run_fused`); its
         result is a `FusedResult`. `deps`: each op's dependencies (see `submit`)."""
-        return self.client.submit(
+        return self._pin(route, self.client.submit(
             run_fused, self.run_dir, list(ops), [traits(op.kind).retries for op in ops],
             self.retry_delay_s, *after,
             key=dask_key(ops[0], fused=len(ops) - 1),
@@ -120,7 +125,12 @@ class DaskExecutor:
             workers=[route.worker] if route.worker else None,
             priority=-ops[0].iteration,
             pure=False,
-        )
+        ))
+
+    def _pin(self, route: Route, future: distributed.Future) -> distributed.Future:
+        if route.worker:
+            self._pinned[future.key] = route.worker
+        return future
 
     def forget(self, below: int) -> None:
         """The orchestrator is done with the iterations before `below` (`ForgetsIterations`):
@@ -134,6 +144,8 @@ class DaskExecutor:
             log.warning("the Dask scheduler kept its finished task groups (%s: %s)", type(exc).__name__, exc)
 
     def cancel(self, handle: distributed.Future) -> None:
+        self._pinned.pop(handle.key, None)
+        self._left.pop(handle.key, None)
         handle.cancel()
 
     def running_on(self, handle: distributed.Future) -> str | None:
@@ -154,6 +166,7 @@ class DaskExecutor:
         that never returns goes with its process. Other ops on that worker are lost with it
         and resubmitted as after any worker death."""
         name = worker_names(self.client).get(worker, worker)
+        self._pinned.pop(handle.key, None)
         handle.cancel()
         self.client.restart_workers([worker], timeout=RESTART_TIMEOUT_S, raise_for_error=False)
         self._tags = None  # it comes back at a new address
@@ -163,6 +176,22 @@ class DaskExecutor:
         return handle.status == "finished"
 
     def wait_any(self, handles: Sequence[distributed.Future], timeout: float | None = None) -> list[Any]:
+        """The handles done within `timeout`, or those pinned to a worker that left (given
+        back as lost: `result` raises `WorkerLeftError`). Dask would hold such an op until its
+        no-workers timeout (15 s of a stalled run per dead worker): the wait looks for them
+        every `LEFT_POLL_S` while it has nothing else to return."""
+        pinned = [h for h in handles if h.key in self._pinned]
+        if not pinned:
+            return self._wait(handles, timeout)
+        until = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = LEFT_POLL_S if until is None else min(LEFT_POLL_S, max(until - time.monotonic(), 0.0))
+            if (done := self._wait(handles, step)) or (done := self._gone(pinned)):
+                return done
+            if until is not None and time.monotonic() >= until:
+                return []
+
+    def _wait(self, handles: Sequence[distributed.Future], timeout: float | None) -> list[Any]:
         try:
             done, _ = distributed.wait(list(handles), timeout=timeout, return_when="FIRST_COMPLETED")
         except TimeoutError:  # Dask raises where concurrent.futures returns nothing done
@@ -172,7 +201,25 @@ class DaskExecutor:
             raise
         return list(done)
 
+    def _gone(self, pinned: Sequence[distributed.Future]) -> list[distributed.Future]:
+        """The pinned handles whose worker is no longer in the cluster, cancelled."""
+        self._check_scheduler()  # a lost scheduler is the run's end, not every op's worker
+        try:
+            live = self.worker_resources()
+        except OSError as exc:  # the scheduler went just now: the next wait says so
+            self._check_scheduler(exc)
+            return []
+        gone = [h for h in pinned if h.status == "pending" and self._pinned[h.key] not in live]
+        for h in gone:
+            worker = self._pinned.pop(h.key)
+            self._left[h.key] = WorkerLeftError(f"worker {worker} left the cluster before {h.key} ended")
+            h.cancel()
+        return gone
+
     def result(self, handle: distributed.Future) -> StageResult | FusedResult:
+        self._pinned.pop(handle.key, None)
+        if (left := self._left.pop(handle.key, None)) is not None:
+            raise left
         try:
             return handle.result()
         except CancelledError as exc:

@@ -35,12 +35,18 @@ from flexmarl_core.runtime.startup import freeze_imports
 
 # A task whose tag no worker has would otherwise wait forever, with no error and no Prefect
 # task run (Dask's default; seen with distributed 2026.8). The orchestrator
-# checks tags before it submits; this is the backstop, and how a task pinned to a worker that
-# died comes back to the orchestrator to be routed again.
+# checks tags before it submits, and `DaskExecutor` gives back a task pinned to a worker that
+# left (a restarted worker comes back at a new address) within a second; this is the backstop.
 NO_WORKERS_TIMEOUT = "15s"
+
+
+class WorkerLeftError(RuntimeError):
+    """The worker an op was pinned to left the cluster before the op ended (`DaskExecutor`)."""
+
 
 #: Errors that mean a task's worker died or vanished, not that the task failed.
 LOST_WORKER_ERRORS: tuple[type[BaseException], ...] = (
+    WorkerLeftError,
     distributed.scheduler.KilledWorker,
     distributed.scheduler.NoValidWorkerError,
     distributed.scheduler.NoWorkerError,  # none running: a restarted worker not back yet

@@ -24,10 +24,11 @@ def test_memory_restart_names_op_agent_and_limit(tmp_path, monkeypatch):
     from flexmarl_core.cluster import workers
     from flexmarl_core.driver import run
 
-    # The run ends when the scheduler gives up on the op with no worker left (the cluster's
-    # no-workers-timeout), and the error names the memory restart only if one was recorded by
-    # then: a loaded machine took longer than the product's 15 s to restart the worker process
-    # (torch, transformers) once. 60 s leaves room for that; the run then ends ~45 s later.
+    # The op comes back to the orchestrator once its worker has left (`DaskExecutor` gives back
+    # ops pinned to a worker that left), and the error names the memory restart once the
+    # Nanny's event is recorded (else a resubmit hogs and restarts again). Dask's no-workers
+    # timeout is the backstop: 60 s, should it fire, leaves a loaded machine room to restart
+    # the worker process (torch, transformers; once longer than the product's 15 s).
     monkeypatch.setattr(workers, "NO_WORKERS_TIMEOUT", "60s")
 
     one_worker = ("cluster.workers=[{name: w0, memory_limit: 1GiB, "

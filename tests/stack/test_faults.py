@@ -55,6 +55,11 @@ def test_worker_killed_mid_stage_run_completes_exactly_once(baseline, dask_clust
     cfg = load_config(TINY, overrides)
     assert_exactly_once(cfg)
     assert_same_weights(baseline, cfg)
+    # The killed op came back as soon as its worker left (its pin names an address the
+    # restarted worker no longer has), not after Dask's 15 s no-workers timeout.
+    decisions = [json.loads(x) for x in (run_dir / "metrics" / "decisions.jsonl").read_text().splitlines()]
+    back = [d for d in decisions if d["decision"] == "resubmit" and d["op"] == victim]
+    assert back and all(d["error"].startswith("WorkerLeftError: worker ") for d in back), back
     ops = [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines()]
     if victim.startswith("train"):
         # mb=0's gradients died with the worker. Either the step accumulated them again from the
