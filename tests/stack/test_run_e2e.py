@@ -238,16 +238,30 @@ def test_missing_tag_fails_fast_with_clear_error(prefect_api, dask_cluster, tmp_
     router = Router(load_balancing=True)
     with pytest.raises(OrchestratorError, match="rollout:solver"):
         router.route(Op(0, "rollout", "solver", 0, 0), {"tcp://x": {"train": 1}})
-    # And Dask itself gives up on a task whose resource no worker has (no-workers-timeout).
+    # And Dask itself gives up on a task whose resource no worker has: the cluster runs with
+    # flexmarl's no-workers timeout (15 s); the scheduler rereads it every 250 ms, so the
+    # giving-up is watched under 1 s and the product's value put back.
     import distributed
+    from dask.utils import parse_timedelta
 
-    from flexmarl_core.cluster import start_cluster  # noqa: F401 - sets the timeout config
+    from flexmarl_core.cluster import NO_WORKERS_TIMEOUT
     with distributed.Client(dask_cluster) as client:
-        fut = client.submit(sum, [1, 2], resources={"agent:nobody": 1}, pure=False)
-        with pytest.raises(Exception, match="(?i)valid worker|NoValidWorker"):
-            fut.result(timeout=120)
+        assert client.run_on_scheduler(_no_workers_timeout) == parse_timedelta(NO_WORKERS_TIMEOUT)
+        client.run_on_scheduler(_no_workers_timeout, 1.0)
+        try:
+            fut = client.submit(sum, [1, 2], resources={"agent:nobody": 1}, pure=False)
+            with pytest.raises(Exception, match="(?i)valid worker|NoValidWorker"):
+                fut.result(timeout=120)
+        finally:
+            client.run_on_scheduler(_no_workers_timeout, parse_timedelta(NO_WORKERS_TIMEOUT))
     assert time.time() - t0 < 120
     del overrides
+
+
+def _no_workers_timeout(set_to: float | None = None, dask_scheduler=None) -> float:  # noqa: ANN001
+    if set_to is not None:
+        dask_scheduler.no_workers_timeout = set_to
+    return dask_scheduler.no_workers_timeout
 
 
 def _worker_prefect_settings() -> tuple[str | None, str | None]:
