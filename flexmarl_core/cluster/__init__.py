@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         worker_cpu_s,
         worker_names,
         worker_resources,
+        workers_info,
     )
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
     "worker_cpu_s",
     "worker_names",
     "worker_resources",
+    "workers_info",
     "zip_code",
 ]
 

@@ -91,6 +91,7 @@ class DaskExecutor:
         self._drop_groups = True  # `forget`: until the scheduler refuses it
         self._pinned: dict[str, str] = {}  # key -> the worker its route names
         self._left: dict[str, WorkerLeftError] = {}  # key -> why it was given back
+        self._next_look = 0.0  # monotonic time of the next look for workers that left
         client.register_plugin(DaskWeightPushes())  # before any op: syncs push, rollouts take
         client.register_plugin(DaskPrograms())  # program ops secede and decode on instances
 
@@ -186,7 +187,13 @@ class DaskExecutor:
         until = None if timeout is None else time.monotonic() + timeout
         while True:
             step = LEFT_POLL_S if until is None else min(LEFT_POLL_S, max(until - time.monotonic(), 0.0))
-            if (done := self._wait(handles, step)) or (done := self._gone(pinned)):
+            done = self._wait(handles, step)
+            # Look while other ops keep finishing too: a run whose other ops end every few
+            # hundred ms would otherwise never look, and its lost op would wait out the timeout.
+            if (now := time.monotonic()) >= self._next_look:
+                self._next_look = now + LEFT_POLL_S
+                done += [h for h in self._gone(pinned) if h not in done]
+            if done:
                 return done
             if until is not None and time.monotonic() >= until:
                 return []
@@ -209,7 +216,11 @@ class DaskExecutor:
         except OSError as exc:  # the scheduler went just now: the next wait says so
             self._check_scheduler(exc)
             return []
-        gone = [h for h in pinned if h.status == "pending" and self._pinned[h.key] not in live]
+        if not live:  # no worker at all (all restarting): Dask's no-workers timeout decides
+            return []
+        # also "lost": finished, but its result lived only on the worker that left
+        gone = [h for h in pinned if h.status not in ("finished", "error", "cancelled")
+                and h.key in self._pinned and self._pinned[h.key] not in live]
         for h in gone:
             worker = self._pinned.pop(h.key)
             self._left[h.key] = WorkerLeftError(f"worker {worker} left the cluster before {h.key} ended")
@@ -217,11 +228,27 @@ class DaskExecutor:
         return gone
 
     def result(self, handle: distributed.Future) -> StageResult | FusedResult:
-        self._pinned.pop(handle.key, None)
+        """A done op's result. Its result lives on the worker that ran it: if that worker left
+        before the result was fetched, Dask would run the op again where it is pinned, an address
+        no worker has, and hold the fetch until its no-workers timeout. The fetch waits in
+        `LEFT_POLL_S` slices and gives the op back as lost once its worker has left."""
+        worker = self._pinned.pop(handle.key, None)
         if (left := self._left.pop(handle.key, None)) is not None:
             raise left
+        step = LEFT_POLL_S
         try:
-            return handle.result()
+            while True:
+                try:
+                    return handle.result(timeout=step if worker else None)
+                except TimeoutError:
+                    if handle.status == "error":  # the op itself raised a TimeoutError
+                        raise
+                    if worker in (live := self.worker_resources()) or not live:
+                        step = min(2 * step, 8.0)  # a fetch slow on a loaded machine still ends
+                        continue
+                    handle.cancel()
+                    raise WorkerLeftError(f"worker {worker} left the cluster before {handle.key}'s "
+                                          "result was fetched") from None
         except CancelledError as exc:
             self._check_scheduler(exc)
             raise

@@ -24,6 +24,7 @@ import dask
 import distributed
 from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
 from distributed.comm.addressing import parse_address, parse_host_port
+from distributed.deploy.cluster import Cluster
 from distributed.utils import get_mp_context
 
 from flexmarl_core.cluster.security import cluster_security
@@ -74,7 +75,7 @@ def _note_workers(info: dict[str, Any]) -> None:
 
 def memory_restarts(client: Client, since: float = 0.0) -> list[MemoryRestart]:
     """Workers the Nanny restarted for memory at or after `since` (scheduler clock, seconds)."""
-    _note_workers(client.scheduler_info(n_workers=-1)["workers"])
+    _note_workers(workers_info(client))
     out = []
     for t, msg in client.get_events(MEMORY_RESTART_TOPIC):
         if t >= since and isinstance(msg, dict):
@@ -148,6 +149,18 @@ def check_worker_tags(cfg: ExperimentConfig) -> None:
 BLAS_THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
+class RestartingCluster(SpecCluster):
+    """The local cluster: Dask's `SpecCluster`, whose Nannies are never closed because their
+    worker was away. `SpecCluster` closes a worker's Nanny for good when, `lost-worker-timeout`
+    (15 s) after one removal of that worker, no worker of its name is registered: a worker
+    restarted twice within 15 s (killed, then hung: a hung worker is away ~4 s while its Nanny
+    waits to kill it) was away at that instant and never came back, and every op pinned to it
+    waited out the no-workers timeout. The Nanny restarts its worker itself."""
+
+    def _update_worker_status(self, op: str, msg: Any) -> None:
+        Cluster._update_worker_status(self, op, msg)  # SpecCluster's adds only the closing
+
+
 def start_cluster(
     cfg: ClusterConfig, *, dashboard: bool = True, env: dict[str, str] | None = None
 ) -> tuple[SpecCluster | None, Client]:
@@ -218,7 +231,7 @@ def start_cluster(
                     "dashboard_address": (cfg.dashboard_address if dashboard else None) or "127.0.0.1:0",
                     "host": "127.0.0.1", **tls},
     }
-    cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40, security=sec)
+    cluster = RestartingCluster(workers=workers, scheduler=scheduler, silence_logs=40, security=sec)
     try:
         client = Client(cluster)
         client.wait_for_workers(len(workers), timeout=120)
@@ -267,9 +280,17 @@ def warm_up(client: Client) -> None:
     client.run(_import_runtime)
 
 
+def workers_info(client: Client) -> dict[str, dict[str, Any]]:
+    """The scheduler's view of every worker, by address, fetched now. Not
+    `client.scheduler_info(n_workers=-1)`: that returns the client's cached identity, which its
+    own periodic refresh (every 2 s, no per-worker entries) may replace between the fetch and
+    the return, and an empty worker list reads as every worker gone."""
+    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 def worker_resources(client: Client) -> dict[str, dict[str, float]]:
     """Current resource tags of every worker, by address."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = workers_info(client)
     _note_workers(info)
     return {addr: dict(w.get("resources", {})) for addr, w in info.items()}
 
@@ -333,7 +354,7 @@ def log_to_files(client: Client, folder: str | Path, *, workers: bool) -> Callab
 
 def worker_names(client: Client) -> dict[str, str]:
     """Each worker's name (what its ops report, `w0`), by address (what routing uses)."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = workers_info(client)
     return {addr: str(w.get("name", addr)) for addr, w in info.items()}
 
 

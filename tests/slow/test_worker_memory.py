@@ -56,3 +56,42 @@ def test_memory_restart_names_op_agent_and_limit(tmp_path, monkeypatch):
     assert restarts and all(r.worker == "w0" and r.limit == 1 << 30 for r in restarts)
     # The Nanny restarts above 95% of the limit: the reported RSS is past that line.
     assert all(r.rss > 0.95 * r.limit for r in restarts)
+
+
+def _hang() -> None:
+    import threading
+
+    threading.Event().wait(300)
+
+
+def test_a_worker_restarted_twice_within_the_lost_worker_timeout_comes_back(monkeypatch):
+    """Dask's `SpecCluster` closes a worker's Nanny for good when, `lost-worker-timeout` after
+    one removal of the worker, no worker of that name is registered. A worker restarted, then
+    restarted again while an op hangs on it (its Nanny waits ~4 s before killing it), is away
+    at that instant: the run lost that worker for good. Here the timeout is 2 s, so the second,
+    slow restart spans it; the worker must come back."""
+    import dask
+
+    from flexmarl_core.cluster import start_cluster, workers_info
+    from flexmarl_core.config import ClusterConfig
+
+    cfg = ClusterConfig.model_validate({"workers": [{"name": "w0", "resources": {"rollout": 1, "train": 1}}]})
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "2s"}):
+        cluster, client = start_cluster(cfg, dashboard=False)
+        try:
+            first = next(iter(workers_info(client)))
+            client.restart_workers([first])
+            second = next(iter(workers_info(client)))
+            hung = client.submit(_hang, workers=[second], pure=False)
+            while second not in {a for a, keys in client.processing().items() if keys}:
+                time.sleep(0.05)
+            client.restart_workers([second], timeout=60, raise_for_error=False)
+            time.sleep(3)  # past the 2 s after the second removal too
+            client.wait_for_workers(1, timeout=30)
+            (back, info), = workers_info(client).items()
+            assert back not in (first, second) and info["name"] == "w0"
+            assert list(cluster.workers) == ["w0"]
+            hung.cancel()
+        finally:
+            client.close()
+            cluster.close()

@@ -55,11 +55,12 @@ def test_worker_killed_mid_stage_run_completes_exactly_once(baseline, dask_clust
     cfg = load_config(TINY, overrides)
     assert_exactly_once(cfg)
     assert_same_weights(baseline, cfg)
-    # The killed op came back as soon as its worker left (its pin names an address the
-    # restarted worker no longer has), not after Dask's 15 s no-workers timeout.
+    # A killed op pinned to its worker came back as soon as the worker left (the pin names an
+    # address the restarted worker no longer has), not after Dask's 15 s no-workers timeout.
+    # One routed by tags alone Dask runs again itself, with no resubmit.
     decisions = [json.loads(x) for x in (run_dir / "metrics" / "decisions.jsonl").read_text().splitlines()]
-    back = [d for d in decisions if d["decision"] == "resubmit" and d["op"] == victim]
-    assert back and all(d["error"].startswith("WorkerLeftError: worker ") for d in back), back
+    back = [d for d in decisions if d["decision"] == "resubmit"]
+    assert all(d["error"].startswith("WorkerLeftError: worker ") for d in back), back
     ops = [json.loads(x) for x in (run_dir / "metrics" / "ops.jsonl").read_text().splitlines()]
     if victim.startswith("train"):
         # mb=0's gradients died with the worker. Either the step accumulated them again from the
@@ -68,6 +69,28 @@ def test_worker_killed_mid_stage_run_completes_exactly_once(baseline, dask_clust
         step = next(o for o in ops if o["op"] == "step[solver] it=1")
         assert step["agent/solver/recomputed_mbs"] in (0.0, 1.0) or step.get("skipped"), step
         assert sum(o["op"] == "step[solver] it=1" for o in ops) == 1, "the step ran twice"
+
+
+def test_a_result_whose_worker_left_before_it_was_fetched_comes_back_as_lost(dask_cluster, tmp_path):
+    """An op finished on a worker that then left, before the orchestrator fetched its result:
+    the result lived only there, and Dask would run the op again where it is pinned (an address
+    no worker has) and hold the fetch until its no-workers timeout, then fail it as
+    `NoValidWorkerError`. The executor gives it back as lost, so the orchestrator routes it
+    again at once."""
+    import distributed
+
+    from flexmarl_core.cluster import DaskExecutor, WorkerLeftError, workers_info
+    from flexmarl_core.ops import Route
+
+    with distributed.Client(dask_cluster) as client:
+        ex = DaskExecutor(client, str(tmp_path))
+        addr = next(a for a, w in workers_info(client).items() if w["name"] == "w0")
+        handle = ex._pin(Route({}, worker=addr), client.submit(os.getpid, workers=[addr], pure=False))
+        assert ex.wait_any([handle], timeout=60) == [handle]
+        client.restart_workers([addr])  # w0 comes back at a new address; the result is gone
+        assert addr not in workers_info(client)
+        with pytest.raises(WorkerLeftError, match=f"worker {addr} left the cluster"):
+            ex.result(handle)
 
 
 def test_hung_op_is_cancelled_its_worker_restarted_and_the_op_rerun(baseline, dask_cluster, tmp_path):
