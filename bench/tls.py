@@ -115,7 +115,9 @@ def transfer(client: Any, size: int) -> float:
     """Seconds from submitting the consumer on w1 to its result, the payload ready on w0."""
     from distributed import wait
 
-    info = client.scheduler_info()["workers"]
+    from flexmarl_core.cluster import workers_info
+
+    info = workers_info(client)
     w0, w1 = sorted(info, key=lambda a: str(info[a]["name"]))
     made = client.submit(_payload, size, workers=[w0], pure=False)
     wait(made)  # made and held on w0; its bytes never come to this process

@@ -60,13 +60,14 @@ def main() -> None:
     server = start_s3(BUCKET)
     from distributed import Client, LocalCluster
 
+    from flexmarl_core.cluster import workers_info
     from flexmarl_core.runfiles.location import RunLocation
 
     loc = RunLocation(f"s3://{BUCKET}")
     rows = []
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None,
                       silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
-        addrs = sorted(client.scheduler_info()["workers"])
+        addrs = sorted(workers_info(client))
         sync, targets = addrs[0], addrs[1:]
         for mb in sizes_mb:
             key = f"weights/agent/v{mb}.safetensors"

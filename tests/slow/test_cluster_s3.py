@@ -38,6 +38,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from flexmarl_core.cluster.security import make_certs
+from flexmarl_core.cluster.workers import workers_info
 from tests._netns import WORKERS, S3Cluster, netns_available
 from tests._s3 import require_moto, s3_kwargs
 
@@ -156,7 +157,7 @@ def test_train_on_separate_hosts_with_the_run_on_s3(hosts: S3Cluster) -> None:
     flow, flow2 = hosts["flow-1"], hosts["flow-2"]
     # Every process is on its own host: the scheduler knows the workers by their hosts' addresses.
     with hosts.client() as c:
-        seen = {a.split("://")[1].rsplit(":", 1)[0] for a in c.scheduler_info()["workers"]}
+        seen = {a.split("://")[1].rsplit(":", 1)[0] for a in workers_info(c)}
     assert seen == {hosts[w].host.ip for w in WORKERS}, seen
 
     # The probe mostly waits on its clients' timeouts: it runs beside the first flow run.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from flexmarl_core.cluster import workers_info
 from flexmarl_core.config import load_config
 from flexmarl_core.workloads import make_workload
 
@@ -41,11 +42,11 @@ def test_hostile_programs_in_the_workers_score_zero_and_the_workers_live(dask_cl
         return judge.reward(problem, {"coder": code, "tester": ""})
 
     with distributed.Client(dask_cluster) as client:
-        before = set(client.scheduler_info(n_workers=-1)["workers"])
+        before = set(workers_info(client))
         t0 = time.monotonic()
         results = client.gather(client.map(reward, HOSTILE_CODERS, pure=False))
         # Each program ends at its limits (wall_s 3 here): far inside the 600 s one would sleep.
         assert time.monotonic() - t0 < 300
         assert [r["coder"] for r in results] == [0.0] * len(HOSTILE_CODERS)
-        assert set(client.scheduler_info(n_workers=-1)["workers"]) == before
+        assert set(workers_info(client)) == before
         assert client.submit(reward, problem.answer, roomy, pure=False).result()["coder"] == 1.0

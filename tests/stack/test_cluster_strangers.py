@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from flexmarl_core.cluster import start_cluster
+from flexmarl_core.cluster import start_cluster, workers_info
 from flexmarl_core.config import ClusterConfig
 
 # A stranger on the same machine: no TLS settings at all, then a certificate of its own CA.
@@ -50,7 +50,7 @@ def test_the_session_cluster_takes_only_its_own_certificates(dask_cluster):
     assert dask_cluster.startswith("tls://")
     _all_refused(_stranger(dask_cluster))
     with Client(dask_cluster, timeout=30) as c:  # this process: the CA's client certificate
-        assert len(c.scheduler_info()["workers"]) == 2
+        assert len(workers_info(c)) == 2
 
 
 def test_the_local_cluster_of_a_plain_run_is_tls_with_the_dashboard_on_loopback():
@@ -59,7 +59,7 @@ def test_the_local_cluster_of_a_plain_run_is_tls_with_the_dashboard_on_loopback(
     cluster, client = start_cluster(cfg)
     try:
         assert cluster.scheduler_address.startswith("tls://127.0.0.1:")
-        assert all(a.startswith("tls://127.0.0.1:") for a in client.scheduler_info()["workers"])
+        assert all(a.startswith("tls://127.0.0.1:") for a in workers_info(client))
         assert client.dashboard_link.startswith("http://127.0.0.1:")
         assert client.submit(sum, [1, 2]).result(timeout=60) == 3
         _all_refused(_stranger(cluster.scheduler_address))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from flexmarl_core.cluster import workers_info
 from flexmarl_core.config import load_config
 from flexmarl_core.driver.audit import audit_run
 from flexmarl_core.programs.manifest import committed_ids, read_manifest
@@ -170,7 +171,7 @@ def test_equally_loaded_instances_decode_where_the_program_op_runs(monkeypatch):
     monkeypatch.setattr(plugins, "decode_on_instance", where)
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, resources={"rollout": 1},
                                   dashboard_address=None) as lc, distributed.Client(lc) as client:
-        addrs = sorted(client.scheduler_info()["workers"])
+        addrs = sorted(workers_info(client))
         for home in addrs:
             d = plugins.DaskDispatcher("run", client, home=home)
             assert d.capacity("planner") == 2

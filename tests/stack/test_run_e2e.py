@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from flexmarl_core.cluster import workers_info
 from flexmarl_core.config import load_config
 from flexmarl_core.meg import MEG
 from flexmarl_core.orchestrator.plan import Plan
@@ -40,7 +41,7 @@ def _retag(address: str, tags: dict[str, dict[str, float]]) -> None:
     from flexmarl_core.cluster import set_worker_resources, worker_resources
 
     with distributed.Client(address) as client:
-        by_name = {info["name"]: addr for addr, info in client.scheduler_info(n_workers=-1)["workers"].items()}
+        by_name = {info["name"]: addr for addr, info in workers_info(client).items()}
         for name, res in tags.items():
             # Zero every tag first: the balancer may have added others during the run.
             current = worker_resources(client)[by_name[name]]
