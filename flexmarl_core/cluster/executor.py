@@ -91,6 +91,7 @@ class DaskExecutor:
         self._drop_groups = True  # `forget`: until the scheduler refuses it
         self._pinned: dict[str, str] = {}  # key -> the worker its route names
         self._left: dict[str, WorkerLeftError] = {}  # key -> why it was given back
+        self._dep_pins: dict[str, list[str]] = {}  # key -> the workers its dependencies are pinned to
         self._next_look = 0.0  # monotonic time of the next look for workers that left
         client.register_plugin(DaskWeightPushes())  # before any op: syncs push, rollouts take
         client.register_plugin(DaskPrograms())  # program ops secede and decode on instances
@@ -103,7 +104,7 @@ class DaskExecutor:
         Ops queued on one worker run oldest iteration first (Dask's `priority`): with
         `max_staleness` or the async pipeline, rollouts of the next iteration are ready early,
         and one that jumped ahead would hold back the training the current iteration waits on."""
-        return self._pin(route, self.client.submit(
+        return self._pin(route, after, self.client.submit(
             run_stage_after if after else run_stage_retrying,
             self.run_dir, op, traits(op.kind).retries, self.retry_delay_s, *after,
             gradient_only=route.gradient_only,
@@ -118,7 +119,7 @@ class DaskExecutor:
                      after: Sequence[distributed.Future] = ()) -> distributed.Future:
         """One Dask task running `ops` in order where `route` says (`stages.run_fused`); its
         result is a `FusedResult`. `deps`: each op's dependencies (see `submit`)."""
-        return self._pin(route, self.client.submit(
+        return self._pin(route, after, self.client.submit(
             run_fused, self.run_dir, list(ops), [traits(op.kind).retries for op in ops],
             self.retry_delay_s, *after,
             key=dask_key(ops[0], fused=len(ops) - 1),
@@ -128,10 +129,20 @@ class DaskExecutor:
             pure=False,
         ))
 
-    def _pin(self, route: Route, future: distributed.Future) -> distributed.Future:
+    def _pin(self, route: Route, after: Sequence[distributed.Future],
+             future: distributed.Future) -> distributed.Future:
+        """Note where `future` is pinned, and where the ops it is chained on are: Dask moves a
+        dependency's result to the op's worker before it runs, and one whose worker left is
+        run again where it is pinned, even after the orchestrator has fetched it."""
         if route.worker:
             self._pinned[future.key] = route.worker
+        if held := [w for f in after if (w := self._pinned.get(f.key))]:
+            self._dep_pins[future.key] = held
         return future
+
+    def _unpin(self, key: str) -> str | None:
+        self._dep_pins.pop(key, None)
+        return self._pinned.pop(key, None)
 
     def forget(self, below: int) -> None:
         """The orchestrator is done with the iterations before `below` (`ForgetsIterations`):
@@ -145,7 +156,7 @@ class DaskExecutor:
             log.warning("the Dask scheduler kept its finished task groups (%s: %s)", type(exc).__name__, exc)
 
     def cancel(self, handle: distributed.Future) -> None:
-        self._pinned.pop(handle.key, None)
+        self._unpin(handle.key)
         self._left.pop(handle.key, None)
         handle.cancel()
 
@@ -167,7 +178,7 @@ class DaskExecutor:
         that never returns goes with its process. Other ops on that worker are lost with it
         and resubmitted as after any worker death."""
         name = worker_names(self.client).get(worker, worker)
-        self._pinned.pop(handle.key, None)
+        self._unpin(handle.key)
         handle.cancel()
         self.client.restart_workers([worker], timeout=RESTART_TIMEOUT_S, raise_for_error=False)
         self._tags = None  # it comes back at a new address
@@ -181,7 +192,7 @@ class DaskExecutor:
         back as lost: `result` raises `WorkerLeftError`). Dask would hold such an op until its
         no-workers timeout (15 s of a stalled run per dead worker): the wait looks for them
         every `LEFT_POLL_S` while it has nothing else to return."""
-        pinned = [h for h in handles if h.key in self._pinned]
+        pinned = [h for h in handles if h.key in self._pinned or h.key in self._dep_pins]
         if not pinned:
             return self._wait(handles, timeout)
         until = None if timeout is None else time.monotonic() + timeout
@@ -209,7 +220,8 @@ class DaskExecutor:
         return list(done)
 
     def _gone(self, pinned: Sequence[distributed.Future]) -> list[distributed.Future]:
-        """The pinned handles whose worker is no longer in the cluster, cancelled."""
+        """The pinned handles whose worker, or a worker that held a result they are chained
+        on, is no longer in the cluster, cancelled."""
         self._check_scheduler()  # a lost scheduler is the run's end, not every op's worker
         try:
             live = self.worker_resources()
@@ -219,12 +231,20 @@ class DaskExecutor:
         if not live:  # no worker at all (all restarting): Dask's no-workers timeout decides
             return []
         # also "lost": finished, but its result lived only on the worker that left
-        gone = [h for h in pinned if h.status not in ("finished", "error", "cancelled")
-                and h.key in self._pinned and self._pinned[h.key] not in live]
-        for h in gone:
-            worker = self._pinned.pop(h.key)
-            self._left[h.key] = WorkerLeftError(f"worker {worker} left the cluster before {h.key} ended")
+        gone = []
+        for h in pinned:
+            if h.status in ("finished", "error", "cancelled"):
+                continue
+            if (worker := self._pinned.get(h.key)) is not None and worker not in live:
+                why = f"worker {worker} left the cluster before {h.key} ended"
+            elif left := [w for w in self._dep_pins.get(h.key, ()) if w not in live]:
+                why = f"worker {left[0]} left the cluster holding a result {h.key} is chained on"
+            else:
+                continue
+            self._unpin(h.key)
+            self._left[h.key] = WorkerLeftError(why)
             h.cancel()
+            gone.append(h)
         return gone
 
     def result(self, handle: distributed.Future) -> StageResult | FusedResult:
@@ -232,23 +252,31 @@ class DaskExecutor:
         before the result was fetched, Dask would run the op again where it is pinned, an address
         no worker has, and hold the fetch until its no-workers timeout. The fetch waits in
         `LEFT_POLL_S` slices and gives the op back as lost once its worker has left."""
-        worker = self._pinned.pop(handle.key, None)
+        worker = self._unpin(handle.key)
         if (left := self._left.pop(handle.key, None)) is not None:
             raise left
-        step = LEFT_POLL_S
+        slow = 0  # fetches timed out with the op finished and its worker in the (1 s) view
         try:
-            while True:
+            while worker is not None:
                 try:
-                    return handle.result(timeout=step if worker else None)
+                    return handle.result(timeout=LEFT_POLL_S)
                 except TimeoutError:
-                    if handle.status == "error":  # the op itself raised a TimeoutError
-                        raise
-                    if worker in (live := self.worker_resources()) or not live:
-                        step = min(2 * step, 8.0)  # a fetch slow on a loaded machine still ends
+                    if handle.status == "error":  # failed just now: its own error, below
+                        break
+                    try:
+                        live = self.worker_resources()
+                    except OSError as exc:
+                        self._check_scheduler(exc)
+                        continue
+                    if worker in live or not live:
+                        slow += handle.status == "finished"
+                        if slow >= 3:
+                            break  # on a live worker: a fetch slow on a loaded machine still ends
                         continue
                     handle.cancel()
                     raise WorkerLeftError(f"worker {worker} left the cluster before {handle.key}'s "
                                           "result was fetched") from None
+            return handle.result()
         except CancelledError as exc:
             self._check_scheduler(exc)
             raise

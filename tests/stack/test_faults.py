@@ -85,12 +85,48 @@ def test_a_result_whose_worker_left_before_it_was_fetched_comes_back_as_lost(das
     with distributed.Client(dask_cluster) as client:
         ex = DaskExecutor(client, str(tmp_path))
         addr = next(a for a, w in workers_info(client).items() if w["name"] == "w0")
-        handle = ex._pin(Route({}, worker=addr), client.submit(os.getpid, workers=[addr], pure=False))
+        handle = ex._pin(Route({}, worker=addr), (), client.submit(os.getpid, workers=[addr], pure=False))
         assert ex.wait_any([handle], timeout=60) == [handle]
         client.restart_workers([addr])  # w0 comes back at a new address; the result is gone
         assert addr not in workers_info(client)
         with pytest.raises(WorkerLeftError, match=f"worker {addr} left the cluster"):
             ex.result(handle)
+
+
+def _wait_for(event: str) -> None:
+    import distributed
+
+    distributed.Event(event).wait(120)
+
+
+def test_an_op_chained_on_a_result_whose_worker_left_comes_back_as_lost(dask_cluster, tmp_path):
+    """B is chained on A (pinned to w0, done, its result fetched) and on C (held on w1). w0
+    leaves before B ran: Dask would run A again where it is pinned, an address no worker has,
+    and B would wait out the no-workers timeout. The executor gives B back as lost at once
+    (its inputs are in the store: the orchestrator runs it again)."""
+    import distributed
+
+    from flexmarl_core.cluster import DaskExecutor, WorkerLeftError, workers_info
+    from flexmarl_core.ops import Route
+
+    with distributed.Client(dask_cluster) as client:
+        ex = DaskExecutor(client, str(tmp_path))
+        by_name = {w["name"]: a for a, w in workers_info(client).items()}
+        w0, w1 = by_name["w0"], by_name["w1"]
+        go = distributed.Event(f"release-{tmp_path.name}")
+        a = ex._pin(Route({}, worker=w0), (), client.submit(os.getpid, workers=[w0], pure=False))
+        c = ex._pin(Route({}, worker=w1), (), client.submit(_wait_for, go.name, workers=[w1], pure=False))
+        b = ex._pin(Route({}, worker=w1), (a, c), client.submit(max, a, 0, workers=[w1], pure=False))
+        assert ex.wait_any([a], timeout=60) == [a]
+        ex.result(a)
+        client.restart_workers([w0])  # a's result is gone with it
+        try:
+            assert ex.wait_any([b, c], timeout=60) == [b]
+            with pytest.raises(WorkerLeftError, match=f"worker {w0} left the cluster holding a result"):
+                ex.result(b)
+        finally:
+            go.set()
+        assert ex.wait_any([c], timeout=60) == [c]
 
 
 def test_hung_op_is_cancelled_its_worker_restarted_and_the_op_rerun(baseline, dask_cluster, tmp_path):
