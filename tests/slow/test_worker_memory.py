@@ -80,10 +80,12 @@ def test_a_worker_restarted_twice_within_the_lost_worker_timeout_comes_back(monk
         cluster, client = start_cluster(cfg, dashboard=False)
         try:
             first = next(iter(workers_info(client)))
-            client.restart_workers([first])
+            client.restart_workers([first], timeout=120)
             second = next(iter(workers_info(client)))
             hung = client.submit(_hang, workers=[second], pure=False)
+            deadline = time.monotonic() + 120
             while second not in {a for a, keys in client.processing().items() if keys}:
+                assert time.monotonic() < deadline, "the hanging op never started"
                 time.sleep(0.05)
             client.restart_workers([second], timeout=60, raise_for_error=False)
             time.sleep(3)  # past the 2 s after the second removal too

@@ -87,7 +87,7 @@ def test_a_result_whose_worker_left_before_it_was_fetched_comes_back_as_lost(das
         addr = next(a for a, w in workers_info(client).items() if w["name"] == "w0")
         handle = ex._pin(Route({}, worker=addr), (), client.submit(os.getpid, workers=[addr], pure=False))
         assert ex.wait_any([handle], timeout=60) == [handle]
-        client.restart_workers([addr])  # w0 comes back at a new address; the result is gone
+        client.restart_workers([addr], timeout=120)  # w0 comes back at a new address; the result is gone
         assert addr not in workers_info(client)
         with pytest.raises(WorkerLeftError, match=f"worker {addr} left the cluster"):
             ex.result(handle)
@@ -119,7 +119,7 @@ def test_an_op_chained_on_a_result_whose_worker_left_comes_back_as_lost(dask_clu
         b = ex._pin(Route({}, worker=w1), (a, c), client.submit(max, a, 0, workers=[w1], pure=False))
         assert ex.wait_any([a], timeout=60) == [a]
         ex.result(a)
-        client.restart_workers([w0])  # a's result is gone with it
+        client.restart_workers([w0], timeout=120)  # a's result is gone with it
         try:
             assert ex.wait_any([b, c], timeout=60) == [b]
             with pytest.raises(WorkerLeftError, match=f"worker {w0} left the cluster holding a result"):
