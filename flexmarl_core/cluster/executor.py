@@ -140,9 +140,13 @@ class DaskExecutor:
             self._dep_pins[future.key] = held
         return future
 
-    def _unpin(self, key: str) -> str | None:
+    def _unpin(self, key: str) -> None:
         self._dep_pins.pop(key, None)
-        return self._pinned.pop(key, None)
+        self._pinned.pop(key, None)
+
+    def _watched(self, key: str) -> bool:
+        """Whether a worker leaving can strand the op (`_gone` looks for it)."""
+        return key in self._pinned or key in self._dep_pins
 
     def forget(self, below: int) -> None:
         """The orchestrator is done with the iterations before `below` (`ForgetsIterations`):
@@ -191,8 +195,8 @@ class DaskExecutor:
         """The handles done within `timeout`, or those pinned to a worker that left (given
         back as lost: `result` raises `WorkerLeftError`). Dask would hold such an op until its
         no-workers timeout (15 s of a stalled run per dead worker): the wait looks for them
-        every `LEFT_POLL_S` while it has nothing else to return."""
-        pinned = [h for h in handles if h.key in self._pinned or h.key in self._dep_pins]
+        every `LEFT_POLL_S`."""
+        pinned = [h for h in handles if self._watched(h.key)]
         if not pinned:
             return self._wait(handles, timeout)
         until = None if timeout is None else time.monotonic() + timeout
@@ -251,35 +255,26 @@ class DaskExecutor:
         """A done op's result. Its result lives on the worker that ran it: if that worker left
         before the result was fetched, Dask would run the op again where it is pinned, an address
         no worker has, and hold the fetch until its no-workers timeout. The fetch waits in
-        `LEFT_POLL_S` slices and gives the op back as lost once its worker has left."""
-        worker = self._unpin(handle.key)
-        if (left := self._left.pop(handle.key, None)) is not None:
-            raise left
-        slow = 0  # fetches timed out with the op finished and its worker in the (1 s) view
+        `LEFT_POLL_S` slices and looks (`_gone`) between them."""
+        slow = 0  # slices timed out with the op finished and its worker still in the view
         try:
-            while worker is not None:
+            while self._watched(handle.key):
                 try:
                     return handle.result(timeout=LEFT_POLL_S)
                 except TimeoutError:
                     if handle.status == "error":  # failed just now: its own error, below
                         break
-                    try:
-                        live = self.worker_resources()
-                    except OSError as exc:
-                        self._check_scheduler(exc)
-                        continue
-                    if worker in live or not live:
-                        slow += handle.status == "finished"
-                        if slow >= 3:
-                            break  # on a live worker: a fetch slow on a loaded machine still ends
-                        continue
-                    handle.cancel()
-                    raise WorkerLeftError(f"worker {worker} left the cluster before {handle.key}'s "
-                                          "result was fetched") from None
+                    slow += handle.status == "finished"
+                    if slow >= 3 or self._gone([handle]):
+                        break  # on a live worker a slow fetch still ends; a gone op raises below
+            if (left := self._left.pop(handle.key, None)) is not None:
+                raise left
             return handle.result()
         except CancelledError as exc:
             self._check_scheduler(exc)
             raise
+        finally:
+            self._unpin(handle.key)
 
     def _check_scheduler(self, exc: BaseException | None = None) -> None:
         """Dask cancels every future when its client loses the scheduler, and the scheduler's

@@ -64,7 +64,7 @@ def _hang() -> None:
     threading.Event().wait(300)
 
 
-def test_a_worker_restarted_twice_within_the_lost_worker_timeout_comes_back(monkeypatch):
+def test_a_worker_restarted_twice_within_the_lost_worker_timeout_comes_back():
     """Dask's `SpecCluster` closes a worker's Nanny for good when, `lost-worker-timeout` after
     one removal of the worker, no worker of that name is registered. A worker restarted, then
     restarted again while an op hangs on it (its Nanny waits ~4 s before killing it), is away

@@ -99,6 +99,10 @@ def _wait_for(event: str) -> None:
     distributed.Event(event).wait(120)
 
 
+def _first(x: object, *_: object) -> object:
+    return x
+
+
 def test_an_op_chained_on_a_result_whose_worker_left_comes_back_as_lost(dask_cluster, tmp_path):
     """B is chained on A (pinned to w0, done, its result fetched) and on C (held on w1). w0
     leaves before B ran: Dask would run A again where it is pinned, an address no worker has,
@@ -116,7 +120,7 @@ def test_an_op_chained_on_a_result_whose_worker_left_comes_back_as_lost(dask_clu
         go = distributed.Event(f"release-{tmp_path.name}")
         a = ex._pin(Route({}, worker=w0), (), client.submit(os.getpid, workers=[w0], pure=False))
         c = ex._pin(Route({}, worker=w1), (), client.submit(_wait_for, go.name, workers=[w1], pure=False))
-        b = ex._pin(Route({}, worker=w1), (a, c), client.submit(max, a, 0, workers=[w1], pure=False))
+        b = ex._pin(Route({}, worker=w1), (a, c), client.submit(_first, a, c, workers=[w1], pure=False))
         assert ex.wait_any([a], timeout=60) == [a]
         ex.result(a)
         client.restart_workers([w0], timeout=120)  # a's result is gone with it
