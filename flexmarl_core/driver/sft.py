@@ -311,27 +311,46 @@ def _save(path: Path, model: torch.nn.Module) -> None:
 WARM_START_VERSION = 2  # 2: the key holds only what SFT reads
 
 
-def _file_stamp(path: str | None) -> list[Any] | None:
+def _file_stamp(path: str | None, cache_dir: Path | None = None) -> list[Any] | None:
     """Size and modification time of a file or folder's files the config points at (a model
-    folder, a dataset): an edited file must not reuse checkpoints made from the old one."""
+    folder, a dataset): an edited file must not reuse checkpoints made from the old one. A file
+    inside `cache_dir` is named relative to it, so a cache moved whole (`cp -a`, `rsync -a`: the
+    times travel) keeps its warm starts."""
     if not path:
         return None
     p = Path(os.path.expanduser(path))
     files = sorted(p.rglob("*")) if p.is_dir() else [p]
-    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+    return [[_in_cache(str(f), cache_dir), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
 
 
-def warm_start_key(cfg: ExperimentConfig) -> str:
+def _in_cache(path: str, cache_dir: Path | None) -> str:
+    """`path` with the cache folder's own prefix replaced by `<cache>` (unchanged outside it)."""
+    p = Path(os.path.expanduser(path))
+    if cache_dir is None or not p.exists():  # not a file here: a hub id stays as it is
+        return path
+    try:
+        return "<cache>/" + p.resolve().relative_to(cache_dir).as_posix()
+    except ValueError:
+        return path
+
+
+def warm_start_key(cfg: ExperimentConfig, cache_dir: str | Path | None = None) -> str:
     """What SFT's result depends on: the team minus RL's own fields (`_team_key`), the workload
     (and the files both point at), the tokenizer recipe, the seed and the SFT settings; not RL's
     loss, learning rate, batch, switches (`max_staleness` included), cluster or iterations, so
-    runs that differ only there share a warm start."""
+    runs that differ only there share a warm start. Paths inside `cache_dir` (a model an
+    earlier warm start made) are keyed relative to it."""
     wl = cfg.workload
+    cache = Path(cache_dir).resolve() if cache_dir is not None else None
+    team = _team_key(cfg)
+    for a in team["agents"]:
+        if a["model"].get("path"):
+            a["model"]["path"] = _in_cache(a["model"]["path"], cache)
     parts = {
         "version": WARM_START_VERSION, "tokenizer": tokenizer_key(),
-        "team": _team_key(cfg), "workload": wl.model_dump(mode="json"),
-        "files": [_file_stamp(a.model.path) for a in cfg.team.agents]
-        + [_file_stamp(wl.path), _file_stamp(wl.params.get("heldout_path"))],
+        "team": team, "workload": wl.model_dump(mode="json"),
+        "files": [_file_stamp(a.model.path, cache) for a in cfg.team.agents]
+        + [_file_stamp(wl.path, cache), _file_stamp(wl.params.get("heldout_path"), cache)],
         "seed": cfg.seed,
         "sft": _sft_key(cfg),
     }
@@ -373,7 +392,7 @@ def _team_key(cfg: ExperimentConfig) -> dict[str, Any]:
 
 def warm_start_path(cfg: ExperimentConfig, cache_dir: str | Path) -> Path:
     """Where `cfg`'s warm start is cached (complete once it holds `sft.json`)."""
-    return Path(cache_dir) / "warm-start" / warm_start_key(cfg)
+    return Path(cache_dir) / "warm-start" / warm_start_key(cfg, cache_dir)
 
 
 def warm_start(cfg: ExperimentConfig, cache_dir: str | Path, *, log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:

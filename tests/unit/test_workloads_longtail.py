@@ -304,3 +304,33 @@ def test_keyed_needs_a_letter_per_term_and_the_learn_config_is_keyed():
     longest = max(len(tok.encode(p.meta["working"], add_special_tokens=False))
                   for p in wl.problems("train", 2000, seed=0))
     assert longest < cfg.agent("solver").sampling.max_new_tokens
+
+
+def test_a_cache_moved_whole_keeps_its_warm_starts_and_an_edited_model_in_it_does_not(tmp_path):
+    """A warm start made from a model inside the cache (as `bench/peer_trl.py`'s long start is)
+    is keyed by the model's path relative to the cache: copied with its times, it is found."""
+    import shutil
+
+    import yaml
+
+    from flexmarl_core.driver.sft import warm_start_key
+
+    def config_on(cache: Path) -> Path:
+        raw = yaml.safe_load((REPO / "configs" / "overhead.yaml").read_text())
+        raw["team"]["agents"][0]["model"] = {"path": str(cache / "start")}
+        path = tmp_path / f"{cache.name}.yaml"
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        return path
+
+    first = tmp_path / "first"
+    (first / "start").mkdir(parents=True)
+    (first / "start" / "config.json").write_text("{}")
+    (first / "start" / "model.safetensors").write_bytes(b"weights")
+    key = warm_start_key(load_config(str(config_on(first))), first)
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved, copy_function=shutil.copy2)  # times travel, as with cp -a
+    assert warm_start_key(load_config(str(config_on(moved))), moved) == key
+    # Without the cache named, the absolute paths tell the two apart.
+    assert warm_start_key(load_config(str(config_on(moved)))) != warm_start_key(load_config(str(config_on(first))))
+    (moved / "start" / "model.safetensors").write_bytes(b"weight2")
+    assert warm_start_key(load_config(str(config_on(moved))), moved) != key
