@@ -75,7 +75,8 @@ pairs' ratios, `diff_acc` flexmarl minus TRL.
 
 `--background N`: each side runs beside N processes spinning a pure-Python loop at nice
 `--background-nice` (default 0: each asks for a whole core), started just before the side and
-stopped after it; several values run every pair under each. 0 is a quiet machine only if
+stopped after it, outside the bench's process tree (as another program's work: the auto layout
+counts the run's own processes as its own); several values run every pair under each. 0 is a quiet machine only if
 nothing else runs: the load columns say what the machine did.
 
 What differs and could not be made equal: the sampling RNG streams (same seed, different
@@ -100,6 +101,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -354,18 +356,37 @@ def settle(home: Path | None, limit_s: float = 60.0) -> float:
     return time.time() - t0
 
 
+#: starts the command in argv and prints its pid: the spinner outlives it, so its parent is
+#: then init and not the bench (see `background`)
+_LAUNCH = ("import subprocess, sys; D = subprocess.DEVNULL; "
+           "print(subprocess.Popen(sys.argv[1:], stdin=D, stdout=D, stderr=D).pid)")
+
+
 @contextlib.contextmanager
 def background(n: int, nice: int) -> Iterator[None]:
-    """`n` processes spinning a pure-Python loop at `nice` while the block runs."""
-    procs = [subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-c", "while True: pass"])
-             for _ in range(n)]
+    """`n` processes spinning a pure-Python loop at `nice` while the block runs. They are not
+    the bench's children: the auto layout takes the run's own processes (its descendants) for
+    its own work, never for a busy core, and another program's load is what this stands for."""
+    spin = ["nice", "-n", str(nice), sys.executable, "-c", "while True: pass"]
+    pids = [int(subprocess.run([sys.executable, "-c", _LAUNCH, *spin], capture_output=True, text=True,
+                               check=True).stdout) for _ in range(n)]
     try:
         yield
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while any(map(_running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie its new parent has not reaped does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def provenance() -> dict:

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from flexmarl_core.config import ExperimentConfig
-from flexmarl_core.config.models import TLSFilesConfig
+from flexmarl_core.config.cluster import TLSFilesConfig
 from flexmarl_core.config.secrets import Unresolved, references, register, resolve, resolve_map
 
 

@@ -104,7 +104,7 @@ class DaskExecutor:
         Ops queued on one worker run oldest iteration first (Dask's `priority`): with
         `max_staleness` or the async pipeline, rollouts of the next iteration are ready early,
         and one that jumped ahead would hold back the training the current iteration waits on."""
-        return self._pin(route, after, self.client.submit(
+        return self.track(route, after, self.client.submit(
             run_stage_after if after else run_stage_retrying,
             self.run_dir, op, traits(op.kind).retries, self.retry_delay_s, *after,
             gradient_only=route.gradient_only,
@@ -119,7 +119,7 @@ class DaskExecutor:
                      after: Sequence[distributed.Future] = ()) -> distributed.Future:
         """One Dask task running `ops` in order where `route` says (`stages.run_fused`); its
         result is a `FusedResult`. `deps`: each op's dependencies (see `submit`)."""
-        return self._pin(route, after, self.client.submit(
+        return self.track(route, after, self.client.submit(
             run_fused, self.run_dir, list(ops), [traits(op.kind).retries for op in ops],
             self.retry_delay_s, *after,
             key=dask_key(ops[0], fused=len(ops) - 1),
@@ -129,11 +129,13 @@ class DaskExecutor:
             pure=False,
         ))
 
-    def _pin(self, route: Route, after: Sequence[distributed.Future],
-             future: distributed.Future) -> distributed.Future:
+    def track(self, route: Route, after: Sequence[distributed.Future],
+              future: distributed.Future) -> distributed.Future:
         """Note where `future` is pinned, and where the ops it is chained on are: Dask moves a
         dependency's result to the op's worker before it runs, and one whose worker left is
-        run again where it is pinned, even after the orchestrator has fetched it."""
+        run again where it is pinned, even after the orchestrator has fetched it. `submit` calls
+        it; a task submitted to the client directly (`route` and `after` as it was given them)
+        is then given back as lost, by `wait_any` and `result`, like an op."""
         if route.worker:
             self._pinned[future.key] = route.worker
         if held := [w for f in after if (w := self._pinned.get(f.key))]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from distributed.security import Security
 
 from flexmarl_core.config import ClusterConfig, ConfigError
-from flexmarl_core.config.models import TLSFilesConfig
+from flexmarl_core.config.cluster import TLSFilesConfig
 from flexmarl_core.config.secrets import references, resolve
 
 ROLES = ("scheduler", "worker", "client")

@@ -1,7 +1,7 @@
 """Experiment configuration: one YAML file per experiment, validated with pydantic.
 
 The one import path for users: the models (`models.py`, an agent's in
-`agent.py`, the co-design switches in `codesign.py`), the readers (`load.py`: files, text, `a.b.c=value` overrides, and
+`agent.py`, the cluster's in `cluster.py`, the co-design switches in `codesign.py`), the readers (`load.py`: files, text, `a.b.c=value` overrides, and
 the checks that need the registries and the team graph) and `ConfigError`, which names the
 file and the field.
 
@@ -20,6 +20,7 @@ from flexmarl_core.config.agent import (
     SamplingConfig,
 )
 from flexmarl_core.config.checks import PRESET_NAMES, ConfigError, backend_available
+from flexmarl_core.config.cluster import ClusterConfig, WorkerConfig
 from flexmarl_core.config.codesign import REQUIRES, SWITCHES, CodesignConfig, switch_overrides
 from flexmarl_core.config.load import (
     check_config,
@@ -30,13 +31,11 @@ from flexmarl_core.config.load import (
 )
 from flexmarl_core.config.models import (
     BatchConfig,
-    ClusterConfig,
     EdgeConfig,
     ExperimentConfig,
     StoreConfig,
     TeamConfig,
     TrainConfig,
-    WorkerConfig,
     WorkloadConfig,
 )
 

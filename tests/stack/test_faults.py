@@ -85,7 +85,7 @@ def test_a_result_whose_worker_left_before_it_was_fetched_comes_back_as_lost(das
     with distributed.Client(dask_cluster) as client:
         ex = DaskExecutor(client, str(tmp_path))
         addr = next(a for a, w in workers_info(client).items() if w["name"] == "w0")
-        handle = ex._pin(Route({}, worker=addr), (), client.submit(os.getpid, workers=[addr], pure=False))
+        handle = ex.track(Route({}, worker=addr), (), client.submit(os.getpid, workers=[addr], pure=False))
         assert ex.wait_any([handle], timeout=60) == [handle]
         client.restart_workers([addr], timeout=120)  # w0 comes back at a new address; the result is gone
         assert addr not in workers_info(client)
@@ -118,9 +118,9 @@ def test_an_op_chained_on_a_result_whose_worker_left_comes_back_as_lost(dask_clu
         by_name = {w["name"]: a for a, w in workers_info(client).items()}
         w0, w1 = by_name["w0"], by_name["w1"]
         go = distributed.Event(f"release-{tmp_path.name}")
-        a = ex._pin(Route({}, worker=w0), (), client.submit(os.getpid, workers=[w0], pure=False))
-        c = ex._pin(Route({}, worker=w1), (), client.submit(_wait_for, go.name, workers=[w1], pure=False))
-        b = ex._pin(Route({}, worker=w1), (a, c), client.submit(_first, a, c, workers=[w1], pure=False))
+        a = ex.track(Route({}, worker=w0), (), client.submit(os.getpid, workers=[w0], pure=False))
+        c = ex.track(Route({}, worker=w1), (), client.submit(_wait_for, go.name, workers=[w1], pure=False))
+        b = ex.track(Route({}, worker=w1), (a, c), client.submit(_first, a, c, workers=[w1], pure=False))
         assert ex.wait_any([a], timeout=60) == [a]
         ex.result(a)
         client.restart_workers([w0], timeout=120)  # a's result is gone with it
