@@ -367,9 +367,12 @@ def background(n: int, nice: int) -> Iterator[None]:
     """`n` processes spinning a pure-Python loop at `nice` while the block runs. They are not
     the bench's children: the auto layout takes the run's own processes (its descendants) for
     its own work, never for a busy core, and another program's load is what this stands for."""
+    from flexmarl_core.config.layout import look_again
+
     spin = ["nice", "-n", str(nice), sys.executable, "-c", "while True: pass"]
     pids = [int(subprocess.run([sys.executable, "-c", _LAUNCH, *spin], capture_output=True, text=True,
                                check=True).stdout) for _ in range(n)]
+    look_again()  # the pair's config loaded just before, on the machine without them
     try:
         yield
     finally:

@@ -81,6 +81,14 @@ def free_cores(*, look_when_set: bool = False) -> tuple[int, str]:
     return mine - busy, f"; {busy} of {mine} cores busy with other work"
 
 
+def look_again() -> None:
+    """Forget the last look at the machine (`BUSY_REUSE_S`): the next auto layout looks again.
+    For a caller that changed the machine's load since its last config load (a benchmark that
+    starts its background work)."""
+    global _busy_sample
+    _busy_sample = None
+
+
 @contextmanager
 def torch_threads_on_free_cores(say: Callable[[str], None] | None = None) -> Iterator[None]:
     """Torch work in this process outside the cluster (SFT in `flexmarl sft` or a run's warm

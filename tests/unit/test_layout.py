@@ -178,6 +178,9 @@ def test_a_command_that_loads_its_config_twice_samples_the_machine_once(monkeypa
     monkeypatch.setattr(layout, "busy_elsewhere", lambda: samples.append(1) or 0.0)
     assert layout.free_cores() == layout.free_cores()
     assert len(samples) == (1 if len(os.sched_getaffinity(0)) > 1 else 0)  # one core: nothing to sample
+    layout.look_again()  # a caller that changed the load since (a bench's background) looks again
+    layout.free_cores()
+    assert len(samples) == (2 if len(os.sched_getaffinity(0)) > 1 else 0)
 
 
 def test_busy_cores_are_counted_from_processes_this_run_shares_cores_with():
