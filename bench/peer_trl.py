@@ -76,8 +76,8 @@ pairs' ratios, `diff_acc` flexmarl minus TRL.
 `--background N`: each side runs beside N processes spinning a pure-Python loop at nice
 `--background-nice` (default 0: each asks for a whole core), started just before the side and
 stopped after it, outside the bench's process tree (as another program's work: the auto layout
-counts the run's own processes as its own); several values run every pair under each. 0 is a quiet machine only if
-nothing else runs: the load columns say what the machine did.
+counts the run's own processes as its own); several values run every pair under each. 0 is a
+quiet machine only if nothing else runs: the load columns say what the machine did.
 
 What differs and could not be made equal: the sampling RNG streams (same seed, different
 generators: the completions differ); flexmarl decodes with its own batched sampler over a KV
