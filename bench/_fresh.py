@@ -107,3 +107,13 @@ def train_run(config: str, overrides: list[str], client: Any) -> tuple[Any, Path
     t0 = time.time()
     res = run.train(cfg, folder, cluster.DaskExecutor(client, str(folder)))
     return cfg, folder, res, time.time() - t0
+
+
+def drain_prefect() -> None:
+    """Send the flow runs' last logs and events on their way, before a bench stops the Prefect
+    server it started (at exit they would meet a dead server and print errors)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    EventsWorker.drain_all(timeout=10)

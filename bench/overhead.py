@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _fresh import drain_prefect  # bench/ is this script's folder
+
 REPO = Path(__file__).resolve().parents[1]
 
 CONFIG = str(REPO / "configs" / "overhead.yaml")
@@ -178,19 +180,11 @@ def main() -> int:
             home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flexmarl-bench-prefect-")))
             stack.callback(stop_server, home)
             # Before the server stops: the flow runs' last logs and events still on their way.
-            stack.callback(_drain_prefect)
+            stack.callback(drain_prefect)
             api = start_server(home)
         else:
             api, _ = ensure_api()
         return _bench(args, steps, out_dir, api, home)
-
-
-def _drain_prefect() -> None:
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    APILogWorker.drain_all(timeout=10)
-    EventsWorker.drain_all(timeout=10)
 
 
 def _bench(args: argparse.Namespace, steps: int, out_dir: Path, api: str, home: Path | None) -> int:

@@ -110,7 +110,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from _fresh import LoadSampler, machine
+from _fresh import LoadSampler, drain_prefect, machine
 from single_agent import WORKLOAD
 
 REPO = Path(__file__).resolve().parents[1]
@@ -463,6 +463,7 @@ def main() -> int:
         if args.api == "fresh":
             home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flexmarl-bench-prefect-")))
             stack.callback(stop_server, home)
+            stack.callback(drain_prefect)  # before the server stops
             api = start_server(home)
         else:
             api, _ = ensure_api()
