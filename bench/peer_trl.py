@@ -370,24 +370,29 @@ def background(n: int, nice: int) -> Iterator[None]:
     from flexmarl_core.config.layout import look_again
 
     spin = ["nice", "-n", str(nice), sys.executable, "-c", "while True: pass"]
-    pids = [int(subprocess.run([sys.executable, "-c", _LAUNCH, *spin], capture_output=True, text=True,
-                               check=True).stdout) for _ in range(n)]
-    look_again()  # the pair's config loaded just before, on the machine without them
+    pids: list[int] = []
     try:
+        for _ in range(n):  # each one noted as it starts: a launch that fails stops those before it
+            pids.append(int(subprocess.run([sys.executable, "-c", _LAUNCH, *spin], capture_output=True,
+                                           text=True, check=True).stdout))
+        look_again()  # the pair's config loaded just before, on the machine without them
         yield
     finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while any(map(_running, pids)) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            for pid in filter(_spinning, pids):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait_s
+            while any(map(_spinning, pids)) and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` still runs (a zombie its new parent has not reaped does not)."""
+def _spinning(pid: int) -> bool:
+    """Whether `pid` is still one of `background`'s spinners (not a zombie its new parent has not
+    reaped, nor another process that got its pid since)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z" and b"while True: pass" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except (OSError, IndexError):
         return False
 

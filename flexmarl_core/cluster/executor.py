@@ -133,9 +133,9 @@ class DaskExecutor:
               future: distributed.Future) -> distributed.Future:
         """Note where `future` is pinned, and where the ops it is chained on are: Dask moves a
         dependency's result to the op's worker before it runs, and one whose worker left is
-        run again where it is pinned, even after the orchestrator has fetched it. `submit` calls
-        it; a task submitted to the client directly (`route` and `after` as it was given them)
-        is then given back as lost, by `wait_any` and `result`, like an op."""
+        run again where it is pinned, even after the orchestrator has fetched it. `submit` and
+        `submit_fused` call it; a task submitted to the client directly (`route` and `after` as
+        it was given them) is then given back as lost, by `wait_any` and `result`, like an op."""
         if route.worker:
             self._pinned[future.key] = route.worker
         if held := [w for f in after if (w := self._pinned.get(f.key))]:

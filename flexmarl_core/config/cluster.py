@@ -1,7 +1,7 @@
 """The cluster's config models: where the workers are (a local cluster's processes and their
 resource tags, or an existing scheduler), how the connection is secured, when a running op
 counts as hung, and how the run reports to Prefect. Part of `ExperimentConfig` (`models.py`);
-import it from `flexmarl_core.config`.
+`ClusterConfig` and `WorkerConfig` are also exported by `flexmarl_core.config`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reading experiment configs: YAML files or text, `a.b.c=value` overrides, validation errors
 that name the file and the field path, and the checks that need more than the models (the
-algorithm registries, the team graph). The models are in `models.py`; import both from
-`flexmarl_core.config`."""
+algorithm registries, the team graph). The models are in `models.py`, `agent.py` and
+`cluster.py`; import both from `flexmarl_core.config`."""
 
 from __future__ import annotations
 

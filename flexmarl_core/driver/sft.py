@@ -339,16 +339,22 @@ def warm_start_key(cfg: ExperimentConfig, cache_dir: str | Path | None = None) -
     (and the files both point at), the tokenizer recipe, the seed and the SFT settings; not RL's
     loss, learning rate, batch, switches (`max_staleness` included), cluster or iterations, so
     runs that differ only there share a warm start. Paths inside `cache_dir` (a model an
-    earlier warm start made) are keyed relative to it."""
+    earlier warm start made, a dataset) are keyed relative to it."""
     wl = cfg.workload
     cache = Path(cache_dir).resolve() if cache_dir is not None else None
     team = _team_key(cfg)
     for a in team["agents"]:
-        if a["model"].get("path"):
-            a["model"]["path"] = _in_cache(a["model"]["path"], cache)
+        for field in ("path", "base"):  # `base`: a LoRA agent's, a preset name or a folder
+            if a["model"].get(field):
+                a["model"][field] = _in_cache(a["model"][field], cache)
+    workload = wl.model_dump(mode="json")
+    if workload.get("path"):
+        workload["path"] = _in_cache(workload["path"], cache)
+    if workload["params"].get("heldout_path"):
+        workload["params"]["heldout_path"] = _in_cache(workload["params"]["heldout_path"], cache)
     parts = {
         "version": WARM_START_VERSION, "tokenizer": tokenizer_key(),
-        "team": team, "workload": wl.model_dump(mode="json"),
+        "team": team, "workload": workload,
         "files": [_file_stamp(a.model.path, cache) for a in cfg.team.agents]
         + [_file_stamp(wl.path, cache), _file_stamp(wl.params.get("heldout_path"), cache)],
         "seed": cfg.seed,

@@ -318,6 +318,7 @@ def test_a_cache_moved_whole_keeps_its_warm_starts_and_an_edited_model_in_it_doe
     def config_on(cache: Path) -> Path:
         raw = yaml.safe_load((REPO / "configs" / "overhead.yaml").read_text())
         raw["team"]["agents"][0]["model"] = {"path": str(cache / "start")}
+        raw["workload"].setdefault("params", {})["heldout_path"] = str(cache / "held.jsonl")  # a dataset too
         path = tmp_path / f"{cache.name}.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False))
         return path
@@ -326,6 +327,7 @@ def test_a_cache_moved_whole_keeps_its_warm_starts_and_an_edited_model_in_it_doe
     (first / "start").mkdir(parents=True)
     (first / "start" / "config.json").write_text("{}")
     (first / "start" / "model.safetensors").write_bytes(b"weights")
+    (first / "held.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
     key = warm_start_key(load_config(str(config_on(first))), first)
     moved = tmp_path / "moved"
     shutil.copytree(first, moved, copy_function=shutil.copy2)  # times travel, as with cp -a
