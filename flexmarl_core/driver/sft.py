@@ -320,7 +320,7 @@ def _file_stamp(path: str | None, cache_dir: Path | None = None) -> list[Any] | 
         return None
     p = Path(os.path.expanduser(path))
     files = sorted(p.rglob("*")) if p.is_dir() else [p]
-    return [[_in_cache(str(f), cache_dir), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+    return [[_in_cache(str(f), cache_dir), (st := f.stat()).st_size, st.st_mtime_ns] for f in files if f.is_file()]
 
 
 def _in_cache(path: str, cache_dir: Path | None) -> str:
@@ -342,16 +342,12 @@ def warm_start_key(cfg: ExperimentConfig, cache_dir: str | Path | None = None) -
     earlier warm start made, a dataset) are keyed relative to it."""
     wl = cfg.workload
     cache = Path(cache_dir).resolve() if cache_dir is not None else None
-    team = _team_key(cfg)
-    for a in team["agents"]:
-        for field in ("path", "base"):  # `base`: a LoRA agent's, a preset name or a folder
-            if a["model"].get(field):
-                a["model"][field] = _in_cache(a["model"][field], cache)
-    workload = wl.model_dump(mode="json")
-    if workload.get("path"):
-        workload["path"] = _in_cache(workload["path"], cache)
-    if workload["params"].get("heldout_path"):
-        workload["params"]["heldout_path"] = _in_cache(workload["params"]["heldout_path"], cache)
+    team, workload = _team_key(cfg), wl.model_dump(mode="json")
+    # `base`: a LoRA agent's, a preset name or a folder
+    for fields, name in [*((a["model"], f) for a in team["agents"] for f in ("path", "base")),
+                         (workload, "path"), (workload["params"], "heldout_path")]:
+        if fields.get(name):
+            fields[name] = _in_cache(fields[name], cache)
     parts = {
         "version": WARM_START_VERSION, "tokenizer": tokenizer_key(),
         "team": team, "workload": workload,
